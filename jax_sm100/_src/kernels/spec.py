@@ -1,0 +1,66 @@
+"""What a kernel is specialised on, beyond its plan: operand layouts and the fused epilogue.
+
+A `GemmPlan` (planning.py) fixes the tiling and pipelining of a problem size; a `KernelSpec` fixes
+everything else that changes the compiled binary. Together they are the compile key.
+
+Tensor-mode contract shared by every kernel family (CUTLASS's convention), for JAX row-major
+buffers whose batch dims have been flattened into one leading dim `l`:
+
+    a    (M, K, L)  K-major when the buffer is [l, m, k]; M-major when it is [l, k, m]
+    b    (N, K, L)  N-major when the buffer is [l, k, n]; K-major when it is [l, n, k]
+    d    (M, N, L)  N-major, buffer [l, m, n]
+    c    (M, N, L)  N-major, buffer [l, m, n]                      (only when `c_dtype` is set)
+    bias (N,)                                                       (only when `bias_dtype` is set)
+
+An operand whose `*_batched` flag is False has batch stride 0: one matrix shared by every batch.
+The host entry point of every kernel takes `(a, b, d, c, bias, stream)` with `None` for an
+absent `c` or `bias`.
+
+The epilogue computes, in float32, `d = act(alpha * acc + beta * c + bias)` and converts to
+`out_dtype`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ACTIVATIONS = (None, "relu", "gelu", "silu")
+A_MAJORS = ("k", "m")
+B_MAJORS = ("n", "k")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Layouts, dtypes and epilogue a kernel is compiled for (hashable; part of the cache key)."""
+
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    a_major: str = "k"
+    b_major: str = "n"
+    c_dtype: str | None = None
+    bias_dtype: str | None = None
+    activation: str | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    a_batched: bool = True
+    b_batched: bool = True
+    c_batched: bool = True
+
+    def __post_init__(self):
+        if self.a_major not in A_MAJORS:
+            raise ValueError(f"{self.a_major=} must be one of {A_MAJORS}")
+        if self.b_major not in B_MAJORS:
+            raise ValueError(f"{self.b_major=} must be one of {B_MAJORS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"{self.activation=} must be one of {ACTIVATIONS}")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "beta", float(self.beta))
+
+    @property
+    def has_c(self) -> bool:
+        return self.c_dtype is not None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias_dtype is not None
