@@ -1,0 +1,200 @@
+"""Pieces every kernel family shares: dtypes, the compile target, fake operands, the epilogue.
+
+Nothing here decides a tiling: that is the plan's job (planning.py). This module turns a
+`GemmPlan` and a `KernelSpec` into what `cute.compile` needs on a machine without a GPU
+(symbolic operand descriptions and a target architecture), and holds the one statement of the
+epilogue arithmetic that the SM90 and SM100 kernels both apply to their float32 accumulators.
+
+Symbolic shapes: m, n, k and l are `cute.sym_int`s shared by every operand, so one compiled
+binary serves any problem with the same divisibility; the contiguous dimension of each operand
+is declared divisible by the number of elements in 16 bytes, which TMA requires. The planner
+only sends a problem to a kernel when that holds (constraints.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator
+
+import cutlass
+from cutlass import cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+from jax_sm100._src.kernels.spec import KernelSpec
+
+# numpy dtype names (what GemmPlan and KernelSpec carry) -> CuTe DSL element types.
+CUTLASS_DTYPES: dict[str, type[cutlass.Numeric]] = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+    "float8_e5m2": cutlass.Float8E5M2,
+}
+
+# TMA moves whole 16-byte units along the contiguous dimension and needs 16-byte aligned bases.
+TMA_ALIGN_BYTES = 16
+
+# The architectures this package compiles for, as the DSL spells them.
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def cutlass_dtype(name: str) -> type[cutlass.Numeric]:
+    """Returns the CuTe DSL element type for a numpy dtype name such as "bfloat16"."""
+    try:
+        return CUTLASS_DTYPES[name]
+    except KeyError:
+        raise TypeError(f"{name=} has no CuTe DSL kernel type; one of {sorted(CUTLASS_DTYPES)}")
+
+
+def dtype_bits(name: str) -> int:
+    return cutlass_dtype(name).width
+
+
+def elems_per_16b(name: str) -> int:
+    """Elements of dtype `name` in one 16-byte TMA unit (the contiguous-dim divisibility)."""
+    return TMA_ALIGN_BYTES * 8 // dtype_bits(name)
+
+
+@contextlib.contextmanager
+def target_arch(arch: str) -> Iterator[None]:
+    """Makes `cute.compile` inside the block target `arch` ("sm_90a" or "sm_100a").
+
+    The DSL reads its target from `CuTeDSL._get_dsl().envar.arch` at compile time (what the
+    `CUTE_DSL_ARCH` environment variable sets); with no GPU and nothing set it assumes sm_100a.
+    Passing `--gpu-arch` to `cute.compile` instead breaks `export_to_c`/`dump_to_object`, so
+    the arch is switched here and restored afterwards. Not thread-safe: compile.py serialises.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"{arch=} must be one of {ARCHS}")
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    previous = envar._arch
+    envar.arch = arch
+    try:
+        yield
+    finally:
+        envar.arch = previous
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeOperands:
+    """The fake tensors one compile takes, in the host entry point's order (spec.py)."""
+
+    a: cute.Tensor
+    b: cute.Tensor
+    d: cute.Tensor
+    c: cute.Tensor | None
+    bias: cute.Tensor | None
+
+    def __iter__(self):
+        return iter((self.a, self.b, self.d, self.c, self.bias))
+
+
+def _operand(dtype: str, rows, cols, l, *, major_is_cols: bool, batched: bool) -> cute.Tensor:
+    """A fake (rows, cols, l) operand of a row-major JAX buffer.
+
+    `major_is_cols` says the buffer is [l, rows, cols] (cols contiguous); otherwise it is
+    [l, cols, rows]. An unbatched operand has batch stride 0 (one matrix for every l).
+    """
+    ctype = cutlass_dtype(dtype)
+    if batched:
+        order = (1, 0, 2) if major_is_cols else (0, 1, 2)
+        return make_fake_compact_tensor(
+            ctype, (rows, cols, l), stride_order=order, assumed_align=TMA_ALIGN_BYTES
+        )
+    ld = cute.sym_int64(divisibility=elems_per_16b(dtype))
+    stride = (ld, 1, 0) if major_is_cols else (1, ld, 0)
+    return make_fake_tensor(ctype, (rows, cols, l), stride, assumed_align=TMA_ALIGN_BYTES)
+
+
+def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
+    """Fake tensors `(a, b, d, c_or_None, bias_or_None)` for compiling `plan` with `spec`.
+
+    Modes follow spec.py: a (M, K, L), b (N, K, L), d and c (M, N, L) N-major, bias (N,).
+    m, n, k, l are symbolic and shared across operands; each contiguous dimension is declared
+    divisible by the elements in 16 bytes of its operand's dtype.
+
+    Args:
+      plan: the GemmPlan (only dtypes are read here; the shapes stay symbolic).
+      spec: the KernelSpec (layouts, optional operands, batching).
+
+    Returns:
+      A FakeOperands, iterable as the 5-tuple the kernels' host entry points take.
+    """
+    del plan  # The compiled binary depends on the spec's dtypes and layouts, not on sizes.
+
+    def div(*dtypes: str) -> int:
+        return math.lcm(*(elems_per_16b(t) for t in dtypes))
+
+    a_k_major = spec.a_major == "k"
+    b_n_major = spec.b_major == "n"
+    n_dtypes = [spec.out_dtype] + [t for t in (spec.c_dtype, spec.bias_dtype) if t]
+    if b_n_major:
+        n_dtypes.append(spec.b_dtype)
+    k_dtypes = ([spec.a_dtype] if a_k_major else []) + ([] if b_n_major else [spec.b_dtype])
+    m = cute.sym_int(divisibility=1 if a_k_major else elems_per_16b(spec.a_dtype))
+    n = cute.sym_int(divisibility=div(*n_dtypes))
+    k = cute.sym_int(divisibility=div(*k_dtypes) if k_dtypes else 1)
+    l = cute.sym_int()
+
+    a = _operand(spec.a_dtype, m, k, l, major_is_cols=a_k_major, batched=spec.a_batched)
+    b = _operand(spec.b_dtype, n, k, l, major_is_cols=not b_n_major, batched=spec.b_batched)
+    d = _operand(spec.out_dtype, m, n, l, major_is_cols=True, batched=True)
+    c = None
+    if spec.has_c:
+        c = _operand(spec.c_dtype, m, n, l, major_is_cols=True, batched=spec.c_batched)
+    bias = None
+    if spec.has_bias:
+        bias = make_fake_compact_tensor(
+            cutlass_dtype(spec.bias_dtype), (n,), assumed_align=TMA_ALIGN_BYTES
+        )
+    return FakeOperands(a, b, d, c, bias)
+
+
+# sqrt(2 / pi), the tanh approximation of GELU (jax.nn.gelu(approximate=True)).
+_GELU_K0 = 0.7978845608028654
+_GELU_K1 = 0.044715
+
+
+def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=None):
+    """`act(alpha * acc + beta * c + bias)` on float32 register values; call inside a trace.
+
+    Plain Python over TensorSSA values, so both kernel families inline it into their
+    `@cute.kernel`s. Terms that are absent (None) or neutral (alpha == 1) emit no instructions.
+
+    Args:
+      acc: TensorSSA of Float32, the accumulator fragment.
+      c: None or a TensorSSA of the same shape (any float type; converted to Float32).
+      bias: None or a TensorSSA of the same shape, already broadcast along m.
+      alpha, beta: Python floats (compile-time constants of the KernelSpec).
+      activation: None, "relu", "gelu" (tanh approximation) or "silu".
+
+    Returns:
+      A Float32 TensorSSA of acc's shape.
+    """
+    x = acc
+    if alpha != 1.0:
+        x = x * cutlass.Float32(alpha)
+    if c is not None and beta != 0.0:
+        cf = c.to(cutlass.Float32)
+        x = x + (cf if beta == 1.0 else cf * cutlass.Float32(beta))
+    if bias is not None:
+        x = x + bias.to(cutlass.Float32)
+    if activation == "relu":
+        x = cute.where(x > cutlass.Float32(0.0), x, cute.full_like(x, 0.0))
+    elif activation == "gelu":
+        inner = x * (cutlass.Float32(_GELU_K0) + cutlass.Float32(_GELU_K0 * _GELU_K1) * x * x)
+        x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.tanh(inner, fastmath=True))
+    elif activation == "silu":
+        x = x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=True))
+    elif activation is not None:
+        raise ValueError(f"{activation=} is not one of None, 'relu', 'gelu', 'silu'")
+    return x
+
+
+def epilogue_is_identity(spec: KernelSpec) -> bool:
+    """True when the epilogue is a plain conversion of the accumulator (no extra loads/math)."""
+    return spec.alpha == 1.0 and not spec.has_c and not spec.has_bias and spec.activation is None
