@@ -1,0 +1,187 @@
+"""Every legality rule of a GEMM plan, stated once.
+
+The planner only proposes plans these functions accept, `GemmPlan.__post_init__` calls them on
+every plan (so a `dataclasses.replace` edit that breaks one raises at once), the lowering calls
+`kernel_support` to decide between our kernels and XLA's dot, and the tests call them to state
+the invariants. Each function raises `PlanError` naming the rule, or returns a reason string.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+ARCHS = ("sm_100a", "sm_90a")
+
+# Bits per element of the dtypes the primitive accepts (ml_dtypes names, as `np.dtype(x).name`).
+DTYPE_BITS = {
+    "bfloat16": 16,
+    "float16": 16,
+    "float32": 32,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 8,
+}
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+# Operand dtypes each kernel family implements (A and B of one dtype), and the output dtypes
+# its epilogue can write.
+KERNEL_OPERAND_DTYPES = {
+    "sm_100a": ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"),
+    "sm_90a": ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"),
+}
+KERNEL_OUT_DTYPES = ("bfloat16", "float16", "float32")
+
+# TMA moves rows whose contiguous extent is a multiple of 16 bytes.
+TMA_ALIGN_BYTES = 16
+# Hardware TMEM: 512 columns of 128 lanes per SM; allocations are powers of two >= 32.
+TMEM_MAX_COLS = 512
+TMEM_MIN_COLS = 32
+# Bytes kept back from shared memory for mbarriers and the TMEM-pointer slot.
+SMEM_RESERVED_BYTES = 1024
+MIN_AB_STAGES = 2
+# Largest cluster the hardware schedules portably.
+MAX_CLUSTER_SIZE = {"sm_100a": 16, "sm_90a": 8}
+
+
+class PlanError(ValueError):
+    """A plan breaks a hardware or kernel constraint, or does not fit the problem it is used on."""
+
+
+def mma_inst_k(dtype: str) -> int:
+    """K of one tensor-core instruction: 32 bytes of K for every operand width."""
+    return 256 // DTYPE_BITS[dtype]
+
+
+def check_arch(arch: str) -> None:
+    if arch not in ARCHS:
+        raise PlanError(f"{arch=} is not supported; use one of {ARCHS}")
+
+
+def check_mma_tiler(arch: str, mma_tiler_mnk: tuple, use_2cta: bool, ab_dtype: str) -> None:
+    """MMA tile shapes the tensor-core instructions implement (PTX ISA, tcgen05.mma / wgmma)."""
+    m, n, k = mma_tiler_mnk
+    if arch == "sm_100a":
+        allowed_m = (128, 256) if use_2cta else (64, 128)
+        if m not in allowed_m:
+            raise PlanError(
+                f"sm_100a {'2-CTA' if use_2cta else '1-CTA'} MMA needs M in {allowed_m}, "
+                f"got {mma_tiler_mnk=}"
+            )
+        n_step = 16 if (use_2cta or m == 128) else 8
+        if not (n_step <= n <= 256 and n % n_step == 0):
+            raise PlanError(
+                f"sm_100a MMA N must be a multiple of {n_step} in [{n_step}, 256]; "
+                f"got {mma_tiler_mnk=}"
+            )
+    else:
+        if use_2cta:
+            raise PlanError("sm_90a has no 2-CTA MMA; set use_2cta=False")
+        if m not in (64, 128, 256):
+            raise PlanError(f"sm_90a CTA tile M must be 64, 128 or 256; got {mma_tiler_mnk=}")
+        if not (16 <= n <= 256 and n % 16 == 0):
+            raise PlanError(f"sm_90a tile N must be a multiple of 16 in [16, 256]; got {n=}")
+    if k * DTYPE_BITS[ab_dtype] != 128 * 8:
+        raise PlanError(
+            f"the K tile must span 128 bytes (one 128B-swizzle row) of {ab_dtype}: "
+            f"K={1024 // DTYPE_BITS[ab_dtype]}, got {k=}"
+        )
+
+
+def check_cluster(arch: str, cluster_shape_mn: tuple, use_2cta: bool) -> None:
+    cm, cn = cluster_shape_mn
+    for v in (cm, cn):
+        if v < 1 or v & (v - 1):
+            raise PlanError(f"cluster dims must be powers of two >= 1, got {cluster_shape_mn=}")
+    if cm * cn > MAX_CLUSTER_SIZE[arch]:
+        raise PlanError(
+            f"{arch} clusters hold at most {MAX_CLUSTER_SIZE[arch]} CTAs, got {cluster_shape_mn=}"
+        )
+    if use_2cta and cm % 2:
+        raise PlanError(f"2-CTA MMA pairs CTAs along M: cluster M must be even, got {cm=}")
+
+
+def check_tmem(tmem_alloc_cols: int) -> None:
+    c = tmem_alloc_cols
+    if c < TMEM_MIN_COLS or c > TMEM_MAX_COLS or c & (c - 1):
+        raise PlanError(
+            f"TMEM allocation must be a power of two in [{TMEM_MIN_COLS}, {TMEM_MAX_COLS}] "
+            f"columns, got {tmem_alloc_cols=}; use fewer accumulator stages or a smaller N tile"
+        )
+
+
+def check_smem(arch: str, smem_bytes: int, capacity: int) -> None:
+    if smem_bytes > capacity:
+        raise PlanError(
+            f"{arch} plan needs {smem_bytes=} of shared memory but a CTA has {capacity}; "
+            "use fewer A/B or epilogue stages or a smaller tile"
+        )
+
+
+def check_ab_stages(num_ab_stages: int) -> None:
+    if num_ab_stages < MIN_AB_STAGES:
+        raise PlanError(
+            f"{num_ab_stages=}: the TMA/MMA pipeline needs at least {MIN_AB_STAGES} stages"
+        )
+
+
+def check_epi_tile(epi_tile: tuple, cta_tile_mnk: tuple) -> None:
+    em, en = epi_tile
+    if cta_tile_mnk[0] % em or cta_tile_mnk[1] % en:
+        raise PlanError(f"{epi_tile=} must divide the CTA tile {cta_tile_mnk[:2]}")
+
+
+def contiguous_extent(m: int, n: int, k: int, operand: str, major: str) -> int:
+    """Elements along the contiguous dim of an operand in the given major order."""
+    return {"m": m, "n": n, "k": k}[major]
+
+
+def kernel_support(
+    arch: str,
+    m: int,
+    n: int,
+    k: int,
+    a_dtype: str,
+    b_dtype: str,
+    out_dtype: str,
+    c_dtype: str | None,
+    a_major: str,
+    b_major: str,
+) -> str | None:
+    """Why our kernels cannot run this problem, or None when they can.
+
+    The reason is a sentence for the plan's `reason` field: the problem then runs on XLA's dot.
+    """
+    if a_dtype != b_dtype:
+        return f"XLA dot: mixed operand dtypes {a_dtype} x {b_dtype} (kernels take one dtype)"
+    if a_dtype not in KERNEL_OPERAND_DTYPES[arch]:
+        return f"XLA dot: no {arch} kernel for {a_dtype} operands"
+    if out_dtype not in KERNEL_OUT_DTYPES:
+        return f"XLA dot: the epilogue writes {KERNEL_OUT_DTYPES}, not {out_dtype}"
+    if c_dtype is not None and c_dtype not in KERNEL_OUT_DTYPES:
+        return f"XLA dot: the epilogue reads C as {KERNEL_OUT_DTYPES}, not {c_dtype}"
+    if arch == "sm_90a" and a_dtype in FP8_DTYPES and (a_major != "k" or b_major != "k"):
+        return (
+            "XLA dot: sm_90a fp8 wgmma needs K-major A and B; B is "
+            f"{b_major}-major here (pass b transposed, [n, k], to use the kernel)"
+        )
+    checks = [
+        ("a", a_major, a_dtype),
+        ("b", b_major, b_dtype),
+        ("out", "n", out_dtype),
+    ]
+    if c_dtype is not None:
+        checks.append(("c", "n", c_dtype))
+    for name, major, dtype in checks:
+        extent = contiguous_extent(m, n, k, name, major)
+        nbytes = extent * DTYPE_BITS[dtype] // 8
+        if (extent * DTYPE_BITS[dtype]) % (TMA_ALIGN_BYTES * 8):
+            quantum = TMA_ALIGN_BYTES * 8 // DTYPE_BITS[dtype]
+            return (
+                f"XLA dot: {name}'s contiguous dim {major}={extent} ({nbytes} bytes of {dtype}) "
+                f"is not a multiple of {TMA_ALIGN_BYTES} bytes, which TMA needs; "
+                f"pad {major} to a multiple of {quantum} to use the kernel"
+            )
+    return None
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name

@@ -1,0 +1,449 @@
+"""The trace-time GEMM planner: problem sizes and dtypes in, a frozen `GemmPlan` out.
+
+Pure Python over ints and dtype widths; it imports nvidia-cutlass-dsl only for its planning
+helpers (`compute_epilogue_tile_size`, `compute_acc_tmem_cols_per_stage`, the SMEM capacity
+table), which need no GPU. Legality is decided by `constraints.py`; this module chooses.
+
+Tile choice (both arches)
+-------------------------
+Every candidate tile is scored with a wave model: a persistent kernel runs
+`ceil(tiles / ctas_per_wave)` waves, and each wave costs the time of one tile, which is the tile's
+area divided by how efficiently that tile shape feeds the tensor cores. The efficiencies are the
+usual ranking of CUTLASS's own defaults (its persistent examples default to the largest tile, and
+smaller tiles lose to operand re-loads from L2): on SM100 a 2-CTA 256x256 MMA (one 128x256 tile
+per SM) is best, a 1-CTA 128x256 close, then 128-wide N tiles, with 64-row tiles last; on SM90
+128x256 with two consumer warp groups, then 256x128, 128x128 and 64-row tiles. Big problems so
+land on the biggest tiles, and problems with few tiles trade tile size for filled SMs.
+
+Skinny problems (m <= 256 with large k and few output tiles) on sm_90a get a split-K plan, which
+spreads K over idle SMs; the partial products are reduced in float32 before the epilogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from jax_sm100._src import constraints as C
+
+KERNEL_SM100 = "sm100_tcgen05"
+KERNEL_SM90 = "sm90_wgmma"
+KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
+KERNEL_XLA = "xla_dot"
+KERNELS = (KERNEL_SM100, KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_XLA)
+
+# SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
+# The CUDA lowering replaces this with the device's own count.
+DEFAULT_NUM_SMS = {"sm_100a": 148, "sm_90a": 132}
+
+# Relative tensor-core efficiency of each tile (see the module docstring).
+_SM100_CANDIDATES = (
+    # (use_2cta, mma_m, mma_n, efficiency)
+    (True, 256, 256, 1.00),
+    (False, 128, 256, 0.96),
+    (True, 256, 128, 0.92),
+    (False, 128, 128, 0.86),
+    (True, 128, 256, 0.80),
+    (False, 64, 256, 0.70),
+    (False, 64, 128, 0.62),
+)
+_SM90_CANDIDATES = (
+    # (tile_m, tile_n, efficiency)
+    (128, 256, 1.00),
+    (256, 128, 0.97),
+    (128, 128, 0.85),
+    (64, 256, 0.72),
+    (64, 128, 0.62),
+)
+
+
+def _dsl():
+    """nvidia-cutlass-dsl's planning helpers (imported lazily: importing the DSL takes ~1 s)."""
+    import cutlass.utils  # noqa: PLC0415
+
+    return cutlass.utils
+
+
+@functools.lru_cache(maxsize=None)
+def smem_capacity(arch: str) -> int:
+    """Shared memory per CTA, from the DSL's capacity table."""
+    from cutlass.cutlass_dsl.cutlass import SMEM_CAPACITY_MAP  # noqa: PLC0415
+
+    return SMEM_CAPACITY_MAP[arch.rstrip("a")]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
+    import cutlass  # noqa: PLC0415
+    from cutlass._mlir import ir  # noqa: PLC0415
+
+    dtype = {
+        "bfloat16": cutlass.BFloat16,
+        "float16": cutlass.Float16,
+        "float32": cutlass.Float32,
+        "float8_e4m3fn": cutlass.Float8E4M3FN,
+        "float8_e5m2": cutlass.Float8E5M2,
+    }[out_dtype]
+    # The helper sizes its tuple with cute.size, which needs an MLIR context (no kernel trace).
+    with ir.Context(), ir.Location.unknown():
+        tile = _dsl().sm90.compute_tile_shape_or_override((cta_m, cta_n, 64), dtype, cta_m > 64)
+    return int(tile[0]), int(tile[1])
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """How one GEMM problem runs: which kernel, its tiles, cluster, TMEM and pipeline depths.
+
+    The init fields are choices; `dataclasses.replace` may change them and `__post_init__`
+    re-derives the dependent fields (`cta_tile_mnk`, `epi_tile`, TMEM columns, `smem_bytes`) and
+    checks every constraint, so an illegal edit raises `PlanError` naming the rule it breaks.
+    """
+
+    arch: str
+    m: int
+    n: int
+    k: int
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    kernel: str
+    reason: str
+    mma_tiler_mnk: tuple[int, int, int]
+    cluster_shape_mn: tuple[int, int]
+    use_2cta: bool
+    num_ab_stages: int
+    num_acc_stages: int
+    num_epi_stages: int = 2
+    batch: int = 1
+    c_dtype: str | None = None
+    a_major: str = "k"
+    b_major: str = "n"
+    split_k: int = 1
+    raster_along_m: bool = True
+    swizzle_size: int = 1
+    num_sms: int = 0
+    cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
+    epi_tile: tuple[int, int] = dataclasses.field(init=False)
+    acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
+    tmem_alloc_cols: int = dataclasses.field(init=False)
+    smem_bytes: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        setf = functools.partial(object.__setattr__, self)
+        C.check_arch(self.arch)
+        for name in ("m", "n", "k", "batch"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise C.PlanError(f"{name}={v!r} must be a positive int")
+        for name in ("a_dtype", "b_dtype", "out_dtype", "c_dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in C.DTYPE_BITS:
+                raise C.PlanError(f"{name}={v!r} must be one of {tuple(C.DTYPE_BITS)}")
+        if self.kernel not in KERNELS:
+            raise C.PlanError(f"kernel={self.kernel!r} must be one of {KERNELS}")
+        if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
+            raise C.PlanError(f"{self.a_major=} must be 'k' or 'm'; {self.b_major=}: 'k' or 'n'")
+        setf("mma_tiler_mnk", tuple(int(x) for x in self.mma_tiler_mnk))
+        setf("cluster_shape_mn", tuple(int(x) for x in self.cluster_shape_mn))
+        if self.num_sms <= 0:
+            setf("num_sms", DEFAULT_NUM_SMS[self.arch])
+        if self.kernel == KERNEL_SM100 and self.arch != "sm_100a":
+            raise C.PlanError(f"kernel={self.kernel!r} runs on sm_100a only, plan is {self.arch}")
+        if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK) and self.arch != "sm_90a":
+            raise C.PlanError(f"kernel={self.kernel!r} runs on sm_90a only, plan is {self.arch}")
+        if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
+            raise C.PlanError(
+                f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
+            )
+        ab = self.a_dtype if self.a_dtype in C.KERNEL_OPERAND_DTYPES[self.arch] else "bfloat16"
+        C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab)
+        C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
+        mm, mn, mk = self.mma_tiler_mnk
+        cta = (mm // 2 if self.use_2cta else mm, mn, mk)
+        setf("cta_tile_mnk", cta)
+        out_bits = C.DTYPE_BITS[self.out_dtype]
+        c_bits = None if self.c_dtype is None else C.DTYPE_BITS[self.c_dtype]
+        if self.arch == "sm_100a":
+            # JAX's outputs are row-major: D and C are N-major.
+            epi = _dsl().sm100.compute_epilogue_tile_size(
+                cta[0], cta[1], self.use_2cta, out_bits, c_bits, False, False
+            )
+            cols = _dsl().sm100.compute_acc_tmem_cols_per_stage(
+                cta[0], cta[1], self.use_2cta, mn, False
+            )
+            if self.num_acc_stages < 1:
+                raise C.PlanError(f"{self.num_acc_stages=} must be >= 1")
+            alloc = _pow2_ceil(max(C.TMEM_MIN_COLS, cols * self.num_acc_stages))
+            C.check_tmem(alloc)
+            b_rows = mn // 2 if self.use_2cta else mn
+        else:
+            epi = _sm90_epi_tile(cta[0], cta[1], self.out_dtype)
+            cols, alloc = 0, 0
+            if self.num_acc_stages != 1:
+                raise C.PlanError(f"sm_90a accumulates in registers: {self.num_acc_stages=} != 1")
+            b_rows = mn
+        setf("epi_tile", (int(epi[0]), int(epi[1])))
+        setf("acc_tmem_cols_per_stage", int(cols))
+        setf("tmem_alloc_cols", int(alloc))
+        C.check_epi_tile(self.epi_tile, cta)
+        ab_bits = C.DTYPE_BITS[ab]
+        stage_bytes = (cta[0] + b_rows) * mk * ab_bits // 8
+        epi_elems = self.epi_tile[0] * self.epi_tile[1] * self.num_epi_stages
+        epi_bytes = epi_elems * (out_bits + (c_bits or 0)) // 8
+        setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
+        C.check_ab_stages(self.num_ab_stages)
+        C.check_smem(self.arch, self.smem_bytes, smem_capacity(self.arch))
+        if self.kernel != KERNEL_XLA:
+            why = C.kernel_support(
+                self.arch, self.m, self.n, self.k, self.a_dtype, self.b_dtype, self.out_dtype,
+                self.c_dtype, self.a_major, self.b_major,
+            )  # fmt: skip
+            if why is not None:
+                raise C.PlanError(f"kernel={self.kernel!r} cannot run this problem: {why}")
+
+    @property
+    def ab_stage_bytes(self) -> int:
+        return (self.smem_bytes - C.SMEM_RESERVED_BYTES - self._epi_bytes) // self.num_ab_stages
+
+    @property
+    def _epi_bytes(self) -> int:
+        bits = C.DTYPE_BITS[self.out_dtype] + (C.DTYPE_BITS[self.c_dtype] if self.c_dtype else 0)
+        return self.epi_tile[0] * self.epi_tile[1] * self.num_epi_stages * bits // 8
+
+    @property
+    def num_tiles(self) -> int:
+        """Output tiles of the whole problem (per split), counting the batch."""
+        cm, cn, _ = self.cta_tile_mnk
+        return math.ceil(self.m / cm) * math.ceil(self.n / cn) * self.batch
+
+    def __str__(self) -> str:
+        rows = [("problem", f"{self.batch} x [{self.m} x {self.k}] @ [{self.k} x {self.n}]")]
+        dt = f"{self.a_dtype} x {self.b_dtype} -> {self.out_dtype}"
+        if self.c_dtype:
+            dt += f" (C: {self.c_dtype})"
+        rows += [
+            ("dtypes", dt),
+            ("layouts", f"A {self.a_major}-major, B {self.b_major}-major, D n-major"),
+            ("arch", f"{self.arch} ({self.num_sms} SMs)"),
+            ("kernel", self.kernel),
+            ("reason", self.reason),
+            ("mma_tiler_mnk", self.mma_tiler_mnk),
+            ("cta_tile_mnk", self.cta_tile_mnk),
+            ("cluster_shape_mn", self.cluster_shape_mn),
+            ("use_2cta", self.use_2cta),
+            ("epi_tile", self.epi_tile),
+            ("acc_tmem_cols_per_stage", self.acc_tmem_cols_per_stage),
+            ("num_acc_stages", self.num_acc_stages),
+            ("tmem_alloc_cols", self.tmem_alloc_cols),
+            ("num_ab_stages", self.num_ab_stages),
+            ("num_epi_stages", self.num_epi_stages),
+            ("smem_bytes", f"{self.smem_bytes} of {smem_capacity(self.arch)}"),
+            ("split_k", self.split_k),
+            ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
+                       f"swizzle {self.swizzle_size}"),
+            ("tiles", self.num_tiles),
+        ]  # fmt: skip
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:
+    stage = (cta[0] + b_rows) * cta[2] * ab_bits // 8
+    return (smem_capacity(arch) - C.SMEM_RESERVED_BYTES - epi_bytes) // stage
+
+
+def _wave_cost(tiles: int, ctas_per_tile: int, num_sms: int, area: int, eff: float) -> float:
+    # A 2-CTA tile is computed by two SMs: each wave costs half its area per SM.
+    slots = max(1, num_sms // ctas_per_tile)
+    return math.ceil(tiles / slots) * (area / ctas_per_tile) / eff
+
+
+def _choose_sm100(m, n, k, batch, num_sms):
+    best = None
+    for use_2cta, mm, mn, eff in _SM100_CANDIDATES:
+        cta_m = mm // 2 if use_2cta else mm
+        if use_2cta and m <= 128 and mm > m:
+            continue  # a 2-CTA pair would be mostly padding
+        tiles = math.ceil(m / mm) * math.ceil(n / mn) * batch
+        cost = _wave_cost(tiles, 2 if use_2cta else 1, num_sms, mm * mn, eff)
+        cost *= (math.ceil(m / cta_m) * cta_m) / max(m, 1) if m < cta_m else 1.0
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, use_2cta, mm, mn)
+    _, use_2cta, mm, mn = best
+    tiles_m = math.ceil(m / mm)
+    cluster = (2, 1) if use_2cta else ((2, 1) if tiles_m >= 2 else (1, 1))
+    return use_2cta, mm, mn, cluster
+
+
+def _choose_sm90(m, n, k, batch, num_sms):
+    best = None
+    for tm, tn, eff in _SM90_CANDIDATES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff)
+        if m < tm:
+            cost *= tm / m  # rows of padding still cost MMA time
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, tm, tn)
+    _, tm, tn = best
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    # Multicast the operand that more CTAs share: pair CTAs along the longer tile dimension.
+    cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
+    return tm, tn, cluster
+
+
+def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
+    """Split factor for skinny shapes whose output tiles leave most SMs idle."""
+    tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+    if m > 256 or tiles * 2 > num_sms:
+        return 1
+    k_tiles = math.ceil(k / ktile)
+    split = 1
+    # Keep at least 4 K tiles per split so each CTA still pipelines.
+    while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major):
+    C.check_arch(arch)
+    num_sms = DEFAULT_NUM_SMS[arch]
+    why_not = C.kernel_support(
+        arch, m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major
+    )
+    ab = a_dtype if a_dtype in C.KERNEL_OPERAND_DTYPES[arch] and a_dtype == b_dtype else "bfloat16"
+    ab_bits = C.DTYPE_BITS[ab]
+    ktile = 1024 // ab_bits
+    out_bits = C.DTYPE_BITS[out_dtype]
+    c_bits = C.DTYPE_BITS[c_dtype] if c_dtype else 0
+    common = dict(
+        arch=arch, m=m, n=n, k=k, batch=batch, a_dtype=a_dtype, b_dtype=b_dtype,
+        out_dtype=out_dtype, c_dtype=c_dtype, a_major=a_major, b_major=b_major, num_sms=num_sms,
+    )  # fmt: skip
+    if arch == "sm_100a":
+        use_2cta, mm, mn, cluster = _choose_sm100(m, n, k, batch, num_sms)
+        cta = (mm // 2 if use_2cta else mm, mn, ktile)
+        cols = _dsl().sm100.compute_acc_tmem_cols_per_stage(cta[0], mn, use_2cta, mn, False)
+        # Two accumulator stages let the epilogue of one tile overlap the MMAs of the next;
+        # fall back to one when two do not fit in TMEM.
+        acc_stages = 2 if _pow2_ceil(2 * cols) <= C.TMEM_MAX_COLS else 1
+        epi = _dsl().sm100.compute_epilogue_tile_size(
+            cta[0], mn, use_2cta, out_bits, c_dtype and c_bits, False, False
+        )
+        epi_bytes = epi[0] * epi[1] * 2 * (out_bits + c_bits) // 8
+        stages = _max_ab_stages(arch, cta, mn // 2 if use_2cta else mn, ab_bits, epi_bytes)
+        plan = GemmPlan(
+            **common,
+            kernel=KERNEL_SM100 if why_not is None else KERNEL_XLA,
+            reason=why_not or _sm100_reason(use_2cta, mm, mn, m, n, batch, num_sms),
+            mma_tiler_mnk=(mm, mn, ktile),
+            cluster_shape_mn=cluster,
+            use_2cta=use_2cta,
+            num_ab_stages=stages,
+            num_acc_stages=acc_stages,
+        )
+        return plan
+    tm, tn, cluster = _choose_sm90(m, n, k, batch, num_sms)
+    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
+    epi = _sm90_epi_tile(tm, tn, out_dtype)
+    epi_bytes = epi[0] * epi[1] * 2 * (out_bits + c_bits) // 8
+    stages = _max_ab_stages(arch, (tm, tn, ktile), tn, ab_bits, epi_bytes)
+    if why_not is not None:
+        kernel = KERNEL_XLA
+        reason = why_not
+    elif split > 1:
+        kernel = KERNEL_SM90_SPLITK
+        reason = (
+            f"split-K x{split}: only {math.ceil(m / tm) * math.ceil(n / tn) * batch} output "
+            f"tiles for {num_sms} SMs, so K is spread over idle SMs"
+        )
+    else:
+        kernel = KERNEL_SM90
+        reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
+    return GemmPlan(
+        **common,
+        kernel=kernel,
+        reason=reason,
+        mma_tiler_mnk=(tm, tn, ktile),
+        cluster_shape_mn=cluster,
+        use_2cta=False,
+        num_ab_stages=stages,
+        num_acc_stages=1,
+        split_k=split,
+    )
+
+
+def _sm100_reason(use_2cta, mm, mn, m, n, batch, num_sms) -> str:
+    kind = "2-CTA" if use_2cta else "1-CTA"
+    return f"tcgen05 {kind} {mm}x{mn} MMA: fewest weighted waves on {num_sms} SMs"
+
+
+def plan(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    a_dtype,
+    b_dtype,
+    out_dtype=None,
+    c_dtype=None,
+    batch: int = 1,
+    arch: str = "sm_100a",
+    a_major: str = "k",
+    b_major: str = "n",
+) -> GemmPlan:
+    """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
+
+    Args:
+      m, n, k: problem sizes (positive ints).
+      a_dtype, b_dtype: operand dtypes (anything `np.dtype` takes, e.g. `jnp.bfloat16`).
+      out_dtype: output dtype; defaults to the operands' result type (bfloat16 for fp8 pairs).
+      c_dtype: dtype of the source matrix C when the epilogue reads one, else None.
+      batch: number of GEMMs in the batch (L) mode.
+      arch: "sm_100a" (tcgen05 kernels) or "sm_90a" (wgmma kernels).
+      a_major, b_major: which dim of A ("k" for a row-major [m, k]) and B ("n" for a row-major
+        [k, n]) is contiguous in memory.
+
+    Returns:
+      A frozen `GemmPlan`; `str(plan)` prints it as a table.
+
+    Raises:
+      PlanError: for an unknown arch or non-positive sizes.
+      TypeError: for dtypes the primitive does not take.
+    """
+    from jax_sm100._src import dtypes as D  # noqa: PLC0415
+
+    a_name, b_name = D.operand_dtype_name(a_dtype, "a"), D.operand_dtype_name(b_dtype, "b")
+    out_name = D.default_out_dtype(a_name, b_name) if out_dtype is None else D.name(out_dtype)
+    c_name = None if c_dtype is None else D.operand_dtype_name(c_dtype, "c")
+    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise C.PlanError(f"{name}={v!r} must be a positive int")
+    return _plan_cached(
+        int(m), int(n), int(k), a_name, b_name, out_name, c_name, int(batch), arch,
+        a_major, b_major,
+    )  # fmt: skip
+
+
+def check_plan_fits(plan: GemmPlan, expected: GemmPlan) -> None:
+    """Raises PlanError unless a user's plan was made for the problem it is used on."""
+    for f in ("arch", "m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
+        got, want = getattr(plan, f), getattr(expected, f)
+        if got != want:
+            raise C.PlanError(
+                f"the plan passed to matmul(plan=...) was made for {f}={got!r}, but this call "
+                f"has {f}={want!r}; make it with jax_sm100.plan(...) for this problem"
+            )
+    for f in ("a_major", "b_major"):
+        if getattr(plan, f) != getattr(expected, f):
+            raise C.PlanError(
+                f"the plan has {f}={getattr(plan, f)!r} but the operand is "
+                f"{getattr(expected, f)}-major here"
+            )
