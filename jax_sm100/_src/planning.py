@@ -67,7 +67,7 @@ def _dsl():
     return cutlass.utils
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def smem_capacity(arch: str) -> int:
     """Shared memory per CTA, from the DSL's capacity table."""
     from cutlass.cutlass_dsl.cutlass import SMEM_CAPACITY_MAP  # noqa: PLC0415
@@ -75,7 +75,7 @@ def smem_capacity(arch: str) -> int:
     return SMEM_CAPACITY_MAP[arch.rstrip("a")]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
     import cutlass  # noqa: PLC0415
     from cutlass._mlir import ir  # noqa: PLC0415
