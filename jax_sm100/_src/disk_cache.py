@@ -1,0 +1,770 @@
+"""The compiled-kernel cache: an in-process dict in front of an on-disk store.
+
+CuTe DSL compiles while JAX lowers, before JAX's own persistent compilation cache is consulted,
+so without this cache every new process recompiles every kernel (1.5 to 9 s each on the H200).
+`cache_key` names a compiled kernel by everything that changes its binary; `KernelCache` keeps
+the compiled bytes under that name, in memory and in a directory shared by processes.
+
+Location and size
+-----------------
+The directory is `$JAX_SM100_CACHE_DIR`, else `$XDG_CACHE_HOME/jax_sm100`, else
+`~/.cache/jax_sm100`; `JAX_SM100_CACHE_DIR=off` keeps the cache in memory only. The directory
+holds at most `$JAX_SM100_CACHE_MAX_BYTES` (default 2 GiB) of entries: after each write the
+least recently used entries (oldest modification time; a disk hit touches its entry) are
+deleted until the total fits.
+
+Entry file format
+-----------------
+One file per key, `<key>.kernel`, where key is 64 lowercase hex digits. All integers are
+little-endian:
+
+    offset  size  field
+    0       8     magic, b"JSM100KC"
+    8       4     format version (uint32), `_FORMAT_VERSION`
+    12      4     metadata length M (uint32)
+    16      8     payload length P (uint64)
+    24      64    the key, ASCII
+    88      32    sha256 of bytes [0, 88) + metadata + payload
+    120     M     metadata: a JSON object, UTF-8
+    120+M   P     payload: opaque bytes (the compiled kernel object)
+
+The digest covers the header, so a flipped bit anywhere, a truncation, an entry stored under
+another key or written by another format version is detected on read. Such an entry is logged,
+deleted and reported as a miss; it is never returned.
+
+Concurrency
+-----------
+Writers write a temporary file in the cache directory, fsync it and `os.replace` it over the
+entry, so a reader sees either no entry, the old one or the new one, never a torn one; several
+processes and threads may fill the same directory at once. `get_or_create` builds a missing
+entry once per process (a per-key thread lock) and, where `fcntl` exists, once across processes
+(a per-key `<key>.lock` file held while building); neither lock is needed for correctness, only
+to avoid compiling the same kernel several times at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Not POSIX: builds across processes are not deduplicated.
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "JAX_SM100_CACHE_DIR"
+MAX_BYTES_ENV = "JAX_SM100_CACHE_MAX_BYTES"
+DEFAULT_MAX_BYTES = 2 << 30
+DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
+
+# Bump when the serialization in `cache_key` changes meaning.
+_KEY_FORMAT = 1
+# Bump when the entry file layout changes.
+_FORMAT_VERSION = 1
+_MAGIC = b"JSM100KC"
+# magic, version, metadata length, payload length, key; the digest follows.
+_PREFIX = struct.Struct("<8sIIQ64s")
+_DIGEST_SIZE = 32
+HEADER_SIZE = _PREFIX.size + _DIGEST_SIZE
+
+_ENTRY_SUFFIX = ".kernel"
+_LOCK_SUFFIX = ".lock"
+_TMP_PREFIX = ".tmp-"
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+# A temporary or lock file this old belongs to a writer that died; an hour is far longer than
+# any compile (at most ~10 s each, measured on the H200).
+_STALE_S = 3600.0
+# How long `get_or_create` waits for another process building the same key before building
+# the kernel itself.
+_LOCK_TIMEOUT_S = 600.0
+_LOCK_POLL_S = 0.05
+
+# Everything whose source text changes a compiled kernel: the kernels, and the module that
+# drives the DSL compile.
+_SRC_ROOT = Path(__file__).resolve().parent
+_SOURCE_DIRS = ("kernels",)
+_SOURCE_FILES = ("compile.py",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able form of `value` that is equal exactly when the values are.
+
+    Primitives become their repr (so `1`, `1.0` and `True` stay distinct); dataclasses list
+    every field by name; `hash()` is never used, since Python salts it per process.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        cls = type(value)
+        fields = sorted(f.name for f in dataclasses.fields(value))
+        return {
+            "dataclass": f"{cls.__module__}.{cls.__qualname__}",
+            "fields": [[name, _canonical(getattr(value, name))] for name in fields],
+        }
+    if isinstance(value, enum.Enum):
+        cls = type(value)
+        return f"{cls.__module__}.{cls.__qualname__}.{value.name}"
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [_canonical(v) for v in value]]
+    if isinstance(value, (frozenset, set)):
+        items = sorted(json.dumps(_canonical(v), sort_keys=True) for v in value)
+        return ["set", items]
+    if isinstance(value, Mapping):
+        items = sorted(
+            (json.dumps(_canonical(k), sort_keys=True), _canonical(v)) for k, v in value.items()
+        )
+        return ["mapping", [list(kv) for kv in items]]
+    raise TypeError(
+        f"cache_key cannot serialize {value!r} of type {type(value).__qualname__}; plan and spec "
+        "fields must be None, bool, int, float, str, bytes, enums, tuples, mappings or dataclasses"
+    )
+
+
+def _hash_sources(root: Path) -> str:
+    """sha256 over the kernel sources under `root`, in sorted relative-path order."""
+    paths = []
+    for d in _SOURCE_DIRS:
+        paths.extend((root / d).rglob("*.py"))
+    paths.extend(p for p in (root / f for f in _SOURCE_FILES) if p.is_file())
+    h = hashlib.sha256()
+    for rel, path in sorted((p.relative_to(root).as_posix(), p) for p in paths):
+        data = path.read_bytes()
+        h.update(f"{rel}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+@functools.cache
+def kernel_sources_hash() -> str:
+    """sha256 of every `.py` under `jax_sm100/_src/kernels/` and of `compile.py`.
+
+    Computed once per process: editing a kernel changes the key of every kernel in the next
+    process.
+    """
+    return _hash_sources(_SRC_ROOT)
+
+
+def _dsl_version_from_source() -> str | None:
+    """The DSL's `__version__`, read from its source without importing it (~1 s).
+
+    The project's GPU machines put an unpacked DSL on PYTHONPATH, which has no distribution
+    metadata.
+    """
+    try:
+        spec = importlib.util.find_spec("cutlass")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    try:
+        text = Path(spec.origin).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.MULTILINE)
+    return match.group(1) if match else None
+
+
+@functools.cache
+def dsl_version() -> str:
+    """The installed nvidia-cutlass-dsl version, or "absent" when it is not installed."""
+    try:
+        return importlib.metadata.version(DSL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return _dsl_version_from_source() or "absent"
+
+
+@functools.cache
+def dsl_build_fingerprint() -> str:
+    """The DSL's own fingerprints of its compiler libraries, one per installed CUDA flavour.
+
+    The same version ships a CUDA 12 and a CUDA 13 compiler; each wheel carries
+    `_cutlass_ir_version_<flavour>.py` with the sha256 of its library. Read as text, not
+    imported. Empty when the files are not found.
+    """
+    try:
+        spec = importlib.util.find_spec("cutlass")
+    except (ImportError, ValueError):
+        return ""
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    parts = []
+    for location in spec.submodule_search_locations:
+        libs = Path(location) / "_mlir" / "_mlir_libs"
+        with contextlib.suppress(OSError):
+            for path in sorted(libs.glob("_cutlass_ir_version_*.py")):
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                parts.append(f"{path.name}={digest}")
+    return ";".join(parts)
+
+
+def cache_key(
+    plan: Any, spec: Any, *, arch: str, extra: Mapping[str, str] = MappingProxyType({})
+) -> str:
+    """The name of a compiled kernel: sha256 over everything that changes its binary.
+
+    Serializes every field of `plan` and `spec` canonically (stable across processes and
+    Python's hash salting), the target arch, the nvidia-cutlass-dsl version and compiler
+    fingerprint, the hash of the kernel sources (`kernel_sources_hash`) and `extra`.
+
+    Args:
+      plan: a frozen dataclass (a `GemmPlan`) whose fields are None, bool, int, float, str,
+        tuples of those, or nested dataclasses.
+      spec: a frozen dataclass (a `KernelSpec`), likewise.
+      arch: the target the kernel is compiled for, e.g. "sm_100a".
+      extra: anything else that changes the binary (e.g. DSL compile options), as strings.
+
+    Returns:
+      64 lowercase hex digits.
+
+    Raises:
+      TypeError: for a field of a type with no canonical form, or non-string `arch`/`extra`.
+    """
+    if not isinstance(arch, str) or not arch:
+        raise TypeError(f"{arch=} must be a non-empty str such as 'sm_100a'")
+    for k, v in extra.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"extra must map str to str; got {k!r}: {v!r}")
+    document = {
+        "key_format": _KEY_FORMAT,
+        "plan": _canonical(plan),
+        "spec": _canonical(spec),
+        "arch": arch,
+        "dsl_version": dsl_version(),
+        "dsl_build": dsl_build_fingerprint(),
+        "sources": kernel_sources_hash(),
+        "extra": sorted(extra.items()),
+    }
+    text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Entries
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """A compiled kernel as the cache stores it.
+
+    Attributes:
+      payload: the compiled object bytes.
+      metadata: JSON-able facts about it (function prefix, argument description, PTX text...).
+        Stored as JSON, so tuples come back as lists; `KernelCache.put` normalizes it the same
+        way, so an entry from memory and one from disk are equal.
+    """
+
+    payload: bytes
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, got {type(self.payload).__qualname__}")
+        if not isinstance(self.metadata, Mapping):
+            raise TypeError(f"metadata must be a mapping, got {type(self.metadata).__qualname__}")
+        object.__setattr__(self, "payload", bytes(self.payload))
+
+
+class _CorruptEntry(Exception):
+    """An entry file failed verification; the message says how."""
+
+
+def _metadata_bytes(metadata: Mapping[str, Any]) -> bytes:
+    try:
+        text = json.dumps(dict(metadata), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"entry metadata must be JSON-serializable: {e}") from e
+    return text.encode("utf-8")
+
+
+def _encode(key: str, metadata_bytes: bytes, payload: bytes) -> bytes:
+    prefix = _PREFIX.pack(
+        _MAGIC, _FORMAT_VERSION, len(metadata_bytes), len(payload), key.encode("ascii")
+    )
+    digest = hashlib.sha256(prefix)
+    digest.update(metadata_bytes)
+    digest.update(payload)
+    return b"".join((prefix, digest.digest(), metadata_bytes, payload))
+
+
+def _decode(key: str, data: bytes) -> CacheEntry:
+    """Verifies an entry file's bytes; raises _CorruptEntry on any mismatch."""
+    if len(data) < HEADER_SIZE:
+        raise _CorruptEntry(f"truncated header ({len(data)} of {HEADER_SIZE} bytes)")
+    magic, version, meta_len, payload_len, stored_key = _PREFIX.unpack_from(data)
+    if magic != _MAGIC:
+        raise _CorruptEntry(f"bad magic {magic!r}")
+    if version != _FORMAT_VERSION:
+        raise _CorruptEntry(f"format version {version}, expected {_FORMAT_VERSION}")
+    if stored_key != key.encode("ascii"):
+        raise _CorruptEntry(f"header names key {stored_key[:16]!r}...")
+    expected = HEADER_SIZE + meta_len + payload_len
+    if len(data) != expected:
+        raise _CorruptEntry(f"{len(data)} bytes, header says {expected}")
+    body = memoryview(data)[HEADER_SIZE:]
+    digest = hashlib.sha256(memoryview(data)[: _PREFIX.size])
+    digest.update(body)
+    if digest.digest() != data[_PREFIX.size : HEADER_SIZE]:
+        raise _CorruptEntry("sha256 mismatch")
+    try:
+        metadata = json.loads(bytes(body[:meta_len]).decode("utf-8"))
+    except ValueError as e:
+        raise _CorruptEntry(f"metadata is not JSON: {e}") from e
+    if not isinstance(metadata, dict):
+        raise _CorruptEntry("metadata is not a JSON object")
+    return CacheEntry(payload=bytes(body[meta_len:]), metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """Counters of one `KernelCache` since it was made.
+
+    Attributes:
+      memory_hits: lookups answered by the in-process dict.
+      disk_hits: lookups answered by a verified entry file.
+      misses: lookups answered by neither (for `get_or_create`, the builds).
+      writes: entry files written.
+      corrupt: entry files that failed verification (each also counts as a miss).
+      evictions: entry files deleted to keep the directory within its size bound.
+    """
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    corrupt: int = 0
+    evictions: int = 0
+
+
+def cache_dir_from_env() -> Path | None:
+    """The cache directory the environment asks for; None when `JAX_SM100_CACHE_DIR=off`."""
+    value = os.environ.get(CACHE_DIR_ENV, "").strip()
+    if value.lower() == "off":
+        return None
+    if value:
+        return Path(value).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "jax_sm100"
+
+
+def max_bytes_from_env() -> int:
+    """The size bound the environment asks for (`JAX_SM100_CACHE_MAX_BYTES`), in bytes.
+
+    Raises:
+      ValueError: when the variable is set to anything but a positive integer.
+    """
+    value = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not value:
+        return DEFAULT_MAX_BYTES
+    try:
+        max_bytes = int(value)
+    except ValueError:
+        max_bytes = 0
+    if max_bytes <= 0:
+        raise ValueError(f"{MAX_BYTES_ENV}={value!r} must be a positive number of bytes")
+    return max_bytes
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(f"{key=} is not a cache key (64 lowercase hex digits, from cache_key)")
+
+
+def _unlink(path: Path) -> bool:
+    """Deletes a file another process may delete first; True when this call deleted it."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        logger.warning("jax_sm100 kernel cache: cannot delete %s: %s", path, e)
+        return False
+    return True
+
+
+class KernelCache:
+    """Compiled kernels by key: an in-process dict in front of an on-disk directory.
+
+    Thread-safe; several processes may share one directory. Disk errors (an unwritable or full
+    directory) are logged and leave the cache working from memory: the cache never makes a
+    compile fail.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, *, max_bytes: int | None = None):
+        """Makes a cache; no file is touched until the first lookup.
+
+        Args:
+          directory: where entries live; None reads `JAX_SM100_CACHE_DIR` (see the module
+            docstring for the default) and "off" keeps the cache in memory only.
+          max_bytes: bound on the entries' total size; None reads `JAX_SM100_CACHE_MAX_BYTES`
+            (default 2 GiB).
+
+        Raises:
+          ValueError: for a non-positive size bound.
+        """
+        if directory is None:
+            self._dir = cache_dir_from_env()
+        elif os.fspath(directory).strip().lower() == "off":
+            self._dir = None
+        else:
+            self._dir = Path(directory).expanduser()
+        self._max_bytes = max_bytes_from_env() if max_bytes is None else int(max_bytes)
+        if self._max_bytes <= 0:
+            raise ValueError(f"max_bytes={max_bytes} must be positive")
+        self._lock = threading.Lock()
+        self._memory: dict[str, CacheEntry] = {}
+        self._build_locks: dict[str, threading.Lock] = {}
+        self._counts = {f.name: 0 for f in dataclasses.fields(CacheStats)}
+        self._dir_ready = False
+
+    def __repr__(self) -> str:
+        return f"KernelCache(directory={self.directory!s}, max_bytes={self._max_bytes})"
+
+    @property
+    def directory(self) -> Path | None:
+        """The entry directory, or None when the cache is memory-only."""
+        return self._dir
+
+    @property
+    def max_bytes(self) -> int:
+        """The bound on the total size of entry files."""
+        return self._max_bytes
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return CacheStats(**self._counts)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def entry_path(self, key: str) -> Path | None:
+        """The file an entry for `key` lives in (None when memory-only)."""
+        _check_key(key)
+        return None if self._dir is None else self._dir / (key + _ENTRY_SUFFIX)
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def _get_memory(self, key: str) -> CacheEntry | None:
+        with self._lock:
+            entry = self._memory.get(key)
+            if entry is not None:
+                self._counts["memory_hits"] += 1
+            return entry
+
+    def _get_disk(self, key: str) -> CacheEntry | None:
+        """A verified entry from disk (remembered in memory), else None; counts hits only."""
+        path = self.entry_path(key)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("jax_sm100 kernel cache: cannot read %s: %s", path, e)
+            return None
+        try:
+            entry = _decode(key, data)
+        except _CorruptEntry as e:
+            logger.warning(
+                "jax_sm100 kernel cache: ignoring and deleting corrupt entry %s: %s", path, e
+            )
+            self._count("corrupt")
+            # Another process may have replaced the bad file with a good one meanwhile.
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == inode:
+                    _unlink(path)
+            return None
+        # The modification time is the LRU clock.
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        with self._lock:
+            self._counts["disk_hits"] += 1
+            return self._memory.setdefault(key, entry)
+
+    def get(self, key: str) -> CacheEntry | None:
+        """The entry for `key` from memory, else from disk, else None (a miss).
+
+        A second `get` of a key found on disk is answered from memory without touching disk.
+
+        Raises:
+          ValueError: when `key` is not 64 lowercase hex digits.
+        """
+        _check_key(key)
+        entry = self._get_memory(key) or self._get_disk(key)
+        if entry is None:
+            self._count("misses")
+        return entry
+
+    # -- stores --------------------------------------------------------------------------------
+
+    def put(self, key: str, entry: CacheEntry) -> CacheEntry:
+        """Stores `entry` in memory and on disk, then evicts to stay within the size bound.
+
+        Returns:
+          The entry as stored (metadata normalized through JSON), which later lookups return.
+
+        Raises:
+          ValueError: when `key` is not 64 lowercase hex digits.
+          TypeError: when `entry` is not a `CacheEntry` or its metadata is not JSON-able.
+        """
+        _check_key(key)
+        if not isinstance(entry, CacheEntry):
+            raise TypeError(f"expected a CacheEntry, got {type(entry).__qualname__}")
+        meta = _metadata_bytes(entry.metadata)
+        entry = CacheEntry(payload=entry.payload, metadata=json.loads(meta))
+        with self._lock:
+            self._memory[key] = entry
+        if self._dir is not None:
+            blob = _encode(key, meta, entry.payload)
+            if len(blob) > self._max_bytes:
+                logger.warning(
+                    "jax_sm100 kernel cache: %d-byte entry exceeds %s=%d; kept in memory only",
+                    len(blob),
+                    MAX_BYTES_ENV,
+                    self._max_bytes,
+                )
+            elif self._write(key, blob):
+                self._evict(keep=key)
+        return entry
+
+    def _ensure_dir(self) -> bool:
+        if self._dir_ready:
+            return True
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            logger.warning("jax_sm100 kernel cache: cannot create %s: %s", self._dir, e)
+            return False
+        self._dir_ready = True
+        return True
+
+    def _write(self, key: str, blob: bytes) -> bool:
+        """Atomically writes an entry file; False (logged) when the disk refuses."""
+        if not self._ensure_dir():
+            return False
+        path = self.entry_path(key)
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_ENTRY_SUFFIX, dir=self._dir)
+            with os.fdopen(fd, "wb") as f:
+                # mkstemp makes 0600 files; entries hold no secrets, and a shared cache
+                # directory needs them readable.
+                os.fchmod(f.fileno(), 0o644)
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as e:
+            logger.warning("jax_sm100 kernel cache: cannot write %s: %s", path, e)
+            return False
+        finally:
+            if tmp is not None:
+                _unlink(Path(tmp))
+        # Make the rename durable too; not every filesystem can open a directory.
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(self._dir, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        self._count("writes")
+        return True
+
+    def _scan(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every entry file; sweeps stale temporary and lock files."""
+        entries, locks = [], []
+        now = time.time()
+        try:
+            listing = list(os.scandir(self._dir))
+        except OSError as e:
+            logger.warning("jax_sm100 kernel cache: cannot list %s: %s", self._dir, e)
+            return []
+        names = {d.name for d in listing}
+        for d in listing:
+            try:
+                st = d.stat(follow_symlinks=False)
+            except OSError:  # Deleted by another process since the listing.
+                continue
+            if d.name.startswith(_TMP_PREFIX):
+                if now - st.st_mtime > _STALE_S:
+                    _unlink(Path(d.path))
+            elif d.name.endswith(_LOCK_SUFFIX):
+                locks.append((d, st))
+            elif d.name.endswith(_ENTRY_SUFFIX) and _KEY_RE.fullmatch(
+                d.name[: -len(_ENTRY_SUFFIX)]
+            ):
+                entries.append((st.st_mtime, st.st_size, Path(d.path)))
+        for d, st in locks:
+            entry_name = d.name[: -len(_LOCK_SUFFIX)] + _ENTRY_SUFFIX
+            if entry_name not in names and now - st.st_mtime > _STALE_S:
+                _unlink(Path(d.path))
+        return entries
+
+    def _evict(self, keep: str) -> None:
+        """Deletes least recently used entries until the directory fits `max_bytes`."""
+        entries = self._scan()
+        total = sum(size for _, size, _ in entries)
+        if total <= self._max_bytes:
+            return
+        keep_name = keep + _ENTRY_SUFFIX
+        for _, size, path in sorted(entries):
+            if total <= self._max_bytes:
+                break
+            if path.name == keep_name:
+                continue
+            total -= size
+            if _unlink(path):
+                self._count("evictions")
+                _unlink(path.with_name(path.name[: -len(_ENTRY_SUFFIX)] + _LOCK_SUFFIX))
+
+    # -- build once ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _interprocess_lock(self, key: str) -> Iterator[None]:
+        """Holds `<key>.lock` while building, so other processes wait for this build.
+
+        Best effort: without fcntl, a directory or after `_LOCK_TIMEOUT_S`, it yields unlocked.
+        """
+        if fcntl is None or self._dir is None or not self._ensure_dir():
+            yield
+            return
+        path = self._dir / (key + _LOCK_SUFFIX)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            logger.warning("jax_sm100 kernel cache: cannot open lock %s: %s", path, e)
+            yield
+            return
+        try:
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        logger.warning(
+                            "jax_sm100 kernel cache: waited %.0f s for %s; building anyway",
+                            _LOCK_TIMEOUT_S,
+                            path,
+                        )
+                        break
+                    time.sleep(_LOCK_POLL_S)
+                except OSError:  # A filesystem without flock.
+                    break
+            yield
+        finally:
+            os.close(fd)  # Also releases the lock.
+
+    def get_or_create(self, key: str, build_fn: Callable[[], CacheEntry]) -> CacheEntry:
+        """The entry for `key` from memory, else disk, else from `build_fn()`, stored.
+
+        Concurrent callers in one process build a key once; with a cache directory, concurrent
+        processes do too (they wait for the builder and read its entry). Each call counts one
+        memory hit, disk hit or miss.
+
+        Args:
+          key: from `cache_key`.
+          build_fn: makes the entry (compiles the kernel); called at most once per miss. Its
+            exceptions propagate and nothing is stored.
+
+        Returns:
+          The entry, as `put` stores it.
+
+        Raises:
+          ValueError: when `key` is not 64 lowercase hex digits.
+          TypeError: when `build_fn` returns something other than a `CacheEntry`.
+        """
+        _check_key(key)
+        entry = self._get_memory(key)
+        if entry is not None:
+            return entry
+        with self._lock:
+            build_lock = self._build_locks.setdefault(key, threading.Lock())
+        with build_lock:
+            entry = self._get_memory(key) or self._get_disk(key)
+            if entry is not None:
+                return entry
+            with self._interprocess_lock(key):
+                entry = self._get_disk(key)
+                if entry is not None:
+                    return entry
+                self._count("misses")
+                entry = build_fn()
+                if not isinstance(entry, CacheEntry):
+                    raise TypeError(
+                        f"build_fn must return a CacheEntry, got {type(entry).__qualname__}"
+                    )
+                return self.put(key, entry)
+
+    def clear(self, *, disk: bool = True) -> None:
+        """Forgets every entry in memory and, unless `disk=False`, deletes the entry files.
+
+        The counters are kept. Files of other processes' concurrent writes may survive.
+        """
+        with self._lock:
+            self._memory.clear()
+        if not disk or self._dir is None:
+            return
+        try:
+            listing = list(os.scandir(self._dir))
+        except FileNotFoundError:
+            return
+        for d in listing:
+            if d.name.endswith((_ENTRY_SUFFIX, _LOCK_SUFFIX)) or d.name.startswith(_TMP_PREFIX):
+                _unlink(Path(d.path))
+
+
+# ---------------------------------------------------------------------------------------------
+# The process-wide cache
+
+_default_cache: KernelCache | None = None
+_default_cache_lock = threading.Lock()
+
+
+def default_cache() -> KernelCache:
+    """The process-wide cache, configured from the environment on first use."""
+    global _default_cache
+    with _default_cache_lock:
+        if _default_cache is None:
+            _default_cache = KernelCache()
+        return _default_cache
+
+
+def get_or_create(key: str, build_fn: Callable[[], CacheEntry]) -> CacheEntry:
+    """`default_cache().get_or_create(key, build_fn)`; see `KernelCache.get_or_create`."""
+    return default_cache().get_or_create(key, build_fn)
