@@ -1,0 +1,468 @@
+"""The SM90 (Hopper) GEMM family: persistent, warp-specialised wgmma with a fused epilogue.
+
+One CTA runs 1 + W warp groups (W = 2 for 128- and 256-row tiles, 1 for 64-row tiles):
+
+* warp group 0 is the producer. It gives registers back (`setmaxnreg` down) and one of its
+  warps walks the persistent tile schedule issuing TMA loads of A and B k-blocks into a ring of
+  `num_ab_stages` shared-memory stages, multicast across the cluster where the cluster shares an
+  operand (CTAs in one cluster row share A tiles, in one cluster column B tiles).
+* warp groups 1..W are consumers. They take registers (`setmaxnreg` up), run wgmma on each
+  stage as it lands (one wgmma batch kept in flight before a stage is released), then run the
+  epilogue on the float32 accumulators: sub-tile by sub-tile (`plan.epi_tile`) they apply
+  `common.apply_epilogue` (alpha, beta * C, bias, activation; C and bias are read straight from
+  global memory at the coordinates each register lands on), convert to the output type, write
+  the sub-tile to shared memory with `stmatrix` and one thread stores it with TMA.
+
+The tile schedule is CUTLASS's static persistent scheduler (grid = min(clusters of tiles,
+SMs / cluster size)), rasterised along M or N with the plan's swizzle. Out-of-bounds rows,
+columns and k-blocks are handled by TMA (zero fill on load, clipping on store), so any m, n, k
+work as long as each operand's contiguous dimension is 16-byte aligned.
+
+Everything this kernel is specialised on comes from the `GemmPlan` (tiles, cluster, stages,
+raster) and the `KernelSpec` (dtypes, layouts, epilogue); it decides nothing itself.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from jax_sm100._src.kernels import common
+from jax_sm100._src.kernels.spec import KernelSpec
+
+_THREADS_PER_WG = 128
+# Register budgets per thread after `setmaxnreg`: the producer needs few, the consumers hold the
+# accumulators (128 fp32 per thread for a 128x256 tile over two warp groups). 40 + 2 * 232
+# fits the 64K-register file for 384 threads; the same split CUTLASS uses for this layout.
+_PRODUCER_REGS = 40
+_CONSUMER_REGS = 232
+_EPI_BARRIER_ID = 1
+_SMEM_ALIGN = 1024
+
+SUPPORTED_TILE_M = (64, 128, 256)
+SUPPORTED_TILE_N = (64, 128, 256)
+
+
+class Sm90GemmKernel:
+    """A persistent warp-specialised wgmma GEMM for one (GemmPlan, KernelSpec).
+
+    Host entry point: `__call__(a, b, d, c, bias, stream)` with the modes of spec.py, `None`
+    for an absent c or bias.
+    """
+
+    def __init__(self, plan, spec: KernelSpec):
+        why = self.can_implement(plan, spec)
+        if why is not None:
+            raise ValueError(f"Sm90GemmKernel cannot run this plan: {why}")
+        self.plan = plan
+        self.spec = spec
+        self.tile_mnk = tuple(plan.cta_tile_mnk)
+        self.cluster_mn = tuple(plan.cluster_shape_mn)
+        self.ab_stages = plan.num_ab_stages
+        self.epi_stages = plan.num_epi_stages
+        self.epi_tile = tuple(plan.epi_tile)
+        self.acc_dtype = cutlass.Float32
+        self.num_consumer_wgs = 2 if self.tile_mnk[0] >= 128 else 1
+        self.threads = _THREADS_PER_WG * (1 + self.num_consumer_wgs)
+        self.num_consumer_threads = _THREADS_PER_WG * self.num_consumer_wgs
+        cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
+        self.max_active_clusters = max(1, plan.num_sms // cluster_size)
+        # A tile is shared by the CTAs of one cluster row (same m), B by one cluster column.
+        self.a_mcast = self.cluster_mn[1]
+        self.b_mcast = self.cluster_mn[0]
+        self.has_c = spec.has_c and spec.beta != 0.0
+        self.has_bias = spec.has_bias
+
+    @staticmethod
+    def can_implement(plan, spec: KernelSpec) -> str | None:
+        """None when this family can run (plan, spec); else the reason it cannot."""
+        tm, tn, tk = plan.cta_tile_mnk
+        if plan.arch != "sm_90a":
+            return f"{plan.arch=} is not sm_90a"
+        if tm not in SUPPORTED_TILE_M or tn not in SUPPORTED_TILE_N:
+            return f"cta tile {tm}x{tn} not in {SUPPORTED_TILE_M} x {SUPPORTED_TILE_N}"
+        if spec.a_dtype not in common.CUTLASS_DTYPES or spec.b_dtype not in common.CUTLASS_DTYPES:
+            return f"operand dtypes {spec.a_dtype}, {spec.b_dtype} have no wgmma"
+        bits = common.dtype_bits(spec.a_dtype)
+        if bits == 16 and spec.a_dtype != spec.b_dtype:
+            return f"16-bit wgmma needs equal operand dtypes, got {spec.a_dtype}, {spec.b_dtype}"
+        if bits == 8 and (spec.a_major != "k" or spec.b_major != "k"):
+            return "8-bit wgmma needs K-major A and B"
+        if tk * bits != 1024:
+            return f"cta tile k={tk} must span 128 bytes of {spec.a_dtype}"
+        return None
+
+    # ---------------------------------------------------------------- derived configuration
+
+    def _setup(self):
+        """Layouts and atoms derived from the configuration and operand dtypes."""
+        tm, tn, tk = self.tile_mnk
+        a_major = warpgroup.OperandMajorMode.K if self._a_k_major else warpgroup.OperandMajorMode.MN
+        b_major = warpgroup.OperandMajorMode.K if self._b_k_major else warpgroup.OperandMajorMode.MN
+        self.tiled_mma = sm90.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            a_major,
+            b_major,
+            self.acc_dtype,
+            (self.num_consumer_wgs, 1, 1),
+            tiler_mn=(64, tn),
+        )
+        self.a_smem_staged = sm90.make_smem_layout_a(
+            self._a_layout, self.tile_mnk, self.a_dtype, self.ab_stages
+        )
+        self.b_smem_staged = sm90.make_smem_layout_b(
+            self._b_layout, self.tile_mnk, self.b_dtype, self.ab_stages
+        )
+        self.d_smem_staged = sm90.make_smem_layout_epi(
+            self.d_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
+        )
+        self.cluster_layout = cute.make_layout((*self.cluster_mn, 1))
+
+    @staticmethod
+    def _tma_load(tensor, smem_staged, tile, mcast):
+        op = (
+            cpasync.CopyBulkTensorTileG2SOp()
+            if mcast == 1
+            else (cpasync.CopyBulkTensorTileG2SMulticastOp())
+        )
+        smem = cute.slice_(smem_staged, (None, None, 0))
+        return cpasync.make_tiled_tma_atom(op, tensor, smem, tile, num_multicast=mcast)
+
+    # ---------------------------------------------------------------- host
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        d: cute.Tensor,
+        c: cute.Tensor | None,
+        bias: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        self.a_dtype = a.element_type
+        self.b_dtype = b.element_type
+        self.d_dtype = d.element_type
+        self._a_layout = utils.LayoutEnum.from_tensor(a)
+        self._b_layout = utils.LayoutEnum.from_tensor(b)
+        self._a_k_major = self._a_layout.is_k_major_a()
+        self._b_k_major = self._b_layout.is_k_major_b()
+        self._setup()
+        tm, tn, tk = self.tile_mnk
+
+        tma_a, ta = self._tma_load(a, self.a_smem_staged, (tm, tk), self.a_mcast)
+        tma_b, tb = self._tma_load(b, self.b_smem_staged, (tn, tk), self.b_mcast)
+        tma_d, td = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            d,
+            cute.slice_(self.d_smem_staged, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        tiles_mnl = cute.ceil_div(d.shape, (tm, tn, 1))
+        sched = utils.PersistentTileSchedulerParams(
+            tiles_mnl, (*self.cluster_mn, 1), self.plan.swizzle_size, self.plan.raster_along_m
+        )
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
+
+        @cute.struct
+        class Shared:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sa: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
+            ]
+            sb: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)], _SMEM_ALIGN
+            ]
+            sd: cute.struct.Align[
+                cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
+            ]
+
+        self.shared = Shared
+        self.kernel(
+            tma_a,
+            ta,
+            tma_b,
+            tb,
+            tma_d,
+            td,
+            d,
+            c,
+            bias,
+            self.tiled_mma,
+            self.cluster_layout,
+            self.a_smem_staged,
+            self.b_smem_staged,
+            self.d_smem_staged,
+            sched,
+        ).launch(  # fmt: skip
+            grid=grid,
+            block=[self.threads, 1, 1],
+            cluster=(*self.cluster_mn, 1),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------- device
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        mD_tma: cute.Tensor,
+        mD: cute.Tensor,
+        mC: cute.Tensor | None,
+        mBias: cute.Tensor | None,
+        tiled_mma: cute.TiledMma,
+        cluster_layout: cute.Layout,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        d_smem_staged: cute.ComposedLayout,
+        sched_params: utils.PersistentTileSchedulerParams,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
+        tm, tn, tk = self.tile_mnk
+
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_d)
+
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cluster_layout.get_flat_coord(rank)
+        a_mask = 0
+        b_mask = 0
+        if cutlass.const_expr(self.a_mcast > 1):
+            a_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=1)
+        if cutlass.const_expr(self.b_mcast > 1):
+            b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared)
+        stage_bytes = cute.size_in_bytes(
+            self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))
+        ) + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        # Every consumer warp of every CTA that reads a multicast stage releases it.
+        releasers = (self.a_mcast + self.b_mcast - 1) * self.num_consumer_wgs * 4
+        ab_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releasers),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sa.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sb.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sD = storage.sd.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+
+        # (tile, tile, tiles_m|n, tiles_k, l) views of the operands.
+        gA = cute.local_tile(mA, (tm, tk), (None, None, None))
+        gB = cute.local_tile(mB, (tn, tk), (None, None, None))
+        gD = cute.local_tile(mD_tma, (tm, tn), (None, None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a,
+            cluster_coord[1],
+            cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(cute.slice_(cluster_layout, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if warp == 0:
+                self._produce(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB,
+                              tBsB, b_mask, k_tiles)  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(_CONSUMER_REGS)
+            self._consume(ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC,
+                          mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG)  # fmt: skip
+
+    @cute.jit
+    def _produce(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
+                 b_mask, k_tiles):  # fmt: skip
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        while work.is_valid_tile:
+            tile = work.tile_idx
+            a_k = tAgA[(None, tile[0], None, tile[2])]
+            b_k = tBgB[(None, tile[1], None, tile[2])]
+            state.reset_count()
+            for _ in range(k_tiles):
+                ab_pipe.producer_acquire(state)
+                barrier = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, a_k[(None, state.count)], tAsA[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
+                cute.copy(tma_b, b_k[(None, state.count)], tBsB[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=b_mask)  # fmt: skip
+                ab_pipe.producer_commit(state)
+                state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
+                 k_tiles, consumer_wg, warp, ctidx):  # fmt: skip
+        tm, tn, _ = self.tile_mnk
+        thr_mma = tiled_mma.get_slice(consumer_wg * _THREADS_PER_WG)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype)
+        k_blocks = cute.size(tCrA, mode=[2])
+
+        # Register -> shared copy of one epilogue sub-tile (stmatrix for 16-bit outputs).
+        r2s_atom = sm90.get_smem_store_op(
+            utils.LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(ctidx)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_acc = r2s.retile(acc)
+        sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+        sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
+        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        sub_size = cute.size(sub_acc)
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_consumer_threads
+            ),
+        )
+        epi_barrier = pipeline.NamedBarrier(
+            barrier_id=_EPI_BARRIER_ID, num_threads=self.num_consumer_threads
+        )
+        store_warp = 4  # the first consumer warp issues the TMA stores
+        # Global coordinates of every output element, for predicated C and bias reads.
+        cD = cute.local_tile(cute.make_identity_tensor(mD.shape), (tm, tn), (None, None, None))
+        gC = None
+        if cutlass.const_expr(self.has_c):
+            gC = cute.local_tile(mC, (tm, tn), (None, None, None))
+
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sched.initial_work_tile_info()
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        while work.is_valid_tile:
+            tile = work.tile_idx
+            # ---- main loop: keep one wgmma batch in flight, release a stage once it retired.
+            read.reset_count()
+            release.reset_count()
+            acc.fill(0.0)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.fence()
+            for kt in range(k_tiles):
+                ab_pipe.consumer_wait(read)
+                for kb in cutlass.range_constexpr(k_blocks):
+                    crd = (None, None, kb, read.index)
+                    cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                warpgroup.commit_group()
+                read.advance()
+                if kt > 0:
+                    warpgroup.wait_group(1)
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+            warpgroup.wait_group(0)
+            ab_pipe.consumer_release(release)
+            release.advance()
+
+            # ---- epilogue, one sub-tile at a time.
+            gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
+            cD_tile = cD[(None, None, *tile)]
+            bSG_sD, bSG_gD = cpasync.tma_partition(
+                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
+            )
+            gC_tile = None
+            if cutlass.const_expr(self.has_c):
+                gC_tile = gC[(None, None, *tile)]
+            subs_mn = gD_tile.shape[1]
+            sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
+            num_subs = cute.size(sub_order)
+            done = sched.num_tiles_executed * num_subs
+            for s in cutlass.range_constexpr(num_subs):
+                for v in cutlass.range_constexpr(sub_size):
+                    sub_acc[v] = tRS_acc[s * sub_size + v]
+                sub_crd = sub_order.get_hier_coord(s)
+                vals = sub_acc.load()
+                if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
+                    vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
+                sub_out.store(vals.to(self.d_dtype))
+                buf = (done + s) % self.epi_stages
+                cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_barrier.arrive_and_wait()
+                if warp == store_warp:
+                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, sub_crd)])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                epi_barrier.arrive_and_wait()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        store_pipe.producer_tail()
+
+    @cute.jit
+    def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD):
+        """alpha, beta * C, bias and activation on one sub-tile's registers.
+
+        `coords` is the register->shared copy's destination view of the output coordinates,
+        so its i-th element is where register i lands (copies pair elements in flat order).
+        """
+        coords = thr_r2s.partition_D(cute.local_tile(cD_tile, self.epi_tile, sub_crd))
+        n_vals = cute.size(coords)
+        c_vals = None
+        bias_vals = None
+        if cutlass.const_expr(self.has_c):
+            src = thr_r2s.partition_D(cute.local_tile(gC_tile, self.epi_tile, sub_crd))
+            rc = cute.make_rmem_tensor(vals.shape, src.element_type)
+            rc.fill(0.0)
+            for i in cutlass.range_constexpr(n_vals):
+                if cute.elem_less(coords[i], mD.shape):
+                    rc[i] = src[i]
+            c_vals = rc.load()
+        if cutlass.const_expr(self.has_bias):
+            rb = cute.make_rmem_tensor(vals.shape, mBias.element_type)
+            rb.fill(0.0)
+            for i in cutlass.range_constexpr(n_vals):
+                if cute.elem_less(coords[i], mD.shape):
+                    rb[i] = mBias[coords[i][1]]
+            bias_vals = rb.load()
+        return common.apply_epilogue(
+            vals,
+            c_vals,
+            bias_vals,
+            alpha=self.spec.alpha,
+            beta=self.spec.beta,
+            activation=self.spec.activation,
+        )
