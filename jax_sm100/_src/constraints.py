@@ -13,7 +13,10 @@ import numpy as np
 ARCHS = ("sm_100a", "sm_90a")
 
 # Bits per element of the dtypes the primitive accepts (ml_dtypes names, as `np.dtype(x).name`).
+# float64 runs on XLA's dot only (no tensor-core kernel takes it); it is there for float64
+# programs and for numerically checked gradients.
 DTYPE_BITS = {
+    "float64": 64,
     "bfloat16": 16,
     "float16": 16,
     "float32": 32,
