@@ -1,0 +1,865 @@
+"""The SM100 (Blackwell, tcgen05) GEMM family: persistent, warp-specialised, TMEM accumulators.
+
+One kernel class, `Sm100GemmKernel`, compiled from a `GemmPlan` (planning.py) and a `KernelSpec`
+(spec.py). The plan fixes every tiling and pipelining number; this module only turns those numbers
+into CuTe layouts, TMA atoms and a warp-specialised device program, and refuses (in
+`can_implement`) a plan it cannot honour rather than re-deciding it.
+
+Warp roles inside one CTA (192 threads, 224 when a source C is read):
+
+    warps 0-3  epilogue: TMEM -> registers (tcgen05.ld), fused epilogue math, registers -> SMEM,
+               TMA store of D; warp 0 also allocates and frees the TMEM accumulators
+    warp 4     MMA: issues tcgen05.mma (cta_group::1, or cta_group::2 from the leader CTA of a
+               pair) into one of `num_acc_stages` TMEM accumulators
+    warp 5     producer: TMA loads of A and B tiles into `num_ab_stages` SMEM stages, multicast
+               across the cluster where the plan's cluster shape allows
+    warp 6     C producer (only with a source C): TMA loads of C epilogue subtiles
+
+All roles walk the same static persistent tile schedule, so the epilogue of tile i overlaps the
+MMA of tile i+1 whenever the plan gives two or more accumulator stages.
+
+Every mbarrier transaction count is read off the TMA atom that moves the bytes (`_tma_tx_bytes`),
+and the TMEM allocation is the plan's `tmem_alloc_cols`, checked against the accumulator layout.
+"""
+
+import math
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+
+from jax_sm100._src import constraints
+from jax_sm100._src.kernels import common
+from jax_sm100._src.kernels.spec import KernelSpec
+
+_FP8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
+
+_WARP = 32
+_EPI_WARPS = (0, 1, 2, 3)
+_MMA_WARP = 4
+_AB_LOAD_WARP = 5
+_C_LOAD_WARP = 6
+
+# Named-barrier ids; 0 is __syncthreads.
+_EPI_BARRIER = 1
+_TMEM_PTR_BARRIER = 2
+
+_SMEM_ALIGN = 1024  # 128B-swizzled SMEM tiles want 1024-byte aligned bases.
+_SM100_SMEM_BYTES = 232448
+
+
+def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:
+    """Bytes one `cute.copy(atom, ..., smem_dst)` lands on the mbarrier it names.
+
+    `smem_dst` is one stage of the TMA-partitioned SMEM tensor, ((box values, boxes)): the copy
+    issues one TMA instruction per box. The atom's value layout is (CTAs, box values); with
+    cta_group::2 both CTAs of a pair signal the leader's barrier, so the CTA count multiplies in.
+    Multicast needs no term: each receiving CTA gets the whole box, whoever issued its slices.
+    Reading this off the atom and its partition keeps one source of truth for the byte count.
+    """
+    box = cute.size(atom.layout_dst_tv, mode=[1])
+    values = cute.size(smem_dst)
+    if values % box:
+        raise ValueError(f"a TMA stage of {values} values is not whole boxes of {box}")
+    return cute.size(atom.thr_id) * values * atom.value_type.width // 8
+
+
+def _group_mma_modes(t: cute.Tensor) -> cute.Tensor:
+    """((atom_m, atom_n), rest_m, rest_n, *more) -> ((atom_m, rest_m), (atom_n, rest_n), *more).
+
+    `partition_C` keeps the MMA atom's values in mode 0; the epilogue wants plain M and N modes
+    so that it can divide them by the epilogue subtile.
+    """
+    lay = t.layout
+    outer = lay.outer if isinstance(lay, cute.ComposedLayout) else lay
+    (am, an), rm, rn, *more = outer.shape
+    (sam, san), srm, srn, *more_s = outer.stride
+    regrouped = cute.make_layout(
+        ((am, rm), (an, rn), *more), stride=((sam, srm), (san, srn), *more_s)
+    )
+    if isinstance(lay, cute.ComposedLayout):
+        regrouped = cute.make_composed_layout(lay.inner, lay.offset, regrouped)
+    return cute.make_tensor(t.iterator, regrouped)
+
+
+class Sm100GemmKernel:
+    """`d = act(alpha * (a @ b) + beta * c + bias)` on SM100 with tcgen05.mma, one plan at a time.
+
+    Operand modes follow spec.py: a (M, K, L), b (N, K, L), d and c (M, N, L) N-major, bias (N,).
+
+    Example:
+        kernel = Sm100GemmKernel(plan, spec)
+        compiled = cute.compile(kernel, a, b, d, None, None, stream)
+    """
+
+    def __init__(self, plan: Any, spec: KernelSpec):
+        if not self.can_implement(plan, spec):
+            raise ValueError(
+                f"Sm100GemmKernel cannot implement {plan=} with {spec=}: {_why_not(plan, spec)}"
+            )
+        self.plan = plan
+        self.spec = spec
+        self.a_dtype = common.cutlass_dtype(spec.a_dtype)
+        self.b_dtype = common.cutlass_dtype(spec.b_dtype)
+        self.d_dtype = common.cutlass_dtype(spec.out_dtype)
+        self.c_dtype = common.cutlass_dtype(spec.c_dtype) if spec.has_c else None
+        self.bias_dtype = common.cutlass_dtype(spec.bias_dtype) if spec.has_bias else None
+        self.acc_dtype = cutlass.Float32
+        self.a_major = OperandMajorMode.K if spec.a_major == "k" else OperandMajorMode.MN
+        self.b_major = OperandMajorMode.K if spec.b_major == "k" else OperandMajorMode.MN
+
+        self.use_2cta = bool(plan.use_2cta)
+        self.cta_group = tcgen05.CtaGroup.TWO if self.use_2cta else tcgen05.CtaGroup.ONE
+        self.mma_tiler = tuple(plan.mma_tiler_mnk)
+        self.cta_tile = tuple(plan.cta_tile_mnk)
+        self.cluster_shape_mn = tuple(plan.cluster_shape_mn)
+        self.epi_tile_mn = tuple(plan.epi_tile)
+        self.num_ab_stages = plan.num_ab_stages
+        self.num_acc_stages = plan.num_acc_stages
+        self.num_epi_stages = plan.num_epi_stages
+        self.tmem_alloc_cols = plan.tmem_alloc_cols
+        # Clusters that fit the machine at one CTA per SM; the grid never launches more.
+        self.max_active_clusters = max(1, plan.num_sms // math.prod(self.cluster_shape_mn))
+
+        roles = (*_EPI_WARPS, _MMA_WARP, _AB_LOAD_WARP) + ((_C_LOAD_WARP,) if spec.has_c else ())
+        self.threads_per_cta = _WARP * len(roles)
+
+    # -------------------------------------------------------------------------------- setup
+
+    def _setup(self):
+        """Derive every CuTe object the host and device code share (needs a trace)."""
+        self.tiled_mma = utils.sm100.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            self.a_major,
+            self.b_major,
+            self.acc_dtype,
+            self.cta_group,
+            self.mma_tiler[:2],
+        )
+        mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        if self.mma_tiler[2] % mma_k:
+            raise ValueError(f"plan K tile {self.mma_tiler[2]} is not a multiple of {mma_k=}")
+        self.cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma.thr_id.shape,)
+        )
+        self.mcast_ctas_a = cute.size(self.cluster_layout_vmnk.shape[2])
+        self.mcast_ctas_b = cute.size(self.cluster_layout_vmnk.shape[1])
+
+        self.a_smem_staged = utils.sm100.make_smem_layout_a(
+            self.tiled_mma, self.mma_tiler, self.a_dtype, self.num_ab_stages
+        )
+        self.b_smem_staged = utils.sm100.make_smem_layout_b(
+            self.tiled_mma, self.mma_tiler, self.b_dtype, self.num_ab_stages
+        )
+
+        # The plan's (tile_m, tile_n) subtile, strided across the warps that share the TMEM
+        # lanes: with 2-CTA and 64-row CTA tiles the 4 epilogue warps form a 2x2 grid.
+        tile_m, tile_n = self.epi_tile_mn
+        warp_n = 2 if (self.use_2cta and self.cta_tile[0] == 64) else 1
+        self.epi_tile = (
+            cute.make_layout(tile_m),
+            cute.coalesce(
+                cute.make_layout((tile_n // warp_n, warp_n), stride=(1, self.cta_tile[1] // warp_n))
+            ),
+        )
+        self.d_layout = utils.LayoutEnum.ROW_MAJOR
+        self.d_smem_staged = utils.sm100.make_smem_layout_epi(
+            self.d_dtype, self.d_layout, self.epi_tile, self.num_epi_stages
+        )
+        self.c_smem_staged = None
+        if self.spec.has_c:
+            self.c_smem_staged = utils.sm100.make_smem_layout_epi(
+                self.c_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_epi_stages
+            )
+
+        acc_shape = self.tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        self.acc_fragment = self.tiled_mma.make_fragment_C(
+            cute.append(acc_shape, self.num_acc_stages)
+        )
+        needed = utils.sm100.get_num_tmem_alloc_cols(self.acc_fragment)
+        if needed > self.tmem_alloc_cols:
+            raise ValueError(
+                f"plan.tmem_alloc_cols={self.tmem_alloc_cols} is below the {needed} columns that "
+                f"{self.num_acc_stages} accumulator stages of {self.mma_tiler[:2]} occupy"
+            )
+
+        self.shared_storage = self._make_shared_storage()
+        if self.shared_storage.size_in_bytes() > _SM100_SMEM_BYTES:
+            raise ValueError(
+                f"SMEM for plan stages is {self.shared_storage.size_in_bytes()} bytes, above "
+                f"the {_SM100_SMEM_BYTES} an SM100 CTA may use ({self.plan.smem_bytes=})"
+            )
+
+    def _make_shared_storage(self):
+        ab_stages, acc_stages, epi_stages = (
+            self.num_ab_stages,
+            self.num_acc_stages,
+            self.num_epi_stages,
+        )
+        c_stages = epi_stages if self.spec.has_c else 0
+        c_dtype = self.c_dtype if self.spec.has_c else self.d_dtype
+        c_elems = cute.cosize(self.c_smem_staged.outer) if self.spec.has_c else 0
+
+        @cute.struct
+        class SharedStorage:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * ab_stages]
+            acc_barriers: cute.struct.MemRange[cutlass.Int64, 2 * acc_stages]
+            c_barriers: cute.struct.MemRange[cutlass.Int64, 2 * max(c_stages, 1)]
+            tmem_dealloc_barrier: cutlass.Int64
+            tmem_base: cutlass.Int32
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged.outer)],
+                _SMEM_ALIGN,
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged.outer)],
+                _SMEM_ALIGN,
+            ]
+            sD: cute.struct.Align[
+                cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged.outer)],
+                _SMEM_ALIGN,
+            ]
+            sC: cute.struct.Align[cute.struct.MemRange[c_dtype, max(c_elems, 1)], _SMEM_ALIGN]
+
+        return SharedStorage
+
+    # ------------------------------------------------------------------------------ host side
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        d: cute.Tensor,
+        c: cute.Tensor | None,
+        bias: cute.Tensor | None,
+        stream,
+    ):
+        """Build the TMA atoms and the tile schedule for these operands, then launch."""
+        self._setup()
+        mma = self.tiled_mma
+
+        # tf32 MMAs read fp32 operands; the TMA moves them as 32-bit values either way.
+        a_internal = cutlass.TFloat32 if self.a_dtype is cutlass.Float32 else None
+        b_internal = cutlass.TFloat32 if self.b_dtype is cutlass.Float32 else None
+        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            utils.sm100.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, mma.thr_id),
+            a,
+            cute.slice_(self.a_smem_staged, (None, None, None, 0)),
+            self.mma_tiler,
+            mma,
+            self.cluster_layout_vmnk.shape,
+            internal_type=a_internal,
+        )
+        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            utils.sm100.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, mma.thr_id),
+            b,
+            cute.slice_(self.b_smem_staged, (None, None, None, 0)),
+            self.mma_tiler,
+            mma,
+            self.cluster_layout_vmnk.shape,
+            internal_type=b_internal,
+        )
+
+        tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            d,
+            cute.slice_(self.d_smem_staged, (None, None, 0)),
+            self.epi_tile,
+        )
+        tma_atom_c, tma_c = None, None
+        if cutlass.const_expr(self.spec.has_c):
+            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(),
+                c,
+                cute.slice_(self.c_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
+
+        # Bias is indexed by N only: view it as an (M, N, L) tensor with zero M and L strides so
+        # the epilogue partitions it exactly like D.
+        bias_mnl = None
+        if cutlass.const_expr(self.spec.has_bias):
+            bias_mnl = cute.make_tensor(
+                bias.iterator,
+                cute.make_layout((d.shape[0], d.shape[1], d.shape[2]), stride=(0, 1, 0)),
+            )
+
+        tiles_mnl = cute.ceil_div(
+            (d.shape[0], d.shape[1], d.shape[2]), (self.cta_tile[0], self.cta_tile[1], 1)
+        )
+        sched_params = utils.PersistentTileSchedulerParams(
+            tiles_mnl,
+            (*self.cluster_shape_mn, 1),
+            swizzle_size=self.plan.swizzle_size,
+            raster_along_m=self.plan.raster_along_m,
+        )
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(
+            sched_params, self.max_active_clusters
+        )
+
+        self.device_kernel(
+            mma,
+            tma_atom_a,
+            tma_a,
+            tma_atom_b,
+            tma_b,
+            tma_atom_d,
+            tma_d,
+            tma_atom_c,
+            tma_c,
+            bias_mnl,
+            d,
+            sched_params,
+            self.cluster_layout_vmnk,
+            self.a_smem_staged,
+            self.b_smem_staged,
+            self.d_smem_staged,
+            self.c_smem_staged,
+            self.epi_tile,
+        ).launch(
+            grid=grid,
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            stream=stream,
+        )
+
+    # ---------------------------------------------------------------------------- device side
+
+    @cute.kernel
+    def device_kernel(
+        self,
+        mma: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        tma_atom_c: cute.CopyAtom | None,
+        mC: cute.Tensor | None,
+        mBias: cute.Tensor | None,
+        d_in: cute.Tensor,
+        sched_params: utils.PersistentTileSchedulerParams,
+        cluster: cute.Layout,
+        a_smem_staged: cute.ComposedLayout,
+        b_smem_staged: cute.ComposedLayout,
+        d_smem_staged: cute.ComposedLayout,
+        c_smem_staged: cute.ComposedLayout | None,
+        epi_tile: cute.Tile,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        pair = cute.size(mma.thr_id.shape)  # 2 with cta_group::2, else 1
+
+        if warp == _AB_LOAD_WARP:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+        if warp == _EPI_WARPS[0]:
+            cpasync.prefetch_descriptor(tma_atom_d)
+        if cutlass.const_expr(self.spec.has_c):
+            if warp == _C_LOAD_WARP:
+                cpasync.prefetch_descriptor(tma_atom_c)
+
+        bidx, _, _ = cute.arch.block_idx()
+        peer = bidx % pair  # this CTA's half of a cta_group::2 pair
+        is_leader = peer == 0
+        rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        coord_vmnk = cluster.get_flat_coord(rank_in_cluster)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+
+        # Global tiles, then this CTA's share of each MMA tile.
+        thr_mma = mma.get_slice(peer)
+        gA = cute.local_tile(mA, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        gB = cute.local_tile(mB, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        gD = cute.local_tile(mD, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
+        tCgA = thr_mma.partition_A(gA)
+        tCgB = thr_mma.partition_B(gB)
+        tCgD = thr_mma.partition_C(gD)
+        k_tiles = cute.size(gA, mode=[3])
+
+        # TMA views: ((box values, boxes), stage) in SMEM and ((...), tile m|n, k, l) in GMEM.
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a,
+            coord_vmnk[2],
+            cute.make_layout(cute.slice_(cluster, (0, 0, None, 0)).shape),
+            cute.group_modes(sA, 0, 3),
+            cute.group_modes(tCgA, 0, 3),
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b,
+            coord_vmnk[1],
+            cute.make_layout(cute.slice_(cluster, (0, None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 3),
+            cute.group_modes(tCgB, 0, 3),
+        )
+        # A/B ring: the TMA warp produces; every MMA warp that reads a stage (the multicast
+        # peers along M and N, counted once) must release it before it is refilled.
+        ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_barriers.data_ptr(),
+            num_stages=self.num_ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.mcast_ctas_a + self.mcast_ctas_b - 1
+            ),
+            tx_count=_tma_copy_bytes(tma_atom_a, tAsA[(None, 0)])
+            + _tma_copy_bytes(tma_atom_b, tBsB[(None, 0)]),
+            cta_layout_vmnk=cluster,
+            defer_sync=True,
+        ).make_participants()
+
+        # Accumulator ring in TMEM: the MMA warp produces, every epilogue thread of the pair
+        # consumes.
+        acc_pipe = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_barriers.data_ptr(),
+            num_stages=self.num_acc_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(_EPI_WARPS) * pair),
+            cta_layout_vmnk=cluster,
+            defer_sync=True,
+        )
+
+        c_pipe = None
+        sC, bGS_sC, bGS_gC = None, None, None
+        if cutlass.const_expr(self.spec.has_c):
+            sC = storage.sC.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
+            tCgC = thr_mma.partition_C(
+                cute.local_tile(
+                    mC, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+                )
+            )
+            bGS_sC, bGS_gC = cpasync.tma_partition(
+                tma_atom_c,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sC, 0, 2),
+                cute.group_modes(cute.flat_divide(_group_mma_modes(tCgC), epi_tile), 0, 2),
+            )
+            # Source-C ring, local to the CTA: one releasing lane per epilogue warp.
+            c_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.c_barriers.data_ptr(),
+                num_stages=self.num_epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(_EPI_WARPS)),
+                tx_count=_tma_copy_bytes(tma_atom_c, bGS_sC[(None, 0)]),
+                defer_sync=True,
+            )
+
+        tmem = utils.TmemAllocator(
+            storage.tmem_base.ptr,
+            barrier_for_retrieve=pipeline.NamedBarrier(
+                barrier_id=_TMEM_PTR_BARRIER, num_threads=_WARP * (len(_EPI_WARPS) + 1)
+            ),
+            allocator_warp_id=_EPI_WARPS[0],
+            is_two_cta=pair == 2,
+            two_cta_tmem_dealloc_mbar_ptr=storage.tmem_dealloc_barrier.ptr,
+        )
+
+        # Barriers are initialised; peers must see that before anyone signals across the cluster.
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster, is_relaxed=True)
+
+        acc_shape = mma.partition_shape_C(self.mma_tiler[:2])
+        acc_layout = mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stages)).layout
+
+        # Pipeline init must be visible cluster-wide before the first TMA or MMA signal.
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster)
+
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sched.initial_work_tile_info()
+
+        # ----------------------------------------------------------- A/B TMA producer warp
+        if warp == _AB_LOAD_WARP:
+            # A tile is multicast to the CTAs of the cluster row that share its M coordinate, B
+            # to those sharing N; a 2-CTA pair always needs the mask, even in a 2x1 cluster.
+            mask_a, mask_b = None, None
+            if cutlass.const_expr(self.mcast_ctas_a > 1 or self.mcast_ctas_b > 1 or pair == 2):
+                mask_a = cpasync.create_tma_multicast_mask(cluster, coord_vmnk, mcast_mode=2)
+                mask_b = cpasync.create_tma_multicast_mask(cluster, coord_vmnk, mcast_mode=1)
+
+            while work.is_valid_tile:
+                tile = work.tile_idx
+                src_a = tAgA[(None, tile[0] // pair, None, tile[2])]
+                src_b = tBgB[(None, tile[1], None, tile[2])]
+                ab_producer.reset()
+                for _k in cutlass.range(k_tiles, unroll=1):
+                    slot = ab_producer.acquire_and_advance()
+                    cute.copy(
+                        tma_atom_a,
+                        src_a[(None, slot.count)],
+                        tAsA[(None, slot.index)],
+                        tma_bar_ptr=slot.barrier,
+                        mcast_mask=mask_a,
+                    )
+                    cute.copy(
+                        tma_atom_b,
+                        src_b[(None, slot.count)],
+                        tBsB[(None, slot.index)],
+                        tma_bar_ptr=slot.barrier,
+                        mcast_mask=mask_b,
+                    )
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            ab_producer.tail()
+
+        # ------------------------------------------------------------------ MMA warp
+        if warp == _MMA_WARP:
+            tCrA = mma.make_fragment_A(sA)
+            tCrB = mma.make_fragment_B(sB)
+            tmem.wait_for_alloc()
+            acc = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), acc_layout)
+            acc_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.num_acc_stages
+            )
+            k_blocks = cute.size(tCrA, mode=[2])
+            while work.is_valid_tile:
+                acc_stage = acc[(None, None, None, acc_state.index)]
+                ab_consumer.reset()
+                # Only the leader of a pair issues cta_group::2 MMAs; its peer idles here.
+                if is_leader:
+                    acc_pipe.producer_acquire(acc_state)
+                    mma.set(tcgen05.Field.ACCUMULATE, False)
+                    for _k in cutlass.range(k_tiles, unroll=1):
+                        slot = ab_consumer.wait_and_advance()
+                        for kb in cutlass.range(k_blocks, unroll_full=True):
+                            cute.gemm(
+                                mma,
+                                acc_stage,
+                                tCrA[(None, None, kb, slot.index)],
+                                tCrB[(None, None, kb, slot.index)],
+                                acc_stage,
+                            )
+                            mma.set(tcgen05.Field.ACCUMULATE, True)
+                        slot.release()
+                    acc_pipe.producer_commit(acc_state)
+                acc_state.advance()
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            acc_pipe.producer_tail(acc_state)
+
+        # ----------------------------------------------------------- C TMA producer warp
+        if cutlass.const_expr(self.spec.has_c):
+            if warp == _C_LOAD_WARP:
+                c_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_epi_stages
+                )
+                while work.is_valid_tile:
+                    tile = work.tile_idx
+                    src = bGS_gC[(None, None, None, tile[0] // pair, tile[1], tile[2])]
+                    src = cute.group_modes(src, 1, cute.rank(src))
+                    for sub in cutlass.range(cute.size(src, mode=[1]), unroll=1):
+                        c_pipe.producer_acquire(c_state)
+                        cute.copy(
+                            tma_atom_c,
+                            src[(None, sub)],
+                            bGS_sC[(None, c_state.index)],
+                            tma_bar_ptr=c_pipe.producer_get_barrier(c_state),
+                        )
+                        c_state.advance()
+                    sched.advance_to_next_work()
+                    work = sched.get_current_work()
+                c_pipe.producer_tail(c_state)
+
+        # ------------------------------------------------------------------ epilogue warps
+        if warp < _MMA_WARP:
+            tmem.allocate(self.tmem_alloc_cols)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            acc = _group_mma_modes(cute.make_tensor(tmem_ptr, acc_layout))
+            self._epilogue(
+                tidx,
+                warp,
+                acc,
+                acc_pipe,
+                sD,
+                tma_atom_d,
+                _group_mma_modes(tCgD),
+                sC,
+                c_pipe,
+                mBias,
+                d_in,
+                thr_mma,
+                sched,
+                work,
+                pair,
+                epi_tile,
+            )
+            tmem.relinquish_alloc_permit()
+            tmem.free(tmem_ptr)
+
+    @cute.jit
+    def _epilogue(
+        self,
+        tidx,
+        warp,
+        acc: cute.Tensor,
+        acc_pipe,
+        sD: cute.Tensor,
+        tma_atom_d: cute.CopyAtom,
+        tDgD: cute.Tensor,
+        sC,
+        c_pipe,
+        mBias,
+        d_in: cute.Tensor,
+        thr_mma,
+        sched,
+        work,
+        pair,
+        epi_tile,
+    ):
+        """TMEM -> registers -> fused math -> SMEM -> TMA store, one epilogue subtile at a time."""
+        t2r_atom = utils.sm100.get_tmem_load_op(
+            self.cta_tile,
+            self.d_layout,
+            self.d_dtype,
+            self.acc_dtype,
+            epi_tile,
+            self.use_2cta,
+        )
+        # (EPI_M, EPI_N, n_epi_m, n_epi_n, ACC_STAGE)
+        acc_epi = cute.flat_divide(acc, epi_tile)
+        t2r = tcgen05.make_tmem_copy(t2r_atom, acc_epi[(None, None, 0, 0, 0)])
+        thr_t2r = t2r.get_slice(tidx)
+        tTR_tAcc = thr_t2r.partition_S(acc_epi)
+        gD_epi = cute.flat_divide(tDgD, epi_tile)
+        tTR_gD = thr_t2r.partition_D(gD_epi)
+        tTR_rAcc = cute.make_rmem_tensor(
+            tTR_gD[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype
+        )
+
+        r2s = cute.make_tiled_copy_D(
+            utils.sm100.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype, t2r), t2r
+        )
+        thr_r2s = r2s.get_slice(tidx)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_rD = cute.make_rmem_tensor(r2s.retile(tTR_rAcc).shape, self.d_dtype)
+
+        bSG_sD, bSG_gD = cpasync.tma_partition(
+            tma_atom_d,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sD, 0, 2),
+            cute.group_modes(gD_epi, 0, 2),
+        )
+
+        if cutlass.const_expr(self.spec.has_c):
+            s2r = cute.make_tiled_copy_D(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype), t2r
+            )
+            tSR_sC = s2r.get_slice(tidx).partition_D(sC)
+            tSR_rC = cute.make_rmem_tensor(r2s.retile(tTR_rAcc).shape, self.c_dtype)
+            c_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_epi_stages
+            )
+
+        if cutlass.const_expr(self.spec.has_bias):
+            # Bias goes through the same partition as D; the coordinates of D say which
+            # columns exist (the last N tile may be ragged).
+            tBgBias = thr_t2r.partition_D(
+                cute.flat_divide(
+                    _group_mma_modes(
+                        thr_mma.partition_C(
+                            cute.local_tile(
+                                mBias,
+                                cute.slice_(self.mma_tiler, (None, None, 0)),
+                                (None, None, None),
+                            )
+                        )
+                    ),
+                    epi_tile,
+                )
+            )
+            tBcD = thr_t2r.partition_D(
+                cute.flat_divide(
+                    _group_mma_modes(
+                        thr_mma.partition_C(
+                            cute.local_tile(
+                                cute.make_identity_tensor(d_in.shape),
+                                cute.slice_(self.mma_tiler, (None, None, 0)),
+                                (None, None, None),
+                            )
+                        )
+                    ),
+                    epi_tile,
+                )
+            )
+            tRrBias = cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype)
+            n_extent = d_in.shape[1]
+
+        store_barrier = pipeline.NamedBarrier(
+            barrier_id=_EPI_BARRIER, num_threads=_WARP * len(_EPI_WARPS)
+        )
+        d_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.num_epi_stages,
+            producer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, _WARP * len(_EPI_WARPS)
+            ),
+        )
+        acc_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer, self.num_acc_stages
+        )
+        d_stage = cutlass.Int32(0)
+
+        while work.is_valid_tile:
+            tile = work.tile_idx
+            mma_tile = (tile[0] // pair, tile[1], tile[2])
+            src = tTR_tAcc[(None, None, None, None, None, acc_state.index)]
+            src = cute.group_modes(src, 3, cute.rank(src))
+            dst = bSG_gD[(None, None, None, *mma_tile)]
+            dst = cute.group_modes(dst, 1, cute.rank(dst))
+            if cutlass.const_expr(self.spec.has_bias):
+                bias_src = tBgBias[(None, None, None, None, None, *mma_tile)]
+                bias_src = cute.group_modes(bias_src, 3, cute.rank(bias_src))
+                coords = tBcD[(None, None, None, None, None, *mma_tile)]
+                coords = cute.group_modes(coords, 3, cute.rank(coords))
+
+            acc_pipe.consumer_wait(acc_state)
+            num_sub = cute.size(src, mode=[3])
+            for sub in cutlass.range(num_sub):
+                cute.copy(t2r, src[(None, None, None, sub)], tTR_rAcc)
+                if sub == num_sub - 1:
+                    # The whole accumulator is in registers: hand the TMEM stage back to the
+                    # MMA warp before doing the math, so the next tile's MMAs can start.
+                    cute.arch.fence_view_async_tmem_load()
+                    with cute.arch.elect_one():
+                        acc_pipe.consumer_release(acc_state)
+                    acc_state.advance()
+
+                c_vec, bias_vec = None, None
+                if cutlass.const_expr(self.spec.has_c):
+                    c_pipe.consumer_wait(c_state)
+                    cute.autovec_copy(tSR_sC[(None, None, None, c_state.index)], tSR_rC)
+                    # The slot is refilled by TMA (async proxy) after this generic-proxy read.
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    c_pipe.consumer_release(c_state)
+                    c_state.advance()
+                    c_vec = tSR_rC.load()
+                if cutlass.const_expr(self.spec.has_bias):
+                    b_view = bias_src[(None, None, None, sub)]
+                    c_view = coords[(None, None, None, sub)]
+                    for i in cutlass.range_constexpr(cute.size(tRrBias)):
+                        tRrBias[i] = cutlass.Float32(0.0)
+                        if c_view[i][1] < n_extent:
+                            tRrBias[i] = b_view[i].to(self.acc_dtype)
+                    bias_vec = r2s.retile(tRrBias).load()
+                v = common.apply_epilogue(
+                    r2s.retile(tTR_rAcc).load(),
+                    c_vec,
+                    bias_vec,
+                    alpha=self.spec.alpha,
+                    beta=self.spec.beta,
+                    activation=self.spec.activation,
+                )
+                tRS_rD.store(v.to(self.d_dtype))
+
+                cute.copy(r2s, tRS_rD, tRS_sD[(None, None, None, d_stage)])
+                # Generic-proxy SMEM writes must be visible to the async (TMA) proxy.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                store_barrier.arrive_and_wait()
+                if warp == _EPI_WARPS[0]:
+                    cute.copy(tma_atom_d, bSG_sD[(None, d_stage)], dst[(None, sub)])
+                    d_pipe.producer_commit()
+                    d_pipe.producer_acquire()
+                store_barrier.arrive_and_wait()
+                d_stage = (d_stage + 1) % self.num_epi_stages
+
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+
+        d_pipe.producer_tail()
+
+    # ----------------------------------------------------------------------------- legality
+
+    @staticmethod
+    def can_implement(plan: Any, spec: KernelSpec) -> bool:
+        """Whether this kernel compiles `plan` for `spec` as given (it never adjusts a plan)."""
+        return _why_not(plan, spec) is None
+
+
+def _why_not(plan: Any, spec: KernelSpec) -> str | None:
+    """The first reason `Sm100GemmKernel` cannot take (plan, spec), or None.
+
+    The hardware rules (MMA shape, cluster, TMEM, SMEM) live in constraints.py and are re-run
+    here on the plan as given, since `dataclasses.replace` on a plan is how tests force shapes;
+    what is checked locally is only what this kernel adds: an sm100 plan whose dtypes and
+    layouts agree with the spec, and the epilogue dtypes it can read and write.
+    """
+    if plan.arch != "sm_100a" or plan.kernel != "sm100_tcgen05":
+        return f"{plan.arch=}, {plan.kernel=}: not an sm100_tcgen05 plan"
+    for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
+        if getattr(plan, field) != getattr(spec, field):
+            return (
+                f"plan.{field}={getattr(plan, field)!r} but spec.{field}={getattr(spec, field)!r}"
+            )
+    ops = constraints.KERNEL_OPERAND_DTYPES["sm_100a"]
+    if spec.a_dtype not in ops or spec.b_dtype not in ops:
+        return f"{spec.a_dtype=}, {spec.b_dtype=}: operands must be in {ops}"
+    if spec.a_dtype != spec.b_dtype and not {spec.a_dtype, spec.b_dtype} <= _FP8:
+        return f"{spec.a_dtype=} != {spec.b_dtype=}: only fp8 operands may mix"
+    outs = constraints.KERNEL_OUT_DTYPES
+    for field in ("out_dtype", "c_dtype", "bias_dtype"):
+        value = getattr(spec, field)
+        if value is not None and value not in outs:
+            return f"spec.{field}={value!r} must be one of {outs}"
+    if plan.split_k != 1:
+        return f"{plan.split_k=}: the SM100 family has no split-K"
+    try:
+        constraints.check_mma_tiler("sm_100a", plan.mma_tiler_mnk, plan.use_2cta, spec.a_dtype)
+        constraints.check_cluster("sm_100a", plan.cluster_shape_mn, plan.use_2cta)
+        constraints.check_tmem(plan.tmem_alloc_cols)
+        constraints.check_ab_stages(plan.num_ab_stages)
+    except constraints.PlanError as e:
+        return str(e)
+    if plan.acc_tmem_cols_per_stage * plan.num_acc_stages > plan.tmem_alloc_cols:
+        return (
+            f"{plan.num_acc_stages=} x {plan.acc_tmem_cols_per_stage=} exceed "
+            f"{plan.tmem_alloc_cols=}"
+        )
+    if plan.num_epi_stages < 1 or plan.num_acc_stages < 1:
+        return f"{plan.num_epi_stages=} and {plan.num_acc_stages=} must be at least 1"
+    return None
+
+
+def compile_sm100(plan: Any, spec: KernelSpec | None = None):
+    """Compile the SM100 GEMM a plan selects, for sm_100a, with symbolic problem sizes.
+
+    Runs on a machine without a GPU. The PTX and cubin are kept when `CUTE_DSL_KEEP` names them
+    (see compile.py), and are then on the returned object's `__ptx__` and `__cubin__`.
+
+    Args:
+      plan: a `GemmPlan` with `arch == "sm_100a"` and `kernel == "sm100_tcgen05"`.
+      spec: layouts and epilogue; defaults to row-major operands of the plan's dtypes and no
+        epilogue extras.
+
+    Returns:
+      The DSL's compiled kernel object (`cute.compile`'s result).
+
+    Raises:
+      ValueError: the kernel cannot implement this plan and spec (the message says why).
+    """
+    from cutlass.cute.runtime import make_fake_stream
+
+    if spec is None:
+        spec = KernelSpec(
+            a_dtype=plan.a_dtype,
+            b_dtype=plan.b_dtype,
+            out_dtype=plan.out_dtype,
+            a_major=plan.a_major,
+            b_major=plan.b_major,
+            c_dtype=plan.c_dtype,
+        )
+    kernel = Sm100GemmKernel(plan, spec)
+    operands = common.make_fake_operands(plan, spec)
+    with common.target_arch("sm_100a"):
+        return cute.compile(kernel, *operands, make_fake_stream())
