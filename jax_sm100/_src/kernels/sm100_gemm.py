@@ -27,6 +27,7 @@ from typing import Any
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
@@ -455,7 +456,7 @@ class Sm100GemmKernel:
                 defer_sync=True,
             )
 
-        tmem = utils.TmemAllocator(
+        tmem = cutlass.memory.TmemAllocator(
             storage.tmem_base.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
                 barrier_id=_TMEM_PTR_BARRIER, num_threads=_WARP * (len(_EPI_WARPS) + 1)
@@ -654,11 +655,14 @@ class Sm100GemmKernel:
         )
 
         if cutlass.const_expr(self.spec.has_c):
+            # C is read into registers in the order the TMEM load left the accumulator in, so
+            # the same r2s retile lines C up with acc element for element.
             s2r = cute.make_tiled_copy_D(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype), t2r
             )
             tSR_sC = s2r.get_slice(tidx).partition_D(sC)
-            tSR_rC = cute.make_rmem_tensor(r2s.retile(tTR_rAcc).shape, self.c_dtype)
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
+            tSR_rC = s2r.retile(tTR_rC)
             c_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_epi_stages
             )
@@ -739,12 +743,12 @@ class Sm100GemmKernel:
                 c_vec, bias_vec = None, None
                 if cutlass.const_expr(self.spec.has_c):
                     c_pipe.consumer_wait(c_state)
-                    cute.autovec_copy(tSR_sC[(None, None, None, c_state.index)], tSR_rC)
+                    cute.copy(s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
                     # The slot is refilled by TMA (async proxy) after this generic-proxy read.
                     cute.arch.fence_proxy("async.shared", space="cta")
                     c_pipe.consumer_release(c_state)
                     c_state.advance()
-                    c_vec = tSR_rC.load()
+                    c_vec = r2s.retile(tTR_rC).load()
                 if cutlass.const_expr(self.spec.has_bias):
                     b_view = bias_src[(None, None, None, sub)]
                     c_view = coords[(None, None, None, sub)]
