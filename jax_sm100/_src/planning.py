@@ -76,9 +76,18 @@ def smem_capacity(arch: str) -> int:
 
 
 @functools.cache
+def _mlir_context():
+    """One MLIR context for the helpers that size tuples with cute.size, kept for the process:
+    contexts torn down while DSL objects still refer to them abort the interpreter."""
+    from cutlass._mlir import ir
+
+    return ir.Context()
+
+
+@functools.cache
 def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
-    import cutlass  # noqa: PLC0415
-    from cutlass._mlir import ir  # noqa: PLC0415
+    import cutlass
+    from cutlass._mlir import ir
 
     dtype = {
         "bfloat16": cutlass.BFloat16,
@@ -86,9 +95,9 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
         "float32": cutlass.Float32,
         "float8_e4m3fn": cutlass.Float8E4M3FN,
         "float8_e5m2": cutlass.Float8E5M2,
-    }[out_dtype]
-    # The helper sizes its tuple with cute.size, which needs an MLIR context (no kernel trace).
-    with ir.Context(), ir.Location.unknown():
+    }.get(out_dtype, cutlass.Float32)  # float64 plans run on XLA's dot; any tile will do
+    ctx = _mlir_context()
+    with ctx, ir.Location.unknown(ctx):
         tile = _dsl().sm90.compute_tile_shape_or_override((cta_m, cta_n, 64), dtype, cta_m > 64)
     return int(tile[0]), int(tile[1])
 

@@ -1,0 +1,221 @@
+"""The planner: invariants over a grid of problems, the DSL helpers' worked examples, edits."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import cutlass.utils as cu
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import constraints as C
+from jax_sm100._src import planning
+
+SHAPES = [
+    (1, 1, 1),
+    (64, 4096, 4096),
+    (128, 128, 128),
+    (256, 8192, 8192),
+    (1000, 1000, 1000),
+    (2048, 2048, 2048),
+    (4096, 14336, 4096),
+    (8192, 8192, 8192),
+    (16384, 4096, 4096),
+    (3, 5000, 77),
+]
+DTYPE_PAIRS = [
+    ("bfloat16", "bfloat16", None),
+    ("float16", "float16", "float16"),
+    ("float32", "float32", None),
+    ("float8_e4m3fn", "float8_e4m3fn", None),
+    ("float8_e5m2", "float8_e5m2", "bfloat16"),
+    ("bfloat16", "float16", None),
+    ("float64", "float64", None),
+]
+
+
+def _grid():
+    for arch, (m, n, k), (ad, bd, cd), b_major in itertools.product(
+        C.ARCHS, SHAPES, DTYPE_PAIRS, ("n", "k")
+    ):
+        yield arch, m, n, k, ad, bd, cd, b_major
+
+
+class PlannerInvariantsTest(parameterized.TestCase):
+    def test_grid(self):
+        count = 0
+        for arch, m, n, k, ad, bd, cd, b_major in _grid():
+            p = jax_sm100.plan(
+                m, n, k, a_dtype=ad, b_dtype=bd, c_dtype=cd, arch=arch, b_major=b_major
+            )
+            with self.subTest(plan=(arch, m, n, k, ad, bd, cd, b_major)):
+                self._check(p)
+            count += 1
+        self.assertGreater(count, 200)
+
+    def _check(self, p: planning.GemmPlan):
+        cta = p.cta_tile_mnk
+        out_bits = C.DTYPE_BITS[p.out_dtype]
+        c_bits = None if p.c_dtype is None else C.DTYPE_BITS[p.c_dtype]
+        if p.arch == "sm_100a":
+            # The epilogue subtile is the DSL helper's answer for this CTA tile (D, C N-major).
+            want = cu.sm100.compute_epilogue_tile_size(
+                cta[0], cta[1], p.use_2cta, out_bits, c_bits, False, False
+            )
+            self.assertEqual(p.epi_tile, tuple(want))
+            cols = cu.sm100.compute_acc_tmem_cols_per_stage(
+                cta[0], cta[1], p.use_2cta, p.mma_tiler_mnk[1], False
+            )
+            self.assertEqual(p.acc_tmem_cols_per_stage, cols)
+            # TMEM allocation legal: power of two in [32, 512], holding every stage.
+            t = p.tmem_alloc_cols
+            self.assertTrue(32 <= t <= 512 and t & (t - 1) == 0, t)
+            self.assertGreaterEqual(t, cols * p.num_acc_stages)
+            self.assertIn(p.num_acc_stages, (1, 2))
+            self.assertEqual(cta[0] * (2 if p.use_2cta else 1), p.mma_tiler_mnk[0])
+            if p.use_2cta:
+                self.assertEqual(p.cluster_shape_mn[0] % 2, 0)
+        else:
+            self.assertFalse(p.use_2cta)
+            self.assertEqual(p.tmem_alloc_cols, 0)
+        self.assertLessEqual(p.smem_bytes, planning.smem_capacity(p.arch))
+        self.assertGreaterEqual(p.num_ab_stages, 2)
+        # The planner fills shared memory: one more stage would not fit.
+        self.assertGreater(p.smem_bytes + p.ab_stage_bytes, planning.smem_capacity(p.arch))
+        self.assertEqual(cta[0] % p.epi_tile[0], 0)
+        self.assertEqual(cta[1] % p.epi_tile[1], 0)
+        why = C.kernel_support(
+            p.arch, p.m, p.n, p.k, p.a_dtype, p.b_dtype, p.out_dtype, p.c_dtype,
+            p.a_major, p.b_major,
+        )  # fmt: skip
+        self.assertEqual(p.kernel == planning.KERNEL_XLA, why is not None, p.reason)
+        if why is not None:
+            self.assertEqual(p.reason, why)
+        self.assertTrue(p.reason)
+
+    def test_kernel_choice(self):
+        bf = {"a_dtype": "bfloat16", "b_dtype": "bfloat16"}
+        self.assertEqual(jax_sm100.plan(8192, 8192, 8192, **bf).kernel, "sm100_tcgen05")
+        big = jax_sm100.plan(8192, 8192, 8192, **bf)
+        self.assertTrue(big.use_2cta)
+        self.assertEqual(big.mma_tiler_mnk, (256, 256, 64))
+        h = jax_sm100.plan(8192, 8192, 8192, arch="sm_90a", **bf)
+        self.assertEqual((h.kernel, h.cta_tile_mnk), ("sm90_wgmma", (128, 256, 64)))
+        skinny = jax_sm100.plan(64, 4096, 4096, arch="sm_90a", **bf)
+        self.assertEqual(skinny.kernel, "sm90_wgmma_splitk")
+        self.assertGreater(skinny.split_k, 1)
+        self.assertIn("split-K", skinny.reason)
+
+    def test_fallback_reasons(self):
+        odd = jax_sm100.plan(64, 64, 1001, a_dtype="bfloat16", b_dtype="bfloat16")
+        self.assertEqual(odd.kernel, "xla_dot")
+        self.assertIn("k=1001", odd.reason)
+        self.assertIn("multiple of 8", odd.reason)
+        mixed = jax_sm100.plan(64, 64, 64, a_dtype="bfloat16", b_dtype="float16")
+        self.assertIn("mixed operand dtypes", mixed.reason)
+        fp8 = jax_sm100.plan(64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+                             arch="sm_90a")  # fmt: skip
+        self.assertIn("K-major", fp8.reason)
+        fp8_t = jax_sm100.plan(64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+                               arch="sm_90a", b_major="k")  # fmt: skip
+        self.assertEqual(fp8_t.kernel, "sm90_wgmma")
+        self.assertEqual(fp8_t.mma_tiler_mnk[2], 128)
+
+
+class DslWorkedExamplesTest(parameterized.TestCase):
+    """The documented examples of the helpers the planner builds on."""
+
+    @parameterized.parameters(
+        ((128, 256, False, 16, None), (128, 32)),
+        ((128, 256, False, 16, 16), (128, 64)),
+        ((128, 128, False, 32, 32), (128, 16)),
+        ((64, 128, True, 16, None), (64, 64)),
+        ((128, 256, False, 4, None), (128, 64)),
+    )
+    def test_epilogue_tile_size(self, args, want):
+        self.assertEqual(tuple(cu.sm100.compute_epilogue_tile_size(*args)), want)
+
+    def test_plan_uses_them(self):
+        # CTA 128x256 with 16-bit D and no C: epilogue subtile (128, 32); with 16-bit C, n=64.
+        p = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16")
+        p = dataclasses.replace(p, mma_tiler_mnk=(128, 256, 64), use_2cta=False,
+                                cluster_shape_mn=(1, 1), num_ab_stages=3)  # fmt: skip
+        self.assertEqual(p.cta_tile_mnk, (128, 256, 64))
+        self.assertEqual(p.epi_tile, (128, 32))
+        with_c = dataclasses.replace(p, c_dtype="bfloat16")
+        self.assertEqual(with_c.epi_tile, (128, 64))
+
+    @parameterized.parameters(
+        ((128, 256, False, 256, False), 256),
+        ((64, 256, False, 128, False), 128),
+        ((64, 256, True, 256, False), 128),
+    )
+    def test_tmem_cols(self, args, want):
+        self.assertEqual(cu.sm100.compute_acc_tmem_cols_per_stage(*args), want)
+
+
+class PlanEditsTest(parameterized.TestCase):
+    def setUp(self):
+        super().setUp()
+        self.p = jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16")
+
+    def test_legal_edit_rederives(self):
+        q = dataclasses.replace(self.p, num_ab_stages=3)
+        self.assertEqual(q.num_ab_stages, 3)
+        self.assertLess(q.smem_bytes, self.p.smem_bytes)
+        q = dataclasses.replace(self.p, mma_tiler_mnk=(128, 128, 64), use_2cta=False,
+                                cluster_shape_mn=(1, 1))  # fmt: skip
+        self.assertEqual(q.cta_tile_mnk, (128, 128, 64))
+        self.assertEqual(q.acc_tmem_cols_per_stage, 128)
+
+    @parameterized.named_parameters(
+        ("stages_overflow_smem", {"num_ab_stages": 40}, "shared memory"),
+        ("one_stage", {"num_ab_stages": 1}, "at least 2 stages"),
+        ("tmem_overflow", {"num_acc_stages": 3}, "TMEM allocation"),
+        ("bad_mma_m", {"mma_tiler_mnk": (96, 256, 64)}, "M in"),
+        ("bad_mma_n", {"mma_tiler_mnk": (256, 250, 64)}, "multiple of 16"),
+        ("bad_k_tile", {"mma_tiler_mnk": (256, 256, 32)}, "128 bytes"),
+        ("odd_cluster_2cta", {"cluster_shape_mn": (1, 2)}, "cluster M must be even"),
+        ("cluster_not_pow2", {"cluster_shape_mn": (3, 1)}, "powers of two"),
+        ("huge_cluster", {"cluster_shape_mn": (8, 4)}, "at most 16"),
+        ("wrong_arch_kernel", {"kernel": "sm90_wgmma"}, "sm_90a only"),
+        ("unknown_kernel", {"kernel": "cublas"}, "must be one of"),
+        ("split_without_kernel", {"split_k": 4}, "split_k"),
+        ("unaligned_k", {"k": 8191}, "16 bytes"),
+        ("bad_arch", {"arch": "sm_80"}, "not supported"),
+    )
+    def test_illegal_edit_raises(self, change, pattern):
+        with self.assertRaisesRegex(C.PlanError, pattern):
+            dataclasses.replace(self.p, **change)
+
+    def test_derived_fields_not_editable(self):
+        with self.assertRaisesRegex(ValueError, "init=False"):
+            dataclasses.replace(self.p, smem_bytes=1)
+
+    def test_frozen_and_hashable(self):
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            self.p.m = 3
+        self.assertEqual(hash(self.p), hash(dataclasses.replace(self.p)))
+
+    def test_str_is_complete(self):
+        text = str(self.p)
+        for f in dataclasses.fields(self.p):
+            if f.name not in ("m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype",
+                              "c_dtype", "a_major", "b_major", "raster_along_m", "swizzle_size",
+                              "num_sms"):  # fmt: skip
+                self.assertIn(f.name, text)
+        self.assertIn("8192 x 8192", text)
+        self.assertIn("sm100_tcgen05", text)
+
+    def test_bad_inputs(self):
+        with self.assertRaisesRegex(C.PlanError, "m=0"):
+            jax_sm100.plan(0, 4, 4, a_dtype="bfloat16", b_dtype="bfloat16")
+        with self.assertRaisesRegex(TypeError, "integer dtype int32"):
+            jax_sm100.plan(4, 4, 4, a_dtype="int32", b_dtype="bfloat16")
+        with self.assertRaisesRegex(C.PlanError, "not supported"):
+            jax_sm100.plan(4, 4, 4, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_89")
+
+
+if __name__ == "__main__":
+    absltest.main()
