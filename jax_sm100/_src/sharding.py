@@ -1,8 +1,319 @@
-"""Partitioning of the matmul primitive (placeholder: local execution only)."""
+"""Partitioning of the matmul primitive across devices.
+
+When a jitted program is sharded over more than one device, the lowering of `matmul_p` wraps
+its local computation (XLA's dot on CPU, our kernel on CUDA) in `custom_partitioning`, so XLA
+sees an opaque custom call on every platform and never partitions the product by itself: the
+CPU tests exercise exactly the decisions the GPU runs with.
+
+Background / Algorithm. The product has one factor per dim: `b0..` (batch), `m`, `n`, and the
+contracting `k`, which is a reduction factor. Shardy propagates operand and result shardings
+through the rule built in `_factors`; the partition callback then turns the shardings it is
+given into per-device work:
+
+  * batch, m and n shardings are kept: every device runs one local GEMM (with the whole fused
+    epilogue) on its block, with no communication.
+  * k sharded (row-parallel): every device computes `alpha * A_local @ B_local` in the
+    accumulator dtype with no epilogue; the partials are reduced by one `psum_scatter` over the
+    mesh axes that the requested output sharding puts on an output dim (a reduce-scatter), and
+    one `psum` over the rest; then `beta * c + bias` is added and the activation applied once,
+    on the reduced block.
+  * a mesh axis is used by one factor at most; a sharding that does not divide its dim evenly
+    is dropped (XLA would pad the block, and padding inside k would corrupt the sum).
+
+The operand and result shardings the callback returns are those it computes with; XLA
+reshards to and from them where the surrounding program wants something else.
+
+Unsharded lowerings (one device, or every mesh axis manual as inside `shard_map`) return the
+local computation unchanged: no custom call, nothing extra to serialize for `jax.export`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
+from jax import lax
+from jax._src import dispatch, sharding_impls
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    SdyShardingRule,
+    custom_partitioning,
+)
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from jax_sm100._src import constraints as C
+from jax_sm100._src import primitive as P
+
+# custom_partitioning needs the device assignment while lowering, and jit only provides it for
+# programs holding a primitive from this registry; the primitive's custom call is made in its
+# lowering, so the primitive itself must be registered.
+dispatch.prim_requires_devices_during_lowering.add(P.matmul_p)
+
 
 def partition(fn, ctx, **params):
-    """Wraps the local lowering `fn(*operands)` so sharded operands split into local GEMMs."""
-    return fn
+    """Wraps the local lowering `fn(*operands)` so sharded operands split into local GEMMs.
+
+    Args:
+      fn: the per-device computation of one bind, `fn(a, b, [bias], [c]) -> out`.
+      ctx: the lowering rule context of the bind.
+      **params: the primitive's params.
+
+    Returns:
+      `fn` itself when the lowering is not sharded, else a `custom_partitioning` of it.
+    """
+    if not _is_sharded(ctx.module_context.axis_context):
+        return fn
+    roles = _Roles.of(ctx.avals_in, ctx.avals_out[0], params)
+    # The custom call's body is the primitive itself rather than `fn`: tracing `fn` would trace
+    # XLA's dot on the global avals, which under an Explicit mesh carry shardings that dot
+    # rejects when k is sharded. The body is only lowered where every axis is manual, and there
+    # the primitive lowers to `fn`.
+    wrapped = custom_partitioning(lambda *operands: P.matmul_p.bind(*operands, **params))
+    wrapped.def_partition(
+        partition=lambda mesh, args, result: _partition(roles, params, mesh, args, result),
+        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
+        sharding_rule=roles.sharding_rule(),
+    )
+    return wrapped
+
+
+def _is_sharded(axis_context) -> bool:
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices > 1
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        # Inside shard_map the operands are already local blocks.
+        if axis_context.manual_axes:
+            return False
+        return axis_context.mesh.size > 1
+    return False
+
+
+# --- factors -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Roles:
+    """The factor of every dim of every operand and of the result, as in the sharding rule."""
+
+    operands: tuple[tuple[str, ...], ...]
+    result: tuple[str, ...]
+    operand_shapes: tuple[tuple[int, ...], ...]
+    result_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, avals_in, aval_out, params) -> _Roles:
+        has_bias, has_c = params["has_bias"], params["has_c"]
+        out_shape = tuple(aval_out.shape)
+        nb = len(out_shape) - 2
+        batch = tuple(f"b{i}" for i in range(nb))
+        mats = [
+            ("k", "m") if params["transpose_a"] else ("m", "k"),
+            ("n", "k") if params["transpose_b"] else ("k", "n"),
+        ]
+        if has_bias:
+            mats.append(("n",))
+        if has_c:
+            mats.append(("m", "n"))
+        operands = []
+        unit = 0
+        for j, (aval, mat) in enumerate(zip(avals_in, mats, strict=True)):
+            dims = []
+            for i in range(nb):
+                if aval.shape[i] == out_shape[i]:
+                    dims.append(batch[i])
+                else:  # a broadcast unit dim: its own factor, never sharded
+                    dims.append(f"u{j}_{i}")
+                    unit += 1
+            operands.append((*dims, *mat))
+        return cls(
+            operands=tuple(operands),
+            result=(*batch, "m", "n"),
+            operand_shapes=tuple(tuple(a.shape) for a in avals_in),
+            result_shape=out_shape,
+        )
+
+    def sharding_rule(self) -> SdyShardingRule:
+        return SdyShardingRule(
+            operand_mappings=tuple(ArrayMapping(*dims) for dims in self.operands),
+            result_mappings=(ArrayMapping(*self.result),),
+            reduction_factors=("k",),
+        )
+
+    def size(self, factor: str) -> int:
+        for dims, shape in zip(
+            (*self.operands, self.result), (*self.operand_shapes, self.result_shape), strict=True
+        ):
+            if factor in dims:
+                return shape[dims.index(factor)]
+        raise KeyError(factor)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec_axes(sharding, ndim) -> list[tuple[str, ...]]:
+    if not isinstance(sharding, NamedSharding):
+        return [()] * ndim
+    spec = tuple(sharding.spec)
+    return [_axes(e) for e in spec] + [()] * (ndim - len(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """How one sharded bind runs: mesh axes per factor, and how k's partials are reduced."""
+
+    local: dict[str, tuple[str, ...]]  # factor -> axes its dim is split over for the local GEMM
+    scatter: dict[str, tuple[str, ...]]  # output factor -> k axes reduce-scattered onto it
+    psum: tuple[str, ...]  # k axes reduced by an all-reduce
+
+    def final(self, factor: str) -> tuple[str, ...]:
+        """The axes of the result's `factor` dim after the reduction."""
+        return self.local.get(factor, ()) + self.scatter.get(factor, ())
+
+    def spec(self, dims, *, final: bool) -> PS:
+        pick = self.final if final else (lambda f: self.local.get(f, ()))
+        return PS(*(_entry(pick(f)) for f in dims))
+
+
+def _entry(axes):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
+    """Chooses the axes of every factor from the given shardings (see the module docstring)."""
+    mesh_shape = dict(mesh.shape)
+    used: set[str] = set()
+
+    def fit(factor, wanted, extent=None):
+        """The longest prefix of `wanted` (minus used axes) that divides the factor evenly."""
+        extent = roles.size(factor) if extent is None else extent
+        got = []
+        for ax in wanted:
+            if ax in used or ax in got:
+                continue
+            if extent % (math.prod(mesh_shape[a] for a in got) * mesh_shape[ax]):
+                break
+            got.append(ax)
+        return tuple(got)
+
+    operand_axes = [
+        _spec_axes(s, len(dims)) for s, dims in zip(arg_shardings, roles.operands, strict=True)
+    ]
+
+    def from_operands(factor):
+        for dims, axes in zip(roles.operands, operand_axes, strict=True):
+            if factor in dims and axes[dims.index(factor)]:
+                return axes[dims.index(factor)]
+        return ()
+
+    # k first: it decides whether the result's sharding asks for a reduce-scatter.
+    k = fit("k", from_operands("k"))
+    used.update(k)
+    result_axes = (
+        _spec_axes(result_sharding, len(roles.result))
+        if result_sharding is not None
+        else [()] * len(roles.result)
+    )
+    local, scatter = {"k": k} if k else {}, {}
+    for factor, wanted in zip(roles.result, result_axes, strict=True):
+        wanted = wanted or from_operands(factor)
+        onto_k = tuple(a for a in wanted if a in k)
+        got = fit(factor, tuple(a for a in wanted if a not in k))
+        used.update(got)
+        if got:
+            local[factor] = got
+        if onto_k:
+            local_extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
+            onto_k = _fit_scatter(onto_k, local_extent, mesh_shape)
+            if onto_k:
+                scatter[factor] = onto_k
+    scattered = {a for axes in scatter.values() for a in axes}
+    return _Decision(local=local, scatter=scatter, psum=tuple(a for a in k if a not in scattered))
+
+
+def _fit_scatter(axes, extent, mesh_shape):
+    got = []
+    for ax in axes:
+        if extent % (math.prod(mesh_shape[a] for a in got) * mesh_shape[ax]):
+            break
+        got.append(ax)
+    return tuple(got)
+
+
+# --- callbacks ---------------------------------------------------------------------------------
+
+
+def _infer(roles: _Roles, mesh, arg_shapes):
+    """GSPMD: the result sharding implied by the operands'."""
+    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], None)
+    return NamedSharding(mesh, decision.spec(roles.result, final=True))
+
+
+def _partition(roles: _Roles, params, mesh, arg_shapes, result_shape):
+    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding)
+    deferred = "k" in decision.local
+    arg_shardings = []
+    for i, dims in enumerate(roles.operands):
+        # bias and c join the reduced result, so they take its final sharding.
+        final = deferred and i >= 2
+        arg_shardings.append(NamedSharding(mesh, decision.spec(dims, final=final)))
+    result_sharding = NamedSharding(mesh, decision.spec(roles.result, final=True))
+    local_params = _local_params(params, roles, decision, dict(mesh.shape))
+
+    def lower_fn(*operands):
+        if not deferred:
+            return P.matmul_p.bind(*operands, **local_params)
+        return _row_parallel(operands, roles, decision, params, local_params)
+
+    return mesh, lower_fn, result_sharding, tuple(arg_shardings)
+
+
+def _row_parallel(operands, roles, decision, params, local_params):
+    """Local partial products, their reduction, then the epilogue once on the reduced block."""
+    a, b, bias, c = P._split(operands, params["has_bias"], params["has_c"])
+    out_dtype = params["out_dtype"]
+    acc = P.acc_dtype(a.dtype, b.dtype, out_dtype)
+    partial_params = dict(
+        local_params, activation=None, out_dtype=acc, has_bias=False, has_c=False, beta=1.0
+    )
+    z = P.matmul_p.bind(a, b, **partial_params)
+    for factor, axes in decision.scatter.items():
+        z = lax.psum_scatter(
+            z, _entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
+        )
+    if decision.psum:
+        z = lax.psum(z, _entry(decision.psum))
+    if c is not None:
+        beta = params["beta"]
+        z = z + (c.astype(acc) if beta == 1.0 else beta * c.astype(acc))
+    if bias is not None:
+        z = z + bias.astype(acc)[..., None, :]
+    return P.apply_activation(z, params["activation"]).astype(out_dtype)
+
+
+def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
+    """The params of the per-device bind: a user's plan is resized to the local problem."""
+    plan = params["plan"]
+    if plan is None:
+        return params
+
+    def local(factor):
+        axes = decision.local.get(factor, ())
+        return roles.size(factor) // math.prod(mesh_shape[a] for a in axes)
+
+    batch = math.prod(local(f) for f in roles.result[:-2])
+    sizes = dict(m=local("m"), n=local("n"), k=local("k"), batch=batch)
+    if all(getattr(plan, f) == v for f, v in sizes.items()):
+        return params
+    try:
+        plan = dataclasses.replace(plan, **sizes)
+    except C.PlanError:
+        # The user's tiles do not fit the per-device problem; the planner chooses for it.
+        plan = None
+    return dict(params, plan=plan)
