@@ -31,6 +31,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src import constraints
 from jax_sm100._src.kernels import common
@@ -167,21 +168,21 @@ class Sm100GemmKernel:
                 cute.make_layout((tile_n // warp_n, warp_n), stride=(1, self.cta_tile[1] // warp_n))
             ),
         )
-        self.d_layout = utils.LayoutEnum.ROW_MAJOR
+        self.d_layout = LayoutEnum.ROW_MAJOR
         self.d_smem_staged = utils.sm100.make_smem_layout_epi(
             self.d_dtype, self.d_layout, self.epi_tile, self.num_epi_stages
         )
         self.c_smem_staged = None
         if self.spec.has_c:
             self.c_smem_staged = utils.sm100.make_smem_layout_epi(
-                self.c_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_epi_stages
+                self.c_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.num_epi_stages
             )
 
         acc_shape = self.tiled_mma.partition_shape_C(self.mma_tiler[:2])
         self.acc_fragment = self.tiled_mma.make_fragment_C(
             cute.append(acc_shape, self.num_acc_stages)
         )
-        needed = utils.sm100.get_num_tmem_alloc_cols(self.acc_fragment)
+        needed = cutlass.memory.get_num_tmem_alloc_cols(self.acc_fragment)
         if needed > self.tmem_alloc_cols:
             raise ValueError(
                 f"plan.tmem_alloc_cols={self.tmem_alloc_cols} is below the {needed} columns that "
@@ -372,7 +373,7 @@ class Sm100GemmKernel:
         rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         coord_vmnk = cluster.get_flat_coord(rank_in_cluster)
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -752,7 +753,7 @@ class Sm100GemmKernel:
                 if cutlass.const_expr(self.spec.has_bias):
                     b_view = bias_src[(None, None, None, sub)]
                     c_view = coords[(None, None, None, sub)]
-                    for i in cutlass.range_constexpr(cute.size(tRrBias)):
+                    for i in cutlass.range(cute.size(tRrBias), unroll_full=True):
                         tRrBias[i] = cutlass.Float32(0.0)
                         if c_view[i][1] < n_extent:
                             tRrBias[i] = b_view[i].to(self.acc_dtype)
