@@ -34,9 +34,12 @@ def forward(params, x):
     for i, layer in enumerate(params):
         last = i == len(params) - 1
         x = jax_sm100.matmul(
-            x, layer["w"], bias=layer["b"], activation=None if last else "gelu",
+            x,
+            layer["w"],
+            bias=layer["b"],
+            activation=None if last else "gelu",
             out_dtype=jnp.float32 if last else x.dtype,
-        )  # fmt: skip
+        )
     return x
 
 
@@ -70,8 +73,9 @@ def main():
         # Plain SGD in float32, stored back in each parameter's dtype.
         new = jax.tree.map(
             lambda p, g: (p.astype(jnp.float32) - args.lr * g.astype(jnp.float32)).astype(p.dtype),
-            params, grads,
-        )  # fmt: skip
+            params,
+            grads,
+        )
         return new, loss
 
     print(f"backend: {jax.default_backend()} ({jax.devices()[0].device_kind})")

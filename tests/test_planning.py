@@ -86,9 +86,17 @@ class PlannerInvariantsTest(parameterized.TestCase):
         self.assertEqual(cta[0] % p.epi_tile[0], 0)
         self.assertEqual(cta[1] % p.epi_tile[1], 0)
         why = C.kernel_support(
-            p.arch, p.m, p.n, p.k, p.a_dtype, p.b_dtype, p.out_dtype, p.c_dtype,
-            p.a_major, p.b_major,
-        )  # fmt: skip
+            p.arch,
+            p.m,
+            p.n,
+            p.k,
+            p.a_dtype,
+            p.b_dtype,
+            p.out_dtype,
+            p.c_dtype,
+            p.a_major,
+            p.b_major,
+        )
         self.assertEqual(p.kernel == planning.KERNEL_XLA, why is not None, p.reason)
         if why is not None:
             self.assertEqual(p.reason, why)
@@ -114,11 +122,13 @@ class PlannerInvariantsTest(parameterized.TestCase):
         self.assertIn("multiple of 8", odd.reason)
         mixed = jax_sm100.plan(64, 64, 64, a_dtype="bfloat16", b_dtype="float16")
         self.assertIn("mixed operand dtypes", mixed.reason)
-        fp8 = jax_sm100.plan(64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
-                             arch="sm_90a")  # fmt: skip
+        fp8 = jax_sm100.plan(
+            64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", arch="sm_90a"
+        )
         self.assertIn("K-major", fp8.reason)
-        fp8_t = jax_sm100.plan(64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
-                               arch="sm_90a", b_major="k")  # fmt: skip
+        fp8_t = jax_sm100.plan(
+            64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", arch="sm_90a", b_major="k"
+        )
         self.assertEqual(fp8_t.kernel, "sm90_wgmma")
         self.assertEqual(fp8_t.mma_tiler_mnk[2], 128)
 
@@ -139,8 +149,13 @@ class DslWorkedExamplesTest(parameterized.TestCase):
     def test_plan_uses_them(self):
         # CTA 128x256 with 16-bit D and no C: epilogue subtile (128, 32); with 16-bit C, n=64.
         p = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16")
-        p = dataclasses.replace(p, mma_tiler_mnk=(128, 256, 64), use_2cta=False,
-                                cluster_shape_mn=(1, 1), num_ab_stages=3)  # fmt: skip
+        p = dataclasses.replace(
+            p,
+            mma_tiler_mnk=(128, 256, 64),
+            use_2cta=False,
+            cluster_shape_mn=(1, 1),
+            num_ab_stages=3,
+        )
         self.assertEqual(p.cta_tile_mnk, (128, 256, 64))
         self.assertEqual(p.epi_tile, (128, 32))
         with_c = dataclasses.replace(p, c_dtype="bfloat16")
@@ -164,8 +179,9 @@ class PlanEditsTest(parameterized.TestCase):
         q = dataclasses.replace(self.p, num_ab_stages=3)
         self.assertEqual(q.num_ab_stages, 3)
         self.assertLess(q.smem_bytes, self.p.smem_bytes)
-        q = dataclasses.replace(self.p, mma_tiler_mnk=(128, 128, 64), use_2cta=False,
-                                cluster_shape_mn=(1, 1))  # fmt: skip
+        q = dataclasses.replace(
+            self.p, mma_tiler_mnk=(128, 128, 64), use_2cta=False, cluster_shape_mn=(1, 1)
+        )
         self.assertEqual(q.cta_tile_mnk, (128, 128, 64))
         self.assertEqual(q.acc_tmem_cols_per_stage, 128)
 
@@ -201,9 +217,21 @@ class PlanEditsTest(parameterized.TestCase):
     def test_str_is_complete(self):
         text = str(self.p)
         for f in dataclasses.fields(self.p):
-            if f.name not in ("m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype",
-                              "c_dtype", "a_major", "b_major", "raster_along_m", "swizzle_size",
-                              "num_sms"):  # fmt: skip
+            if f.name not in (
+                "m",
+                "n",
+                "k",
+                "batch",
+                "a_dtype",
+                "b_dtype",
+                "out_dtype",
+                "c_dtype",
+                "a_major",
+                "b_major",
+                "raster_along_m",
+                "swizzle_size",
+                "num_sms",
+            ):
                 self.assertIn(f.name, text)
         self.assertIn("8192 x 8192", text)
         self.assertIn("sm100_tcgen05", text)

@@ -183,8 +183,9 @@ class TransformationsTest(parameterized.TestCase):
         f = jax.vmap(jax.vmap(inner, in_axes=(None, 1)), in_axes=(0, None))
         out = f(a, b)
         self.assertEqual(out.shape, (4, 3, 5, 6))
-        want = tu.reference(a[:, None], np.moveaxis(np.asarray(b), 1, 0)[None], c=c,
-                            activation="relu")  # fmt: skip
+        want = tu.reference(
+            a[:, None], np.moveaxis(np.asarray(b), 1, 0)[None], c=c, activation="relu"
+        )
         tu.assert_close(self, out, want, "float64", 7)
 
     def test_vmap_of_grad_and_grad_of_vmap(self):
@@ -227,8 +228,13 @@ class TransformationsTest(parameterized.TestCase):
         exp = jax.export.export(f)(a, b, bias)
         restored = jax.export.deserialize(exp.serialize())
         np.testing.assert_allclose(restored.call(a, b, bias), f(a, b, bias), rtol=1e-6)
-        tu.assert_close(self, restored.call(a, b, bias),
-                        tu.reference(a, b, bias=bias, activation="silu"), "float32", 16)  # fmt: skip
+        tu.assert_close(
+            self,
+            restored.call(a, b, bias),
+            tu.reference(a, b, bias=bias, activation="silu"),
+            "float32",
+            16,
+        )
 
 
 class ErrorsTest(parameterized.TestCase):
@@ -246,18 +252,23 @@ class ErrorsTest(parameterized.TestCase):
             jax.jit(fn)()
 
     def test_rank(self):
-        self.assert_raises(ValueError, r"rank >= 2.*\(8,\)",
-                           lambda: jax_sm100.matmul(jnp.ones(8), self.b))  # fmt: skip
+        self.assert_raises(
+            ValueError, r"rank >= 2.*\(8,\)", lambda: jax_sm100.matmul(jnp.ones(8), self.b)
+        )
 
     def test_mismatched_k(self):
-        self.assert_raises(ValueError, r"contracting dims differ.*k=8.*k=5",
-                           lambda: jax_sm100.matmul(self.a, jnp.ones((5, 3))))  # fmt: skip
+        self.assert_raises(
+            ValueError,
+            r"contracting dims differ.*k=8.*k=5",
+            lambda: jax_sm100.matmul(self.a, jnp.ones((5, 3))),
+        )
 
     def test_batch_not_broadcasting(self):
         self.assert_raises(
-            ValueError, "do not broadcast",
+            ValueError,
+            "do not broadcast",
             lambda: jax_sm100.matmul(jnp.ones((2, 4, 8)), jnp.ones((3, 8, 3))),
-        )  # fmt: skip
+        )
 
     @parameterized.parameters(jnp.int32, jnp.int8, jnp.complex64, jnp.bool_)
     def test_bad_dtypes(self, dtype):
@@ -266,16 +277,25 @@ class ErrorsTest(parameterized.TestCase):
         self.assert_raises(TypeError, "astype", lambda: jax_sm100.matmul(self.a, x.T))
 
     def test_bias_shape(self):
-        self.assert_raises(ValueError, r"bias must have shape \[n\] = \(3,\)",
-                           lambda: jax_sm100.matmul(self.a, self.b, bias=jnp.ones((4, 3))))  # fmt: skip
+        self.assert_raises(
+            ValueError,
+            r"bias must have shape \[n\] = \(3,\)",
+            lambda: jax_sm100.matmul(self.a, self.b, bias=jnp.ones((4, 3))),
+        )
 
     def test_c_shape(self):
-        self.assert_raises(ValueError, "does not broadcast to the output shape",
-                           lambda: jax_sm100.matmul(self.a, self.b, c=jnp.ones((5, 3))))  # fmt: skip
+        self.assert_raises(
+            ValueError,
+            "does not broadcast to the output shape",
+            lambda: jax_sm100.matmul(self.a, self.b, c=jnp.ones((5, 3))),
+        )
 
     def test_activation(self):
-        self.assert_raises(ValueError, "unknown activation='tanh'",
-                           lambda: jax_sm100.matmul(self.a, self.b, activation="tanh"))  # fmt: skip
+        self.assert_raises(
+            ValueError,
+            "unknown activation='tanh'",
+            lambda: jax_sm100.matmul(self.a, self.b, activation="tanh"),
+        )
 
     def test_traced_alpha(self):
         with self.assertRaisesRegex(TypeError, "alpha must be a Python float"):
@@ -283,12 +303,16 @@ class ErrorsTest(parameterized.TestCase):
 
     def test_plan_for_other_problem(self):
         p = jax_sm100.plan(64, 64, 64, a_dtype="float32", b_dtype="float32")
-        self.assert_raises(jax_sm100.PlanError, r"made for m=64.*has m=4",
-                           lambda: jax_sm100.matmul(self.a, self.b, plan=p))  # fmt: skip
+        self.assert_raises(
+            jax_sm100.PlanError,
+            r"made for m=64.*has m=4",
+            lambda: jax_sm100.matmul(self.a, self.b, plan=p),
+        )
 
     def test_plan_wrong_type(self):
-        self.assert_raises(TypeError, "GemmPlan",
-                           lambda: jax_sm100.matmul(self.a, self.b, plan={"m": 4}))  # fmt: skip
+        self.assert_raises(
+            TypeError, "GemmPlan", lambda: jax_sm100.matmul(self.a, self.b, plan={"m": 4})
+        )
 
     def test_matching_plan_runs(self):
         p = jax_sm100.plan(4, 3, 8, a_dtype="float32", b_dtype="float32")
