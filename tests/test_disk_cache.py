@@ -133,6 +133,22 @@ class CacheKeyTest(parameterized.TestCase):
         }
         self.assertLen(keys, 6)
 
+    def test_ignored_plan_fields_share_a_key(self):
+        sizes = ("m", "n", "k", "batch", "reason")
+        key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
+        self.assertNotEqual(key, self.key)
+        for name in sizes:
+            plan = _with_field(self.plan, name, _perturbed(getattr(self.plan, name)))
+            other = disk_cache.cache_key(plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
+            self.assertEqual(other, key, msg=name)
+        plan = _with_field(self.plan, "num_ab_stages", self.plan.num_ab_stages + 1)
+        other = disk_cache.cache_key(plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
+        self.assertNotEqual(other, key)
+
+    def test_ignoring_an_unknown_field_raises(self):
+        with self.assertRaisesRegex(ValueError, "not fields of GemmPlan"):
+            disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", ignore_plan_fields=["mm"])
+
     def test_plan_and_spec_are_not_interchangeable(self):
         swapped = disk_cache.cache_key(self.spec, self.plan, arch="sm_100a")
         self.assertNotEqual(swapped, self.key)

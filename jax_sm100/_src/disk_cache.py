@@ -59,7 +59,7 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -109,19 +109,25 @@ _SOURCE_FILES = ("compile.py",)
 # Keys
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: Any, ignore: Collection[str] = ()) -> Any:
     """A JSON-able form of `value` that is equal exactly when the values are.
 
     Primitives become their repr (so `1`, `1.0` and `True` stay distinct); dataclasses list
-    every field by name; `hash()` is never used, since Python salts it per process.
+    every field by name but those in `ignore` (top level only); `hash()` is never used, since
+    Python salts it per process.
     """
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         cls = type(value)
-        fields = sorted(f.name for f in dataclasses.fields(value))
+        names = {f.name for f in dataclasses.fields(value)}
+        unknown = set(ignore) - names
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not fields of {cls.__qualname__}")
         return {
             "dataclass": f"{cls.__module__}.{cls.__qualname__}",
-            "fields": [[name, _canonical(getattr(value, name))] for name in fields],
+            "fields": [[n, _canonical(getattr(value, n))] for n in sorted(names - set(ignore))],
         }
+    if ignore:
+        raise ValueError(f"cannot ignore fields of {type(value).__qualname__}, not a dataclass")
     if isinstance(value, enum.Enum):
         cls = type(value)
         return f"{cls.__module__}.{cls.__qualname__}.{value.name}"
@@ -222,7 +228,12 @@ def dsl_build_fingerprint() -> str:
 
 
 def cache_key(
-    plan: Any, spec: Any, *, arch: str, extra: Mapping[str, str] = MappingProxyType({})
+    plan: Any,
+    spec: Any,
+    *,
+    arch: str,
+    extra: Mapping[str, str] = MappingProxyType({}),
+    ignore_plan_fields: Collection[str] = (),
 ) -> str:
     """The name of a compiled kernel: sha256 over everything that changes its binary.
 
@@ -236,12 +247,16 @@ def cache_key(
       spec: a frozen dataclass (a `KernelSpec`), likewise.
       arch: the target the kernel is compiled for, e.g. "sm_100a".
       extra: anything else that changes the binary (e.g. DSL compile options), as strings.
+      ignore_plan_fields: plan fields the binary does not depend on (e.g. the problem sizes,
+        when the kernel is compiled for symbolic shapes), left out so that plans differing
+        only in them share an entry.
 
     Returns:
       64 lowercase hex digits.
 
     Raises:
       TypeError: for a field of a type with no canonical form, or non-string `arch`/`extra`.
+      ValueError: when `ignore_plan_fields` names a field `plan` does not have.
     """
     if not isinstance(arch, str) or not arch:
         raise TypeError(f"{arch=} must be a non-empty str such as 'sm_100a'")
@@ -250,7 +265,7 @@ def cache_key(
             raise TypeError(f"extra must map str to str; got {k!r}: {v!r}")
     document = {
         "key_format": _KEY_FORMAT,
-        "plan": _canonical(plan),
+        "plan": _canonical(plan, ignore=tuple(ignore_plan_fields)),
         "spec": _canonical(spec),
         "arch": arch,
         "dsl_version": dsl_version(),
