@@ -203,7 +203,8 @@ def _jvp(primals, tangents, *, transpose_a, transpose_b, alpha, beta, activation
         out = _bind(*primals, **params)
     else:
         # The pre-activation z is needed for the activation's derivative; keep it in float32.
-        z = _bind(*primals, **{**params, "activation": None, "out_dtype": acc})
+        # A user's plan was made for the fused call's output dtype, so z is planned afresh.
+        z = _bind(*primals, **{**params, "activation": None, "out_dtype": acc, "plan": None})
         out = apply_activation(z, activation).astype(out_dtype)
     f32 = acc
     dz = None
