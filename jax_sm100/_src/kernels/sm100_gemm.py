@@ -18,7 +18,7 @@ Warp roles inside one CTA (192 threads, 224 when a source C is read):
 All roles walk the same static persistent tile schedule, so the epilogue of tile i overlaps the
 MMA of tile i+1 whenever the plan gives two or more accumulator stages.
 
-Every mbarrier transaction count is read off the TMA atom that moves the bytes (`_tma_tx_bytes`),
+Every mbarrier transaction count is read off the TMA atom that moves the bytes (`_tma_copy_bytes`),
 and the TMEM allocation is the plan's `tmem_alloc_cols`, checked against the accumulator layout.
 """
 
@@ -33,7 +33,7 @@ import cutlass.utils as utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from jax_sm100._src import constraints
+from jax_sm100._src import constraints, planning
 from jax_sm100._src.kernels import common
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -50,7 +50,6 @@ _EPI_BARRIER = 1
 _TMEM_PTR_BARRIER = 2
 
 _SMEM_ALIGN = 1024  # 128B-swizzled SMEM tiles want 1024-byte aligned bases.
-_SM100_SMEM_BYTES = 232448
 
 
 def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:
@@ -190,10 +189,11 @@ class Sm100GemmKernel:
             )
 
         self.shared_storage = self._make_shared_storage()
-        if self.shared_storage.size_in_bytes() > _SM100_SMEM_BYTES:
+        used, capacity = self.shared_storage.size_in_bytes(), planning.smem_capacity("sm_100a")
+        if used > capacity:
             raise ValueError(
-                f"SMEM for plan stages is {self.shared_storage.size_in_bytes()} bytes, above "
-                f"the {_SM100_SMEM_BYTES} an SM100 CTA may use ({self.plan.smem_bytes=})"
+                f"the plan's stages take {used} bytes of SMEM, above the {capacity} of an SM100 "
+                f"CTA (the planner estimated {self.plan.smem_bytes=})"
             )
 
     def _make_shared_storage(self):
@@ -528,10 +528,11 @@ class Sm100GemmKernel:
             while work.is_valid_tile:
                 acc_stage = acc[(None, None, None, acc_state.index)]
                 ab_consumer.reset()
+                # Each tile starts from zero: the first MMA overwrites the TMEM stage.
+                mma.set(tcgen05.Field.ACCUMULATE, False)
                 # Only the leader of a pair issues cta_group::2 MMAs; its peer idles here.
                 if is_leader:
                     acc_pipe.producer_acquire(acc_state)
-                    mma.set(tcgen05.Field.ACCUMULATE, False)
                     for _k in cutlass.range(k_tiles, unroll=1):
                         slot = ab_consumer.wait_and_advance()
                         for kb in cutlass.range(k_blocks, unroll_full=True):
