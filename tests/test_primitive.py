@@ -188,6 +188,24 @@ class TransformationsTest(parameterized.TestCase):
         )
         tu.assert_close(self, out, want, "float64", 7)
 
+    def test_vmap_inside_batch_dims(self):
+        # a is mapped on one of its batch dims: the batch dim is folded in place, no transpose.
+        rng = np.random.default_rng(12)
+        a = tu.rand(rng, (2, 3, 5, 7), "float64")  # [batch, V, m, k], vmapped at 1
+        b = tu.rand(rng, (2, 7, 6), "float64")
+        bias = tu.rand(rng, (3, 6), "float64")  # vmapped at 0
+        f = jax.vmap(lambda a, bias: jax_sm100.matmul(a, b, bias=bias), in_axes=(1, 0))
+        out = f(a, bias)
+        self.assertEqual(out.shape, (3, 2, 5, 6))
+        want = (
+            np.matmul(np.moveaxis(np.asarray(a), 1, 0), np.asarray(b))
+            + np.asarray(bias)[:, None, None, :]
+        )
+        tu.assert_close(self, out, want, "float64", 7)
+        jaxpr = jax.make_jaxpr(f)(a, bias).jaxpr
+        (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"]
+        self.assertIs(eqn.invars[0], jaxpr.invars[0])  # a reaches the kernel as it is
+
     def test_vmap_of_grad_and_grad_of_vmap(self):
         a, b = self.a, self.b
 

@@ -288,17 +288,21 @@ def _transpose(ct, *args, transpose_a, transpose_b, alpha, beta, activation, out
 def _batch(args, dims, **params):
     """Folds a vmapped axis into the primitive's batch dims.
 
-    A mapped operand gets the axis moved to the front (free when it is already there, as for
-    `in_axes=0`); an unmapped one gets a unit batch dim, which the kernels read with batch
+    The new batch dim goes where the first mapped operand already has it when that is among its
+    batch dims (so `in_axes=0`, or any batch position, costs no transpose); other mapped operands
+    move theirs there, and unmapped ones get a unit dim, which the kernels read with batch
     stride 0, so a shared weight is never copied per batch.
     """
+    nb = args[0].ndim - 2
+    first = next(d for d in dims if d is not None)
+    at = first if first <= nb else 0
     moved = []
     for x, d in zip(args, dims, strict=True):
-        if d is None:  # not mapped
-            moved.append(jnp.expand_dims(x, 0))
+        if d is None:
+            moved.append(jnp.expand_dims(x, at))
         else:
-            moved.append(jnp.moveaxis(x, d, 0))
-    return _bind(*moved, **params), 0
+            moved.append(x if d == at else jnp.moveaxis(x, d, at))
+    return _bind(*moved, **params), at
 
 
 # --- registration ------------------------------------------------------------------------------
