@@ -1,0 +1,178 @@
+"""Warming the kernel cache ahead of time, on any machine, for a list of problem shapes.
+
+`precompile` plans each shape for a named arch and compiles its kernel with `compile_plan`,
+which targets the plan's arch rather than the local GPU: a CPU-only build machine can fill the
+cache directory (`JAX_SM100_CACHE_DIR`) that GPU processes later start from.
+
+Shapes are given as the CUDA lowering plans them (gpu_lowering.py): `(m, n, k)` for one GEMM
+and `(batch, m, n, k)` for a batch whose operands are all batched. A batch whose B is shared
+(a weight) folds into m there, so precompile it as `(batch * m, n, k)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+from jax_sm100._src import planning
+from jax_sm100._src.kernels.spec import KernelSpec
+
+_BAR_WIDTH = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Precompiled:
+    """What `precompile` did for one shape.
+
+    Attributes:
+      shape: the shape as given.
+      plan: its plan.
+      spec: the spec it was compiled with.
+      compiled: the `CompiledGemm`, or None when no kernel was compiled (see `note`).
+      note: "compiled", "same plan as <shape>" or "XLA dot: <reason>".
+      seconds: wall time of this shape's compile (0 when none ran).
+    """
+
+    shape: tuple[int, ...]
+    plan: planning.GemmPlan
+    spec: KernelSpec
+    compiled: Any
+    note: str
+    seconds: float
+
+
+def _split_shape(shape: Sequence[int]) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a shape given as (m, n, k) or (batch, m, n, k)."""
+    dims = tuple(shape)
+    if len(dims) == 3:
+        return (1, *dims)
+    if len(dims) == 4:
+        return dims
+    raise ValueError(f"shape={dims!r} must be (m, n, k) or (batch, m, n, k)")
+
+
+class _Progress:
+    """A one-line text progress bar; one line per step when the stream is not a terminal."""
+
+    def __init__(self, total: int, stream: TextIO | None):
+        self._total = total
+        self._stream = stream
+        self._tty = stream is not None and getattr(stream, "isatty", lambda: False)()
+
+    def update(self, done: int, label: str) -> None:
+        if self._stream is None:
+            return
+        filled = _BAR_WIDTH * done // max(self._total, 1)
+        bar = "#" * filled + "." * (_BAR_WIDTH - filled)
+        line = f"precompile [{bar}] {done}/{self._total} {label}"
+        if self._tty:
+            self._stream.write("\r\x1b[K" + line)
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def close(self, summary: str) -> None:
+        if self._stream is None:
+            return
+        self._stream.write(("\n" if self._tty else "") + summary + "\n")
+        self._stream.flush()
+
+
+def precompile(
+    shapes: Iterable[Sequence[int]],
+    *,
+    dtypes: Sequence[Any] = ("bfloat16", "bfloat16"),
+    arch: str = "sm_100a",
+    a_major: str = "k",
+    b_major: str = "n",
+    c_dtype: Any = None,
+    bias_dtype: Any = None,
+    activation: str | None = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    num_sms: int | None = None,
+    progress: bool = True,
+    file: TextIO | None = None,
+) -> list[Precompiled]:
+    """Plans and compiles the kernel of each shape for `arch`, filling the kernel cache.
+
+    Needs no GPU: kernels are cross-compiled for `arch`. Shapes that plan identically compile
+    once; shapes planned onto XLA's dot compile nothing.
+
+    Args:
+      shapes: `(m, n, k)` or `(batch, m, n, k)` per problem, as the lowering plans it (see the
+        module docstring).
+      dtypes: `(a_dtype, b_dtype)` or `(a_dtype, b_dtype, out_dtype)`, anything `np.dtype`
+        takes; out defaults to the planner's choice.
+      arch: "sm_100a" or "sm_90a".
+      a_major, b_major: operand layouts ("k"/"m" for A, "n"/"k" for B), as in `plan`.
+      c_dtype, bias_dtype, activation, alpha, beta: the fused epilogue (`KernelSpec`).
+      num_sms: SM count of the target device, which the plan depends on; None keeps the
+        planner's default for `arch` (132 for sm_90a as on H100/H200, 148 for sm_100a as on
+        B200).
+      progress: write a progress bar and a summary to `file`.
+      file: the stream for progress; default `sys.stderr`.
+
+    Returns:
+      One `Precompiled` per shape, in order.
+
+    Raises:
+      ValueError: for a shape that is not 3 or 4 ints, or `dtypes` not 2 or 3 long.
+      Exception: whatever planning or `compile_plan` raises, with a note naming the shape.
+    """
+    compile_mod = importlib.import_module("jax_sm100._src.compile")
+    from jax_sm100._src import dtypes as D  # noqa: PLC0415
+
+    if len(dtypes) not in (2, 3):
+        raise ValueError(f"dtypes={tuple(dtypes)!r} must be (a, b) or (a, b, out)")
+    a_dtype, b_dtype, out_dtype = (*dtypes, None)[:3]
+    bias_name = None if bias_dtype is None else D.name(bias_dtype)
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    problems = [_split_shape(s) for s in shapes]
+
+    bar = _Progress(len(shapes), (file or sys.stderr) if progress else None)
+    results: list[Precompiled] = []
+    first_shape: dict[tuple[planning.GemmPlan, KernelSpec], tuple[int, ...]] = {}
+    start = time.perf_counter()
+    for i, (shape, (batch, m, n, k)) in enumerate(zip(shapes, problems, strict=True)):
+        label = "x".join(map(str, shape)) + f" {arch}"
+        bar.update(i, label)
+        try:
+            plan = planning.plan(
+                m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
+                c_dtype=c_dtype, batch=batch, arch=arch, a_major=a_major, b_major=b_major,
+            )  # fmt: skip
+            if num_sms is not None and plan.num_sms != num_sms:
+                plan = dataclasses.replace(plan, num_sms=num_sms)
+            spec = KernelSpec(
+                a_dtype=plan.a_dtype, b_dtype=plan.b_dtype, out_dtype=plan.out_dtype,
+                a_major=a_major, b_major=b_major, c_dtype=plan.c_dtype, bias_dtype=bias_name,
+                activation=activation, alpha=alpha, beta=beta,
+            )  # fmt: skip
+            if plan.kernel == planning.KERNEL_XLA:
+                results.append(Precompiled(shape, plan, spec, None, plan.reason, 0.0))
+                continue
+            if (plan, spec) in first_shape:
+                note = f"same plan as {first_shape[plan, spec]}"
+                results.append(Precompiled(shape, plan, spec, None, note, 0.0))
+                continue
+            first_shape[plan, spec] = shape
+            t0 = time.perf_counter()
+            compiled = compile_mod.compile_plan(plan, spec)
+            seconds = time.perf_counter() - t0
+        except Exception as e:
+            e.add_note(f"jax_sm100.precompile: while compiling shape {shape} for {arch}")
+            raise
+        results.append(Precompiled(shape, plan, spec, compiled, "compiled", seconds))
+    bar.update(len(shapes), "done")
+    n_compiled = sum(r.compiled is not None for r in results)
+    n_xla = sum(r.plan.kernel == planning.KERNEL_XLA for r in results)
+    bar.close(
+        f"precompile: {n_compiled} kernels for {arch} in {time.perf_counter() - start:.1f} s "
+        f"({len(results) - n_compiled - n_xla} shapes shared a plan, {n_xla} run on XLA's dot)"
+    )
+    return results

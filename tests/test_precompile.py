@@ -1,0 +1,128 @@
+"""Tests of precompile: planning per shape, deduplication, progress, errors (compile mocked)."""
+
+from __future__ import annotations
+
+import io
+import sys
+import types
+from unittest import mock
+
+from absl.testing import absltest, parameterized
+
+from jax_sm100._src import planning
+from jax_sm100._src.precompile import precompile
+
+_COMPILE = "jax_sm100._src.compile"
+
+
+def _restore_module(name, module):
+    if module is None:
+        sys.modules.pop(name, None)
+    else:
+        sys.modules[name] = module
+
+
+class PrecompileTest(parameterized.TestCase):
+    def setUp(self):
+        super().setUp()
+        # A stand-in for compile.py: precompile must not need the DSL compiler to be tested.
+        self.compile_plan = mock.Mock(side_effect=lambda plan, spec: ("compiled", plan, spec))
+        fake = types.ModuleType(_COMPILE)
+        fake.compile_plan = self.compile_plan
+        # Not mock.patch.dict(sys.modules): restoring the whole dict would drop the DSL modules
+        # imported during the test, and the DSL's native library cannot be imported twice.
+        saved = sys.modules.get(_COMPILE)
+        sys.modules[_COMPILE] = fake
+        self.addCleanup(_restore_module, _COMPILE, saved)
+
+    @parameterized.parameters("sm_100a", "sm_90a")
+    def test_compiles_each_plan_once_in_order(self, arch):
+        shapes = [(4096, 4096, 4096), (2, 1024, 2048, 512), (4096, 4096, 4096), (512, 256, 1024)]
+        results = precompile(shapes, arch=arch, progress=False)
+
+        self.assertEqual([r.shape for r in results], shapes)
+        self.assertEqual([r.note for r in results][2], "same plan as (4096, 4096, 4096)")
+        self.assertIsNone(results[2].compiled)
+        compiled = [r for r in results if r.compiled is not None]
+        self.assertLen(compiled, 3)
+        self.assertEqual(
+            self.compile_plan.call_args_list,
+            [mock.call(r.plan, r.spec) for r in compiled],
+        )
+        for r in results:
+            self.assertEqual(r.plan.arch, arch)
+        expected = planning.plan(1024, 2048, 512, a_dtype="bfloat16", b_dtype="bfloat16",
+                                 batch=2, arch=arch)  # fmt: skip
+        self.assertEqual(results[1].plan, expected)
+
+    def test_spec_carries_dtypes_layouts_and_epilogue(self):
+        (result,) = precompile(
+            [(1024, 1024, 1024)], dtypes=("float16", "float16", "float32"), arch="sm_90a",
+            a_major="m", b_major="k", c_dtype="float32", bias_dtype="float32",
+            activation="relu", alpha=2, beta=0.5, progress=False,
+        )  # fmt: skip
+        spec = result.spec
+        self.assertEqual(
+            (spec.a_dtype, spec.b_dtype, spec.out_dtype, spec.c_dtype, spec.bias_dtype),
+            ("float16", "float16", "float32", "float32", "float32"),
+        )
+        self.assertEqual((spec.a_major, spec.b_major), ("m", "k"))
+        self.assertEqual((result.plan.a_major, result.plan.b_major), ("m", "k"))
+        self.assertEqual((spec.activation, spec.alpha, spec.beta), ("relu", 2.0, 0.5))
+        self.compile_plan.assert_called_once_with(result.plan, spec)
+
+    def test_same_shape_with_other_num_sms_is_a_new_plan(self):
+        results = precompile([(4096, 4096, 4096)], arch="sm_90a", num_sms=114, progress=False)
+        self.assertEqual(results[0].plan.num_sms, 114)
+        self.compile_plan.assert_called_once()
+
+    def test_xla_dot_plans_compile_nothing(self):
+        # k=100 bf16 rows are 200 bytes: not 16-byte aligned, so the planner picks XLA's dot.
+        (result,) = precompile([(100, 100, 100)], progress=False)
+        self.assertEqual(result.plan.kernel, planning.KERNEL_XLA)
+        self.assertIsNone(result.compiled)
+        self.assertIn("XLA dot", result.note)
+        self.compile_plan.assert_not_called()
+
+    def test_progress_and_summary(self):
+        out = io.StringIO()
+        precompile([(4096, 4096, 4096), (4096, 4096, 4096), (100, 100, 100)], file=out)
+        lines = out.getvalue().splitlines()
+        self.assertEqual([line.split("] ")[1].split()[0] for line in lines[:-1]],
+                         ["0/3", "1/3", "2/3", "3/3"])  # fmt: skip
+        self.assertIn("4096x4096x4096 sm_100a", lines[0])
+        self.assertEqual(lines[-1].split(" in ")[0], "precompile: 1 kernels for sm_100a")
+        self.assertIn("(1 shapes shared a plan, 1 run on XLA's dot)", lines[-1])
+
+    def test_progress_on_a_terminal_rewrites_one_line(self):
+        out = io.StringIO()
+        out.isatty = lambda: True
+        precompile([(4096, 4096, 4096), (512, 512, 512)], file=out)
+        text = out.getvalue()
+        self.assertEqual(text.count("\r\x1b[K"), 3)
+        self.assertEqual(text.count("\n"), 2)
+
+    def test_no_progress_writes_nothing(self):
+        with mock.patch.object(sys, "stderr", io.StringIO()) as err:
+            precompile([(4096, 4096, 4096)], progress=False)
+        self.assertEqual(err.getvalue(), "")
+
+    def test_compile_error_names_the_shape(self):
+        self.compile_plan.side_effect = [("ok",), RuntimeError("ptxas failed")]
+        with self.assertRaisesRegex(RuntimeError, "ptxas failed") as cm:
+            precompile([(4096, 4096, 4096), (512, 512, 512)], progress=False)
+        self.assertIn("(512, 512, 512)", "\n".join(cm.exception.__notes__))
+
+    @parameterized.named_parameters(
+        ("short_shape", dict(shapes=[(4096, 4096)])),
+        ("long_shape", dict(shapes=[(1, 2, 3, 4, 5)])),
+        ("dtypes", dict(shapes=[(64, 64, 64)], dtypes=("bfloat16",))),
+    )
+    def test_bad_arguments_raise(self, kwargs):
+        with self.assertRaises(ValueError):
+            precompile(progress=False, **kwargs)
+        self.compile_plan.assert_not_called()
+
+
+if __name__ == "__main__":
+    absltest.main()
