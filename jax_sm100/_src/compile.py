@@ -1,0 +1,288 @@
+"""Plan + spec -> a compiled kernel object, compiled once per process.
+
+`compile_plan` runs `cute.compile` for the plan's kernel family with symbolic m, n, k and l
+(`kernels/common.py`), on any machine: the target is the plan's arch, not the local GPU. The
+result carries what the FFI handler needs: the object file (`dump_to_object`: cubin plus the
+host launch wrapper, loaded at run time by the CuTe DSL runtime), the name of its function and,
+per tensor argument, which extents and strides are runtime values (the layout of the argument
+structs that the handler fills).
+
+Because the binary depends on the plan's tiling and the spec but not on the problem sizes, the
+in-process cache is keyed on the plan without m, n, k and batch: all problems that plan the same
+tiles share one compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from jax_sm100._src.kernels.spec import KernelSpec
+
+# Fields of a GemmPlan that do not change the compiled binary (shapes stay symbolic).
+_SIZE_FIELDS = ("m", "n", "k", "batch", "reason")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorArg:
+    """One tensor argument of a compiled kernel: which of its modes are runtime values."""
+
+    name: str
+    dynamic_shape_modes: tuple[int, ...]
+    dynamic_stride_modes: tuple[int, ...]
+
+    def dims(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
+        """The handler's description of this tensor: `S, T, shapes..., strides...`."""
+        s = [int(shape[i]) for i in self.dynamic_shape_modes]
+        t = [int(strides[i]) for i in self.dynamic_stride_modes]
+        return [len(s), len(t), *s, *t]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledGemm:
+    """A compiled GEMM kernel, ready for the FFI handler.
+
+    Attributes:
+      plan, spec: what it was compiled for (the first plan of its binary-equivalence class).
+      arch: "sm_90a" or "sm_100a".
+      function_prefix: the name the runtime looks the host function up by.
+      object_bytes: the x86-64 object file holding the cubin and the launch wrapper.
+      ptx: the kernel's PTX; cubin: its cubin (both kept for tests and inspection).
+      tensor_args: the kernel's tensor arguments, in order (absent c/bias are left out).
+      split_k: the plan's split factor (the kernel then writes float32 partials, batch = split).
+      compile_seconds: wall time of `cute.compile` plus export.
+    """
+
+    plan: object
+    spec: KernelSpec
+    arch: str
+    function_prefix: str
+    object_bytes: bytes
+    ptx: str
+    cubin: bytes
+    tensor_args: tuple[TensorArg, ...]
+    split_k: int
+    compile_seconds: float
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.object_bytes).hexdigest()
+
+
+_cache: dict[tuple, CompiledGemm] = {}
+_lock = threading.Lock()
+_stats = {"compiles": 0, "hits": 0}
+
+
+def binary_key(plan, spec: KernelSpec) -> tuple:
+    """What determines the compiled binary: the plan without its sizes, and the spec."""
+    fields = tuple(
+        (f.name, getattr(plan, f.name))
+        for f in dataclasses.fields(plan)
+        if f.name not in _SIZE_FIELDS
+    )
+    return (fields, spec)
+
+
+def default_spec(plan) -> KernelSpec:
+    """The spec of a plain product of the plan's dtypes and layouts (no epilogue extras)."""
+    return KernelSpec(
+        a_dtype=plan.a_dtype,
+        b_dtype=plan.b_dtype,
+        out_dtype=plan.out_dtype,
+        a_major=plan.a_major,
+        b_major=plan.b_major,
+        c_dtype=plan.c_dtype,
+    )
+
+
+def splitk_spec(spec: KernelSpec) -> KernelSpec:
+    """The spec of a split-K partial product: float32 out, no epilogue, every operand batched."""
+    return KernelSpec(
+        a_dtype=spec.a_dtype,
+        b_dtype=spec.b_dtype,
+        out_dtype="float32",
+        a_major=spec.a_major,
+        b_major=spec.b_major,
+    )
+
+
+def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
+    """Compiles the kernel `plan` selects, for `plan.arch`, once per process.
+
+    Works without a GPU. For a split-K plan (`plan.split_k > 1`) the binary is the SM90 kernel
+    on strided views: A and B as (M, K/split, split) and D as float32 partials (M, N, split),
+    whose sum the caller reduces before the epilogue (gpu_lowering.py).
+
+    Args:
+      plan: a GemmPlan whose kernel is not "xla_dot".
+      spec: layouts and epilogue; defaults to `default_spec(plan)`.
+
+    Returns:
+      A CompiledGemm.
+
+    Raises:
+      ValueError: the plan selects XLA's dot, or its kernel family cannot take (plan, spec).
+    """
+    spec = spec or default_spec(plan)
+    key = binary_key(plan, spec)
+    with _lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _stats["hits"] += 1
+            return hit
+        if os.environ.get("JAX_SM100_COMPILE_INPROCESS") == "1":
+            compiled = _compile(plan, spec)
+        else:
+            compiled = _compile_in_subprocess(plan, spec)
+        _cache[key] = compiled
+        _stats["compiles"] += 1
+        return compiled
+
+
+def _compile_in_subprocess(plan, spec: KernelSpec) -> CompiledGemm:
+    """`_compile` in a fresh interpreter.
+
+    Seen with nvidia-cutlass-dsl 4.8.1 on 2026-11-29: after `cute.compile` of some SM90 plans
+    (e.g. a 64x128 tile), the process later aborts in an unrelated allocation ("malloc():
+    unaligned tcache chunk detected"; first seen in the next compile's MLIR context creation),
+    a heap corruption left by the compile. Until its cause is found, every compile runs in its
+    own interpreter (about 1.5 s more); JAX_SM100_COMPILE_INPROCESS=1 turns this off.
+    """
+    payload = pickle.dumps((plan, spec))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_sm100._src.compile"],
+        input=payload,
+        capture_output=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"jax_sm100: compiling {plan.kernel} for {plan.arch} failed in a worker process:\n"
+            + proc.stderr.decode(errors="replace")[-4000:]
+        )
+    return pickle.loads(proc.stdout)
+
+
+def cache_stats() -> dict[str, int]:
+    return dict(_stats, entries=len(_cache))
+
+
+def _splitk_fake_operands(spec: KernelSpec):
+    """(a, b, d) strided views for split-K: any leading dim, any split stride."""
+    from cutlass import cute  # noqa: PLC0415
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: PLC0415
+
+    from jax_sm100._src.kernels import common  # noqa: PLC0415
+
+    def strided(dtype, rows, cols, contiguous_cols):
+        div = common.elems_per_16b(dtype)
+        ld, split_stride = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
+        stride = (ld, 1, split_stride) if contiguous_cols else (1, ld, split_stride)
+        return make_fake_tensor(
+            common.cutlass_dtype(dtype), (rows, cols, s), stride,
+            assumed_align=common.TMA_ALIGN_BYTES,
+        )  # fmt: skip
+
+    a_k = spec.a_major == "k"
+    b_n = spec.b_major == "n"
+    m = cute.sym_int(divisibility=1 if a_k else common.elems_per_16b(spec.a_dtype))
+    n = cute.sym_int(divisibility=common.elems_per_16b("float32"))
+    kc = cute.sym_int()
+    s = cute.sym_int()
+    a = strided(spec.a_dtype, m, kc, a_k)
+    b = strided(spec.b_dtype, n, kc, not b_n)
+    d = make_fake_compact_tensor(
+        common.cutlass_dtype("float32"), (m, n, s), stride_order=(1, 0, 2),
+        assumed_align=common.TMA_ALIGN_BYTES,
+    )  # fmt: skip
+    return a, b, d, None, None
+
+
+def _tensor_args(operands) -> tuple[TensorArg, ...]:
+    from cutlass.cute.typing import SymInt  # noqa: PLC0415
+
+    names = ("a", "b", "d", "c", "bias")
+    out = []
+    for name, t in zip(names, operands, strict=True):
+        if t is None:
+            continue
+        shape_modes = tuple(i for i, x in enumerate(t.shape) if isinstance(x, SymInt))
+        stride_modes = tuple(i for i, x in enumerate(t.stride) if isinstance(x, SymInt))
+        out.append(TensorArg(name, shape_modes, stride_modes))
+    return tuple(out)
+
+
+def _compile(plan, spec: KernelSpec) -> CompiledGemm:
+    from cutlass import cute  # noqa: PLC0415
+    from cutlass.cute.runtime import make_fake_stream  # noqa: PLC0415
+    from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: PLC0415
+
+    from jax_sm100._src.kernels import common  # noqa: PLC0415
+
+    if plan.kernel == "xla_dot":
+        raise ValueError(f"the plan runs on XLA's dot, not a kernel: {plan.reason}")
+    if plan.kernel in ("sm90_wgmma", "sm90_wgmma_splitk"):
+        from jax_sm100._src.kernels import sm90_gemm  # noqa: PLC0415
+
+        if plan.split_k > 1:
+            spec = splitk_spec(spec)
+            operands = _splitk_fake_operands(spec)
+        else:
+            operands = tuple(common.make_fake_operands(plan, spec))
+        kernel = sm90_gemm.Sm90GemmKernel(plan, spec)
+    elif plan.kernel == "sm100_tcgen05":
+        from jax_sm100._src.kernels import sm100_gemm  # noqa: PLC0415
+
+        why = sm100_gemm._why_not(plan, spec)
+        if why is not None:
+            raise ValueError(f"Sm100GemmKernel cannot run this plan: {why}")
+        operands = tuple(common.make_fake_operands(plan, spec))
+        kernel = sm100_gemm.Sm100GemmKernel(plan, spec)
+    else:
+        raise ValueError(f"{plan.kernel=} has no kernel family")
+
+    prefix = "jax_sm100_gemm"
+    envar = CuTeDSL._get_dsl().envar
+    saved = (envar.keep_ptx, envar.keep_cubin, envar.dump_dir)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="jax_sm100_") as dump:
+        try:
+            envar.keep_ptx, envar.keep_cubin, envar.dump_dir = True, True, dump
+            with common.target_arch(plan.arch):
+                compiled = cute.compile(kernel, *operands, make_fake_stream())
+                ptx, cubin = compiled.__ptx__, compiled.__cubin__
+                obj = compiled.dump_to_object(prefix)
+        finally:
+            envar.keep_ptx, envar.keep_cubin, envar.dump_dir = saved
+        if isinstance(ptx, str) and os.path.isfile(ptx):
+            with open(ptx) as f:
+                ptx = f.read()
+    return CompiledGemm(
+        plan=plan,
+        spec=spec,
+        arch=plan.arch,
+        function_prefix=prefix,
+        object_bytes=bytes(obj),
+        ptx=ptx or "",
+        cubin=bytes(cubin or b""),
+        tensor_args=_tensor_args(operands),
+        split_k=plan.split_k,
+        compile_seconds=time.perf_counter() - t0,
+    )
+
+
+if __name__ == "__main__":
+    from jax_sm100._src import compile as _this  # the importable module, for pickling
+
+    _plan, _spec = pickle.loads(sys.stdin.buffer.read())
+    _result = _this._compile(_plan, _spec)
+    sys.stdout.buffer.write(pickle.dumps(_result))
+    sys.stdout.buffer.flush()

@@ -1,0 +1,259 @@
+"""The CUDA lowering of the matmul primitive: plan for the device, compile, call the FFI handler.
+
+Entry point for lowering.py (wrapped with `mlir.lower_fun`):
+
+    cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
+                     out_dtype, plan, **unused) -> out
+
+It runs at trace time on the operands' shapes (primitive.py's conventions: a [*Ba, m, k] or
+[*Ba, k, m], b [*Bb, k, n] or [*Bb, n, k], bias [*Bbias, n], c [*Bc, m, n], out [*B, m, n]):
+
+1. The device's arch (sm_90a for compute capability 9.x, sm_100a for 10.x) and SM count.
+2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
+   K-major, the batch folds into m (free reshape, one large GEMM); other broadcasts are
+   materialised (a copy, noted in the plan's reason).
+3. The planner's plan for that problem (or the caller's), with the device's SM count.
+4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
+   `jax_sm100_gemm` target, carrying the object file, its function name and the runtime extents
+   and strides as attributes; the binary travels inside the HLO.
+5. A split-K plan runs the kernel on (M, K/s, s) views into float32 partials, summed by XLA with
+   the epilogue fused into that reduction.
+
+Anything a kernel cannot take (unsupported dtype, misaligned contiguous dim, batched bias, an
+`xla_dot` plan) runs on XLA's dot with the same float32 epilogue (`primitive.reference_matmul`);
+`explain()` returns the plan and the reason for any given call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sm100._src import compile as compile_mod
+from jax_sm100._src import ffi, planning
+from jax_sm100._src import primitive as P
+from jax_sm100._src.kernels.spec import KernelSpec
+
+_KERNEL_OUT = ("bfloat16", "float16", "float32")
+
+
+@functools.cache
+def device_info() -> tuple[str | None, int]:
+    """(arch, SM count) of the first CUDA device; (None, 0) when there is none we target."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None, 0
+    cc = str(getattr(dev, "compute_capability", "") or "")
+    major = int(cc.split(".")[0]) if cc else 0
+    arch = {9: "sm_90a", 10: "sm_100a"}.get(major)
+    return arch, int(getattr(dev, "core_count", 0) or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """How one call lowers: its plan, and a note on batch handling."""
+
+    plan: planning.GemmPlan | None
+    note: str
+
+
+_last: list[Lowered] = []
+
+
+def explain() -> Lowered | None:
+    """The lowering decision of the most recent CUDA lowering in this process (for tests)."""
+    return _last[-1] if _last else None
+
+
+def _reference(a, b, bias, c, **kw):
+    upcast = any(np.dtype(x.dtype).itemsize == 1 for x in (a, b))
+    return P.reference_matmul(a, b, bias, c, upcast=upcast, **kw)
+
+
+def _epilogue_xla(z, c, bias, *, alpha, beta, activation, out_dtype):
+    if alpha != 1.0:
+        z = alpha * z
+    if c is not None:
+        z = z + beta * c.astype(jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    return P.apply_activation(z, activation).astype(out_dtype)
+
+
+def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
+                     out_dtype, plan=None, **unused):  # fmt: skip
+    """The primitive's math on a CUDA device through our kernels (see the module docstring)."""
+    del unused
+    out_dtype = np.dtype(out_dtype)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
+              activation=activation, out_dtype=out_dtype)  # fmt: skip
+    arch, num_sms = device_info()
+    if arch is None:
+        _last.append(Lowered(None, "no sm_90a/sm_100a device: XLA dot"))
+        return _reference(a, b, bias, c, **kw)
+
+    out_shape = P.shape_rule(
+        a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape,
+        transpose_a=transpose_a, transpose_b=transpose_b,
+    )  # fmt: skip
+    batch_shape, (m, n) = tuple(out_shape[:-2]), out_shape[-2:]
+    k = a.shape[-2] if transpose_a else a.shape[-1]
+    L = math.prod(batch_shape)
+
+    def batched(x):
+        return x is not None and tuple(x.shape[: len(batch_shape)]) == batch_shape and L > 1
+
+    def unbatched(x):
+        return all(d == 1 for d in x.shape[: len(batch_shape)])
+
+    if bias is not None and L > 1 and not unbatched(bias):
+        _last.append(Lowered(None, "bias with batch dims: XLA dot"))
+        return _reference(a, b, bias, c, **kw)
+
+    notes = []
+    fold = (
+        plan is None and L > 1 and unbatched(b) and batched(a) and not transpose_a
+        and (c is None or batched(c))
+    )  # fmt: skip
+    if fold:
+        notes.append(f"batch {L} folded into m (B shared)")
+        a3 = a.reshape(1, L * m, k)
+        c3 = None if c is None else c.reshape(1, L * m, n)
+        mm, LL = L * m, 1
+    else:
+        if L > 1 and any(x is not None and not batched(x) for x in (a, b, c)):
+            notes.append("broadcast batch operands materialised")
+
+        def full(x):
+            return (
+                x.reshape(L, *x.shape[-2:])
+                if batched(x) or L == 1
+                else (jnp.broadcast_to(x, (*batch_shape, *x.shape[-2:])).reshape(L, *x.shape[-2:]))
+            )
+
+        a3 = full(a)
+        c3 = None if c is None else full(c)
+        mm, LL = m, L
+    b3 = b.reshape(1, *b.shape[-2:]) if fold else (
+        b.reshape(L, *b.shape[-2:]) if (batched(b) or L == 1) else
+        jnp.broadcast_to(b, (*batch_shape, *b.shape[-2:])).reshape(L, *b.shape[-2:])
+    )  # fmt: skip
+    bias1 = None if bias is None else bias.reshape(n)
+    a_major = "m" if transpose_a else "k"
+    b_major = "k" if transpose_b else "n"
+
+    names = [np.dtype(x.dtype).name for x in (a, b)]
+    c_name = None if c is None else np.dtype(c.dtype).name
+    try:
+        p = plan or planning.plan(
+            mm, n, k, a_dtype=a.dtype, b_dtype=b.dtype, out_dtype=out_dtype,
+            c_dtype=None if c is None else c.dtype, batch=LL, arch=arch,
+            a_major=a_major, b_major=b_major,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        _last.append(Lowered(None, f"no plan ({e}): XLA dot"))
+        return _reference(a, b, bias, c, **kw)
+    if p.arch != arch:
+        raise ValueError(f"the plan is for {p.arch} but this device is {arch}")
+    if num_sms and p.num_sms != num_sms:
+        p = dataclasses.replace(p, num_sms=num_sms)
+    if p.kernel == planning.KERNEL_XLA or out_dtype.name not in _KERNEL_OUT:
+        _last.append(Lowered(p, "; ".join(notes + [f"XLA dot: {p.reason}"])))
+        return _reference(a, b, bias, c, **kw)
+    bias_name = None if bias is None else np.dtype(bias.dtype).name
+    if bias_name is not None and bias_name not in _KERNEL_OUT:
+        _last.append(Lowered(p, f"bias dtype {bias_name}: XLA dot"))
+        return _reference(a, b, bias, c, **kw)
+    spec = KernelSpec(
+        a_dtype=names[0], b_dtype=names[1], out_dtype=out_dtype.name, a_major=a_major,
+        b_major=b_major, c_dtype=c_name, bias_dtype=bias_name, activation=activation,
+        alpha=alpha, beta=beta,
+    )  # fmt: skip
+
+    split = _usable_split(p, k, names[0]) if LL == 1 else 1
+    if p.split_k > 1 and split == 1:
+        p = dataclasses.replace(p, kernel=planning.KERNEL_SM90, split_k=1)
+        notes.append("split-K not applicable (k not divisible): unsplit kernel")
+    elif p.split_k > 1 and split != p.split_k:
+        p = dataclasses.replace(p, split_k=split)
+    _last.append(Lowered(p, "; ".join(notes) or "kernel"))
+    ffi.register()
+    if p.split_k > 1:
+        compiled = compile_mod.compile_plan(p, spec)
+        parts = _call_splitk(compiled, a3[0], b3[0], mm, n, k, a_major, b_major)
+        z = jnp.sum(parts, axis=0)
+        out = _epilogue_xla(z, None if c3 is None else c3[0], bias1, alpha=alpha, beta=beta,
+                            activation=activation, out_dtype=out_dtype)  # fmt: skip
+        return out.reshape(out_shape)
+    compiled = compile_mod.compile_plan(p, spec)
+    out = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
+    return out.reshape(out_shape)
+
+
+def _usable_split(p, k, a_dtype) -> int:
+    """The largest split <= plan.split_k with K/split whole and 16-byte aligned."""
+    from jax_sm100._src.kernels import common  # noqa: PLC0415
+
+    s = p.split_k
+    align = common.elems_per_16b(a_dtype)
+    while s > 1 and (k % s or (k // s) % align):
+        s //= 2
+    return s
+
+
+def _ffi(compiled, out_type, operands, dims, order):
+    call = jax.ffi.ffi_call(ffi.TARGET, out_type)
+    return call(
+        *operands,
+        object=np.frombuffer(compiled.object_bytes, dtype=np.uint8),
+        prefix=compiled.function_prefix,
+        dims=np.asarray(dims, dtype=np.int64),
+        order=np.asarray(order, dtype=np.int64),
+    )
+
+
+def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
+    # (shape, strides) of each operand in the kernel's modes (spec.py), for row-major buffers.
+    modes = {
+        "a": ((m, k, L), (k, 1, m * k)) if a_major == "k" else ((m, k, L), (1, m, m * k)),
+        "b": ((n, k, L), (1, n, n * k)) if b_major == "n" else ((n, k, L), (k, 1, n * k)),
+        "d": ((m, n, L), (n, 1, m * n)),
+        "c": ((m, n, L), (n, 1, m * n)),
+        "bias": ((n,), (1,)),
+    }
+    operands = [a3, b3] + [x for x in (c3, bias1) if x is not None]
+    index = {"a": 0, "b": 1, "d": -1}
+    nxt = 2
+    for name, x in (("c", c3), ("bias", bias1)):
+        if x is not None:
+            index[name] = nxt
+            nxt += 1
+    dims, order = [], []
+    for arg in compiled.tensor_args:
+        dims += arg.dims(*modes[arg.name])
+        order.append(index[arg.name])
+    out_type = jax.ShapeDtypeStruct((L, m, n), out_dtype)
+    return _ffi(compiled, out_type, operands, dims, order)
+
+
+def _call_splitk(compiled, a2, b2, m, n, k, a_major, b_major):
+    s = compiled.split_k
+    kc = k // s
+    modes = {
+        "a": ((m, kc, s), (k, 1, kc)) if a_major == "k" else ((m, kc, s), (1, m, kc * m)),
+        "b": ((n, kc, s), (1, n, kc * n)) if b_major == "n" else ((n, kc, s), (k, 1, kc)),
+        "d": ((m, n, s), (n, 1, m * n)),
+    }
+    index = {"a": 0, "b": 1, "d": -1}
+    dims, order = [], []
+    for arg in compiled.tensor_args:
+        dims += arg.dims(*modes[arg.name])
+        order.append(index[arg.name])
+    out_type = jax.ShapeDtypeStruct((s, m, n), jnp.float32)
+    return _ffi(compiled, out_type, [a2, b2], dims, order)
