@@ -523,6 +523,8 @@ class KernelCacheTest(parameterized.TestCase):
     def test_directory_from_environment(self):
         with mock.patch.dict(os.environ, {"JAX_SM100_CACHE_DIR": str(self.dir / "c")}):
             self.assertEqual(disk_cache.KernelCache().directory, self.dir / "c")
+        with mock.patch.dict(os.environ, {"JAX_SM100_CACHE_DIR": "relative/c"}):
+            self.assertEqual(disk_cache.KernelCache().directory, Path.cwd() / "relative" / "c")
         env = {"XDG_CACHE_HOME": str(self.dir / "xdg"), "HOME": str(self.dir / "home")}
         with mock.patch.dict(os.environ, env):
             os.environ.pop("JAX_SM100_CACHE_DIR", None)
@@ -553,9 +555,13 @@ class KernelCacheTest(parameterized.TestCase):
         blocker = self.dir / "a_file"
         blocker.write_bytes(b"")
         cache = disk_cache.KernelCache(blocker / "cache")
-        with self.assertLogs(disk_cache.logger, "WARNING"):
+        with self.assertLogs(disk_cache.logger, "WARNING") as logs:
             self.assertEqual(cache.get_or_create(_key(0), lambda: _entry(0)), _entry(0))
+        self.assertIn("caching in memory only", logs.output[-1])
+        self.assertIsNone(cache.directory)
         self.assertEqual(cache.get(_key(0)), _entry(0))
+        with self.assertNoLogs(disk_cache.logger, "WARNING"):
+            self.assertEqual(cache.get_or_create(_key(1), lambda: _entry(1)), _entry(1))
         self.assertEqual(cache.stats().writes, 0)
 
     def test_clear(self):

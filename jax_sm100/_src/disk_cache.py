@@ -430,7 +430,7 @@ class KernelCache:
 
     Thread-safe; several processes may share one directory. Disk errors (an unwritable or full
     directory) are logged and leave the cache working from memory: the cache never makes a
-    compile fail.
+    compile fail. The in-memory dict is not bounded: it holds the kernels this process uses.
     """
 
     def __init__(self, directory: str | os.PathLike | None = None, *, max_bytes: int | None = None):
@@ -451,6 +451,8 @@ class KernelCache:
             self._dir = None
         else:
             self._dir = Path(directory).expanduser()
+        # Absolute, so that processes started in other working directories share it.
+        self._dir = None if self._dir is None else self._dir.absolute()
         self._max_bytes = max_bytes_from_env() if max_bytes is None else int(max_bytes)
         if self._max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
@@ -576,12 +578,21 @@ class KernelCache:
         return entry
 
     def _ensure_dir(self) -> bool:
+        """Creates the directory on first use; if that fails, the cache stays in memory."""
         if self._dir_ready:
             return True
+        directory = self._dir
+        if directory is None:
+            return False
         try:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            logger.warning("jax_sm100 kernel cache: cannot create %s: %s", self._dir, e)
+            logger.warning(
+                "jax_sm100 kernel cache: cannot create %s (%s); caching in memory only",
+                directory,
+                e,
+            )
+            self._dir = None
             return False
         self._dir_ready = True
         return True
