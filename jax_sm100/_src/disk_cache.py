@@ -413,6 +413,11 @@ def _check_key(key: str) -> None:
         raise ValueError(f"{key=} is not a cache key (64 lowercase hex digits, from cache_key)")
 
 
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    fields = ("st_dev", "st_ino", "st_size", "st_mtime_ns")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
 def _unlink(path: Path) -> bool:
     """Deletes a file another process may delete first; True when this call deleted it."""
     try:
@@ -505,7 +510,7 @@ class KernelCache:
             return None
         try:
             with open(path, "rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
+                read_stat = os.fstat(f.fileno())
                 data = f.read()
         except FileNotFoundError:
             return None
@@ -519,9 +524,10 @@ class KernelCache:
                 "jax_sm100 kernel cache: ignoring and deleting corrupt entry %s: %s", path, e
             )
             self._count("corrupt")
-            # Another process may have replaced the bad file with a good one meanwhile.
+            # Another process may have replaced the bad file with a good one meanwhile (an
+            # inode number alone may be reused at once).
             with contextlib.suppress(OSError):
-                if os.stat(path).st_ino == inode:
+                if _same_file(os.stat(path), read_stat):
                     _unlink(path)
             return None
         # The modification time is the LRU clock.
