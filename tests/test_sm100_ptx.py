@@ -197,7 +197,15 @@ class Sm100PtxTest(parameterized.TestCase):
             )
         self.assertEqual(_expect_tx_bytes(ptx), expected)
 
-        # The epilogue's transcendental only appears when the activation needs it.
+        # Warp roles: 4 epilogue warps, the MMA warp, the A/B producer, and a C producer.
+        self.assertIn(f".reqntid {32 * (7 if spec.has_c else 6)}, 1, 1", ptx)
+        # One tcgen05.mma per instruction-K step of the K tile (unrolled; peeling may copy it).
+        n_mma = len(re.findall(r"tcgen05\.mma\.", ptx))
+        k_steps = mk // constraints.mma_inst_k(plan.a_dtype)
+        self.assertTrue(n_mma >= k_steps and n_mma % k_steps == 0, (n_mma, k_steps))
+        # Epilogue extras leave traces only when asked for: bias is the only global load the
+        # kernel makes outside TMA, and tanh only comes from GELU.
+        self.assertEqual("ld.global" in ptx, spec.has_bias)
         self.assertEqual("tanh.approx.f32" in ptx, spec.activation == "gelu")
 
     def test_rejects_other_plans(self):
