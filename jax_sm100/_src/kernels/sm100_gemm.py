@@ -670,37 +670,21 @@ class Sm100GemmKernel:
             )
 
         if cutlass.const_expr(self.spec.has_bias):
-            # Bias goes through the same partition as D; the coordinates of D say which
-            # columns exist (the last N tile may be ragged).
-            tBgBias = thr_t2r.partition_D(
-                cute.flat_divide(
-                    _group_mma_modes(
-                        thr_mma.partition_C(
-                            cute.local_tile(
-                                mBias,
-                                cute.slice_(self.mma_tiler, (None, None, 0)),
-                                (None, None, None),
-                            )
-                        )
-                    ),
-                    epi_tile,
+            # Bias goes through the same partition as D, so its registers line up with the
+            # accumulator's; D's coordinates say which columns exist in a ragged last N tile.
+            tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
+            tBgBias, tBcD = (
+                thr_t2r.partition_D(
+                    cute.flat_divide(
+                        _group_mma_modes(
+                            thr_mma.partition_C(cute.local_tile(t, tile_mn, (None, None, None)))
+                        ),
+                        epi_tile,
+                    )
                 )
+                for t in (mBias, cute.make_identity_tensor(d_in.shape))
             )
-            tBcD = thr_t2r.partition_D(
-                cute.flat_divide(
-                    _group_mma_modes(
-                        thr_mma.partition_C(
-                            cute.local_tile(
-                                cute.make_identity_tensor(d_in.shape),
-                                cute.slice_(self.mma_tiler, (None, None, 0)),
-                                (None, None, None),
-                            )
-                        )
-                    ),
-                    epi_tile,
-                )
-            )
-            tRrBias = cute.make_rmem_tensor(tTR_rAcc.shape, self.acc_dtype)
+            tRrBias = cute.make_rmem_tensor(tTR_rAcc.shape, self.bias_dtype)
             n_extent = d_in.shape[1]
 
         store_barrier = pipeline.NamedBarrier(
@@ -729,6 +713,8 @@ class Sm100GemmKernel:
                 bias_src = cute.group_modes(bias_src, 3, cute.rank(bias_src))
                 coords = tBcD[(None, None, None, None, None, *mma_tile)]
                 coords = cute.group_modes(coords, 3, cute.rank(coords))
+                # Whole N tile inside the matrix: vector loads, no per-element predicate.
+                bias_in_range = (mma_tile[1] + 1) * self.mma_tiler[1] <= n_extent
 
             acc_pipe.consumer_wait(acc_state)
             num_sub = cute.size(src, mode=[3])
@@ -753,11 +739,14 @@ class Sm100GemmKernel:
                     c_vec = r2s.retile(tTR_rC).load()
                 if cutlass.const_expr(self.spec.has_bias):
                     b_view = bias_src[(None, None, None, sub)]
-                    c_view = coords[(None, None, None, sub)]
-                    for i in cutlass.range(cute.size(tRrBias), unroll_full=True):
-                        tRrBias[i] = cutlass.Float32(0.0)
-                        if c_view[i][1] < n_extent:
-                            tRrBias[i] = b_view[i].to(self.acc_dtype)
+                    if bias_in_range:
+                        cute.autovec_copy(b_view, tRrBias)
+                    else:
+                        c_view = coords[(None, None, None, sub)]
+                        for i in cutlass.range(cute.size(tRrBias), unroll_full=True):
+                            tRrBias[i] = self.bias_dtype(0.0)
+                            if c_view[i][1] < n_extent:
+                                tRrBias[i] = b_view[i]
                     bias_vec = r2s.retile(tRrBias).load()
                 v = common.apply_epilogue(
                     r2s.retile(tTR_rAcc).load(),
