@@ -255,14 +255,36 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
                 importlib.metadata, "version", side_effect=importlib.metadata.PackageNotFoundError
             ),
             mock.patch.object(disk_cache.importlib.util, "find_spec", return_value=None),
+            mock.patch.object(disk_cache, "_loaded_compiler_library", return_value=None),
         ):
             self.assertEqual(disk_cache.dsl_version.__wrapped__(), "absent")
             self.assertEqual(disk_cache.dsl_build_fingerprint.__wrapped__(), "")
 
-    def test_dsl_build_fingerprint_names_a_flavour(self):
-        self.assertRegex(
-            disk_cache.dsl_build_fingerprint(), r"_cutlass_ir_version_cu\d+\.py=[0-9a-f]{64}"
-        )
+    def test_dsl_build_fingerprint_is_the_loaded_flavour(self):
+        library = disk_cache._loaded_compiler_library()
+        flavour = library.name.split(".")[1]
+        self.assertRegex(flavour, r"^cu\d+$")
+        digest = hashlib.sha256(
+            library.with_name(f"_cutlass_ir_version_{flavour}.py").read_bytes()
+        ).hexdigest()
+        self.assertEqual(disk_cache.dsl_build_fingerprint(), f"{flavour}={digest}")
+
+    def test_dsl_build_fingerprint_unloaded_lists_every_flavour(self):
+        with mock.patch.object(disk_cache, "_loaded_compiler_library", return_value=None):
+            fingerprint = disk_cache.dsl_build_fingerprint.__wrapped__()
+        self.assertRegex(fingerprint, r"^_cutlass_ir_version_cu\d+\.py=[0-9a-f]{64}")
+
+    def test_other_flavour_gives_another_fingerprint(self):
+        tmp_flavour = "cu99"
+        library = disk_cache._loaded_compiler_library()
+        root = Path(self.enterContext(tempfile.TemporaryDirectory()))
+        other = root / library.name.replace(library.name.split(".")[1], tmp_flavour)
+        other.write_bytes(b"")
+        (root / f"_cutlass_ir_version_{tmp_flavour}.py").write_text('DSO_SHA256 = {"x": "0"}\n')
+        with mock.patch.object(disk_cache, "_loaded_compiler_library", return_value=other):
+            fingerprint = disk_cache.dsl_build_fingerprint.__wrapped__()
+        self.assertStartsWith(fingerprint, f"{tmp_flavour}=")
+        self.assertNotEqual(fingerprint, disk_cache.dsl_build_fingerprint())
 
 
 class KernelCacheTest(parameterized.TestCase):

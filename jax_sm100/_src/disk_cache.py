@@ -56,6 +56,7 @@ import logging
 import os
 import re
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -203,27 +204,56 @@ def dsl_version() -> str:
     return _dsl_version_from_source() or "absent"
 
 
-@functools.cache
-def dsl_build_fingerprint() -> str:
-    """The DSL's own fingerprints of its compiler libraries, one per installed CUDA flavour.
+def _loaded_compiler_library() -> Path | None:
+    """The DSL compiler library this process uses (`_cutlass_ir.cu<N>...so`), or None.
 
-    The same version ships a CUDA 12 and a CUDA 13 compiler; each wheel carries
-    `_cutlass_ir_version_<flavour>.py` with the sha256 of its library. Read as text, not
-    imported. Empty when the files are not found.
+    Importing `cutlass._mlir._mlir_libs` picks the CUDA flavour: the newest installed one the
+    driver supports, or the newest one when there is no driver. Wherever a plan is made or a
+    kernel compiled, the DSL is imported already, so this costs nothing there.
     """
+    try:
+        import cutlass._mlir._mlir_libs  # noqa: F401, PLC0415
+    except Exception:  # Absent, or no flavour this driver can use: the compile fails anyway.
+        return None
+    library = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    path = getattr(library, "__file__", None)
+    return Path(path) if path else None
+
+
+def _fingerprint_files() -> list[Path]:
+    """`_cutlass_ir_version_<flavour>.py` of every installed flavour, found without importing."""
     try:
         spec = importlib.util.find_spec("cutlass")
     except (ImportError, ValueError):
-        return ""
+        return []
     if spec is None or not spec.submodule_search_locations:
-        return ""
-    parts = []
+        return []
+    paths = []
     for location in spec.submodule_search_locations:
-        libs = Path(location) / "_mlir" / "_mlir_libs"
         with contextlib.suppress(OSError):
-            for path in sorted(libs.glob("_cutlass_ir_version_*.py")):
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                parts.append(f"{path.name}={digest}")
+            paths.extend(Path(location, "_mlir", "_mlir_libs").glob("_cutlass_ir_version_*.py"))
+    return sorted(paths)
+
+
+@functools.cache
+def dsl_build_fingerprint() -> str:
+    """The DSL's own fingerprint of the compiler library it compiles with.
+
+    One DSL version ships a CUDA 12 and a CUDA 13 compiler; each comes with
+    `_cutlass_ir_version_<flavour>.py`, holding the sha256 of its library. Keying on the
+    flavour in use (not on every installed one) lets a CPU machine with both flavours fill a
+    cache for a GPU machine with one. When the DSL cannot be loaded, every installed
+    fingerprint is used; empty when there is none.
+    """
+    library = _loaded_compiler_library()
+    if library is not None:
+        match = re.match(r"_cutlass_ir\.(cu\d+)\.", library.name)
+        flavour = match.group(1) if match else library.name
+        version_file = library.with_name(f"_cutlass_ir_version_{flavour}.py")
+        with contextlib.suppress(OSError):
+            return f"{flavour}={hashlib.sha256(version_file.read_bytes()).hexdigest()}"
+        return flavour
+    parts = [f"{p.name}={hashlib.sha256(p.read_bytes()).hexdigest()}" for p in _fingerprint_files()]
     return ";".join(parts)
 
 
