@@ -76,30 +76,18 @@ def smem_capacity(arch: str) -> int:
 
 
 @functools.cache
-def _mlir_context():
-    """One MLIR context for the helpers that size tuples with cute.size, kept for the process:
-    contexts torn down while DSL objects still refer to them abort the interpreter."""
-    from cutlass._mlir import ir
-
-    return ir.Context()
-
-
-@functools.cache
 def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
-    import cutlass
-    from cutlass._mlir import ir
+    """The rule of the DSL's `sm90.compute_tile_shape_or_override`, restated in plain ints.
 
-    dtype = {
-        "bfloat16": cutlass.BFloat16,
-        "float16": cutlass.Float16,
-        "float32": cutlass.Float32,
-        "float8_e4m3fn": cutlass.Float8E4M3FN,
-        "float8_e5m2": cutlass.Float8E5M2,
-    }.get(out_dtype, cutlass.Float32)  # float64 plans run on XLA's dot; any tile will do
-    ctx = _mlir_context()
-    with ctx, ir.Location.unknown(ctx):
-        tile = _dsl().sm90.compute_tile_shape_or_override((cta_m, cta_n, 64), dtype, cta_m > 64)
-    return int(tile[0]), int(tile[1])
+    Calling the helper itself needs an MLIR context (it sizes tuples with cute.size); a context
+    created outside the DSL's own compile corrupts the heap once the DSL later compiles in the
+    same process (seen 2026-11-29: "malloc(): unaligned tcache chunk detected" in the next
+    compile's context creation), so the planner must not create one.
+    """
+    if cta_m > 64:  # cooperative: two consumer warp groups share the M extent
+        return min(128, cta_m), min(32, cta_n)
+    bits = C.DTYPE_BITS.get(out_dtype, 32)
+    return min(64, cta_m), min(64 if bits == 8 else 32, cta_n)
 
 
 def _pow2_ceil(x: int) -> int:
