@@ -138,23 +138,20 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
         if hit is not None:
             _stats["hits"] += 1
             return hit
-        if os.environ.get("JAX_SM100_COMPILE_INPROCESS") == "1":
-            compiled = _compile(plan, spec)
-        else:
+        if os.environ.get("JAX_SM100_COMPILE_SUBPROCESS") == "1":
             compiled = _compile_in_subprocess(plan, spec)
+        else:
+            compiled = _compile(plan, spec)
         _cache[key] = compiled
         _stats["compiles"] += 1
         return compiled
 
 
 def _compile_in_subprocess(plan, spec: KernelSpec) -> CompiledGemm:
-    """`_compile` in a fresh interpreter.
+    """`_compile` in a fresh interpreter (JAX_SM100_COMPILE_SUBPROCESS=1).
 
-    Seen with nvidia-cutlass-dsl 4.8.1 on 2026-11-29: after `cute.compile` of some SM90 plans
-    (e.g. a 64x128 tile), the process later aborts in an unrelated allocation ("malloc():
-    unaligned tcache chunk detected"; first seen in the next compile's MLIR context creation),
-    a heap corruption left by the compile. Until its cause is found, every compile runs in its
-    own interpreter (about 1.5 s more); JAX_SM100_COMPILE_INPROCESS=1 turns this off.
+    Isolates the DSL's compiler from the caller's heap; used while debugging crashes in the
+    DSL, at about 1.5 s more per compile.
     """
     payload = pickle.dumps((plan, spec))
     proc = subprocess.run(
