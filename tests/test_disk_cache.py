@@ -118,6 +118,11 @@ class CacheKeyTest(parameterized.TestCase):
             key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a")
         self.assertNotEqual(key, self.key)
 
+    def test_host_cpu_changes_key(self):
+        with mock.patch.object(disk_cache.platform, "machine", return_value="aarch64-test"):
+            key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a")
+        self.assertNotEqual(key, self.key)
+
     def test_extra_changes_key_and_its_order_does_not(self):
         a = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", extra={"x": "1", "y": "2"})
         b = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", extra={"y": "2", "x": "1"})

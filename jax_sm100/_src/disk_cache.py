@@ -54,6 +54,7 @@ import importlib.util
 import json
 import logging
 import os
+import platform
 import re
 import struct
 import sys
@@ -268,8 +269,9 @@ def cache_key(
     """The name of a compiled kernel: sha256 over everything that changes its binary.
 
     Serializes every field of `plan` and `spec` canonically (stable across processes and
-    Python's hash salting), the target arch, the nvidia-cutlass-dsl version and compiler
-    fingerprint, the hash of the kernel sources (`kernel_sources_hash`) and `extra`.
+    Python's hash salting), the target arch, the host's OS and CPU (the object file holds the
+    host-side launch code), the nvidia-cutlass-dsl version and compiler fingerprint, the hash
+    of the kernel sources (`kernel_sources_hash`) and `extra`.
 
     Args:
       plan: a frozen dataclass (a `GemmPlan`) whose fields are None, bool, int, float, str,
@@ -298,6 +300,8 @@ def cache_key(
         "plan": _canonical(plan, ignore=tuple(ignore_plan_fields)),
         "spec": _canonical(spec),
         "arch": arch,
+        # The object file holds host code too (the launch wrapper): x86-64 or aarch64.
+        "host": f"{sys.platform}-{platform.machine()}",
         "dsl_version": dsl_version(),
         "dsl_build": dsl_build_fingerprint(),
         "sources": kernel_sources_hash(),
