@@ -208,6 +208,14 @@ class Sm100PtxTest(parameterized.TestCase):
         self.assertEqual("ld.global" in ptx, spec.has_bias)
         self.assertEqual("tanh.approx.f32" in ptx, spec.activation == "gelu")
 
+    def test_compile_sm100_gives_a_loadable_object(self):
+        plan = planning.plan(512, 512, 512, a_dtype="bfloat16", b_dtype="bfloat16")
+        compiled = sm100_gemm.compile_sm100(plan)
+        # The host object the FFI handler loads: an x86-64 ELF carrying the sm_100a cubin.
+        obj = bytes(compiled.dump_to_object("sm100_test"))
+        self.assertEqual(obj[:4], b"\x7fELF")
+        self.assertIn(b"sm_100a", obj)
+
     def test_rejects_other_plans(self):
         sm90 = planning.plan(
             4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"

@@ -742,10 +742,10 @@ class Sm100GemmKernel:
                     if bias_in_range:
                         cute.autovec_copy(b_view, tRrBias)
                     else:
-                        c_view = coords[(None, None, None, sub)]
+                        coord_view = coords[(None, None, None, sub)]
                         for i in cutlass.range(cute.size(tRrBias), unroll_full=True):
                             tRrBias[i] = self.bias_dtype(0.0)
-                            if c_view[i][1] < n_extent:
+                            if coord_view[i][1] < n_extent:
                                 tRrBias[i] = b_view[i]
                     bias_vec = r2s.retile(tRrBias).load()
                 v = common.apply_epilogue(
