@@ -25,6 +25,13 @@ reshards to and from them where the surrounding program wants something else.
 
 Unsharded lowerings (one device, or every mesh axis manual as inside `shard_map`) return the
 local computation unchanged: no custom call, nothing extra to serialize for `jax.export`.
+
+Limits: a sharded program cannot be serialized with `jax.export` (custom_partitioning's
+callbacks live in this process). Inside a `shard_map` that leaves some mesh axes automatic,
+the product runs unpartitioned over those axes (its operands are gathered over them). When
+the program names no mesh (only positional shardings), every operand is replicated and each
+device computes the whole product. A user's `plan=` is resized to the per-device problem; if
+its tiles do not fit that problem, the planner chooses again.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ def partition(fn, ctx, **params):
       **params: the primitive's params.
 
     Returns:
-      `fn` itself when the lowering is not sharded, else a `custom_partitioning` of it.
+      `fn` itself when the lowering is not sharded; else a `custom_partitioning` function whose
+      partition callback runs the per-device binds of the primitive, which lower to `fn`.
     """
     if not _is_sharded(ctx.module_context.axis_context):
         return fn
@@ -116,7 +124,6 @@ class _Roles:
         if has_c:
             mats.append(("m", "n"))
         operands = []
-        unit = 0
         for j, (aval, mat) in enumerate(zip(avals_in, mats, strict=True)):
             dims = []
             for i in range(nb):
@@ -124,7 +131,6 @@ class _Roles:
                     dims.append(batch[i])
                 else:  # a broadcast unit dim: its own factor, never sharded
                     dims.append(f"u{j}_{i}")
-                    unit += 1
             operands.append((*dims, *mat))
         return cls(
             operands=tuple(operands),
@@ -156,6 +162,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def _spec_axes(sharding, ndim) -> list[tuple[str, ...]]:
+    # No sharding (GSPMD's inference), or a positional one when the program names no mesh.
     if not isinstance(sharding, NamedSharding):
         return [()] * ndim
     spec = tuple(sharding.spec)
@@ -188,20 +195,6 @@ def _entry(axes):
 def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
     """Chooses the axes of every factor from the given shardings (see the module docstring)."""
     mesh_shape = dict(mesh.shape)
-    used: set[str] = set()
-
-    def fit(factor, wanted, extent=None):
-        """The longest prefix of `wanted` (minus used axes) that divides the factor evenly."""
-        extent = roles.size(factor) if extent is None else extent
-        got = []
-        for ax in wanted:
-            if ax in used or ax in got:
-                continue
-            if extent % (math.prod(mesh_shape[a] for a in got) * mesh_shape[ax]):
-                break
-            got.append(ax)
-        return tuple(got)
-
     operand_axes = [
         _spec_axes(s, len(dims)) for s, dims in zip(arg_shardings, roles.operands, strict=True)
     ]
@@ -212,32 +205,27 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
                 return axes[dims.index(factor)]
         return ()
 
-    # k first: it decides whether the result's sharding asks for a reduce-scatter.
-    k = fit("k", from_operands("k"))
-    used.update(k)
-    result_axes = (
-        _spec_axes(result_sharding, len(roles.result))
-        if result_sharding is not None
-        else [()] * len(roles.result)
-    )
-    local, scatter = {"k": k} if k else {}, {}
+    # k first: the result's sharding then says whether its partials are reduce-scattered.
+    k = _even_prefix(from_operands("k"), roles.size("k"), mesh_shape)
+    used = set(k)
+    local, scatter = ({"k": k} if k else {}), {}
+    result_axes = _spec_axes(result_sharding, len(roles.result))
     for factor, wanted in zip(roles.result, result_axes, strict=True):
         wanted = wanted or from_operands(factor)
-        onto_k = tuple(a for a in wanted if a in k)
-        got = fit(factor, tuple(a for a in wanted if a not in k))
+        got = _even_prefix([a for a in wanted if a not in used], roles.size(factor), mesh_shape)
         used.update(got)
         if got:
             local[factor] = got
-        if onto_k:
-            local_extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
-            onto_k = _fit_scatter(onto_k, local_extent, mesh_shape)
-            if onto_k:
-                scatter[factor] = onto_k
+        extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
+        onto = _even_prefix([a for a in wanted if a in k], extent, mesh_shape)
+        if onto:
+            scatter[factor] = onto
     scattered = {a for axes in scatter.values() for a in axes}
     return _Decision(local=local, scatter=scatter, psum=tuple(a for a in k if a not in scattered))
 
 
-def _fit_scatter(axes, extent, mesh_shape):
+def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
+    """The longest prefix of `axes` whose mesh sizes together divide `extent`."""
     got = []
     for ax in axes:
         if extent % (math.prod(mesh_shape[a] for a in got) * mesh_shape[ax]):
