@@ -19,7 +19,11 @@ need an SM100 GPU.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import shutil
+import subprocess
+import tempfile
 
 from absl.testing import absltest, parameterized
 
@@ -150,6 +154,26 @@ def _expect_tx_bytes(ptx: str) -> set[int]:
     return found
 
 
+def _ptxas_spill_bytes(ptx: str) -> int | None:
+    """Register spill bytes ptxas reports for sm_100a, or None without a CUDA 12.8+ ptxas."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run(
+            [ptxas, "-arch=sm_100a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
+    if run.returncode != 0:
+        return None  # a ptxas too old for sm_100a; the DSL's own compile already passed
+    stores = re.findall(r"(\d+) bytes spill stores", run.stderr)
+    return sum(int(x) for x in stores)
+
+
 class Sm100PtxTest(parameterized.TestCase):
     @parameterized.named_parameters(*CASES)
     def test_ptx(self, problem, force=None, epilogue=None):
@@ -207,6 +231,11 @@ class Sm100PtxTest(parameterized.TestCase):
         # kernel makes outside TMA, and tanh only comes from GELU.
         self.assertEqual("ld.global" in ptx, spec.has_bias)
         self.assertEqual("tanh.approx.f32" in ptx, spec.activation == "gelu")
+
+        # Where a CUDA toolkit is installed, the kernel must not spill registers.
+        spills = _ptxas_spill_bytes(ptx)
+        if spills is not None:
+            self.assertEqual(spills, 0, "ptxas reports register spills")
 
     def test_compile_sm100_gives_a_loadable_object(self):
         plan = planning.plan(512, 512, 512, a_dtype="bfloat16", b_dtype="bfloat16")
