@@ -82,8 +82,10 @@ def correctness(n_cases: int, seed: int = 0):
         except Exception as e:  # report and count, keep going
             ok, err, how = False, float("nan"), f"EXC {type(e).__name__}: {str(e)[:300]}"
         fails += not ok
-        path = how.plan.kernel if (how and how.plan) else "-"
+        path = how.plan.kernel if (isinstance(how, gpu_lowering.Lowered) and how.plan) else "-"
         rows.append((ok, err, desc, path))
+        if ok and how is not None and not isinstance(how, str) and how.plan is not None:
+            print("ok", desc, f"{err:.1e}", how.plan.cta_tile_mnk, how.plan.split_k, flush=True)
         if not ok:
             print("FAIL", desc, err, how, flush=True)
         if i % 20 == 0:

@@ -203,6 +203,23 @@ def _splitk_fake_operands(spec: KernelSpec):
     return a, b, d, None, None
 
 
+def _splitk_plan(plan):
+    """The plan re-derived for float32 partials (a larger epilogue buffer), fewer A/B stages
+    when the planner's count no longer fits in shared memory."""
+    from jax_sm100._src import constraints  # noqa: PLC0415
+
+    stages = plan.num_ab_stages
+    while True:
+        try:
+            return dataclasses.replace(
+                plan, out_dtype="float32", c_dtype=None, num_ab_stages=stages
+            )
+        except constraints.PlanError:
+            if stages <= constraints.MIN_AB_STAGES:
+                raise
+            stages -= 1
+
+
 def _tensor_args(operands) -> tuple[TensorArg, ...]:
     from cutlass.cute.typing import SymInt  # noqa: PLC0415
 
@@ -230,6 +247,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
         from jax_sm100._src.kernels import sm90_gemm  # noqa: PLC0415
 
         if plan.split_k > 1:
+            plan = _splitk_plan(plan)
             spec = splitk_spec(spec)
             operands = _splitk_fake_operands(spec)
         else:

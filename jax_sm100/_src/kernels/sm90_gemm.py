@@ -436,15 +436,15 @@ class Sm90GemmKernel:
     def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD):
         """alpha, beta * C, bias and activation on one sub-tile's registers.
 
-        `coords` is the register->shared copy's destination view of the output coordinates,
-        so its i-th element is where register i lands (copies pair elements in flat order).
+        The registers are the source of the register->shared copy, so the copy's source view
+        (`partition_S`) of the output's coordinate tile gives each register's (m, n, l).
         """
-        coords = thr_r2s.partition_D(cute.local_tile(cD_tile, self.epi_tile, sub_crd))
+        coords = thr_r2s.partition_S(cute.local_tile(cD_tile, self.epi_tile, sub_crd))
         n_vals = cute.size(coords)
         c_vals = None
         bias_vals = None
         if cutlass.const_expr(self.has_c):
-            src = thr_r2s.partition_D(cute.local_tile(gC_tile, self.epi_tile, sub_crd))
+            src = thr_r2s.partition_S(cute.local_tile(gC_tile, self.epi_tile, sub_crd))
             rc = cute.make_rmem_tensor(vals.shape, src.element_type)
             rc.fill(0.0)
             for i in cutlass.range_constexpr(n_vals):
