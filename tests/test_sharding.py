@@ -114,11 +114,16 @@ def _delegated(cls):
     return cls
 
 
+def _child_env() -> dict[str, str]:
+    return dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+
+
 @functools.cache
 def _child_outcomes(class_name: str) -> dict[str, tuple[str, str]]:
     """Runs one test class under pytest in a fresh process; {test name: (outcome, message)}."""
-    env = dict(os.environ, **{_CHILD_ENV: "1"})
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env = dict(_child_env(), **{_CHILD_ENV: "1"})
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         proc = subprocess.run(
@@ -136,7 +141,8 @@ def _child_outcomes(class_name: str) -> dict[str, tuple[str, str]]:
             for child in case:
                 if child.tag in ("failure", "error", "skipped"):
                     outcome = child.tag
-                    message = f"{child.get('message', '')}\n{child.text or ''}"[-4000:]
+                    kind = child.get("type", "")
+                    message = f"{kind} {child.get('message', '')}\n{child.text or ''}"[-4000:]
             outcomes[case.get("name")] = (outcome, message)
         return outcomes
 
@@ -337,6 +343,40 @@ class PartitionerTest(ShardedTestCase):
         self.check(
             gelu_bias, (x, w, b), specs, counts(reduce_scatter=1), out_spec=PS(None, "model")
         )
+
+
+@_delegated
+class ExplicitAxesTest(ShardedTestCase):
+    @absltest.expectedFailure
+    def test_bias_gradient_gathers_no_activation(self):
+        # Known gap: under Explicit axes the primitive's abstract eval gives its result no
+        # sharding type, so the transpose casts the row-sharded cotangent to that (replicated)
+        # type, an all-gather, before summing it into the bias gradient. Needs a sharding rule
+        # in the abstract eval and a reshard of each cotangent to its primal's type (primitive.py).
+        x, w, b, y = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64), rand(3, 32, 64)
+        f = grad_of(lambda b, x, w, y: jnp.sum((jax_sm100.matmul(x, w, bias=b) - y) ** 2), 0)
+        self.check(f, (b, x, w, y), (PS(), PS("data"), PS(), PS("data")), counts(all_reduce=1))
+
+
+class ExampleTest(absltest.TestCase):
+    def test_train_sharded_runs_with_tensor_parallel_collectives_only(self):
+        proc = subprocess.run(
+            [
+                sys.executable, str(REPO_ROOT / "examples" / "train_sharded.py"), "--steps", "3",
+                "--seq", "16", "--d-model", "32", "--d-ff", "64", "--heads", "4", "--head-dim", "8",
+            ],
+            env=_child_env(),
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        self.assertIn("mesh data=2 x model=4", proc.stdout)
+        # Per layer: two forward all-reduces (attention output, MLP down-projection), two
+        # backward ones (the inputs of the column-parallel projections); plus one data-parallel
+        # gradient reduction. No all-gather.
+        self.assertIn("collectives per training step: {'all-reduce': 9}", proc.stdout)
+        losses = [float(m) for m in re.findall(r"loss (\S+)", proc.stdout)]
+        self.assertLen(losses, 2)  # the first step's and the last's
+        self.assertLess(losses[-1], losses[0])
 
 
 if __name__ == "__main__":

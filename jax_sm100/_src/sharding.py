@@ -72,7 +72,7 @@ def partition(fn, ctx, **params):
     """
     if not _is_sharded(ctx.module_context.axis_context):
         return fn
-    roles = _Roles.of(ctx.avals_in, ctx.avals_out[0], params)
+    roles = _Roles.of(ctx.avals_in, ctx.avals_out[0].shape, params)
     # The custom call's body is the primitive itself rather than `fn`: tracing `fn` would trace
     # XLA's dot on the global avals, which under an Explicit mesh carry shardings that dot
     # rejects when k is sharded. The body is only lowered where every axis is manual, and there
@@ -110,9 +110,9 @@ class _Roles:
     result_shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, avals_in, aval_out, params) -> _Roles:
+    def of(cls, avals_in, out_shape, params) -> _Roles:
         has_bias, has_c = params["has_bias"], params["has_c"]
-        out_shape = tuple(aval_out.shape)
+        out_shape = tuple(out_shape)
         nb = len(out_shape) - 2
         batch = tuple(f"b{i}" for i in range(nb))
         mats = [
