@@ -49,8 +49,6 @@ _C_LOAD_WARP = 6
 _EPI_BARRIER = 1
 _TMEM_PTR_BARRIER = 2
 
-_SMEM_ALIGN = 1024  # 128B-swizzled SMEM tiles want 1024-byte aligned bases.
-
 
 def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:
     """Bytes one `cute.copy(atom, ..., smem_dst)` lands on the mbarrier it names.
@@ -197,37 +195,26 @@ class Sm100GemmKernel:
             )
 
     def _make_shared_storage(self):
-        ab_stages, acc_stages, epi_stages = (
-            self.num_ab_stages,
-            self.num_acc_stages,
-            self.num_epi_stages,
-        )
-        c_stages = epi_stages if self.spec.has_c else 0
-        c_dtype = self.c_dtype if self.spec.has_c else self.d_dtype
-        c_elems = cute.cosize(self.c_smem_staged.outer) if self.spec.has_c else 0
+        """The CTA's SMEM: mbarriers and the TMEM base slot, then 1024-byte aligned tiles."""
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, 2 * ab_stages]
-            acc_barriers: cute.struct.MemRange[cutlass.Int64, 2 * acc_stages]
-            c_barriers: cute.struct.MemRange[cutlass.Int64, 2 * max(c_stages, 1)]
-            tmem_dealloc_barrier: cutlass.Int64
-            tmem_base: cutlass.Int32
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged.outer)],
-                _SMEM_ALIGN,
-            ]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged.outer)],
-                _SMEM_ALIGN,
-            ]
-            sD: cute.struct.Align[
-                cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged.outer)],
-                _SMEM_ALIGN,
-            ]
-            sC: cute.struct.Align[cute.struct.MemRange[c_dtype, max(c_elems, 1)], _SMEM_ALIGN]
+        def tile(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout.outer)], 1024]
 
-        return SharedStorage
+        fields = {
+            "ab_barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.num_ab_stages],
+            "acc_barriers": cute.struct.MemRange[cutlass.Int64, 2 * self.num_acc_stages],
+            "tmem_dealloc_barrier": cutlass.Int64,
+            "tmem_base": cutlass.Int32,
+        }
+        if self.spec.has_c:
+            fields["c_barriers"] = cute.struct.MemRange[cutlass.Int64, 2 * self.num_epi_stages]
+        # The small fields above share the first 1024 bytes (the planner's reserve).
+        fields["sA"] = tile(self.a_dtype, self.a_smem_staged)
+        fields["sB"] = tile(self.b_dtype, self.b_smem_staged)
+        fields["sD"] = tile(self.d_dtype, self.d_smem_staged)
+        if self.spec.has_c:
+            fields["sC"] = tile(self.c_dtype, self.c_smem_staged)
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------ host side
 
