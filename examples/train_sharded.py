@@ -9,7 +9,8 @@ attention scores and their weighted sum are batched products over (batch, heads)
 every device. On a machine without GPUs it runs on 8 host CPU devices (2 x 4); with GPUs, on
 all of them. The student learns to match a fixed random teacher with the same architecture, so
 the loss falls towards zero; the loss and the time per step are printed, and the collectives of
-the compiled step are counted once.
+the compiled step are counted once: on the default 2 x 4 mesh, 9 all-reduces per step (two per
+layer forward, two per layer backward, one for the data-parallel gradients) and nothing else.
 """
 
 from __future__ import annotations
@@ -158,6 +159,9 @@ def main():
     if args.batch % dp:
         parser.error(f"--batch {args.batch} must be a multiple of the data-parallel size {dp}")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if devices[0].platform == "gpu" else "float32"))
+    # Auto axes: the parameters' and the batch's shardings are propagated through the program
+    # by Shardy. (Under Explicit axes the step is also correct, but the primitive's result has
+    # no sharding type yet, and the bias gradients gather their cotangents first.)
     mesh = jax.make_mesh(
         (dp, tp), ("data", "model"), devices=devices, axis_types=(AxisType.Auto,) * 2
     )
