@@ -20,6 +20,9 @@ MMA of tile i+1 whenever the plan gives two or more accumulator stages.
 
 Every mbarrier transaction count is read off the TMA atom that moves the bytes (`_tma_copy_bytes`),
 and the TMEM allocation is the plan's `tmem_alloc_cols`, checked against the accumulator layout.
+
+Verified only by compiling for sm_100a on a CPU machine (tests/test_sm100_ptx.py reads the PTX);
+no SM100 GPU has run this code.
 """
 
 import math
@@ -816,8 +819,9 @@ def _why_not(plan: Any, spec: KernelSpec) -> str | None:
 def compile_sm100(plan: Any, spec: KernelSpec | None = None):
     """Compile the SM100 GEMM a plan selects, for sm_100a, with symbolic problem sizes.
 
-    Runs on a machine without a GPU. The PTX and cubin are kept when `CUTE_DSL_KEEP` names them
-    (see compile.py), and are then on the returned object's `__ptx__` and `__cubin__`.
+    Runs on a machine without a GPU. The PTX and cubin are on the returned object's `__ptx__`
+    and `__cubin__` only when the DSL was told to keep them (`CUTE_DSL_KEEP=ptx,cubin` at
+    import, or the DSL's `envar.keep_ptx`/`keep_cubin`, as compile.py sets).
 
     Args:
       plan: a `GemmPlan` with `arch == "sm_100a"` and `kernel == "sm100_tcgen05"`.
