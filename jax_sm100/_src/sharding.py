@@ -7,7 +7,7 @@ CPU tests exercise exactly the decisions the GPU runs with.
 
 Background / Algorithm. The product has one factor per dim: `b0..` (batch), `m`, `n`, and the
 contracting `k`, which is a reduction factor. Shardy propagates operand and result shardings
-through the rule built in `_factors`; the partition callback then turns the shardings it is
+through the rule built by `_Roles`; the partition callback then turns the shardings it is
 given into per-device work:
 
   * batch, m and n shardings are kept: every device runs one local GEMM (with the whole fused
@@ -286,7 +286,11 @@ def _row_parallel(operands, roles, decision, params, local_params):
 
 
 def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
-    """The params of the per-device bind: a user's plan is resized to the local problem."""
+    """The params of the per-device bind: a user's plan is resized to the local problem.
+
+    When k is sharded the bind is the partial product (accumulator dtype out, no C), and the
+    plan is made to say so too.
+    """
     plan = params["plan"]
     if plan is None:
         return params
@@ -296,11 +300,14 @@ def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
         return roles.size(factor) // math.prod(mesh_shape[a] for a in axes)
 
     batch = math.prod(local(f) for f in roles.result[:-2])
-    sizes = dict(m=local("m"), n=local("n"), k=local("k"), batch=batch)
-    if all(getattr(plan, f) == v for f, v in sizes.items()):
+    fields = dict(m=local("m"), n=local("n"), k=local("k"), batch=batch)
+    if "k" in decision.local:
+        acc = P.acc_dtype(plan.a_dtype, plan.b_dtype, params["out_dtype"])
+        fields.update(out_dtype=acc.name, c_dtype=None)
+    if all(getattr(plan, f) == v for f, v in fields.items()):
         return params
     try:
-        plan = dataclasses.replace(plan, **sizes)
+        plan = dataclasses.replace(plan, **fields)
     except C.PlanError:
         # The user's tiles do not fit the per-device problem; the planner chooses for it.
         plan = None
