@@ -240,6 +240,16 @@ class ForwardTest(ShardedTestCase):
         got, _ = self.check(jax_sm100.matmul, (a, b), specs, counts())
         self.assertEqual(got.sharding.spec, PS("data", None, "model"))
 
+    @parameterized.named_parameters(
+        ("column_parallel", (PS("data"), PS(None, "model"), PS("data", "model")), {}),
+        ("row_parallel", (PS("data", "model"), PS("model"), PS("data")), {"all_reduce": 1}),
+    )
+    def test_a_users_plan_runs_on_the_local_problem(self, specs, want):
+        x, w, c = rand(0, 64, 128), rand(1, 128, 256), rand(2, 64, 256)
+        plan = jax_sm100.plan_for(x, w, c=c)
+        f = lambda x, w, c: jax_sm100.matmul(x, w, c=c, beta=0.5, plan=plan)
+        self.check(f, (x, w, c), specs, counts(**want))
+
     def test_cpu_lowering_is_a_custom_partitioning_call(self):
         # XLA must not see a dot it could partition by itself, or the CPU tests prove nothing.
         x, w, b = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64)
