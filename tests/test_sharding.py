@@ -263,6 +263,14 @@ class ForwardTest(ShardedTestCase):
         self.assertNotIn("CustomSPMDPartitioning", single)
         self.assertIn("dot_general", single)
 
+    def test_single_device_programs_still_export(self):
+        # The partitioner's callbacks cannot be serialized; unsharded lowerings never make one.
+        x, w, b = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64)
+        exported = jax.export.export(jax.jit(gelu_bias))(x, w, b)
+        self.assertNotIn("CustomSPMDPartitioning", exported.mlir_module())
+        restored = jax.export.deserialize(exported.serialize())
+        np.testing.assert_array_equal(restored.call(x, w, b), jax.jit(gelu_bias)(x, w, b))
+
     def test_inside_shard_map_runs_the_local_product(self):
         x, w = rand(0, 32, 48), rand(1, 48, 64)
 
