@@ -52,11 +52,7 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute
 
 def collectives(hlo: str) -> dict[str, int]:
     """How many of each collective the compiled HLO text runs (async pairs count once)."""
-    return {
-        name: len(re.findall(rf"=\s*\S+\s+{name}(?:-start)?\(", hlo))
-        + len(re.findall(rf"=\s*\([^=]*\)\s+{name}(?:-start)?\(", hlo))
-        for name in COLLECTIVES
-    }
+    return {name: len(re.findall(rf"\s{name}(?:-start)?\(", hlo)) for name in COLLECTIVES}
 
 
 def counts(**nonzero) -> dict[str, int]:
