@@ -1,13 +1,25 @@
 """jax_sm100: JAX primitives running CuTe DSL GEMM kernels on SM100 (tcgen05) and SM90 (wgmma).
 
->>> import jax_sm100
->>> y = jax_sm100.matmul(x, w, bias=b, activation="gelu")
->>> print(jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16"))
+    >>> import jax_sm100
+    >>> y = jax_sm100.matmul(x, w, bias=b, activation="gelu")
+    >>> print(jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16"))
 """
 
 from jax_sm100._src.api import matmul, plan_for
+from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.constraints import PlanError
+from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import GemmPlan, plan
+from jax_sm100._src.precompile import precompile
 
-__all__ = ["GemmPlan", "PlanError", "matmul", "plan", "plan_for"]
+__all__ = [
+    "GemmPlan",
+    "KernelSpec",
+    "PlanError",
+    "compile_plan",
+    "matmul",
+    "plan",
+    "plan_for",
+    "precompile",
+]
 __version__ = "0.1.0"
