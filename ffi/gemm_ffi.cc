@@ -4,8 +4,8 @@
 // `JitCompiledFunction.dump_to_object` produced (an x86-64 ELF holding the cubin and the host
 // launch wrapper) as a u8 array attribute. The handler hands those bytes to the CuTe DSL
 // runtime (`libcute_dsl_runtime.so`, from the nvidia-cutlass-dsl wheel), which loads the cubin
-// into a context-independent CUDA library; the loaded module is cached per process under a
-// 64-bit digest of the bytes, so each kernel loads once, at the instantiate stage when XLA
+// into a context-independent CUDA library; the loaded module is cached per process under the
+// object's sha256 (the `key` attribute, computed once at trace time), so each kernel loads once, at the instantiate stage when XLA
 // runs it (before any CUDA-graph capture), else on first execution.
 //
 // The runtime is dlopen'ed on first use from the path Python registered
@@ -54,16 +54,7 @@ std::mutex g_mutex;
 std::string g_runtime_path;  // guarded by g_mutex
 Runtime g_runtime;           // written once under g_mutex, then read-only
 bool g_runtime_loaded = false;
-std::unordered_map<uint64_t, void*> g_functions;  // digest -> CuteDSLRT function handle
-
-uint64_t Digest(ffi::Span<const uint8_t> bytes) {
-  // FNV-1a over the whole object; its size is mixed in as well.
-  uint64_t h = 1469598103934665603ull ^ bytes.size();
-  for (uint8_t b : bytes) {
-    h = (h ^ b) * 1099511628211ull;
-  }
-  return h;
-}
+std::unordered_map<std::string, void*> g_functions;  // sha256 of the object -> function
 
 ffi::ErrorOr<const Runtime*> LoadRuntimeLocked() {
   if (g_runtime_loaded) return &g_runtime;
@@ -107,10 +98,10 @@ std::string CudaErrorText(int code) {
 }
 
 // Returns the runtime function for `object`, loading the module the first time.
-ffi::ErrorOr<void*> GetFunction(ffi::Span<const uint8_t> object, std::string_view prefix) {
-  const uint64_t key = Digest(object);
+ffi::ErrorOr<void*> GetFunction(std::string_view key, ffi::Span<const uint8_t> object,
+                                std::string_view prefix) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  auto it = g_functions.find(key);
+  auto it = g_functions.find(std::string(key));
   if (it != g_functions.end()) return it->second;
   auto rt = LoadRuntimeLocked();
   if (rt.has_error()) return ffi::Unexpected(rt.error());
@@ -130,13 +121,14 @@ ffi::ErrorOr<void*> GetFunction(ffi::Span<const uint8_t> object, std::string_vie
                                                 "' not found in the compiled kernel: " +
                                                 RuntimeErrorText(*rt, err)));
   }
-  g_functions.emplace(key, function);  // modules live until the process exits
+  g_functions.emplace(std::string(key), function);  // modules live until the process exits
   return function;
 }
 
-ffi::Error Instantiate(ffi::Span<const uint8_t> object, std::string_view prefix,
-                       ffi::Span<const int64_t>, ffi::Span<const int64_t>) {
-  auto fn = GetFunction(object, prefix);
+ffi::Error Instantiate(std::string_view key, ffi::Span<const uint8_t> object,
+                       std::string_view prefix, ffi::Span<const int64_t>,
+                       ffi::Span<const int64_t>) {
+  auto fn = GetFunction(key, object, prefix);
   return fn.has_error() ? fn.error() : ffi::Error::Success();
 }
 
@@ -163,9 +155,10 @@ class TensorArg {
 };
 
 ffi::Error Execute(void* stream, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                   ffi::Span<const uint8_t> object, std::string_view prefix,
-                   ffi::Span<const int64_t> dims, ffi::Span<const int64_t> order) {
-  auto fn = GetFunction(object, prefix);
+                   std::string_view key, ffi::Span<const uint8_t> object,
+                   std::string_view prefix, ffi::Span<const int64_t> dims,
+                   ffi::Span<const int64_t> order) {
+  auto fn = GetFunction(key, object, prefix);
   if (fn.has_error()) return fn.error();
 
   // `order` lists, in the kernel's argument order, which buffer each tensor is:
@@ -232,6 +225,7 @@ extern "C" void JaxSm100_SetRuntimePath(const char* path) {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSm100GemmInstantiate, Instantiate,
                               ffi::Ffi::BindInstantiate()
+                                  .Attr<std::string_view>("key")             // sha256(object)
                                   .Attr<ffi::Span<const uint8_t>>("object")  // kernel object
                                   .Attr<std::string_view>("prefix")          // its function
                                   .Attr<ffi::Span<const int64_t>>("dims")    // unused here
@@ -242,6 +236,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSm100GemmExecute, Execute,
                                   .Ctx<ffi::PlatformStream<void*>>()         // XLA's stream
                                   .RemainingArgs()                           // a, b, [c], [bias]
                                   .RemainingRets()                           // d
+                                  .Attr<std::string_view>("key")             // sha256(object)
                                   .Attr<ffi::Span<const uint8_t>>("object")  // kernel object
                                   .Attr<std::string_view>("prefix")          // its function
                                   .Attr<ffi::Span<const int64_t>>("dims")    // dynamic extents

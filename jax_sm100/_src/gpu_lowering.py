@@ -211,6 +211,7 @@ def _ffi(compiled, out_type, operands, dims, order):
     call = jax.ffi.ffi_call(ffi.TARGET, out_type)
     return call(
         *operands,
+        key=compiled.digest,
         object=np.frombuffer(compiled.object_bytes, dtype=np.uint8),
         prefix=compiled.function_prefix,
         dims=np.asarray(dims, dtype=np.int64),
