@@ -1,0 +1,69 @@
+"""compile_plan on a CPU machine: objects, argument layouts, the binary cache, the CUDA lowering."""
+
+import dataclasses
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest
+
+import jax_sm100
+from jax_sm100._src import compile as compile_mod
+from jax_sm100._src import ffi, gpu_lowering, planning
+
+
+def _plan(m, n, k, **kw):
+    return planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a", **kw)
+
+
+class CompileTest(absltest.TestCase):
+    def test_object_and_args(self):
+        c = compile_mod.compile_plan(_plan(2048, 2048, 2048))
+        self.assertEqual(c.object_bytes[:4], b"\x7fELF")
+        self.assertEqual([t.name for t in c.tensor_args], ["a", "b", "d"])
+        a = c.tensor_args[0]
+        self.assertEqual(a.dynamic_shape_modes, (0, 1, 2))
+        self.assertEqual(a.dims((5, 64, 1), (64, 1, 320)), [3, 2, 5, 64, 1, 64, 320])
+
+    def test_binary_shared_across_sizes(self):
+        p1, p2 = _plan(4096, 4096, 4096), _plan(4096, 4096, 8192)
+        self.assertEqual(compile_mod.binary_key(p1, compile_mod.default_spec(p1)),
+                         compile_mod.binary_key(p2, compile_mod.default_spec(p2)))  # fmt: skip
+        self.assertIs(compile_mod.compile_plan(p1), compile_mod.compile_plan(p2))
+
+    def test_splitk_compiles_float32_partials(self):
+        p = _plan(64, 4096, 4096)
+        self.assertEqual(p.kernel, "sm90_wgmma_splitk")
+        c = compile_mod.compile_plan(p)
+        self.assertEqual(c.spec.out_dtype, "float32")
+        self.assertGreater(c.split_k, 1)
+
+    def test_xla_plan_is_refused(self):
+        p = dataclasses.replace(_plan(256, 256, 256), kernel="xla_dot")
+        with self.assertRaisesRegex(ValueError, "XLA"):
+            compile_mod.compile_plan(p)
+
+    def test_ffi_builds_and_registers(self):
+        lib = ffi.build()
+        self.assertTrue(lib.exists())
+        ffi.register()
+
+    def test_cuda_lowering_emits_ffi_call(self):
+        f = jax.jit(lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias, activation="relu"))
+        args = (jax.ShapeDtypeStruct((3, 256, 512), jnp.bfloat16),
+                jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1024,), jnp.float32))  # fmt: skip
+        with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
+            exp = jax.export.export(
+                f, platforms=["cuda"],
+                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ffi.TARGET)],
+            )(*args)  # fmt: skip
+        text = exp.mlir_module()
+        self.assertIn(f"custom_call @{ffi.TARGET}", text)
+        self.assertRegex(text, r"prefix = \"jax_sm100_gemm\"")
+        how = gpu_lowering.explain()
+        self.assertEqual(how.plan.m, 768)  # the batch of 3 is folded into m (B is shared)
+
+
+if __name__ == "__main__":
+    absltest.main()
