@@ -42,12 +42,14 @@ def run_case(key, m, n, k, batch, dtype, ta, tb, act, alpha, beta, has_c, has_bi
     bias = _rand(ks[2], (*([1] * nb), n), jnp.float32) if has_bias else None
     c = _rand(ks[3], (*batch, m, n), out_dtype) if has_c else None
     params = dict(transpose_a=ta, transpose_b=tb, alpha=alpha, beta=beta, activation=act,
-                  out_dtype=np.dtype(out_dtype), has_bias=has_bias, has_c=has_c, plan=None)  # fmt: skip
+                  out_dtype=np.dtype(out_dtype), has_bias=has_bias, has_c=has_c,
+                  plan=None)  # fmt: skip
     args = [a, b] + [x for x in (bias, c) if x is not None]
     out = jax.jit(lambda *xs: P.matmul_p.bind(*xs, **params))(*args)
     how = gpu_lowering.explain()
     ref = P.reference_matmul(a, b, bias, c, upcast=True, transpose_a=ta, transpose_b=tb,
-                             alpha=alpha, beta=beta, activation=act, out_dtype=jnp.float32)  # fmt: skip
+                             alpha=alpha, beta=beta, activation=act,
+                             out_dtype=jnp.float32)  # fmt: skip
     o = np.asarray(out.astype(jnp.float32))
     r = np.asarray(ref)
     err = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
@@ -91,7 +93,7 @@ def correctness(n_cases: int, seed: int = 0):
         if i % 20 == 0:
             print(f"[{i}/{n_cases}] fails={fails} last={desc} err={err:.2e} {path}", flush=True)
     kernels = {}
-    for ok, _, _, path in rows:
+    for _, _, _, path in rows:
         kernels[path] = kernels.get(path, 0) + 1
     print(f"correctness: {n_cases} cases, {fails} failures; paths {kernels}", flush=True)
     return fails
@@ -110,8 +112,10 @@ def grad_check():
     r = jax.grad(lambda a, b: loss(lambda x, y: jax.nn.gelu(
         jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32))).astype(jnp.bfloat16), a, b),
         argnums=(0, 1))(a, b)  # fmt: skip
-    errs = [float(jnp.linalg.norm(x.astype(jnp.float32) - y.astype(jnp.float32))
-                  / jnp.linalg.norm(y.astype(jnp.float32))) for x, y in zip(g, r)]  # fmt: skip
+    errs = []
+    for x, y in zip(g, r, strict=True):
+        x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+        errs.append(float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y)))
     v = jax.jit(jax.vmap(lambda x: jax_sm100.matmul(x, b)))(_rand(key, (4, 64, 512), jnp.bfloat16))
     print("grad rel errs", errs, "vmap shape", v.shape, flush=True)
     return all(e < 3e-2 for e in errs)

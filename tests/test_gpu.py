@@ -29,8 +29,8 @@ class GpuTest(parameterized.TestCase):
         a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
         b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
         bias = jax.random.normal(kc, (n,), jnp.float32)
-        out = jax.jit(lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias,
-                                                         activation=activation))(a, b, bias)  # fmt: skip
+        fn = jax.jit(lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias, activation=activation))
+        out = fn(a, b, bias)
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) + bias
         if activation == "gelu":
             ref = jax.nn.gelu(ref, approximate=True)

@@ -45,7 +45,9 @@ def cutlass_dtype(name: str) -> type[cutlass.Numeric]:
     try:
         return CUTLASS_DTYPES[name]
     except KeyError:
-        raise TypeError(f"{name=} has no CuTe DSL kernel type; one of {sorted(CUTLASS_DTYPES)}")
+        raise TypeError(
+            f"{name=} has no CuTe DSL kernel type; one of {sorted(CUTLASS_DTYPES)}"
+        ) from None
 
 
 def dtype_bits(name: str) -> int:
