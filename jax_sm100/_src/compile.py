@@ -7,9 +7,11 @@ host launch wrapper, loaded at run time by the CuTe DSL runtime), the name of it
 per tensor argument, which extents and strides are runtime values (the layout of the argument
 structs that the handler fills).
 
-Because the binary depends on the plan's tiling and the spec but not on the problem sizes, the
-in-process cache is keyed on the plan without m, n, k and batch: all problems that plan the same
-tiles share one compile.
+Because the binary depends on the plan's tiling and the spec but not on the problem sizes, both
+caches are keyed on the plan without m, n, k and batch: all problems that plan the same tiles
+share one compile. In front of the compiler sit an in-process dict and the on-disk store of
+disk_cache.py (`JAX_SM100_CACHE_DIR`; `off` disables it), so a new process that meets a binary
+a previous one built loads it without importing the DSL.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class CompiledGemm:
 
 _cache: dict[tuple, CompiledGemm] = {}
 _lock = threading.Lock()
-_stats = {"compiles": 0, "hits": 0}
+_stats = {"compiles": 0, "hits": 0, "disk_hits": 0}
 
 
 def binary_key(plan, spec: KernelSpec) -> tuple:
@@ -138,13 +140,74 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
         if hit is not None:
             _stats["hits"] += 1
             return hit
-        if os.environ.get("JAX_SM100_COMPILE_SUBPROCESS") == "1":
-            compiled = _compile_in_subprocess(plan, spec)
-        else:
-            compiled = _compile(plan, spec)
+        compiled = _from_disk_or_compile(plan, spec)
         _cache[key] = compiled
-        _stats["compiles"] += 1
         return compiled
+
+
+def _build(plan, spec: KernelSpec) -> CompiledGemm:
+    _stats["compiles"] += 1
+    if os.environ.get("JAX_SM100_COMPILE_SUBPROCESS") == "1":
+        return _compile_in_subprocess(plan, spec)
+    return _compile(plan, spec)
+
+
+def _from_disk_or_compile(plan, spec: KernelSpec) -> CompiledGemm:
+    """The on-disk kernel cache (disk_cache.py) in front of the compiler.
+
+    The entry's payload is the object file; its metadata holds everything else a CompiledGemm
+    carries (PTX, cubin as hex, argument layout), so a hit needs no DSL import at all.
+    """
+    from jax_sm100._src import disk_cache  # noqa: PLC0415
+
+    cache = disk_cache.default_cache()
+    if cache.directory is None:
+        return _build(plan, spec)
+    key = disk_cache.cache_key(plan, spec, arch=plan.arch, ignore_plan_fields=_SIZE_FIELDS)
+    built: list[CompiledGemm] = []
+
+    def build_entry():
+        compiled = _build(plan, spec)
+        built.append(compiled)
+        return disk_cache.CacheEntry(compiled.object_bytes, _metadata(compiled))
+
+    entry = cache.get_or_create(key, build_entry)
+    if built:
+        return built[0]
+    _stats["disk_hits"] += 1
+    return _from_entry(plan, entry)
+
+
+def _metadata(c: CompiledGemm) -> dict:
+    return {
+        "spec": dataclasses.asdict(c.spec),
+        "arch": c.arch,
+        "function_prefix": c.function_prefix,
+        "ptx": c.ptx,
+        "cubin_hex": c.cubin.hex(),
+        "tensor_args": [
+            [t.name, list(t.dynamic_shape_modes), list(t.dynamic_stride_modes)]
+            for t in c.tensor_args
+        ],
+        "split_k": c.split_k,
+        "compile_seconds": c.compile_seconds,
+    }
+
+
+def _from_entry(plan, entry) -> CompiledGemm:
+    md = entry.metadata
+    return CompiledGemm(
+        plan=plan,
+        spec=KernelSpec(**md["spec"]),
+        arch=md["arch"],
+        function_prefix=md["function_prefix"],
+        object_bytes=entry.payload,
+        ptx=md["ptx"],
+        cubin=bytes.fromhex(md["cubin_hex"]),
+        tensor_args=tuple(TensorArg(n, tuple(s), tuple(t)) for n, s, t in md["tensor_args"]),
+        split_k=int(md["split_k"]),
+        compile_seconds=0.0,
+    )
 
 
 def _compile_in_subprocess(plan, spec: KernelSpec) -> CompiledGemm:
