@@ -12,7 +12,10 @@ by each case (kernel, tile, split, fallback reason) is printed from `gpu_lowerin
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import math
+import multiprocessing
+import os
 import sys
 import time
 
@@ -32,36 +35,11 @@ def _rand(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def run_case(key, m, n, k, batch, dtype, ta, tb, act, alpha, beta, has_c, has_bias, out_dtype):
-    ks = jax.random.split(key, 4)
-    a_shape = (*batch, k, m) if ta else (*batch, m, k)
-    b_shape = (*batch, n, k) if tb else (*batch, k, n)
-    a = _rand(ks[0], a_shape, dtype)
-    b = _rand(ks[1], b_shape, dtype)
-    nb = len(batch)
-    bias = _rand(ks[2], (*([1] * nb), n), jnp.float32) if has_bias else None
-    c = _rand(ks[3], (*batch, m, n), out_dtype) if has_c else None
-    params = dict(transpose_a=ta, transpose_b=tb, alpha=alpha, beta=beta, activation=act,
-                  out_dtype=np.dtype(out_dtype), has_bias=has_bias, has_c=has_c,
-                  plan=None)  # fmt: skip
-    args = [a, b] + [x for x in (bias, c) if x is not None]
-    out = jax.jit(lambda *xs: P.matmul_p.bind(*xs, **params))(*args)
-    how = gpu_lowering.explain()
-    ref = P.reference_matmul(a, b, bias, c, upcast=True, transpose_a=ta, transpose_b=tb,
-                             alpha=alpha, beta=beta, activation=act,
-                             out_dtype=jnp.float32)  # fmt: skip
-    o = np.asarray(out.astype(jnp.float32))
-    r = np.asarray(ref)
-    err = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-    ok = np.isfinite(o).all() and err < TOL[np.dtype(dtype).name] and o.shape == r.shape
-    return ok, err, how
-
-
-def correctness(n_cases: int, seed: int = 0):
+def make_cases(n_cases: int, seed: int = 0) -> list[dict]:
+    """A deterministic random matrix of problems covering sizes, batch, layouts, epilogues."""
     rng = np.random.default_rng(seed)
-    key = jax.random.key(seed)
-    fails, rows = 0, []
     sizes = [1, 7, 8, 16, 64, 100, 128, 136, 200, 256, 384, 520, 1000, 1024]
+    cases = []
     for i in range(n_cases):
         dtype = ["bfloat16", "float16"][i % 2]
         m = int(rng.choice(sizes))
@@ -70,32 +48,144 @@ def correctness(n_cases: int, seed: int = 0):
         ta, tb = bool(rng.integers(2)), bool(rng.integers(2))
         if ta:
             m = max(8, m // 8 * 8)
-        batch = [(), (), (3,), (2, 2)][i % 4]
-        act = [None, "relu", "gelu", "silu"][(i // 2) % 4]
-        alpha = [1.0, 0.5][(i // 3) % 2]
-        has_c, has_bias = bool(i % 5 == 1), bool(i % 3 == 2)
-        beta = 0.75 if has_c else 1.0
-        out_dtype = dtype if i % 7 else "float32"
-        key, sub = jax.random.split(key)
-        desc = (m, n, k, batch, dtype, ta, tb, act, alpha, beta, has_c, has_bias, out_dtype)
+        has_c = bool(i % 5 == 1)
+        cases.append(dict(
+            m=m, n=n, k=k, batch=[(), (), (3,), (2, 2)][i % 4], dtype=dtype, ta=ta, tb=tb,
+            act=[None, "relu", "gelu", "silu"][(i // 2) % 4], alpha=[1.0, 0.5][(i // 3) % 2],
+            beta=0.75 if has_c else 1.0, has_c=has_c, has_bias=bool(i % 3 == 2),
+            out_dtype=dtype if i % 7 else "float32",
+        ))  # fmt: skip
+    return cases
+
+
+def _inputs(case, seed):
+    rng = np.random.default_rng(seed)
+    m, n, k, batch, dt = case["m"], case["n"], case["k"], case["batch"], case["dtype"]
+    a_shape = (*batch, k, m) if case["ta"] else (*batch, m, k)
+    b_shape = (*batch, n, k) if case["tb"] else (*batch, k, n)
+    a = rng.standard_normal(a_shape, np.float32).astype(jnp.dtype(dt))
+    b = rng.standard_normal(b_shape, np.float32).astype(jnp.dtype(dt))
+    bias = rng.standard_normal((*([1] * len(batch)), n), np.float32) if case["has_bias"] else None
+    c = None
+    if case["has_c"]:
+        c = rng.standard_normal((*batch, m, n), np.float32).astype(jnp.dtype(case["out_dtype"]))
+    return a, b, bias, c
+
+
+def _np_reference(case, a, b, bias, c):
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    if case["ta"]:
+        a32 = np.swapaxes(a32, -1, -2)
+    if case["tb"]:
+        b32 = np.swapaxes(b32, -1, -2)
+    z = case["alpha"] * np.matmul(a32, b32)
+    if c is not None:
+        z = z + case["beta"] * c.astype(np.float32)
+    if bias is not None:
+        z = z + bias[..., None, :]
+    act = case["act"]
+    if act == "relu":
+        z = np.maximum(z, 0)
+    elif act == "gelu":
+        z = 0.5 * z * (1 + np.tanh(0.7978845608028654 * (z + 0.044715 * z**3)))
+    elif act == "silu":
+        z = z / (1 + np.exp(-z))
+    return z
+
+
+def _bind_fn(case):
+    params = dict(transpose_a=case["ta"], transpose_b=case["tb"], alpha=case["alpha"],
+                  beta=case["beta"], activation=case["act"],
+                  out_dtype=np.dtype(jnp.dtype(case["out_dtype"])), has_bias=case["has_bias"],
+                  has_c=case["has_c"], plan=None)  # fmt: skip
+    return jax.jit(lambda *xs: P.matmul_p.bind(*xs, **params))
+
+
+class _Collected(Exception):
+    pass
+
+
+def collect_binaries(cases) -> list:
+    """(plan, spec) of every kernel the cases need, by lowering each with compiling stubbed."""
+    seen, pairs = set(), []
+    real = compile_mod.compile_plan
+
+    def record(plan, spec=None):
+        key = compile_mod.binary_key(plan, spec or compile_mod.default_spec(plan))
+        if key not in seen:
+            seen.add(key)
+            pairs.append((plan, spec))
+        raise _Collected
+
+    compile_mod.compile_plan = record
+    try:
+        for i, case in enumerate(cases):
+            args = [x for x in _inputs(case, i) if x is not None]
+            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+            try:
+                _bind_fn(case).trace(*avals).lower(lowering_platforms=("cuda",))
+            except Exception:  # the stub stops every lowering that reaches a kernel
+                pass
+    finally:
+        compile_mod.compile_plan = real
+    return pairs
+
+
+def _compile_one(pair):
+    plan, spec = pair
+    t = time.perf_counter()
+    compile_mod.compile_plan(plan, spec)
+    return time.perf_counter() - t
+
+
+def precompile_parallel(pairs, jobs: int):
+    """Fills the on-disk kernel cache with `jobs` CPU-only worker processes."""
+    saved = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the workers must not take the GPU
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            times = list(pool.map(_compile_one, pairs))
+    finally:
+        if saved is None:
+            os.environ.pop("JAX_PLATFORMS")
+        else:
+            os.environ["JAX_PLATFORMS"] = saved
+    return times
+
+
+def correctness(n_cases: int, seed: int = 0, jobs: int = 0):
+    cases = make_cases(n_cases, seed)
+    if jobs > 1:
+        t = time.perf_counter()
+        pairs = collect_binaries(cases)
+        times = precompile_parallel(pairs, jobs) if pairs else [0.0]
+        print(f"precompiled {len(pairs)} binaries with {jobs} workers in "
+              f"{time.perf_counter() - t:.1f} s (per compile median {np.median(times):.2f} s, "
+              f"max {max(times):.2f} s)", flush=True)  # fmt: skip
+    fails, paths = 0, {}
+    t0 = time.perf_counter()
+    for i, case in enumerate(cases):
+        a, b, bias, c = _inputs(case, i)
+        args = [jnp.asarray(x) for x in (a, b, bias, c) if x is not None]
         try:
-            ok, err, how = run_case(sub, m, n, k, batch, dtype, ta, tb, act, alpha, beta,
-                                    has_c, has_bias, out_dtype)  # fmt: skip
+            out = np.asarray(_bind_fn(case)(*args).astype(jnp.float32))
+            how = gpu_lowering.explain()
+            ref = _np_reference(case, a, b, bias, c)
+            err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+            ok = out.shape == ref.shape and np.isfinite(out).all() and err < TOL[case["dtype"]]
+            path = how.plan.kernel if how is not None and how.plan is not None else "xla"
         except Exception as e:  # report and count, keep going
-            ok, err, how = False, float("nan"), f"EXC {type(e).__name__}: {str(e)[:300]}"
+            ok, err, path = False, float("nan"), f"EXC {type(e).__name__}: {str(e)[:300]}"
         fails += not ok
-        path = how.plan.kernel if (isinstance(how, gpu_lowering.Lowered) and how.plan) else "-"
-        rows.append((ok, err, desc, path))
-        if ok and how is not None and not isinstance(how, str) and how.plan is not None:
-            print("ok", desc, f"{err:.1e}", how.plan.cta_tile_mnk, how.plan.split_k, flush=True)
+        paths[path] = paths.get(path, 0) + 1
         if not ok:
-            print("FAIL", desc, err, how, flush=True)
-        if i % 20 == 0:
-            print(f"[{i}/{n_cases}] fails={fails} last={desc} err={err:.2e} {path}", flush=True)
-    kernels = {}
-    for _, _, _, path in rows:
-        kernels[path] = kernels.get(path, 0) + 1
-    print(f"correctness: {n_cases} cases, {fails} failures; paths {kernels}", flush=True)
+            print("FAIL", case, err, path, flush=True)
+        if i % 25 == 0 or i == n_cases - 1:
+            bar = "#" * int(30 * (i + 1) / n_cases)
+            print(f"[{bar:30s}] {i + 1}/{n_cases} fails={fails} "
+                  f"{time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    print(f"correctness: {n_cases} cases, {fails} failures; paths {paths}", flush=True)
     return fails
 
 
@@ -186,9 +276,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--jobs", type=int, default=0, help="parallel precompile workers")
     args = ap.parse_args()
     print("devices", jax.devices(), "info", gpu_lowering.device_info(), flush=True)
-    fails = correctness(args.cases)
+    fails = correctness(args.cases, jobs=args.jobs)
     ok_grad = grad_check()
     if args.bench:
         bench()
