@@ -135,5 +135,45 @@ def _register_locked() -> None:
     )
 
 
+def cuda_plugin_installed() -> bool:
+    """Whether a JAX CUDA plugin is installed (checked without initialising any backend)."""
+    import importlib.util  # noqa: PLC0415
+
+    names = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
+             "jax_plugins.xla_cuda12")  # fmt: skip
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:
+            continue
+    return False
+
+
+def register_if_cuda() -> bool:
+    """Registers the target when JAX can run on CUDA here; True when registered.
+
+    For processes that run a deserialised `jax.export` artifact or a persistent-cache hit
+    without lowering jax_sm100.matmul themselves. On a machine without a CUDA plugin this does
+    nothing (no compiler is needed there); a failed build is reported as a warning, and the
+    CUDA lowering will raise it again with the full message if a kernel is actually used.
+    """
+    if not cuda_plugin_installed():
+        return False
+    try:
+        register()
+    except (FfiBuildError, OSError) as e:
+        import warnings  # noqa: PLC0415
+
+        warnings.warn(f"jax_sm100: FFI handler not registered: {e}", stacklevel=2)
+        return False
+    return True
+
+
+def export_safety_checks() -> list:
+    """`disabled_checks` for `jax.export.export` of functions that call our kernels."""
+    return [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
+
+
 if __name__ == "__main__":
     print(build())
