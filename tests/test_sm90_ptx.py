@@ -42,8 +42,16 @@ class Sm90PtxTest(parameterized.TestCase):
     @parameterized.parameters("relu", "gelu", "silu")
     def test_fused_epilogue_compiles(self, activation):
         p = _plan(512, 512, 512, dtype="float16", c_dtype="float16")
-        spec = KernelSpec("float16", "float16", "float16", c_dtype="float16",
-                          bias_dtype="float32", activation=activation, alpha=0.5, beta=0.25)  # fmt: skip
+        spec = KernelSpec(
+            "float16",
+            "float16",
+            "float16",
+            c_dtype="float16",
+            bias_dtype="float32",
+            activation=activation,
+            alpha=0.5,
+            beta=0.25,
+        )
         ptx = compile_mod.compile_plan(p, spec).ptx
         self.assertIn("wgmma.mma_async", ptx)
         if activation == "gelu":
