@@ -90,6 +90,17 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
     return min(64, cta_m), min(64 if bits == 8 else 32, cta_n)
 
 
+def epi_smem_bytes(arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k) -> int:
+    """Shared memory of the epilogue's staging buffers.
+
+    D is staged through SMEM for its TMA store, in float32 for split-K partials. SM100 kernels
+    also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers.
+    """
+    d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype]
+    c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and arch == "sm_100a") else 0
+    return epi_tile[0] * epi_tile[1] * num_epi_stages * (d_bits + c_bits) // 8
+
+
 def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -192,8 +203,7 @@ class GemmPlan:
         C.check_epi_tile(self.epi_tile, cta)
         ab_bits = C.DTYPE_BITS[ab]
         stage_bytes = (cta[0] + b_rows) * mk * ab_bits // 8
-        epi_elems = self.epi_tile[0] * self.epi_tile[1] * self.num_epi_stages
-        epi_bytes = epi_elems * (out_bits + (c_bits or 0)) // 8
+        epi_bytes = self._epi_bytes
         setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
         C.check_ab_stages(self.num_ab_stages)
         C.check_smem(self.arch, self.smem_bytes, smem_capacity(self.arch))
@@ -211,8 +221,10 @@ class GemmPlan:
 
     @property
     def _epi_bytes(self) -> int:
-        bits = C.DTYPE_BITS[self.out_dtype] + (C.DTYPE_BITS[self.c_dtype] if self.c_dtype else 0)
-        return self.epi_tile[0] * self.epi_tile[1] * self.num_epi_stages * bits // 8
+        return epi_smem_bytes(
+            self.arch, self.epi_tile, self.num_epi_stages, self.out_dtype, self.c_dtype,
+            self.split_k,
+        )  # fmt: skip
 
     @property
     def num_tiles(self) -> int:
@@ -334,7 +346,7 @@ def _plan_cached(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_m
         epi = _dsl().sm100.compute_epilogue_tile_size(
             cta[0], mn, use_2cta, out_bits, c_dtype and c_bits, False, False
         )
-        epi_bytes = epi[0] * epi[1] * 2 * (out_bits + c_bits) // 8
+        epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, 1)
         stages = _max_ab_stages(arch, cta, mn // 2 if use_2cta else mn, ab_bits, epi_bytes)
         plan = GemmPlan(
             **common,
@@ -350,7 +362,7 @@ def _plan_cached(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_m
     tm, tn, cluster = _choose_sm90(m, n, k, batch, num_sms)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
     epi = _sm90_epi_tile(tm, tn, out_dtype)
-    epi_bytes = epi[0] * epi[1] * 2 * (out_bits + c_bits) // 8
+    epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, split)
     stages = _max_ab_stages(arch, (tm, tn, ktile), tn, ab_bits, epi_bytes)
     if why_not is not None:
         kernel = KERNEL_XLA
