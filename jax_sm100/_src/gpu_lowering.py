@@ -29,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import ffi, planning
+from jax_sm100._src import constraints, ffi, planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -94,6 +95,13 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
               activation=activation, out_dtype=out_dtype)  # fmt: skip
     arch, num_sms = device_info()
+    if arch is None and plan is not None:
+        # No SM90/SM100 device here (e.g. jax.export(platforms=["cuda"]) on a CPU machine): a
+        # plan given for an arch cross-lowers that arch's kernel.
+        arch = plan.arch
+    if arch is None and os.environ.get("JAX_SM100_TARGET_ARCH"):
+        arch = os.environ["JAX_SM100_TARGET_ARCH"]
+        constraints.check_arch(arch)
     if arch is None:
         _last.append(Lowered(None, "no sm_90a/sm_100a device: XLA dot"))
         return _reference(a, b, bias, c, **kw)
@@ -160,7 +168,11 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         _last.append(Lowered(None, f"no plan ({e}): XLA dot"))
         return _reference(a, b, bias, c, **kw)
     if p.arch != arch:
-        raise ValueError(f"the plan is for {p.arch} but this device is {arch}")
+        raise constraints.PlanError(
+            f"the plan passed to matmul(plan=...) is for {p.arch}, but this device is {arch}: "
+            f"{p.arch} kernels cannot run on it. Make the plan with jax_sm100.plan(..., "
+            f"arch={arch!r}) or leave plan=None"
+        )
     if num_sms and p.num_sms != num_sms:
         p = dataclasses.replace(p, num_sms=num_sms)
     if p.kernel == planning.KERNEL_XLA or out_dtype.name not in _KERNEL_OUT:

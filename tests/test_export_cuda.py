@@ -1,0 +1,89 @@
+"""Exporting for CUDA on a CPU-only machine: the sm_100a kernel travels inside the module."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import ffi
+
+
+def _export(fn, *args):
+    return jax.export.export(
+        jax.jit(fn), platforms=["cuda"], disabled_checks=ffi.export_safety_checks()
+    )(*args)
+
+
+def _embedded_objects(text: str) -> list[bytes]:
+    return [bytes.fromhex(h) for h in re.findall(r'object = dense<"0x([0-9A-F]+)"', text)]
+
+
+class ExportForSm100Test(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("one_cta", 512, 1024, 256, False, None),
+        ("two_cta_relu_bias", 4096, 4096, 512, True, "relu"),
+    )
+    def test_kernel_in_exported_module(self, m, n, k, two_cta, activation):
+        a = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((n,), jnp.bfloat16)
+        p = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_100a")
+        if two_cta != p.use_2cta:
+            p = dataclasses.replace(p, mma_tiler_mnk=(256, 128, 64), use_2cta=True,
+                                    cluster_shape_mn=(2, 1))  # fmt: skip
+        self.assertEqual(p.kernel, "sm100_tcgen05")
+        self.assertEqual(p.use_2cta, two_cta)
+
+        def fn(a, b, bias):
+            return jax_sm100.matmul(a, b, bias=bias, activation=activation, plan=p)
+
+        exp = _export(fn, a, b, bias)
+        text = exp.mlir_module()
+        self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 1)
+        self.assertNotIn("dot_general", text)
+        (obj,) = _embedded_objects(text)
+        self.assertEqual(obj[:4], b"\x7fELF")  # the host object with the cubin inside
+        self.assertTrue(b"sm_100a" in obj and b"Sm100GemmKernel" in obj)
+        self.assertGreater(len(exp.serialize()), len(obj))
+        spec = jax_sm100.KernelSpec(
+            a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="bfloat16",
+            bias_dtype="bfloat16", activation=activation,
+        )  # fmt: skip
+        compiled = jax_sm100.compile_plan(p, spec)
+        self.assertEqual(compiled.object_bytes, obj)
+        self.assertIn("tcgen05.mma.cta_group::" + ("2" if two_cta else "1"), compiled.ptx)
+        self.assertIn(f"tcgen05.alloc.cta_group::{2 if two_cta else 1}", compiled.ptx)
+
+    def test_target_arch_without_plan(self):
+        # With no plan and no SM90/SM100 device, lowering for CUDA picks XLA's dot, unless
+        # JAX_SM100_TARGET_ARCH names the arch to cross-compile for.
+        a = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+        text = _export(lambda a, b: jax_sm100.matmul(a, b), a, b).mlir_module()
+        self.assertNotIn("jax_sm100_gemm", text)
+        self.assertIn("dot_general", text)
+        for arch, family in (("sm_100a", b"Sm100GemmKernel"), ("sm_90a", b"Sm90GemmKernel")):
+            with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+                text = _export(lambda a, b: jax_sm100.matmul(a, b, alpha=0.5), a, b).mlir_module()
+            (obj,) = _embedded_objects(text)
+            self.assertTrue(family in obj, f"{arch}: no {family} kernel in the exported object")
+
+    def test_sm100_plan_on_other_device_raises(self):
+        from jax_sm100._src import gpu_lowering
+
+        p = jax_sm100.plan(128, 64, 64, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_100a")
+        a = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
+        with mock.patch.object(gpu_lowering, "device_info", return_value=("sm_90a", 132)):
+            with self.assertRaisesRegex(jax_sm100.PlanError, "is for sm_100a, but this device"):
+                _export(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, a.update(shape=(64, 64)))
+
+
+if __name__ == "__main__":
+    absltest.main()
