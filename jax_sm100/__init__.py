@@ -23,3 +23,9 @@ __all__ = [
     "precompile",
 ]
 __version__ = "0.1.0"
+
+# Register the FFI target with a CUDA-enabled JAX at import, so that a process which only runs a
+# deserialized jax.export artifact or a persistent-cache hit finds the handler. A no-op elsewhere.
+from jax_sm100._src import ffi as _ffi  # noqa: E402
+
+_ffi.register_if_cuda()
