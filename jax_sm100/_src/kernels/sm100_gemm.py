@@ -26,6 +26,7 @@ no SM100 GPU has run this code.
 """
 
 import math
+import tempfile
 from typing import Any
 
 import cutlass
@@ -34,6 +35,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.cutlass_dsl.cutlass import CuTeDSL
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src import constraints, planning
@@ -847,5 +849,13 @@ def compile_sm100(plan: Any, spec: KernelSpec | None = None):
         )
     kernel = Sm100GemmKernel(plan, spec)
     operands = common.make_fake_operands(plan, spec)
-    with common.target_arch("sm_100a"):
-        return cute.compile(kernel, *operands, make_fake_stream())
+    # Whatever the DSL keeps (PTX, cubin) goes to a scratch folder, never the caller's cwd.
+    envar = CuTeDSL._get_dsl().envar
+    saved = envar.dump_dir
+    with tempfile.TemporaryDirectory(prefix="jax_sm100_") as scratch:
+        envar.dump_dir = scratch
+        try:
+            with common.target_arch("sm_100a"):
+                return cute.compile(kernel, *operands, make_fake_stream())
+        finally:
+            envar.dump_dir = saved
