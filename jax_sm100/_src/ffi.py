@@ -25,7 +25,11 @@ import jax
 
 TARGET = "jax_sm100_gemm"
 _LIB_NAME = "libjax_sm100_ffi.so"
-_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "ffi" / "gemm_ffi.cc"
+# A wheel carries the source inside the package (setup.py); an editable install reads the
+# repository's ffi/ folder.
+_PACKAGED_SOURCE = pathlib.Path(__file__).resolve().parents[1] / "_ffi" / "gemm_ffi.cc"
+_REPO_SOURCE = pathlib.Path(__file__).resolve().parents[2] / "ffi" / "gemm_ffi.cc"
+_SOURCE = _PACKAGED_SOURCE if _PACKAGED_SOURCE.is_file() else _REPO_SOURCE
 _lock = threading.Lock()
 
 
