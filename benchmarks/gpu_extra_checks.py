@@ -1,0 +1,137 @@
+"""GPU checks beyond gpu_check.py: fp8 operands, CUDA-graph replay, compute-sanitizer memcheck.
+
+    python benchmarks/gpu_extra_checks.py            # all three (memcheck in a child process)
+    python benchmarks/gpu_extra_checks.py --cases X  # one part: fp8, graph or memcheck-child
+
+Each part compares against a float32 XLA reference on normal random data and prints one
+`RESULT` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sm100
+from jax_sm100._src import gpu_lowering
+from jax_sm100._src import primitive as P
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None):
+    ops = [a, b] + ([bias] if bias is not None else []) + ([c] if c is not None else [])
+    return P.matmul_p.bind(
+        *ops, transpose_a=False, transpose_b=transpose_b, alpha=1.0, beta=1.0,
+        activation=activation, out_dtype=np.dtype(out_dtype), has_bias=bias is not None,
+        has_c=c is not None, plan=None,
+    )  # fmt: skip
+
+
+def fp8() -> int:
+    """fp8 operands with K-major B (b stored [n, k]), the layout the SM90 fp8 wgmma takes."""
+    fails = 0
+    rng = np.random.default_rng(0)
+    for dt in ("float8_e4m3fn", "float8_e5m2"):
+        for m, n, k in ((128, 256, 512), (1000, 520, 256), (64, 4096, 4096), (4096, 4096, 4096)):
+            a = jnp.asarray(rng.standard_normal((m, k), np.float32).astype(jnp.dtype(dt)))
+            b = jnp.asarray(rng.standard_normal((n, k), np.float32).astype(jnp.dtype(dt)))
+            out = jax.jit(lambda a, b: _bind(a, b, transpose_b=True, out_dtype="bfloat16"))(a, b)
+            low = gpu_lowering.explain()
+            ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision="highest")
+            err = _rel_err(out, ref)
+            ok = err < 1e-2 and np.isfinite(np.asarray(out, np.float32)).all()
+            fails += not ok
+            kernel = low.plan.kernel if low and low.plan else "?"
+            print(f"fp8 {dt} {m}x{n}x{k}: rel err {err:.2e} {'ok' if ok else 'FAIL'} ({kernel})")
+    print("RESULT fp8 fails", fails)
+    return fails
+
+
+def graph() -> int:
+    """The kernels inside XLA command buffers (CUDA graphs), replayed many times."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((512, 1024), np.float32), jnp.bfloat16)
+    w1 = jnp.asarray(rng.standard_normal((1024, 2048), np.float32) / 32, jnp.bfloat16)
+    w2 = jnp.asarray(rng.standard_normal((2048, 1024), np.float32) / 45, jnp.bfloat16)
+    b1 = jnp.asarray(rng.standard_normal((2048,), np.float32), jnp.bfloat16)
+
+    def ours(x):
+        h = jax_sm100.matmul(x, w1, bias=b1, activation="gelu")
+        return jax_sm100.matmul(h, w2, c=x, beta=0.5)
+
+    def ref(x):
+        f = lambda t: t.astype(jnp.float32)  # noqa: E731
+        h = jax.nn.gelu(jnp.dot(f(x), f(w1), precision="highest") + f(b1), approximate=True)
+        h = h.astype(jnp.bfloat16)
+        return jnp.dot(f(h), f(w2), precision="highest") + 0.5 * f(x)
+
+    f = jax.jit(ours)
+    first = f(x)
+    for _ in range(50):
+        out = f(x)
+    err = _rel_err(out, ref(x))
+    same = bool(jnp.array_equal(out, first))
+    text = f.lower(x).compile().as_text()
+    ok = err < 2e-2 and same
+    print(f"graph: rel err {err:.2e}, 50 replays identical {same}, "
+          f"custom calls in HLO {text.count('jax_sm100_gemm')}")  # fmt: skip
+    print("RESULT graph fails", int(not ok))
+    return int(not ok)
+
+
+def memcheck_child() -> None:
+    rng = np.random.default_rng(2)
+    cases = [((136, 200, 264), {}), ((64, 520, 4096), {}), ((100, 256, 128), {"c": True})]
+    for (m, n, k), kw in cases:
+        a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        b = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
+        c = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16) if kw else None
+        bias = jnp.asarray(rng.standard_normal((n,), np.float32), jnp.bfloat16) if kw else None
+        out = jax.jit(lambda a, b, c, bias: jax_sm100.matmul(a, b, c=c, bias=bias))(a, b, c, bias)
+        out.block_until_ready()
+        low = gpu_lowering.explain()
+        print(f"memcheck case {m}x{n}x{k}: {low.plan.kernel if low.plan else low.note}")
+
+
+def memcheck() -> int:
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--print-limit", "20",
+           sys.executable, __file__, "--cases", "memcheck-child"]  # fmt: skip
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
+    except subprocess.TimeoutExpired as e:
+        print(f"memcheck did not finish in {e.timeout} s")
+        print("RESULT memcheck not run")
+        return 0
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
+    print("\n".join(tail))
+    ok = proc.returncode == 0 and any("ERROR SUMMARY: 0 errors" in line for line in tail)
+    print("RESULT memcheck fails", int(not ok))
+    return int(not ok)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="fp8,graph,memcheck")
+    parts = ap.parse_args().cases.split(",")
+    if parts == ["memcheck-child"]:
+        memcheck_child()
+        return 0
+    fails = 0
+    for part in parts:
+        fails += {"fp8": fp8, "graph": graph, "memcheck": memcheck}[part]()
+    return int(fails > 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
