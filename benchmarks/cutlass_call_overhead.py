@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_sm100
-from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import gpu_lowering, planning
+from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100.bench import time_per_call
 
 
@@ -37,7 +37,7 @@ def main():
 
     arch, sms = gpu_lowering.device_info()
     p = planning.plan(m, n, k, a_dtype=args.dtype, b_dtype=args.dtype, arch=arch or "sm_90a")
-    kernel = sm90_gemm.Sm90GemmKernel(p, compile_mod.default_spec(p))
+    kernel = sm90_gemm.Sm90GemmKernel(p, KernelSpec.for_plan(p))
 
     @cute.jit
     def gemm(stream, a, b, d):

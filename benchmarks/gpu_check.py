@@ -27,6 +27,7 @@ import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import gpu_lowering
 from jax_sm100._src import primitive as P
+from jax_sm100._src.kernels.spec import KernelSpec
 
 TOL = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 5e-3, "float8_e4m3fn": 8e-2}
 
@@ -111,7 +112,7 @@ def collect_binaries(cases) -> list:
     real = compile_mod.compile_plan
 
     def record(plan, spec=None):
-        key = compile_mod.binary_key(plan, spec or compile_mod.default_spec(plan))
+        key = compile_mod.binary_key(plan, spec or KernelSpec.for_plan(plan))
         if key not in seen:
             seen.add(key)
             pairs.append((plan, spec))

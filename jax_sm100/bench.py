@@ -28,6 +28,7 @@ import numpy as np
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import gpu_lowering
+from jax_sm100._src.kernels.spec import KernelSpec
 
 SHAPES = (
     (8192, 8192, 8192),
@@ -113,12 +114,12 @@ def cold_compile_times(shapes, dtypes) -> list[tuple[str, float]]:
                 continue
             if num_sms:
                 p = dataclasses.replace(p, num_sms=num_sms)
-            key = compile_mod.binary_key(p, compile_mod.default_spec(p))
+            key = compile_mod.binary_key(p, KernelSpec.for_plan(p))
             if key in seen:
                 continue
             seen.add(key)
             t = time.perf_counter()
-            compile_mod._build(p, compile_mod.default_spec(p))
+            compile_mod._build(p, KernelSpec.for_plan(p))
             out.append((f"{dtype} {m}x{n}x{k} ({p.kernel} {p.cta_tile_mnk[:2]})",
                         time.perf_counter() - t))  # fmt: skip
     return out

@@ -11,6 +11,7 @@ from absl.testing import absltest
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import ffi, gpu_lowering, planning
+from jax_sm100._src.kernels.spec import KernelSpec
 
 _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
 
@@ -30,8 +31,8 @@ class CompileTest(absltest.TestCase):
 
     def test_binary_shared_across_sizes(self):
         p1, p2 = _plan(4096, 4096, 4096), _plan(4096, 4096, 8192)
-        self.assertEqual(compile_mod.binary_key(p1, compile_mod.default_spec(p1)),
-                         compile_mod.binary_key(p2, compile_mod.default_spec(p2)))  # fmt: skip
+        self.assertEqual(compile_mod.binary_key(p1, KernelSpec.for_plan(p1)),
+                         compile_mod.binary_key(p2, KernelSpec.for_plan(p2)))  # fmt: skip
         self.assertIs(compile_mod.compile_plan(p1), compile_mod.compile_plan(p2))
 
     def test_splitk_compiles_float32_partials(self):

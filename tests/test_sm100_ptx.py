@@ -28,8 +28,9 @@ import tempfile
 from absl.testing import absltest, parameterized
 
 from jax_sm100._src import constraints, planning
-from jax_sm100._src.compile import compile_plan, default_spec
+from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.kernels import sm100_gemm
+from jax_sm100._src.kernels.spec import KernelSpec
 
 _MMA_KIND = {
     "bfloat16": "f16",
@@ -179,7 +180,7 @@ class Sm100PtxTest(parameterized.TestCase):
     def test_ptx(self, problem, force=None, epilogue=None):
         plan = _plan(problem, force)
         self.assertEqual(plan.kernel, "sm100_tcgen05", plan.reason)
-        spec = dataclasses.replace(default_spec(plan), **(epilogue or {}))
+        spec = dataclasses.replace(KernelSpec.for_plan(plan), **(epilogue or {}))
         self.assertTrue(sm100_gemm.Sm100GemmKernel.can_implement(plan, spec))
 
         compiled = compile_plan(plan, spec)
@@ -249,12 +250,12 @@ class Sm100PtxTest(parameterized.TestCase):
         sm90 = planning.plan(
             4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
         )
-        self.assertFalse(sm100_gemm.Sm100GemmKernel.can_implement(sm90, default_spec(sm90)))
+        self.assertFalse(sm100_gemm.Sm100GemmKernel.can_implement(sm90, KernelSpec.for_plan(sm90)))
         with self.assertRaisesRegex(ValueError, "not an sm100_tcgen05 plan"):
-            sm100_gemm.Sm100GemmKernel(sm90, default_spec(sm90))
+            sm100_gemm.Sm100GemmKernel(sm90, KernelSpec.for_plan(sm90))
 
         sm100 = planning.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16")
-        other = dataclasses.replace(default_spec(sm100), out_dtype="float16")
+        other = dataclasses.replace(KernelSpec.for_plan(sm100), out_dtype="float16")
         with self.assertRaisesRegex(ValueError, "out_dtype"):
             sm100_gemm.Sm100GemmKernel(sm100, other)
 

@@ -93,18 +93,6 @@ def binary_key(plan, spec: KernelSpec) -> tuple:
     return (fields, spec)
 
 
-def default_spec(plan) -> KernelSpec:
-    """The spec of a plain product of the plan's dtypes and layouts (no epilogue extras)."""
-    return KernelSpec(
-        a_dtype=plan.a_dtype,
-        b_dtype=plan.b_dtype,
-        out_dtype=plan.out_dtype,
-        a_major=plan.a_major,
-        b_major=plan.b_major,
-        c_dtype=plan.c_dtype,
-    )
-
-
 def splitk_spec(spec: KernelSpec) -> KernelSpec:
     """The spec of a split-K partial product: float32 out, no epilogue, every operand batched."""
     return KernelSpec(
@@ -125,7 +113,7 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
 
     Args:
       plan: a GemmPlan whose kernel is not "xla_dot".
-      spec: layouts and epilogue; defaults to `default_spec(plan)`.
+      spec: layouts and epilogue; defaults to `KernelSpec.for_plan(plan)`.
 
     Returns:
       A CompiledGemm.
@@ -133,7 +121,7 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     Raises:
       ValueError: the plan selects XLA's dot, or its kernel family cannot take (plan, spec).
     """
-    spec = spec or default_spec(plan)
+    spec = spec or KernelSpec.for_plan(plan)
     key = binary_key(plan, spec)
     with _lock:
         hit = _cache.get(key)
@@ -319,7 +307,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
     elif plan.kernel == "sm100_tcgen05":
         from jax_sm100._src.kernels import sm100_gemm  # noqa: PLC0415
 
-        why = sm100_gemm._why_not(plan, spec)
+        why = sm100_gemm.why_not(plan, spec)
         if why is not None:
             raise ValueError(f"Sm100GemmKernel cannot run this plan: {why}")
         operands = tuple(common.make_fake_operands(plan, spec))

@@ -148,10 +148,9 @@ def precompile(
             )  # fmt: skip
             if num_sms is not None and plan.num_sms != num_sms:
                 plan = dataclasses.replace(plan, num_sms=num_sms)
-            spec = KernelSpec(
-                a_dtype=plan.a_dtype, b_dtype=plan.b_dtype, out_dtype=plan.out_dtype,
-                a_major=a_major, b_major=b_major, c_dtype=plan.c_dtype, bias_dtype=bias_name,
-                activation=activation, alpha=alpha, beta=beta,
+            spec = dataclasses.replace(
+                KernelSpec.for_plan(plan), bias_dtype=bias_name, activation=activation,
+                alpha=alpha, beta=beta,
             )  # fmt: skip
             if plan.kernel == planning.KERNEL_XLA:
                 results.append(Precompiled(shape, plan, spec, None, plan.reason, 0.0))

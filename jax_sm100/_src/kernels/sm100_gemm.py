@@ -102,7 +102,7 @@ class Sm100GemmKernel:
     def __init__(self, plan: Any, spec: KernelSpec):
         if not self.can_implement(plan, spec):
             raise ValueError(
-                f"Sm100GemmKernel cannot implement {plan=} with {spec=}: {_why_not(plan, spec)}"
+                f"Sm100GemmKernel cannot implement {plan=} with {spec=}: {why_not(plan, spec)}"
             )
         self.plan = plan
         self.spec = spec
@@ -771,10 +771,10 @@ class Sm100GemmKernel:
     @staticmethod
     def can_implement(plan: Any, spec: KernelSpec) -> bool:
         """Whether this kernel compiles `plan` for `spec` as given (it never adjusts a plan)."""
-        return _why_not(plan, spec) is None
+        return why_not(plan, spec) is None
 
 
-def _why_not(plan: Any, spec: KernelSpec) -> str | None:
+def why_not(plan: Any, spec: KernelSpec) -> str | None:
     """The first reason `Sm100GemmKernel` cannot take (plan, spec), or None.
 
     The hardware rules (MMA shape, cluster, TMEM, SMEM) live in constraints.py and are re-run
@@ -827,8 +827,7 @@ def compile_sm100(plan: Any, spec: KernelSpec | None = None):
 
     Args:
       plan: a `GemmPlan` with `arch == "sm_100a"` and `kernel == "sm100_tcgen05"`.
-      spec: layouts and epilogue; defaults to row-major operands of the plan's dtypes and no
-        epilogue extras.
+      spec: layouts and epilogue; defaults to `KernelSpec.for_plan(plan)`.
 
     Returns:
       The DSL's compiled kernel object (`cute.compile`'s result).
@@ -838,15 +837,7 @@ def compile_sm100(plan: Any, spec: KernelSpec | None = None):
     """
     from cutlass.cute.runtime import make_fake_stream
 
-    if spec is None:
-        spec = KernelSpec(
-            a_dtype=plan.a_dtype,
-            b_dtype=plan.b_dtype,
-            out_dtype=plan.out_dtype,
-            a_major=plan.a_major,
-            b_major=plan.b_major,
-            c_dtype=plan.c_dtype,
-        )
+    spec = spec or KernelSpec.for_plan(plan)
     kernel = Sm100GemmKernel(plan, spec)
     operands = common.make_fake_operands(plan, spec)
     # Whatever the DSL keeps (PTX, cubin) goes to a scratch folder, never the caller's cwd.

@@ -57,6 +57,18 @@ class KernelSpec:
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "beta", float(self.beta))
 
+    @classmethod
+    def for_plan(cls, plan) -> KernelSpec:
+        """The spec of a plain product of the plan's dtypes and layouts (no epilogue extras)."""
+        return cls(
+            a_dtype=plan.a_dtype,
+            b_dtype=plan.b_dtype,
+            out_dtype=plan.out_dtype,
+            a_major=plan.a_major,
+            b_major=plan.b_major,
+            c_dtype=plan.c_dtype,
+        )
+
     @property
     def has_c(self) -> bool:
         return self.c_dtype is not None
