@@ -7,9 +7,11 @@ import sys
 import types
 from unittest import mock
 
+import jax
+import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-from jax_sm100._src import planning
+from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src.precompile import precompile
 
 _COMPILE = "jax_sm100._src.compile"
@@ -20,6 +22,40 @@ def _restore_module(name, module):
         sys.modules.pop(name, None)
     else:
         sys.modules[name] = module
+
+
+class _Compiling(Exception):
+    """Raised by the stand-in compile_plan once the CUDA lowering has chosen its binary."""
+
+
+def _binary_the_lowering_compiles(m, n, k, *, arch, num_sms):
+    """(plan, spec) the CUDA lowering passes to compile_plan for a bf16 [m, k] @ [k, n] call."""
+    calls = []
+
+    def record(plan, spec):
+        calls.append((plan, spec))
+        raise _Compiling
+
+    def call(a, b):
+        return gpu_lowering.cuda_matmul_impl(
+            a, b, None, None, transpose_a=False, transpose_b=False, alpha=1.0, beta=1.0,
+            activation=None, out_dtype=jnp.bfloat16,
+        )  # fmt: skip
+
+    operands = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                jax.ShapeDtypeStruct((k, n), jnp.bfloat16))  # fmt: skip
+    stand_in = types.SimpleNamespace(compile_plan=record)
+    with (
+        mock.patch.object(gpu_lowering, "device_info", lambda: (arch, num_sms)),
+        mock.patch.object(gpu_lowering.ffi, "register", lambda: None),
+        mock.patch.object(gpu_lowering, "compile_mod", stand_in),
+    ):
+        try:
+            jax.eval_shape(call, *operands)
+        except _Compiling:
+            pass
+    (binary,) = calls
+    return binary
 
 
 class PrecompileTest(parameterized.TestCase):
@@ -75,6 +111,27 @@ class PrecompileTest(parameterized.TestCase):
         results = precompile([(4096, 4096, 4096)], arch="sm_90a", num_sms=114, progress=False)
         self.assertEqual(results[0].plan.num_sms, 114)
         self.compile_plan.assert_called_once()
+
+    @parameterized.named_parameters(
+        # The planner splits K by 4 for these skinny shapes; whether the call can depends on k.
+        ("split_kept", 4096, 4, planning.KERNEL_SM90_SPLITK),
+        # 4112 / 4 = 1028 bf16 is not a whole number of 16-byte units; 4112 / 2 = 2056 is.
+        ("split_reduced", 4112, 2, planning.KERNEL_SM90_SPLITK),
+        # 4104 / 2 = 2052 is not 16-byte aligned either: the unsplit kernel runs.
+        ("split_dropped", 4104, 1, planning.KERNEL_SM90),
+    )
+    def test_split_k_plan_is_the_one_the_lowering_compiles(self, k, split, kernel):
+        m, n, num_sms = 64, 4096, 114
+        planned = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertEqual((planned.kernel, planned.split_k), (planning.KERNEL_SM90_SPLITK, 4))
+
+        lowered = _binary_the_lowering_compiles(m, n, k, arch="sm_90a", num_sms=num_sms)
+        (result,) = precompile([(m, n, k)], arch="sm_90a", num_sms=num_sms, progress=False)
+
+        self.assertEqual((result.plan.kernel, result.plan.split_k), (kernel, split))
+        self.assertEqual((result.plan, result.spec), lowered)
+        self.compile_plan.assert_called_once_with(*lowered)
+        self.assertEqual(result.note.startswith("compiled; split-K not applicable"), split == 1)
 
     def test_xla_dot_plans_compile_nothing(self):
         # k=100 bf16 rows are 200 bytes: not 16-byte aligned, so the planner picks XLA's dot.

@@ -12,7 +12,8 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
    K-major, the batch folds into m (free reshape, one large GEMM); other broadcasts are
    materialised (a copy, noted in the plan's reason).
-3. The planner's plan for that problem (or the caller's), with the device's SM count.
+3. The planner's plan for that problem (or the caller's), with the device's SM count and a
+   split-K factor that fits k (`adjust_plan_for_call`).
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
    `jax_sm100_gemm` target, carrying the object file, its function name and the runtime extents
    and strides as attributes; the binary travels inside the HLO.
@@ -188,12 +189,8 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         alpha=alpha, beta=beta,
     )  # fmt: skip
 
-    split = _usable_split(p, k, names[0]) if LL == 1 else 1
-    if p.split_k > 1 and split == 1:
-        p = dataclasses.replace(p, kernel=planning.KERNEL_SM90, split_k=1)
-        notes.append("split-K not applicable (k not divisible): unsplit kernel")
-    elif p.split_k > 1 and split != p.split_k:
-        p = dataclasses.replace(p, split_k=split)
+    p, split_notes = adjust_plan_for_call(p, k, names[0], LL)
+    notes.extend(split_notes)
     _last.append(Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()
     if p.split_k > 1:
@@ -206,6 +203,37 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     compiled = compile_mod.compile_plan(p, spec)
     out = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
     return out.reshape(out_shape)
+
+
+def adjust_plan_for_call(
+    plan: planning.GemmPlan, k: int, a_dtype: str, batch: int
+) -> tuple[planning.GemmPlan, tuple[str, ...]]:
+    """The plan a kernel call compiles: `plan` with its split-K factor made to fit the call.
+
+    The planner picks a split factor from tile counts alone. A call runs split-K only on one
+    GEMM (the kernel's batch mode holds the splits) and only with K/split whole and 16-byte
+    aligned, so the factor drops to the largest usable one (`_usable_split`), and to the unsplit
+    SM90 kernel when none is. A different factor is a different binary: precompile.py calls
+    this too, so that it warms the binaries calls will ask for.
+
+    Args:
+      plan: the call's plan, after the device's SM count is put in.
+      k: the contraction size.
+      a_dtype: the name of A's dtype.
+      batch: the call's batch after folding (1 for a single GEMM).
+
+    Returns:
+      The plan to compile, and notes on what was changed (for `Lowered.note`).
+    """
+    if plan.split_k == 1:
+        return plan, ()
+    split = _usable_split(plan, k, a_dtype) if batch == 1 else 1
+    if split == 1:
+        plan = dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1)
+        return plan, ("split-K not applicable (k not divisible): unsplit kernel",)
+    if split != plan.split_k:
+        return dataclasses.replace(plan, split_k=split), ()
+    return plan, ()
 
 
 def _usable_split(p, k, a_dtype) -> int:

@@ -6,7 +6,9 @@ cache directory (`JAX_SM100_CACHE_DIR`) that GPU processes later start from.
 
 Shapes are given as the CUDA lowering plans them (gpu_lowering.py): `(m, n, k)` for one GEMM
 and `(batch, m, n, k)` for a batch whose operands are all batched. A batch whose B is shared
-(a weight) folds into m there, so precompile it as `(batch * m, n, k)`.
+(a weight) folds into m there, so precompile it as `(batch * m, n, k)`. Each plan then gets the
+lowering's own adjustment (`gpu_lowering.adjust_plan_for_call`: the split-K factor a call can
+use), so the binaries compiled here are the ones calls ask for.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
-from jax_sm100._src import planning
+from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _BAR_WIDTH = 24
@@ -30,10 +32,11 @@ class Precompiled:
 
     Attributes:
       shape: the shape as given.
-      plan: its plan.
+      plan: its plan, as the CUDA lowering adjusts it for a call.
       spec: the spec it was compiled with.
       compiled: the `CompiledGemm`, or None when no kernel was compiled (see `note`).
-      note: "compiled", "same plan as <shape>" or "XLA dot: <reason>".
+      note: "compiled" (followed by the lowering's notes on the plan, if any), "same plan as
+        <shape>" or "XLA dot: <reason>".
       seconds: wall time of this shape's compile (0 when none ran).
     """
 
@@ -148,6 +151,7 @@ def precompile(
             )  # fmt: skip
             if num_sms is not None and plan.num_sms != num_sms:
                 plan = dataclasses.replace(plan, num_sms=num_sms)
+            plan, plan_notes = gpu_lowering.adjust_plan_for_call(plan, k, plan.a_dtype, batch)
             spec = dataclasses.replace(
                 KernelSpec.for_plan(plan), bias_dtype=bias_name, activation=activation,
                 alpha=alpha, beta=beta,
@@ -166,7 +170,8 @@ def precompile(
         except Exception as e:
             e.add_note(f"jax_sm100.precompile: while compiling shape {shape} for {arch}")
             raise
-        results.append(Precompiled(shape, plan, spec, compiled, "compiled", seconds))
+        note = "; ".join(("compiled", *plan_notes))
+        results.append(Precompiled(shape, plan, spec, compiled, note, seconds))
     bar.update(len(shapes), "done")
     n_compiled = sum(r.compiled is not None for r in results)
     n_xla = sum(r.plan.kernel == planning.KERNEL_XLA for r in results)
