@@ -31,6 +31,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src.kernels import common
 from jax_sm100._src.kernels.spec import KernelSpec
@@ -120,7 +121,7 @@ class Sm90GemmKernel:
             self._b_layout, self.tile_mnk, self.b_dtype, self.ab_stages
         )
         self.d_smem_staged = sm90.make_smem_layout_epi(
-            self.d_dtype, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
+            self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
         )
         self.cluster_layout = cute.make_layout((*self.cluster_mn, 1))
 
@@ -149,8 +150,8 @@ class Sm90GemmKernel:
         self.a_dtype = a.element_type
         self.b_dtype = b.element_type
         self.d_dtype = d.element_type
-        self._a_layout = utils.LayoutEnum.from_tensor(a)
-        self._b_layout = utils.LayoutEnum.from_tensor(b)
+        self._a_layout = LayoutEnum.from_tensor(a)
+        self._b_layout = LayoutEnum.from_tensor(b)
         self._a_k_major = self._a_layout.is_k_major_a()
         self._b_k_major = self._b_layout.is_k_major_b()
         self._setup()
@@ -342,7 +343,7 @@ class Sm90GemmKernel:
 
         # Register -> shared copy of one epilogue sub-tile (stmatrix for 16-bit outputs).
         r2s_atom = sm90.get_smem_store_op(
-            utils.LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+            LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
         )
         stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
