@@ -159,11 +159,10 @@ def main():
     if args.batch % dp:
         parser.error(f"--batch {args.batch} must be a multiple of the data-parallel size {dp}")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if devices[0].platform == "gpu" else "float32"))
-    # Auto axes: the parameters' and the batch's shardings are propagated through the program
-    # by Shardy. (Under Explicit axes the step is also correct, but the primitive's result has
-    # no sharding type yet, and the bias gradients gather their cotangents first.)
+    # Explicit axes (jax.make_mesh's default): every array's sharding is part of its type, and
+    # jax_sm100.matmul types its result as the partitioner shards it.
     mesh = jax.make_mesh(
-        (dp, tp), ("data", "model"), devices=devices, axis_types=(AxisType.Auto,) * 2
+        (dp, tp), ("data", "model"), devices=devices, axis_types=(AxisType.Explicit,) * 2
     )
     print(f"{n} {devices[0].device_kind} device(s), mesh data={dp} x model={tp}, {dtype.name}")
 

@@ -104,7 +104,55 @@ def _abstract_eval(*args, transpose_a, transpose_b, alpha, beta, activation, out
         a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape,
         transpose_a=transpose_a, transpose_b=transpose_b,
     )  # fmt: skip
-    return jax.core.ShapedArray(shape, out_dtype)
+    sharding = _out_sharding(a, b, bias, c, shape, transpose_a, transpose_b)
+    if sharding is None:
+        return jax.core.ShapedArray(shape, out_dtype)
+    return jax.core.ShapedArray(shape, out_dtype, sharding=sharding)
+
+
+def _out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
+    """The result's sharding type under Explicit mesh axes (None elsewhere).
+
+    As for a dot: batch dims as the operands that are not broadcast along them have them, m as
+    a's, n as b's; a sharded k is reduced (sharding.py sums the partial products), so the
+    result is whole along k's axes.
+    """
+    ops = [x for x in (a, b, bias, c) if x is not None]
+    meshes = {x.sharding.mesh for x in ops if getattr(x, "sharding", None) is not None
+              and not x.sharding.mesh.empty}  # fmt: skip
+    if len(meshes) != 1:
+        if len(meshes) > 1:
+            raise jax.errors.JaxRuntimeError  # pragma: no cover  (JAX rejects this earlier)
+        return None
+    (mesh,) = meshes
+    if not mesh._any_axis_explicit:
+        return None
+
+    def spec(x, i):
+        return x.sharding.spec[i] if i < len(x.sharding.spec) else None
+
+    nb = len(out_shape) - 2
+    batch = []
+    for i in range(nb):
+        owners = [x for x in (a, b, c, bias) if x is not None and x.shape[i] != 1]
+        specs = {spec(x, i) for x in owners} - {None}
+        if len(specs) > 1:
+            raise ValueError(
+                f"jax_sm100.matmul: batch dim {i} is sharded differently across operands "
+                f"({sorted(map(str, specs))}); reshard them to one sharding first"
+            )
+        batch.append(specs.pop() if specs else None)
+    # m as a has it and n as b has it; where those are whole, as c has them (c is the result's
+    # shape, and typing the result like c spares resharding c).
+    m_spec = spec(a, nb + (1 if transpose_a else 0))
+    n_spec = spec(b, nb + (0 if transpose_b else 1))
+    if c is not None:
+        m_spec = m_spec if m_spec is not None else spec(c, nb)
+        n_spec = n_spec if n_spec is not None else spec(c, nb + 1)
+    parts = [*batch, m_spec, n_spec]
+    while parts and parts[-1] is None:
+        parts.pop()
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
 
 
 # --- reference math (CPU lowering, XLA fallback) -----------------------------------------------
@@ -207,25 +255,46 @@ def _jvp(primals, tangents, *, transpose_a, transpose_b, alpha, beta, activation
         z = _bind(*primals, **{**params, "activation": None, "out_dtype": acc, "plan": None})
         out = apply_activation(z, activation).astype(out_dtype)
     f32 = acc
+    nonzero = lambda t: t is not None and type(t) is not ad.Zero  # noqa: E731
+    tbias = tbias if nonzero(tbias) else None
+    tc = tc if nonzero(tc) else None
+    # d(alpha A @ B + beta c + bias) = alpha dA @ B + alpha A @ dB + beta dc + dbias, each term
+    # through the primitive: the first product carries dbias and dc in its epilogue, the
+    # second reads the first as C. (Broadcasting the epilogue tangents with jnp ops instead
+    # would type them unsharded, and their transpose would all-gather under Explicit axes.)
     dz = None
-    # d(A @ B) = dA @ B + A @ dB, each through the primitive; the second reads the first as C.
     for x, y in ((ta, b), (a, tb)):
         if type(x) is ad.Zero or type(y) is ad.Zero:
             continue
-        p = _linear_params(transpose_a, transpose_b, alpha, f32, has_c=dz is not None)
-        dz = _bind(x, y, dz, **p) if dz is not None else _bind(x, y, **p)
-    out_shape = out.shape
-    if tc is not None and type(tc) is not ad.Zero:
-        term = jnp.broadcast_to(beta * tc.astype(f32), out_shape)
+        if dz is None:
+            ops = [x, y] + [t for t in (tbias, tc) if t is not None]
+            p = _linear_params(transpose_a, transpose_b, alpha, f32, has_c=tc is not None,
+                               beta=beta)  # fmt: skip
+            dz = _bind(*ops, **{**p, "has_bias": tbias is not None})
+            tbias = tc = None
+        else:
+            dz = _bind(x, y, dz, **_linear_params(transpose_a, transpose_b, alpha, f32,
+                                                   has_c=True))  # fmt: skip
+    nb = out.ndim - 2
+    if tc is not None:  # no product term carried it
+        term = _broadcast_like(beta * tc.astype(f32), tuple(range(nb + 2)), out)
         dz = term if dz is None else dz + term
-    if tbias is not None and type(tbias) is not ad.Zero:
-        term = jnp.broadcast_to(jnp.expand_dims(tbias.astype(f32), -2), out_shape)
+    if tbias is not None:
+        term = _broadcast_like(tbias.astype(f32), (*range(nb), nb + 1), out)
         dz = term if dz is None else dz + term
     if dz is None:
         return out, ad.Zero.from_primal_value(out)
     if activation is not None:
         dz = _activation_grad(z, activation) * dz
     return out, dz.astype(out_dtype)
+
+
+def _broadcast_like(x, dims, like):
+    """`x` broadcast to `like`'s shape and, under Explicit mesh axes, typed with its sharding
+    (so that the transpose sums the cotangent where it lies instead of gathering it)."""
+    sharding = jax.typeof(like).sharding
+    explicit = sharding is not None and not sharding.mesh.empty and sharding.mesh._any_axis_explicit
+    return lax.broadcast_in_dim(x, like.shape, dims, out_sharding=sharding if explicit else None)
 
 
 def _unbroadcast(x, shape):
