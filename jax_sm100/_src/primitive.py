@@ -120,9 +120,9 @@ def _out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     ops = [x for x in (a, b, bias, c) if x is not None]
     meshes = {x.sharding.mesh for x in ops if getattr(x, "sharding", None) is not None
               and not x.sharding.mesh.empty}  # fmt: skip
-    if len(meshes) != 1:
-        if len(meshes) > 1:
-            raise jax.errors.JaxRuntimeError  # pragma: no cover  (JAX rejects this earlier)
+    if len(meshes) > 1:
+        raise ValueError(f"jax_sm100.matmul: operands are sharded over different meshes {meshes}")
+    if not meshes:
         return None
     (mesh,) = meshes
     if not mesh._any_axis_explicit:
