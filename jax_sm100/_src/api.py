@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import constraints as C
 from jax_sm100._src import dtypes as D
 from jax_sm100._src import (
     lowering,  # noqa: F401  (registers the lowerings)
@@ -156,15 +156,12 @@ def matmul(
     if plan is not None:
         if not isinstance(plan, planning.GemmPlan):
             raise TypeError(f"plan must be a jax_sm100.GemmPlan, got {type(plan).__name__}")
-        expected = P.plan_for_operands(*_split_ops(operands, params), arch=plan.arch, **params)
+        expected = P.plan_for_operands(
+            *P._split(operands, params["has_bias"], params["has_c"]), arch=plan.arch, **params
+        )
         planning.check_plan_fits(plan, expected)
     out = P.matmul_p.bind(*operands, plan=plan, **params)
     return out.reshape(out_shape)
-
-
-def _split_ops(operands, params):
-    a, b, bias, c = P._split(operands, params["has_bias"], params["has_c"])
-    return a, b, bias, c
 
 
 def plan_for(
@@ -184,29 +181,20 @@ def plan_for(
 
     ops = jax.eval_shape(trace, a, b, bias, c)
     params = captured["params"]
-    device_arch = arch or _device_arch()
-    p = P.plan_for_operands(*_split_ops(ops, params), arch=device_arch or "sm_100a", **params)
-    if device_arch is None and p.kernel != planning.KERNEL_XLA:
-        backend = jax.default_backend()
-        p = _as_xla(p, f"{backend} backend: the primitive lowers to XLA's dot here "
-                       "(the kernels need an SM90 or SM100 GPU)")  # fmt: skip
+    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
+
+    device_arch, num_sms = gpu_lowering.device_info()
+    target = arch or device_arch
+    ops_abcd = P._split(ops, params["has_bias"], params["has_c"])
+    p = P.plan_for_operands(*ops_abcd, arch=target or "sm_100a", **params)
+    if target is None and p.kernel != planning.KERNEL_XLA:
+        reason = (
+            f"{jax.default_backend()} backend: the primitive lowers to XLA's dot here (the "
+            "kernels need an SM90 or SM100 GPU)"
+        )
+        return dataclasses.replace(p, kernel=planning.KERNEL_XLA, reason=reason, split_k=1)
+    if target == device_arch and num_sms:
+        # What the CUDA lowering runs: the device's SM count, split-K fitted to the call.
+        p = dataclasses.replace(p, num_sms=num_sms)
+        p, _ = gpu_lowering.adjust_plan_for_call(p, p.k, p.a_dtype, p.batch)
     return p
-
-
-def _as_xla(p: planning.GemmPlan, reason: str) -> planning.GemmPlan:
-    import dataclasses  # noqa: PLC0415
-
-    return dataclasses.replace(p, kernel=planning.KERNEL_XLA, reason=reason, split_k=1)
-
-
-def _device_arch() -> str | None:
-    """sm_90a / sm_100a for the default device's compute capability, else None."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return None
-    cc = getattr(dev, "compute_capability", "")
-    major = int(str(cc).split(".")[0]) if cc else 0
-    return {9: "sm_90a", 10: "sm_100a"}.get(major)
-
-
-PlanError = C.PlanError
