@@ -66,9 +66,9 @@ class CompiledGemm:
     spec: KernelSpec
     arch: str
     function_prefix: str
-    object_bytes: bytes
-    ptx: str
-    cubin: bytes
+    object_bytes: bytes = dataclasses.field(repr=False)
+    ptx: str = dataclasses.field(repr=False)
+    cubin: bytes = dataclasses.field(repr=False)
     tensor_args: tuple[TensorArg, ...]
     split_k: int
     compile_seconds: float
