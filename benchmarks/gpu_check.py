@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import math
 import multiprocessing
 import os
 import sys
@@ -212,67 +211,6 @@ def grad_check():
     return all(e < 3e-2 for e in errs)
 
 
-def _time(fn, *args, reps=30):
-    out = fn(*args)
-    out.block_until_ready()
-    for _ in range(3):
-        fn(*args).block_until_ready()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        out.block_until_ready()
-        times.append((time.perf_counter() - t) / reps)
-    return float(np.median(times))
-
-
-BENCH_SHAPES = [
-    (8192, 8192, 8192),
-    (4096, 4096, 4096),
-    (16384, 4096, 4096),
-    (4096, 14336, 4096),
-    (2048, 2048, 2048),
-    (256, 8192, 8192),
-    (64, 4096, 4096),
-    (128, 128, 128),
-]
-
-
-def bench(dtypes=("bfloat16", "float16")):
-    rows = []
-    for dtype in dtypes:
-        for m, n, k in BENCH_SHAPES:
-            key = jax.random.key(m + n + k)
-            a = _rand(key, (m, k), dtype)
-            b = _rand(jax.random.split(key)[1], (k, n), dtype)
-            t0 = time.perf_counter()
-            ours = jax.jit(lambda x, y: jax_sm100.matmul(x, y))
-            ours(a, b).block_until_ready()
-            first = time.perf_counter() - t0
-            how = gpu_lowering.explain()
-            ref = jax.jit(lambda x, y: jnp.dot(x, y))
-            reps = 200 if m * n * k < 2**30 else 30
-            t_ours = _time(ours, a, b, reps=reps)
-            t_ref = _time(ref, a, b, reps=reps)
-            flop = 2 * m * n * k
-            rows.append((dtype, (m, n, k), flop / t_ours / 1e12, flop / t_ref / 1e12,
-                         t_ref / t_ours, t_ours * 1e6, t_ref * 1e6, first,
-                         how.plan.kernel if how and how.plan else "-"))  # fmt: skip
-            print(rows[-1], flush=True)
-    print(
-        "\ndtype     shape                ours TF/s  dot TF/s  ratio  ours us   dot us  "
-        "first-call s  kernel"
-    )
-    for r in rows:
-        print(f"{r[0]:9s} {str(r[1]):20s} {r[2]:9.1f} {r[3]:9.1f} {r[4]:6.3f} {r[5]:8.1f} "
-              f"{r[6]:8.1f} {r[7]:8.2f}  {r[8]}")  # fmt: skip
-    big = [r[4] for r in rows if min(r[1]) >= 4096 or max(r[1]) >= 4096 and r[1][0] >= 4096]
-    if big:
-        print("geomean ratio (m >= 4096):", math.exp(sum(map(math.log, big)) / len(big)))
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=300)
@@ -283,7 +221,9 @@ def main():
     fails = correctness(args.cases, jobs=args.jobs)
     ok_grad = grad_check()
     if args.bench:
-        bench()
+        from jax_sm100 import bench  # noqa: PLC0415  (the one benchmark, same method)
+
+        bench.main([])
     print("compile cache", compile_mod.cache_stats())
     print("RESULT correctness_fails", fails, "grad_ok", ok_grad)
     return 0 if fails == 0 and ok_grad else 1
