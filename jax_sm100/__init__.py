@@ -1,8 +1,8 @@
 """jax_sm100: JAX primitives running CuTe DSL GEMM kernels on SM100 (tcgen05) and SM90 (wgmma).
 
-    >>> import jax_sm100
-    >>> y = jax_sm100.matmul(x, w, bias=b, activation="gelu")
-    >>> print(jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16"))
+>>> import jax_sm100
+>>> y = jax_sm100.matmul(x, w, bias=b, activation="gelu")
+>>> print(jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16"))
 """
 
 from jax_sm100._src.api import matmul, plan_for
