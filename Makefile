@@ -16,12 +16,13 @@ demo: $(STAMP)
 	$(PY) examples/train_mlp.py
 
 test: $(STAMP)
-	$(PY) -m ruff check jax_sm100 tests examples
+	$(PY) -m ruff format --check jax_sm100 tests examples benchmarks
+	$(PY) -m ruff check jax_sm100 tests examples benchmarks
 	$(PY) -m pytest -n 2 -q tests
 
 lint: $(STAMP)
-	$(PY) -m ruff format --check jax_sm100 tests examples
-	$(PY) -m ruff check jax_sm100 tests examples
+	$(PY) -m ruff format --check jax_sm100 tests examples benchmarks
+	$(PY) -m ruff check jax_sm100 tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info
