@@ -1,6 +1,6 @@
 """Trains transformer blocks with data and tensor parallelism, every product in `jax_sm100.matmul`.
 
-    python examples/train_sharded.py [--steps 40] [--tp 4] [--dtype float32]
+    python examples/train_sharded.py [--steps 40] [--tp 4] [--dtype float32] [--axes auto] [--reference]
 
 The mesh is ("data", "model"): the batch is split over "data"; the attention heads and the MLP's
 hidden units over "model" (Megatron-style: q/k/v and the MLP's up-projection column-parallel,
@@ -32,6 +32,26 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS  # noqa: E402
 
 import jax_sm100  # noqa: E402
+
+# The products of the model; `--reference` swaps in `jnp_matmul` to time the same program on
+# XLA's dot (cuBLAS on GPUs).
+matmul = jax_sm100.matmul
+
+
+def jnp_matmul(a, b, *, bias=None, c=None, alpha=1.0, beta=1.0, activation=None, out_dtype=None):
+    """jax_sm100.matmul's math in jnp ops (float32 accumulation and epilogue)."""
+    out_dtype = out_dtype or jnp.result_type(a, b)
+    z = alpha * jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    if c is not None:
+        z = z + beta * c.astype(jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    if activation == "gelu":
+        z = jax.nn.gelu(z, approximate=True)
+    elif activation is not None:
+        raise ValueError(f"{activation=} is not used by this example")
+    return z.astype(out_dtype)
+
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 
@@ -82,23 +102,23 @@ def attention(p, x, heads):
     dtype = x.dtype
 
     def project(w):  # [b, s, d] @ [d, heads * dh] -> [b, heads, s, dh], heads split on "model"
-        y = jax_sm100.matmul(x, w)
+        y = matmul(x, w)
         return y.reshape(b, s, heads, -1).transpose(0, 2, 1, 3)
 
     q, k, v = project(p["wq"]), project(p["wk"]), project(p["wv"])
     scale = 1.0 / math.sqrt(q.shape[-1])
     causal = jnp.tril(jnp.ones((s, s), bool))
     # Batched over (batch, heads), both split: local on every device.
-    scores = jax_sm100.matmul(q, k.transpose(0, 1, 3, 2), alpha=scale, out_dtype=jnp.float32)
+    scores = matmul(q, k.transpose(0, 1, 3, 2), alpha=scale, out_dtype=jnp.float32)
     probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(dtype)
-    ctx = jax_sm100.matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, s, -1)
+    ctx = matmul(probs, v).transpose(0, 2, 1, 3).reshape(b, s, -1)
     # Row-parallel: partial products over the local heads, one all-reduce, then the bias.
-    return jax_sm100.matmul(ctx, p["wo"], bias=p["bo"])
+    return matmul(ctx, p["wo"], bias=p["bo"])
 
 
 def mlp(p, x):
-    h = jax_sm100.matmul(x, p["w1"], bias=p["b1"], activation="gelu")  # column-parallel
-    return jax_sm100.matmul(h, p["w2"], bias=p["b2"])  # row-parallel
+    h = matmul(x, p["w1"], bias=p["b1"], activation="gelu")  # column-parallel
+    return matmul(h, p["w2"], bias=p["b2"])  # row-parallel
 
 
 def forward(params, x, heads):
@@ -148,6 +168,17 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="every product on jnp.matmul (XLA's dot) instead of jax_sm100.matmul, Auto axes",
+    )
+    parser.add_argument(
+        "--axes",
+        default="explicit",
+        choices=["explicit", "auto"],
+        help="mesh axis types (jax.make_mesh's default is explicit)",
+    )
     args = parser.parse_args()
 
     devices = jax.devices()
@@ -160,11 +191,16 @@ def main():
         parser.error(f"--batch {args.batch} must be a multiple of the data-parallel size {dp}")
     dtype = jnp.dtype(args.dtype or ("bfloat16" if devices[0].platform == "gpu" else "float32"))
     # Explicit axes (jax.make_mesh's default): every array's sharding is part of its type, and
-    # jax_sm100.matmul types its result as the partitioner shards it.
-    mesh = jax.make_mesh(
-        (dp, tp), ("data", "model"), devices=devices, axis_types=(AxisType.Explicit,) * 2
-    )
-    print(f"{n} {devices[0].device_kind} device(s), mesh data={dp} x model={tp}, {dtype.name}")
+    # jax_sm100.matmul types its result as the partitioner shards it. jnp.matmul would need an
+    # out_sharding at every row-parallel product under Explicit axes, so --reference runs Auto.
+    global matmul
+    if args.reference:
+        matmul, args.axes = jnp_matmul, "auto"
+    axis_type = AxisType.Explicit if args.axes == "explicit" else AxisType.Auto
+    mesh = jax.make_mesh((dp, tp), ("data", "model"), devices=devices, axis_types=(axis_type,) * 2)
+    which = "jnp.matmul (reference)" if args.reference else "jax_sm100.matmul"
+    print(f"{n} {devices[0].device_kind} device(s), mesh data={dp} x model={tp}, {dtype.name}, "
+          f"{args.axes} axes, products on {which}")  # fmt: skip
 
     def place(tree, specs):
         return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)

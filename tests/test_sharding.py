@@ -387,24 +387,33 @@ class ExplicitAxesTest(ShardedTestCase):
 
 
 class ExampleTest(absltest.TestCase):
-    def test_train_sharded_runs_with_tensor_parallel_collectives_only(self):
+    def run_example(self, *flags):
         proc = subprocess.run(
             [
                 sys.executable, str(REPO_ROOT / "examples" / "train_sharded.py"), "--steps", "3",
                 "--seq", "16", "--d-model", "32", "--d-ff", "64", "--heads", "4", "--head-dim", "8",
+                *flags,
             ],
             env=_child_env(),
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
         self.assertIn("mesh data=2 x model=4", proc.stdout)
+        return proc.stdout, [float(m) for m in re.findall(r"loss (\S+)", proc.stdout)]
+
+    def test_train_sharded_runs_with_tensor_parallel_collectives_only(self):
+        out, losses = self.run_example()
         # Per layer: two forward all-reduces (attention output, MLP down-projection), two
         # backward ones (the inputs of the column-parallel projections); plus one data-parallel
         # gradient reduction. No all-gather.
-        self.assertIn("collectives per training step: {'all-reduce': 9}", proc.stdout)
-        losses = [float(m) for m in re.findall(r"loss (\S+)", proc.stdout)]
+        self.assertIn("collectives per training step: {'all-reduce': 9}", out)
         self.assertLen(losses, 2)  # the first step's and the last's
         self.assertLess(losses[-1], losses[0])
+        # The same training on jnp.matmul: the same collectives and the same losses.
+        ref_out, ref_losses = self.run_example("--reference")
+        self.assertIn("products on jnp.matmul", ref_out)
+        self.assertIn("collectives per training step: {'all-reduce': 9}", ref_out)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
 if __name__ == "__main__":
