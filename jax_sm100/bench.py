@@ -1,15 +1,43 @@
 """`python -m jax_sm100.bench`: jax_sm100.matmul against jnp.dot on this machine's GPU.
 
-Both run in the same process by the same method: inputs drawn from a normal distribution, each
-function jitted, 3 warm-up calls, then 5 rounds of N asynchronously dispatched calls blocked
-once per round; the median round divided by N is the time per call (wall time, so it includes
-dispatch: small shapes measure the per-call path as much as the kernel). Prints TFLOP/s and the
-ratio ours / jnp.dot per shape and dtype with a progress bar, the geomean over the large shapes,
-the per-call overhead at 128^3, and the cold compile time of every distinct kernel binary the
-shapes need (compiled with the on-disk cache bypassed). Writes a PNG plot when matplotlib is
-installed (`--plot`, default benchmarks/out/bench.png; that folder is git-ignored).
+Both sides run in the same process on the same inputs (drawn from a normal distribution), each
+jitted, and are timed by two methods (`--method wall|device|both`, default both), each applied
+identically to both sides:
 
-Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --no-compile-times
+wall
+    What a caller of `jax.jit(f)(a, b)` gets. 3 warm-up calls, then 5 rounds of N asynchronously
+    dispatched calls blocked once per round; the median round divided by N is the time per call.
+    This includes the per-call Python/XLA dispatch (40-60 us on the H200), so every shape whose
+    kernel takes less than ~100 us measures dispatch more than the kernel, and its ratio swings
+    by tens of percent between runs.
+device
+    What the device sustains per product. One jitted function runs the product R times in a
+    `lax.fori_loop`; each iteration writes `a[0, 0] + scale * out[0, 0]` of the previous product
+    into a[0, 0] of the next, with `scale` a runtime argument equal to 0.0. XLA cannot fold a
+    runtime scale, so it can neither hoist the product out of the loop nor merge iterations,
+    while the result stays exactly one product's. R starts at 4 and grows until one call takes
+    >= 20 ms (`--device-ms`); the time is the median over 5 rounds of one call's wall time
+    (after warm-up) divided by R, so dispatch is paid once per R products. The compiled HLO is
+    checked: exactly one while loop, with trip count R, whose body holds exactly one product
+    (the `jax_sm100_gemm` custom call, a cuBLAS call or a dot) and no operand copy, and no
+    product outside it; a figure that fails the check is printed with `!` and the reason. Each
+    iteration also runs the loop's bookkeeping (counter, the one-element update): that cost,
+    measured with the product removed, is printed as the loop overhead, and is inside both
+    sides' device times.
+
+Both exist because they answer different questions: device ratios judge the kernels (the
+project's targets, such as >= 2x jnp.dot at 64x4096x4096 where a kernel takes a few
+microseconds, are about them); wall ratios are what one unbatched call from Python gets.
+
+Prints TFLOP/s, microseconds and the ratio ours / jnp.dot (> 1: ours is faster) per shape, dtype
+and method with a progress bar, the geomean ratio over the large shapes for each method, the
+per-call wall overhead at 128^3, and the cold compile time of every distinct kernel binary the
+shapes need (compiled with the on-disk cache bypassed). Writes a PNG plot when matplotlib is
+installed (`--plot`, default benchmarks/out/bench.png; that folder is git-ignored): device-method
+TFLOP/s and ratios when measured, wall otherwise.
+
+Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|device|both
+         --device-ms 20  --no-compile-times
 """
 
 from __future__ import annotations
@@ -18,8 +46,10 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,23 +70,7 @@ SHAPES = (
     (64, 4096, 4096),
     (128, 128, 128),
 )
-
-
-@dataclasses.dataclass
-class Row:
-    dtype: str
-    shape: tuple[int, int, int]
-    ours_s: float
-    dot_s: float
-    kernel: str
-
-    @property
-    def flop(self) -> int:
-        return 2 * math.prod(self.shape)
-
-    @property
-    def ratio(self) -> float:
-        return self.dot_s / self.ours_s
+METHODS = ("wall", "device")
 
 
 def time_per_call(fn, *args, reps: int, rounds: int = 5) -> float:
@@ -73,28 +87,318 @@ def time_per_call(fn, *args, reps: int, rounds: int = 5) -> float:
     return float(np.median(times))
 
 
+# --- The device method: R dependent products in one XLA while loop -----------------------------
+
+
+def loop_fn(product: Callable, reps: int) -> Callable:
+    """`f(a, b, scale)`: `product` run `reps` times, each feeding the previous one's output back.
+
+    Iteration i computes out_i = product(a_i, b), where a_i is a_{i-1} with a_i[0, 0] =
+    a_{i-1}[0, 0] + scale * out_{i-1}[0, 0] (in float32, rounded to a's dtype). With scale = 0.0
+    the result is exactly product(a, b); because scale is a runtime value, XLA must still run
+    every product in order. The update is one dynamic-update-slice of the loop-carried `a`, in
+    place, so an iteration costs one product plus one tiny fusion and the loop counter.
+
+    Args:
+      product: (a [m, k], b [k, n]) -> out [m, n].
+      reps: the number of iterations, a Python int (a static trip count: XLA's GPU while loop
+        then runs without reading the predicate back to the host every iteration).
+
+    Returns:
+      A function of (a [m, k], b [k, n], scale []) returning the last iteration's out [m, n].
+    """
+
+    def f(a, b, scale):
+        def body(_, carry):
+            a, _ = carry
+            out = product(a, b)
+            a00 = a[0, 0].astype(jnp.float32) + scale * out[0, 0].astype(jnp.float32)
+            return a.at[0, 0].set(a00.astype(a.dtype)), out
+
+        out = jax.eval_shape(product, a, b)
+        init = (a, jnp.zeros(out.shape, out.dtype))
+        return jax.lax.fori_loop(0, reps, body, init)[1]
+
+    return f
+
+
+# Custom-call targets that are one matrix product: ours, cuBLAS/cuBLASLt, oneDNN on CPU.
+_PRODUCT_TARGETS = re.compile(r"jax_sm100_gemm|cublas|gemm|matmul", re.IGNORECASE)
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")  # fmt: skip
+_CALL_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    shape: str
+    opcode: str
+    text: str
+
+    @property
+    def called(self) -> list[str]:
+        names = _CALLS.findall(self.text)
+        for group in _CALL_LISTS.findall(self.text):
+            names += [g.strip().lstrip("%") for g in group.split(",") if g.strip()]
+        return names
+
+    @property
+    def is_product(self) -> bool:
+        if self.opcode == "dot":
+            return True
+        target = _TARGET.search(self.text)
+        return self.opcode == "custom-call" and bool(
+            target and _PRODUCT_TARGETS.search(target.group(1))
+        )
+
+
+def _parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str]:
+    """The computations of an HLO module's text (name -> instructions) and the entry's name."""
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if current is None:
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                words = line.split()
+                is_entry = words[0] == "ENTRY"
+                name = words[1 if is_entry else 0].lstrip("%")
+                current = comps.setdefault(name, [])
+                entry = name if is_entry else entry
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        rhs = line.split(" = ", 1)[-1].strip()
+        if rhs.startswith("("):  # a tuple shape: up to its closing parenthesis
+            depth = np.cumsum([{"(": 1, ")": -1}.get(ch, 0) for ch in rhs])
+            end = int(np.argmax(depth == 0)) + 1
+            shape, rest = rhs[:end], rhs[end:]
+        else:
+            shape, _, rest = rhs.partition(" ")
+        opcode = re.match(r"\s*([\w\-]+)", rest)
+        current.append(_Instr(shape, opcode.group(1) if opcode else "", line))
+    return comps, entry
+
+
+def _reachable(comps, root: str) -> list[str]:
+    """`root` and every computation it calls, directly or not, each once."""
+    seen, todo = [], [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.append(name)
+        todo += [c for ins in comps[name] for c in ins.called]
+    return seen
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopCheck:
+    """What the compiled HLO of a `loop_fn` function holds.
+
+    Attributes:
+      reps: the trip count asked for.
+      whiles: while loops in the module.
+      trip_count: XLA's known trip count of the loop (None when there is not exactly one loop,
+        or XLA did not annotate it).
+      body_products: products in the loop's body and condition, with what they call.
+      other_products: products elsewhere (hoisted out of the loop or peeled off it).
+      body_copies: non-scalar copies in the loop's body (a per-iteration operand copy).
+    """
+
+    reps: int
+    whiles: int
+    trip_count: int | None
+    body_products: int
+    other_products: int
+    body_copies: int
+
+    @classmethod
+    def from_hlo(cls, text: str, reps: int) -> LoopCheck:
+        comps, entry = _parse_hlo(text)
+        names = _reachable(comps, entry)
+        whiles = [ins for n in names for ins in comps[n] if ins.opcode == "while"]
+        total = sum(ins.is_product for n in names for ins in comps[n])
+        body_products = body_copies = 0
+        trip_count = None
+        if len(whiles) == 1:
+            text = whiles[0].text
+            inner = []
+            for pattern in (_BODY, _CONDITION):
+                found = pattern.search(text)
+                inner += _reachable(comps, found.group(1)) if found else []
+            body_products = sum(ins.is_product for n in inner for ins in comps[n])
+            body_copies = sum(
+                ins.opcode in ("copy", "copy-start") and not re.match(r"\w+\[\]", ins.shape)
+                for n in inner
+                for ins in comps[n]
+            )
+            trip = _TRIP_COUNT.search(text)
+            trip_count = int(trip.group(1)) if trip else None
+        return cls(reps, len(whiles), trip_count, body_products, total - body_products,
+                   body_copies)  # fmt: skip
+
+    def problems(self) -> list[str]:
+        """Why the loop is not R iterations of exactly one product each; empty when it is."""
+        out = []
+        if self.whiles != 1:
+            out.append(f"{self.whiles} while loops, want 1 (removed, unrolled or split)")
+        if self.trip_count is not None and self.trip_count != self.reps:
+            out.append(f"trip count {self.trip_count}, want {self.reps} (partly unrolled)")
+        if self.body_products != 1:
+            out.append(f"{self.body_products} products per iteration, want 1")
+        if self.other_products:
+            out.append(f"{self.other_products} products outside the loop (hoisted or peeled)")
+        if self.body_copies:
+            out.append(f"{self.body_copies} operand copies per iteration")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTiming:
+    """One side's device-method figure: seconds per product, the R it used, its HLO check."""
+
+    seconds: float
+    reps: int
+    check: LoopCheck
+
+
+def time_device(
+    products: Callable | Sequence[Callable],
+    a,
+    b,
+    *,
+    min_seconds: float = 0.02,
+    rounds: int = 5,
+    start_reps: int = 4,
+    max_reps: int = 1 << 20,
+) -> DeviceTiming | list[DeviceTiming]:
+    """Seconds per `product(a, b)` on the device, by `loop_fn` (see the module docstring).
+
+    Each product gets its own R; then the timed calls of several products alternate, round by
+    round, so that a drift of the machine (clocks, other load) falls on all of them alike.
+
+    Args:
+      products: one product, or several to compare; each (a [m, k], b [k, n]) -> [m, n].
+      a: [m, k], b: [k, n]: the operands.
+      min_seconds: R grows (from `start_reps`, at least doubling) until one call takes this long.
+      rounds: timed calls of each product after warm-up; the median is kept.
+      start_reps: the first R tried.
+      max_reps: R never exceeds this.
+
+    Returns:
+      For each product (a single one when `products` is one), the median call time / R, R, and
+      the check of the compiled loop.
+    """
+    scale = jnp.zeros((), jnp.float32)
+
+    def one_call(compiled) -> float:
+        t = time.perf_counter()
+        compiled(a, b, scale).block_until_ready()
+        return time.perf_counter() - t
+
+    def calibrate(product):
+        reps = max(1, start_reps)
+        while True:
+            compiled = jax.jit(loop_fn(product, reps)).lower(a, b, scale).compile()
+            one_call(compiled)  # warm-up: first-call allocation and loading
+            t = one_call(compiled)
+            if t >= min_seconds or reps >= max_reps:
+                return compiled, reps
+            grow = math.ceil(reps * 1.25 * min_seconds / max(t, 1e-9))
+            reps = min(max_reps, max(2 * reps, grow))
+
+    single = callable(products)
+    loops = [calibrate(p) for p in ([products] if single else products)]
+    times = np.array([[one_call(c) for c, _ in loops] for _ in range(rounds)])
+    out = [DeviceTiming(float(np.median(times[:, i])) / reps, reps,
+                        LoopCheck.from_hlo(c.as_text(), reps))
+           for i, (c, reps) in enumerate(loops)]  # fmt: skip
+    return out[0] if single else out
+
+
+def _loop_overhead(a, b, min_seconds: float) -> float:
+    """Seconds per iteration of the device method's loop with the product taken out."""
+
+    def no_product(x, y):
+        return x[:1, :1].astype(jnp.float32) * y[:1, :1].astype(jnp.float32)
+
+    return time_device(no_product, a, b, min_seconds=min_seconds).seconds
+
+
+# --- The benchmark -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Row:
+    """One shape and dtype: seconds per product of (ours, jnp.dot) by each method measured."""
+
+    dtype: str
+    shape: tuple[int, int, int]
+    kernel: str
+    wall: tuple[float, float] | None = None
+    device: tuple[DeviceTiming, DeviceTiming] | None = None
+
+    @property
+    def flop(self) -> int:
+        return 2 * math.prod(self.shape)
+
+    def seconds(self, method: str) -> tuple[float, float] | None:
+        if method == "wall":
+            return self.wall
+        return None if self.device is None else (self.device[0].seconds, self.device[1].seconds)
+
+    def ratio(self, method: str) -> float | None:
+        """jnp.dot's time / ours: > 1 when ours is faster."""
+        s = self.seconds(method)
+        return None if s is None else s[1] / s[0]
+
+    def problems(self) -> list[str]:
+        if self.device is None:
+            return []
+        return [f"{who}: {p}" for who, t in zip(("ours", "jnp.dot"), self.device, strict=True)
+                for p in t.check.problems()]  # fmt: skip
+
+
 def _progress(i: int, total: int, label: str) -> None:
     bar = "#" * (24 * i // total)
     print(f"\r[{bar:24s}] {i}/{total} {label:40s}", end="", file=sys.stderr, flush=True)
 
 
-def run(shapes, dtypes) -> list[Row]:
+def _operands(m, n, k, dtype):
+    ka, kb = jax.random.split(jax.random.key(m * 31 + n * 7 + k))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+    return a, b
+
+
+def run(shapes, dtypes, methods=METHODS, device_seconds: float = 0.02) -> list[Row]:
+    """Times jax_sm100.matmul and jnp.dot on every shape and dtype by each of `methods`."""
     rows = []
     total = len(shapes) * len(dtypes)
-    ours = jax.jit(lambda x, y: jax_sm100.matmul(x, y))
-    dot = jax.jit(lambda x, y: jnp.dot(x, y))
+    ours_fn = lambda x, y: jax_sm100.matmul(x, y)
+    dot_fn = lambda x, y: jnp.dot(x, y)
+    ours, dot = jax.jit(ours_fn), jax.jit(dot_fn)
     for dtype in dtypes:
         for m, n, k in shapes:
             _progress(len(rows), total, f"{dtype} {m}x{n}x{k}")
-            ka, kb = jax.random.split(jax.random.key(m * 31 + n * 7 + k))
-            a = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
-            b = jax.random.normal(kb, (k, n), jnp.float32).astype(dtype)
+            a, b = _operands(m, n, k, dtype)
             ours(a, b).block_until_ready()
             how = gpu_lowering.explain()
             kernel = how.plan.kernel if how is not None and how.plan is not None else "xla"
-            reps = 30 if m * n * k >= 2**33 else 200
-            rows.append(Row(dtype, (m, n, k), time_per_call(ours, a, b, reps=reps),
-                            time_per_call(dot, a, b, reps=reps), kernel))  # fmt: skip
+            row = Row(dtype, (m, n, k), kernel)
+            if "wall" in methods:
+                reps = 30 if m * n * k >= 2**33 else 200
+                row.wall = (time_per_call(ours, a, b, reps=reps),
+                            time_per_call(dot, a, b, reps=reps))  # fmt: skip
+            if "device" in methods:
+                ours_t, dot_t = time_device((ours_fn, dot_fn), a, b, min_seconds=device_seconds)
+                row.device = (ours_t, dot_t)
+            rows.append(row)
     _progress(total, total, "done")
     print(file=sys.stderr)
     return rows
@@ -125,25 +429,53 @@ def cold_compile_times(shapes, dtypes) -> list[tuple[str, float]]:
     return out
 
 
-def report(rows: list[Row]) -> None:
-    print(f"{'dtype':9s} {'m x n x k':18s} {'ours TF/s':>9s} {'dot TF/s':>9s} {'ratio':>6s} "
-          f"{'ours us':>8s} {'dot us':>8s}  kernel")  # fmt: skip
+def _tflops(flop: int, seconds: float) -> str:
+    tf = flop / seconds / 1e12
+    return f"{tf:.1f}" if tf >= 10 else f"{tf:.3g}"
+
+
+def _geomean(values) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def report(rows: list[Row], methods=METHODS) -> None:
+    """Prints the table, the geomeans, the 128^3 wall overhead and the device checks."""
+    head = f"{'dtype':9s} {'m x n x k':18s}"
+    sub = " " * len(head)
+    for method in methods:
+        head += f" | {method + ': ours':>10s} {'dot':>7s} {'ratio':>6s} {'ours':>8s} {'dot':>8s}"
+        sub += f" | {'TF/s':>10s} {'TF/s':>7s} {'':6s} {'us':>8s} {'us':>8s}"
+    if "device" in methods:
+        head += f" {'R ours':>8s} {'R dot':>8s}"
+        sub += " " * 18
+    print(f"{head}  kernel\n{sub}")
     for r in rows:
-        shape = "x".join(map(str, r.shape))
-        print(f"{r.dtype:9s} {shape:18s} {r.flop / r.ours_s / 1e12:9.1f} "
-              f"{r.flop / r.dot_s / 1e12:9.1f} {r.ratio:6.3f} {r.ours_s * 1e6:8.1f} "
-              f"{r.dot_s * 1e6:8.1f}  {r.kernel}")  # fmt: skip
-    big = [r.ratio for r in rows if r.shape[0] >= 4096]
-    if big:
-        geo = math.exp(sum(map(math.log, big)) / len(big))
-        print(f"geomean ratio over shapes with m >= 4096: {geo:.3f}")
+        line = f"{r.dtype:9s} {'x'.join(map(str, r.shape)):18s}"
+        for method in methods:
+            ours_s, dot_s = r.seconds(method)
+            flag = "!" if method == "device" and r.problems() else " "
+            line += (f" | {_tflops(r.flop, ours_s):>10s} {_tflops(r.flop, dot_s):>7s} "
+                     f"{r.ratio(method):5.3f}{flag} "
+                     f"{ours_s * 1e6:8.2f} {dot_s * 1e6:8.2f}")  # fmt: skip
+        if "device" in methods:
+            line += f" {r.device[0].reps:8d} {r.device[1].reps:8d}"
+        print(f"{line}  {r.kernel}")
+    for method in methods:
+        big = [r.ratio(method) for r in rows if r.shape[0] >= 4096]
+        if big:
+            print(f"geomean ratio ({method}) over shapes with m >= 4096: {_geomean(big):.3f}")
+    if "wall" in methods:
+        for r in rows:
+            if r.shape == (128, 128, 128):
+                print(f"per-call wall overhead vs jnp.dot at 128^3 ({r.dtype}): "
+                      f"{(r.wall[0] - r.wall[1]) * 1e6:+.1f} us")  # fmt: skip
     for r in rows:
-        if r.shape == (128, 128, 128):
-            print(f"per-call overhead vs jnp.dot at 128^3 ({r.dtype}): "
-                  f"{(r.ours_s - r.dot_s) * 1e6:+.1f} us")  # fmt: skip
+        for p in r.problems():
+            print(f"! device-method check failed, {r.dtype} {'x'.join(map(str, r.shape))} {p}")
 
 
 def plot(rows: list[Row], path: str) -> None:
+    """TFLOP/s bars of both sides per dtype, ratio above each pair: device method if measured."""
     try:
         import matplotlib  # noqa: PLC0415
 
@@ -152,16 +484,24 @@ def plot(rows: list[Row], path: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
+    method = "device" if all(r.device is not None for r in rows) else "wall"
     dtypes = sorted({r.dtype for r in rows})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(7 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         sel = [r for r in rows if r.dtype == dtype]
         x = np.arange(len(sel))
-        ax.bar(x - 0.2, [r.flop / r.ours_s / 1e12 for r in sel], 0.4, label="jax_sm100.matmul")
-        ax.bar(x + 0.2, [r.flop / r.dot_s / 1e12 for r in sel], 0.4, label="jnp.dot")
+        ours = [r.flop / r.seconds(method)[0] / 1e12 for r in sel]
+        dot = [r.flop / r.seconds(method)[1] / 1e12 for r in sel]
+        ax.bar(x - 0.2, ours, 0.4, label="jax_sm100.matmul")
+        ax.bar(x + 0.2, dot, 0.4, label="jnp.dot")
+        for xi, r, top in zip(x, sel, np.maximum(ours, dot), strict=True):
+            flag = "!" if method == "device" and r.problems() else ""
+            ax.annotate(f"{r.ratio(method):.2f}x{flag}", (xi, top), ha="center", va="bottom")
+        ax.set_ylim(top=1.2 * max(max(ours), max(dot)))
         ax.set_xticks(x, ["x".join(map(str, r.shape)) for r in sel], rotation=30, ha="right")
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{dtype} on {jax.devices()[0].device_kind}")
+        ax.set_title(f"{dtype} on {jax.devices()[0].device_kind}, {method} method "
+                     "(labels: ours / jnp.dot throughput)")  # fmt: skip
         ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -170,19 +510,33 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jax_sm100.bench", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m jax_sm100.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--method", choices=(*METHODS, "both"), default="both")
+    ap.add_argument("--device-ms", type=float, default=20.0,
+                    help="device method: grow R until one call takes this long")  # fmt: skip
     ap.add_argument("--plot", default=os.path.join("benchmarks", "out", "bench.png"))
     ap.add_argument("--no-compile-times", action="store_true")
     args = ap.parse_args(argv)
     dtypes = args.dtypes.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    methods = METHODS if args.method == "both" else (args.method,)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-          f"target {gpu_lowering.device_info()}")  # fmt: skip
-    rows = run(shapes, dtypes)
-    report(rows)
+          f"target {gpu_lowering.device_info()}, methods {'+'.join(methods)}")  # fmt: skip
+    rows = run(shapes, dtypes, methods, device_seconds=args.device_ms / 1e3)
+    report(rows, methods)
+    if "device" in methods:
+        for dtype in dtypes:
+            a, b = _operands(128, 128, 128, dtype)
+            secs = _loop_overhead(a, b, args.device_ms / 1e3)
+            print(f"device-method loop overhead per iteration ({dtype}, no product): "
+                  f"{secs * 1e6:.3f} us, inside both sides' device times")  # fmt: skip
     if not args.no_compile_times:
         for label, secs in cold_compile_times(shapes, dtypes):
             print(f"cold compile {secs:5.2f} s  {label}")
