@@ -1,6 +1,7 @@
 """Trains transformer blocks with data and tensor parallelism, every product in `jax_sm100.matmul`.
 
-    python examples/train_sharded.py [--steps 40] [--tp 4] [--dtype float32] [--axes auto] [--reference]
+    python examples/train_sharded.py [--steps 40] [--tp 4] [--dtype float32] [--axes auto]
+    python examples/train_sharded.py --reference   # the same training on jnp.matmul
 
 The mesh is ("data", "model"): the batch is split over "data"; the attention heads and the MLP's
 hidden units over "model" (Megatron-style: q/k/v and the MLP's up-projection column-parallel,
