@@ -39,8 +39,6 @@ class DeviceTimerTest(parameterized.TestCase):
         t = bench.time_device(product, a, b, min_seconds=2e-3, rounds=3)
         self.assertTrue(math.isfinite(t.seconds) and t.seconds > 0, t)
         self.assertGreaterEqual(t.reps, 4)
-        # R grew until one call took min_seconds: the median call is of that order.
-        self.assertGreater(t.seconds * t.reps, 0.5 * 2e-3)
         self.assertEqual(t.check.problems(), [])
 
     def test_several_products_are_timed_alike(self):
