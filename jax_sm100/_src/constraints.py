@@ -8,8 +8,6 @@ the invariants. Each function raises `PlanError` naming the rule, or returns a r
 
 from __future__ import annotations
 
-import numpy as np
-
 ARCHS = ("sm_100a", "sm_90a")
 
 # Bits per element of the dtypes the primitive accepts (ml_dtypes names, as `np.dtype(x).name`).
@@ -132,7 +130,7 @@ def check_epi_tile(epi_tile: tuple, cta_tile_mnk: tuple) -> None:
         raise PlanError(f"{epi_tile=} must divide the CTA tile {cta_tile_mnk[:2]}")
 
 
-def contiguous_extent(m: int, n: int, k: int, operand: str, major: str) -> int:
+def contiguous_extent(m: int, n: int, k: int, major: str) -> int:
     """Elements along the contiguous dim of an operand in the given major order."""
     return {"m": m, "n": n, "k": k}[major]
 
@@ -174,7 +172,7 @@ def kernel_support(
     if c_dtype is not None:
         checks.append(("c", "n", c_dtype))
     for name, major, dtype in checks:
-        extent = contiguous_extent(m, n, k, name, major)
+        extent = contiguous_extent(m, n, k, major)
         nbytes = extent * DTYPE_BITS[dtype] // 8
         if (extent * DTYPE_BITS[dtype]) % (TMA_ALIGN_BYTES * 8):
             quantum = TMA_ALIGN_BYTES * 8 // DTYPE_BITS[dtype]
@@ -184,7 +182,3 @@ def kernel_support(
                 f"pad {major} to a multiple of {quantum} to use the kernel"
             )
     return None
-
-
-def dtype_name(dtype) -> str:
-    return np.dtype(dtype).name

@@ -202,7 +202,7 @@ class GemmPlan:
         setf("tmem_alloc_cols", int(alloc))
         C.check_epi_tile(self.epi_tile, cta)
         ab_bits = C.DTYPE_BITS[ab]
-        stage_bytes = (cta[0] + b_rows) * mk * ab_bits // 8
+        stage_bytes = _ab_stage_bytes(cta, b_rows, ab_bits)
         epi_bytes = self._epi_bytes
         setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
         C.check_ab_stages(self.num_ab_stages)
@@ -263,8 +263,13 @@ class GemmPlan:
         return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
 
 
+def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
+    """Shared memory of one A/B pipeline stage: the CTA's A tile and its (share of the) B tile."""
+    return (cta[0] + b_rows) * cta[2] * ab_bits // 8
+
+
 def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:
-    stage = (cta[0] + b_rows) * cta[2] * ab_bits // 8
+    stage = _ab_stage_bytes(cta, b_rows, ab_bits)
     return (smem_capacity(arch) - C.SMEM_RESERVED_BYTES - epi_bytes) // stage
 
 
@@ -351,7 +356,7 @@ def _plan_cached(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_m
         plan = GemmPlan(
             **common,
             kernel=KERNEL_SM100 if why_not is None else KERNEL_XLA,
-            reason=why_not or _sm100_reason(use_2cta, mm, mn, m, n, batch, num_sms),
+            reason=why_not or _sm100_reason(use_2cta, mm, mn, num_sms),
             mma_tiler_mnk=(mm, mn, ktile),
             cluster_shape_mn=cluster,
             use_2cta=use_2cta,
@@ -403,7 +408,7 @@ def _sm90_swizzle(m, n, batch, tm, tn) -> int:
     return 8 if tiles_n >= 8 and tiles_m >= 2 * tiles_n else 1
 
 
-def _sm100_reason(use_2cta, mm, mn, m, n, batch, num_sms) -> str:
+def _sm100_reason(use_2cta, mm, mn, num_sms) -> str:
     kind = "2-CTA" if use_2cta else "1-CTA"
     return f"tcgen05 {kind} {mm}x{mn} MMA: fewest weighted waves on {num_sms} SMs"
 
