@@ -2,7 +2,7 @@
 
 Usage on the H200 (see benchmarks/RESULTS.md):
 
-    python benchmarks/gpu_check.py [--cases N] [--bench] [--quick]
+    python benchmarks/gpu_check.py [--cases N] [--bench] [--jobs J] [--pingpong]
 
 Correctness compares every case against a float32 (HIGHEST precision) XLA reference on the same
 inputs by ||out - ref|| / ||ref||, with a per-dtype tolerance; NaNs fail. The kernel path taken
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import multiprocessing
 import os
 import sys
@@ -24,7 +25,7 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import gpu_lowering
+from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -211,13 +212,38 @@ def grad_check():
     return all(e < 3e-2 for e in errs)
 
 
+def force_pingpong():
+    """Makes every SM90 plan of this process a ping-pong one, cycling through its tile shapes.
+
+    For checking the ping-pong schedule on the whole case matrix, whatever the planner prefers.
+    """
+    real = planning.plan
+    tiles = itertools.cycle(((128, 128), (128, 192), (64, 256), (64, 128)))
+
+    def plan(*args, **kw):
+        p = real(*args, **kw)
+        if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
+            return p
+        for _ in range(4):
+            try:
+                return planning.sm90_variant(p, tile_mn=next(tiles), pingpong=True)
+            except planning.C.PlanError:
+                continue
+        return p
+
+    planning.plan = plan
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--pingpong", action="store_true", help="force ping-pong SM90 plans")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--jobs", type=int, default=0, help="parallel precompile workers")
     args = ap.parse_args()
     print("devices", jax.devices(), "info", gpu_lowering.device_info(), flush=True)
+    if args.pingpong:
+        force_pingpong()
     fails = correctness(args.cases, jobs=args.jobs)
     ok_grad = grad_check()
     if args.bench:

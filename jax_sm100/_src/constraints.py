@@ -87,6 +87,23 @@ def check_mma_tiler(arch: str, mma_tiler_mnk: tuple, use_2cta: bool, ab_dtype: s
         )
 
 
+# A ping-pong SM90 consumer warp group (128 threads) holds a whole tile's float32 accumulators.
+PINGPONG_MAX_TILE_ELEMS = 128 * 192
+
+
+def check_pingpong(arch: str, pingpong: bool, mma_tiler_mnk: tuple) -> None:
+    if not pingpong:
+        return
+    if arch != "sm_90a":
+        raise PlanError(f"pingpong=True is an sm_90a (wgmma) schedule; the plan is {arch}")
+    m, n, _ = mma_tiler_mnk
+    if m > 128 or m * n > PINGPONG_MAX_TILE_ELEMS:
+        raise PlanError(
+            f"pingpong=True keeps a whole {m}x{n} tile in one warp group's registers; it needs "
+            f"M <= 128 and M*N <= {PINGPONG_MAX_TILE_ELEMS} (e.g. 128x192, 128x128, 64x256)"
+        )
+
+
 def check_cluster(arch: str, cluster_shape_mn: tuple, use_2cta: bool) -> None:
     cm, cn = cluster_shape_mn
     for v in (cm, cn):

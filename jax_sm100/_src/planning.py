@@ -90,15 +90,19 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
     return min(64, cta_m), min(64 if bits == 8 else 32, cta_n)
 
 
-def epi_smem_bytes(arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k) -> int:
+def epi_smem_bytes(
+    arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k, pingpong=False
+) -> int:
     """Shared memory of the epilogue's staging buffers.
 
     D is staged through SMEM for its TMA store, in float32 for split-K partials. SM100 kernels
     also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers.
+    A ping-pong SM90 kernel has one set of buffers per consumer warp group.
     """
     d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype]
     c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and arch == "sm_100a") else 0
-    return epi_tile[0] * epi_tile[1] * num_epi_stages * (d_bits + c_bits) // 8
+    groups = 2 if pingpong else 1
+    return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
 
 
 def _pow2_ceil(x: int) -> int:
@@ -136,6 +140,7 @@ class GemmPlan:
     split_k: int = 1
     raster_along_m: bool = True
     swizzle_size: int = 1
+    pingpong: bool = False
     num_sms: int = 0
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
@@ -173,6 +178,7 @@ class GemmPlan:
         ab = self.a_dtype if self.a_dtype in C.KERNEL_OPERAND_DTYPES[self.arch] else "bfloat16"
         C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab)
         C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
+        C.check_pingpong(self.arch, self.pingpong, self.mma_tiler_mnk)
         mm, mn, mk = self.mma_tiler_mnk
         cta = (mm // 2 if self.use_2cta else mm, mn, mk)
         setf("cta_tile_mnk", cta)
@@ -223,7 +229,7 @@ class GemmPlan:
     def _epi_bytes(self) -> int:
         return epi_smem_bytes(
             self.arch, self.epi_tile, self.num_epi_stages, self.out_dtype, self.c_dtype,
-            self.split_k,
+            self.split_k, self.pingpong,
         )  # fmt: skip
 
     @property
@@ -255,6 +261,7 @@ class GemmPlan:
             ("num_epi_stages", self.num_epi_stages),
             ("smem_bytes", f"{self.smem_bytes} of {smem_capacity(self.arch)}"),
             ("split_k", self.split_k),
+            ("pingpong", self.pingpong),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
             ("tiles", self.num_tiles),
@@ -271,6 +278,35 @@ def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
 def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:
     stage = _ab_stage_bytes(cta, b_rows, ab_bits)
     return (smem_capacity(arch) - C.SMEM_RESERVED_BYTES - epi_bytes) // stage
+
+
+def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None, **changes):
+    """`plan` with another SM90 tile, cluster or schedule, its A/B stages refilled to the SMEM left.
+
+    For tuning and tests: `dataclasses.replace` keeps `num_ab_stages`, which is rarely right for
+    another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
+    Raises PlanError for an illegal combination, like any plan edit.
+    """
+    if plan.arch != "sm_90a":
+        raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
+    tm, tn = tile_mn or plan.cta_tile_mnk[:2]
+    pp = plan.pingpong if pingpong is None else bool(pingpong)
+    tiler = (tm, tn, plan.mma_tiler_mnk[2])
+    C.check_pingpong(plan.arch, pp, tiler)
+    epi = _sm90_epi_tile(tm, tn, plan.out_dtype)
+    epi_bytes = epi_smem_bytes(
+        plan.arch, epi, plan.num_epi_stages, plan.out_dtype, plan.c_dtype, plan.split_k, pp
+    )
+    ab = plan.a_dtype if plan.a_dtype in C.KERNEL_OPERAND_DTYPES[plan.arch] else "bfloat16"
+    stages = _max_ab_stages(plan.arch, tiler, tn, C.DTYPE_BITS[ab], epi_bytes)
+    return dataclasses.replace(
+        plan,
+        mma_tiler_mnk=tiler,
+        cluster_shape_mn=tuple(cluster_mn or plan.cluster_shape_mn),
+        pingpong=pp,
+        num_ab_stages=stages,
+        **changes,
+    )
 
 
 def _wave_cost(tiles: int, ctas_per_tile: int, num_sms: int, area: int, eff: float) -> float:

@@ -42,11 +42,16 @@ _THREADS_PER_WG = 128
 # fits the 64K-register file for 384 threads; the same split CUTLASS uses for this layout.
 _PRODUCER_REGS = 40
 _CONSUMER_REGS = 232
-_EPI_BARRIER_ID = 1
 _SMEM_ALIGN = 1024
+# Named barriers (0 is __syncthreads): one per epilogue group (two in ping-pong), then the two
+# ping-pong turn barriers that order the consumer warp groups' main loops.
+_EPI_BARRIER_ID = 1
+_TURN_BARRIER_ID = 3
 
 SUPPORTED_TILE_M = (64, 128, 256)
-SUPPORTED_TILE_N = (64, 128, 256)
+SUPPORTED_TILE_N = (64, 128, 192, 256)
+# Ping-pong: one warp group holds a whole tile's accumulators, at most this many per thread.
+PINGPONG_MAX_ACC_REGS = 192
 
 
 class Sm90GemmKernel:
@@ -68,9 +73,16 @@ class Sm90GemmKernel:
         self.epi_stages = plan.num_epi_stages
         self.epi_tile = tuple(plan.epi_tile)
         self.acc_dtype = cutlass.Float32
-        self.num_consumer_wgs = 2 if self.tile_mnk[0] >= 128 else 1
+        self.pingpong = bool(plan.pingpong)
+        # Cooperative: the consumer warp groups split each tile's rows. Ping-pong: two consumer
+        # warp groups take alternate tiles, each whole, so one's epilogue overlaps the other's
+        # main loop; each has its own epilogue buffers, barrier and TMA-store thread.
+        self.num_consumer_wgs = 2 if (self.pingpong or self.tile_mnk[0] >= 128) else 1
+        self.mma_wgs = 1 if self.pingpong else self.num_consumer_wgs
+        self.epi_groups = 2 if self.pingpong else 1
         self.threads = _THREADS_PER_WG * (1 + self.num_consumer_wgs)
         self.num_consumer_threads = _THREADS_PER_WG * self.num_consumer_wgs
+        self.epi_threads = _THREADS_PER_WG * self.mma_wgs
         cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
         self.max_active_clusters = max(1, plan.num_sms // cluster_size)
         # A tile is shared by the CTAs of one cluster row (same m), B by one cluster column.
@@ -96,6 +108,11 @@ class Sm90GemmKernel:
             return "8-bit wgmma needs K-major A and B"
         if tk * bits != 1024:
             return f"cta tile k={tk} must span 128 bytes of {spec.a_dtype}"
+        if plan.pingpong and (tm > 128 or tm * tn // _THREADS_PER_WG > PINGPONG_MAX_ACC_REGS):
+            return (
+                f"ping-pong keeps a {tm}x{tn} tile in one warp group: more than "
+                f"{PINGPONG_MAX_ACC_REGS} accumulator registers per thread"
+            )
         return None
 
     # ---------------------------------------------------------------- derived configuration
@@ -111,7 +128,7 @@ class Sm90GemmKernel:
             a_major,
             b_major,
             self.acc_dtype,
-            (self.num_consumer_wgs, 1, 1),
+            (self.mma_wgs, 1, 1),
             tiler_mn=(64, tn),
         )
         self.a_smem_staged = sm90.make_smem_layout_a(
@@ -121,7 +138,7 @@ class Sm90GemmKernel:
             self._b_layout, self.tile_mnk, self.b_dtype, self.ab_stages
         )
         self.d_smem_staged = sm90.make_smem_layout_epi(
-            self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages
+            self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.epi_groups
         )
         self.cluster_layout = cute.make_layout((*self.cluster_mn, 1))
 
@@ -255,8 +272,9 @@ class Sm90GemmKernel:
         stage_bytes = cute.size_in_bytes(
             self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))
         ) + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
-        # Every consumer warp of every CTA that reads a multicast stage releases it.
-        releasers = (self.a_mcast + self.b_mcast - 1) * self.num_consumer_wgs * 4
+        # Every consumer warp of every CTA that reads a multicast stage releases it (in ping-pong
+        # only the warp group whose tile the stage belongs to reads it).
+        releasers = (self.a_mcast + self.b_mcast - 1) * self.mma_wgs * 4
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
@@ -335,7 +353,17 @@ class Sm90GemmKernel:
     def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
                  k_tiles, consumer_wg, warp, ctidx):  # fmt: skip
         tm, tn, _ = self.tile_mnk
-        thr_mma = tiled_mma.get_slice(consumer_wg * _THREADS_PER_WG)
+        # Thread index within this tile's epilogue group, and the group's first warp.
+        etidx = ctidx
+        mma_base = consumer_wg * _THREADS_PER_WG
+        store_warp = 4  # the first consumer warp issues the TMA stores
+        epi_group = 0
+        if cutlass.const_expr(self.pingpong):
+            etidx = ctidx % _THREADS_PER_WG
+            mma_base = 0
+            store_warp = 4 + 4 * consumer_wg
+            epi_group = consumer_wg
+        thr_mma = tiled_mma.get_slice(mma_base)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype)
@@ -347,7 +375,7 @@ class Sm90GemmKernel:
         )
         stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(ctidx)
+        thr_r2s = r2s.get_slice(etidx)
         tRS_sD = thr_r2s.partition_D(sD)
         tRS_acc = r2s.retile(acc)
         sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
@@ -356,14 +384,21 @@ class Sm90GemmKernel:
         sub_size = cute.size(sub_acc)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.num_consumer_threads
-            ),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
         )
         epi_barrier = pipeline.NamedBarrier(
-            barrier_id=_EPI_BARRIER_ID, num_threads=self.num_consumer_threads
+            barrier_id=_EPI_BARRIER_ID + epi_group, num_threads=self.epi_threads
         )
-        store_warp = 4  # the first consumer warp issues the TMA stores
+        # Ping-pong turns: a warp group waits on its own barrier before its main loop; the other
+        # group arrives on it once it has seen every stage of its own tile land. This keeps the
+        # two groups' waits on the stage ring in tile order, so a group never waits on a stage
+        # barrier more than one phase ahead of the fills it has observed.
+        my_turn = pipeline.NamedBarrier(
+            barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
+        )
+        their_turn = pipeline.NamedBarrier(
+            barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
+        )
         # Global coordinates of every output element, for predicated C and bias reads.
         cD = cute.local_tile(cute.make_identity_tensor(mD.shape), (tm, tn), (None, None, None))
         gC = None
@@ -376,11 +411,22 @@ class Sm90GemmKernel:
         work = sched.initial_work_tile_info()
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+        if cutlass.const_expr(self.pingpong):
+            # Group 1 takes the CTA's odd tiles: it lets group 0 start, then skips its tile.
+            if consumer_wg == 1:
+                if work.is_valid_tile:
+                    their_turn.arrive()
+            sched.advance_to_next_work(advance_count=consumer_wg)
+            work = sched.get_current_work()
+            for _ in range(k_tiles * consumer_wg):
+                read.advance()
+                release.advance()
+        tiles_done = cutlass.Int32(0)
         while work.is_valid_tile:
             tile = work.tile_idx
+            if cutlass.const_expr(self.pingpong):
+                my_turn.arrive_and_wait()
             # ---- main loop: keep one wgmma batch in flight, release a stage once it retired.
-            read.reset_count()
-            release.reset_count()
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
@@ -395,9 +441,19 @@ class Sm90GemmKernel:
                     warpgroup.wait_group(1)
                     ab_pipe.consumer_release(release)
                     release.advance()
+            if cutlass.const_expr(self.pingpong):
+                # Every stage of this tile has landed: the other group's tile is next in the
+                # ring. Hand it the turn (if it has a tile) and skip its stages.
+                sched.advance_to_next_work()
+                if sched.get_current_work().is_valid_tile:
+                    their_turn.arrive()
             warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             release.advance()
+            if cutlass.const_expr(self.pingpong):
+                for _ in range(k_tiles):
+                    read.advance()
+                    release.advance()
 
             # ---- epilogue, one sub-tile at a time.
             gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
@@ -411,7 +467,7 @@ class Sm90GemmKernel:
             subs_mn = gD_tile.shape[1]
             sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
             num_subs = cute.size(sub_order)
-            done = sched.num_tiles_executed * num_subs
+            done = tiles_done * num_subs
             for s in cutlass.range_constexpr(num_subs):
                 for v in cutlass.range_constexpr(sub_size):
                     sub_acc[v] = tRS_acc[s * sub_size + v]
@@ -420,7 +476,7 @@ class Sm90GemmKernel:
                 if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
                     vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
                 sub_out.store(vals.to(self.d_dtype))
-                buf = (done + s) % self.epi_stages
+                buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
                 cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
                 cute.arch.fence_proxy("async.shared", space="cta")
                 epi_barrier.arrive_and_wait()
@@ -429,6 +485,7 @@ class Sm90GemmKernel:
                     store_pipe.producer_commit()
                     store_pipe.producer_acquire()
                 epi_barrier.arrive_and_wait()
+            tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
         store_pipe.producer_tail()
