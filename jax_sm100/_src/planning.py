@@ -76,18 +76,22 @@ def smem_capacity(arch: str) -> int:
 
 
 @functools.cache
-def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str) -> tuple[int, int]:
+def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = False):
     """The rule of the DSL's `sm90.compute_tile_shape_or_override`, restated in plain ints.
 
     Calling the helper itself needs an MLIR context (it sizes tuples with cute.size); a context
     created outside the DSL's own compile corrupts the heap once the DSL later compiles in the
     same process (seen 2026-11-29: "malloc(): unaligned tcache chunk detected" in the next
     compile's context creation), so the planner must not create one.
+
+    A ping-pong warp group holds all rows of its tile, in 64-row MMA blocks; its epilogue
+    sub-tiles are 64 rows, one MMA block each (the kernel walks sub-tiles in register order, which
+    for a 128-row tile in one warp group goes block by block).
     """
-    if cta_m > 64:  # cooperative: two consumer warp groups share the M extent
-        return min(128, cta_m), min(32, cta_n)
     bits = C.DTYPE_BITS.get(out_dtype, 32)
-    return min(64, cta_m), min(64 if bits == 8 else 32, cta_n)
+    if cta_m > 64 and not pingpong:  # cooperative: two consumer warp groups share the M extent
+        return min(128, cta_m), min(32, cta_n)
+    return 64, min(64 if bits == 8 else 32, cta_n)
 
 
 def epi_smem_bytes(
@@ -198,7 +202,7 @@ class GemmPlan:
             C.check_tmem(alloc)
             b_rows = mn // 2 if self.use_2cta else mn
         else:
-            epi = _sm90_epi_tile(cta[0], cta[1], self.out_dtype)
+            epi = _sm90_epi_tile(cta[0], cta[1], self.out_dtype, self.pingpong)
             cols, alloc = 0, 0
             if self.num_acc_stages != 1:
                 raise C.PlanError(f"sm_90a accumulates in registers: {self.num_acc_stages=} != 1")
@@ -293,7 +297,7 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     pp = plan.pingpong if pingpong is None else bool(pingpong)
     tiler = (tm, tn, plan.mma_tiler_mnk[2])
     C.check_pingpong(plan.arch, pp, tiler)
-    epi = _sm90_epi_tile(tm, tn, plan.out_dtype)
+    epi = _sm90_epi_tile(tm, tn, plan.out_dtype, pp)
     epi_bytes = epi_smem_bytes(
         plan.arch, epi, plan.num_epi_stages, plan.out_dtype, plan.c_dtype, plan.split_k, pp
     )

@@ -113,6 +113,11 @@ class Sm90GemmKernel:
                 f"ping-pong keeps a {tm}x{tn} tile in one warp group: more than "
                 f"{PINGPONG_MAX_ACC_REGS} accumulator registers per thread"
             )
+        # The epilogue takes each sub-tile's registers as one contiguous run of the retiled
+        # accumulator, which holds when a sub-tile is one 64-row MMA block per warp group.
+        rows_per_wg = 64 if plan.pingpong else min(tm, 128) // (2 if tm >= 128 else 1)
+        if plan.epi_tile[0] // (1 if plan.pingpong or tm == 64 else 2) != rows_per_wg:
+            return f"epilogue tile {plan.epi_tile} does not match the {tm}-row warp-group split"
         return None
 
     # ---------------------------------------------------------------- derived configuration
