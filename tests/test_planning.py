@@ -200,6 +200,7 @@ class PlanEditsTest(parameterized.TestCase):
         ("split_without_kernel", {"split_k": 4}, "split_k"),
         ("unaligned_k", {"k": 8191}, "16 bytes"),
         ("bad_arch", {"arch": "sm_80"}, "not supported"),
+        ("pingpong_on_sm100", {"pingpong": True}, "sm_90a"),
     )
     def test_illegal_edit_raises(self, change, pattern):
         with self.assertRaisesRegex(C.PlanError, pattern):
@@ -243,6 +244,61 @@ class PlanEditsTest(parameterized.TestCase):
             jax_sm100.plan(4, 4, 4, a_dtype="int32", b_dtype="bfloat16")
         with self.assertRaisesRegex(C.PlanError, "not supported"):
             jax_sm100.plan(4, 4, 4, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_89")
+
+
+class Sm90ScheduleTest(parameterized.TestCase):
+    """Ping-pong plans and `sm90_variant`, the tuning edit that refills A/B stages."""
+
+    def setUp(self):
+        super().setUp()
+        self.p = planning.plan(
+            8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
+        )
+
+    def test_planner_default_is_cooperative(self):
+        self.assertFalse(self.p.pingpong)
+        self.assertEqual(self.p.epi_tile, (128, 32))
+        self.assertIn("pingpong", str(self.p))
+
+    @parameterized.parameters(((128, 192), 5), ((128, 128), 6), ((64, 256), 5))
+    def test_variant_refills_stages(self, tile, stages):
+        q = planning.sm90_variant(self.p, tile_mn=tile, pingpong=True, cluster_mn=(1, 2))
+        self.assertTrue(q.pingpong)
+        self.assertEqual(q.cta_tile_mnk[:2], tile)
+        self.assertEqual(q.cluster_shape_mn, (1, 2))
+        # One 64-row MMA block per epilogue sub-tile, and buffers for both warp groups.
+        self.assertEqual(q.epi_tile, (64, 32))
+        epi = planning.epi_smem_bytes("sm_90a", (64, 32), 2, "bfloat16", None, 1, True)
+        self.assertEqual(epi, 2 * 2 * 64 * 32 * 2)
+        self.assertEqual(q.num_ab_stages, stages)
+        self.assertEqual(q.smem_bytes, C.SMEM_RESERVED_BYTES + epi + stages * q.ab_stage_bytes)
+        self.assertLessEqual(q.smem_bytes, planning.smem_capacity("sm_90a"))
+        with self.assertRaisesRegex(C.PlanError, "shared memory"):
+            dataclasses.replace(q, num_ab_stages=stages + 1)
+
+    def test_variant_keeps_other_fields(self):
+        q = planning.sm90_variant(self.p, swizzle_size=2, raster_along_m=False)
+        self.assertEqual((q.swizzle_size, q.raster_along_m), (2, False))
+        self.assertEqual(q.cta_tile_mnk, self.p.cta_tile_mnk)
+        self.assertEqual(q.num_ab_stages, self.p.num_ab_stages)
+
+    @parameterized.parameters((128, 256), (256, 128))
+    def test_pingpong_tile_too_big(self, tm, tn):
+        with self.assertRaisesRegex(C.PlanError, "one warp group's registers"):
+            planning.sm90_variant(self.p, tile_mn=(tm, tn), pingpong=True)
+
+    def test_variant_needs_sm90(self):
+        p100 = jax_sm100.plan(1024, 1024, 1024, a_dtype="bfloat16", b_dtype="bfloat16")
+        with self.assertRaisesRegex(C.PlanError, "sm_90a plan"):
+            planning.sm90_variant(p100, pingpong=True)
+
+    def test_tall_grid_multicasts_a(self):
+        # 128 x 16 tiles of 128x256: the CTAs of a cluster pair along N and share A.
+        tall = planning.plan(
+            16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
+        )
+        self.assertEqual(tall.cluster_shape_mn, (1, 2))
+        self.assertEqual(self.p.cluster_shape_mn, (2, 1))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 import dataclasses
 import re
+import types
 
 from absl.testing import absltest, parameterized
 
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import planning
+from jax_sm100._src.kernels import sm90_gemm
 from jax_sm100._src.kernels.spec import KernelSpec
 
 
@@ -65,6 +67,31 @@ class Sm90PtxTest(parameterized.TestCase):
         ptx = compile_mod.compile_plan(p).ptx
         self.assertIn("m64n128k16", ptx)
         self.assertNotIn("multicast::cluster", ptx)
+
+    @parameterized.parameters(((128, 192), "m64n192k16"), ((64, 256), "m64n256k16"))
+    def test_pingpong(self, tile, inst):
+        p = planning.sm90_variant(_plan(4096, 4096, 4096), tile_mn=tile, pingpong=True)
+        ptx = compile_mod.compile_plan(p).ptx
+        self.assertIn(f"wgmma.mma_async.sync.aligned.{inst}.f32.bf16.bf16", ptx)
+        self.assertRegex(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232")
+        # Turn barriers: each group waits on its own (bar.sync, 256 threads) and arrives on the
+        # other's; the epilogue barriers hold one warp group (128 threads).
+        self.assertRegex(ptx, r"bar\.arrive\s+%r\d+,\s*256;")
+        self.assertRegex(ptx, r"bar\.sync\s+%r\d+,\s*256;")
+        self.assertRegex(ptx, r"bar\.sync\s+%r\d+,\s*128;")
+        self.assertIn("stmatrix.sync.aligned", ptx)
+
+    def test_kernel_refuses_mismatched_epilogue_tile(self):
+        # The kernel reads each epilogue sub-tile as one run of registers; a ping-pong group with
+        # a 128-row sub-tile would mix its two MMA blocks (seen wrong on the H200).
+        p = planning.sm90_variant(_plan(4096, 4096, 4096), tile_mn=(128, 128), pingpong=True)
+        spec = KernelSpec.for_plan(p)
+        self.assertIsNone(sm90_gemm.Sm90GemmKernel.can_implement(p, spec))
+        fake = types.SimpleNamespace(**{f.name: getattr(p, f.name)
+                                        for f in dataclasses.fields(p)})  # fmt: skip
+        fake.epi_tile = (128, 32)
+        why = sm90_gemm.Sm90GemmKernel.can_implement(fake, spec)
+        self.assertIn("warp-group split", why)
 
     def test_fp8_k_major(self):
         p = planning.plan(1024, 1024, 1024, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",

@@ -272,7 +272,7 @@ class Sm90GemmKernel:
         if cutlass.const_expr(self.b_mcast > 1):
             b_mask = cute.make_layout_image_mask(cluster_layout, cluster_coord, mode=0)
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared)
         stage_bytes = cute.size_in_bytes(
             self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))
