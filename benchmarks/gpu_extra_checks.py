@@ -1,7 +1,7 @@
 """GPU checks beyond gpu_check.py: fp8 operands, CUDA-graph replay, compute-sanitizer memcheck.
 
     python benchmarks/gpu_extra_checks.py            # all three (memcheck in a child process)
-    python benchmarks/gpu_extra_checks.py --cases X  # one part: fp8, graph or memcheck-child
+    python benchmarks/gpu_extra_checks.py --cases X  # parts: fp8, graph, memcheck, racecheck
 
 Each part compares against a float32 XLA reference on normal random data and prints one
 `RESULT` line.
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sm100
-from jax_sm100._src import gpu_lowering
+from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src import primitive as P
 
 
@@ -101,22 +101,35 @@ def memcheck_child() -> None:
         out.block_until_ready()
         low = gpu_lowering.explain()
         print(f"memcheck case {m}x{n}x{k}: {low.plan.kernel if low.plan else low.note}")
+    # The ping-pong schedule, on a problem that is not a multiple of its tiles.
+    m, n, k = 520, 1000, 264
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
+    base = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+    for tile in ((128, 128), (128, 192), (64, 256)):
+        p = planning.sm90_variant(base, tile_mn=tile, pingpong=True)
+        out = jax.jit(lambda a, b, p=p: jax_sm100.matmul(a, b, plan=p))(a, b)
+        err = _rel_err(out, jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)))
+        print(f"memcheck case {m}x{n}x{k} ping-pong {tile}: rel err {err:.1e}")
 
 
-def memcheck() -> int:
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--print-limit", "20",
+def memcheck(tool: str = "memcheck") -> int:
+    cmd = ["compute-sanitizer", "--tool", tool, "--print-limit", "20",
            sys.executable, __file__, "--cases", "memcheck-child"]  # fmt: skip
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
     except subprocess.TimeoutExpired as e:
-        print(f"memcheck did not finish in {e.timeout} s")
-        print("RESULT memcheck not run")
+        print(f"{tool} did not finish in {e.timeout} s")
+        print(f"RESULT {tool} not run")
         return 0
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
     print("\n".join(tail))
-    ok = proc.returncode == 0 and any("ERROR SUMMARY: 0 errors" in line for line in tail)
-    print("RESULT memcheck fails", int(not ok))
+    ok = proc.returncode == 0 and any(
+        "ERROR SUMMARY: 0 errors" in line or ("RACECHECK SUMMARY" in line and "(0 errors" in line)
+        for line in tail
+    )
+    print(f"RESULT {tool} fails", int(not ok))
     return int(not ok)
 
 
@@ -129,7 +142,9 @@ def main():
         return 0
     fails = 0
     for part in parts:
-        fails += {"fp8": fp8, "graph": graph, "memcheck": memcheck}[part]()
+        parts = {"fp8": fp8, "graph": graph, "memcheck": memcheck,
+                 "racecheck": lambda: memcheck("racecheck")}  # fmt: skip
+        fails += parts[part]()
     return int(fails > 0)
 
 
