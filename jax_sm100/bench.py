@@ -12,17 +12,21 @@ wall
     by tens of percent between runs.
 device
     What the device sustains per product. One jitted function runs the product R times in a
-    `lax.fori_loop`; each iteration writes `a[0, 0] + scale * out[0, 0]` of the previous product
+    `lax.fori_loop` of R / U iterations whose body holds U products (U = `--unroll`, default
+    16; R is a multiple of U). Each product writes `a[0, 0] + scale * out[0, 0]` of its output
     into a[0, 0] of the next, with `scale` a runtime argument equal to 0.0. XLA cannot fold a
-    runtime scale, so it can neither hoist the product out of the loop nor merge iterations,
-    while the result stays exactly one product's. R starts at 4 and grows until one call takes
-    >= 20 ms (`--device-ms`); the time is the median over 5 rounds of one call's wall time
-    (after warm-up) divided by R, so dispatch is paid once per R products. The compiled HLO is
-    checked: exactly one while loop, with trip count R, whose body holds exactly one product
-    (the `jax_sm100_gemm` custom call, a cuBLAS call or a dot) and no operand copy, and no
-    product outside it; a figure that fails the check is printed with `!` and the reason. Each
-    iteration also runs the loop's bookkeeping (counter, the one-element update): that cost,
-    measured with the product removed, is printed as the loop overhead, and is inside both
+    runtime scale, so it can neither hoist a product out of the loop nor merge or drop any,
+    while the result stays exactly one product's. R starts at 4 U and grows (in multiples of
+    U) until one call takes >= 20 ms (`--device-ms`); the time is the median over 5 rounds of
+    one call's wall time (after warm-up) divided by R, so dispatch is paid once per R products.
+    Unrolling shares the loop's own cost per iteration (15.3 us on the H200 with no product
+    inside, more than the smallest kernels take) among U products. The compiled HLO is
+    checked: exactly one while loop, with the known trip count R / U, whose body holds exactly
+    U products (the `jax_sm100_gemm` custom call, a cuBLAS call or a dot), each with the full
+    [m, n] output, and no operand copy, and no product outside it; a figure that fails the
+    check is printed with `!` and the reason. What the loop costs besides the products (its
+    bookkeeping and each product's one-element update), measured with the products removed
+    under the same unrolling, is printed as the loop overhead per product, and is inside both
     sides' device times.
 
 Both exist because they answer different questions: device ratios judge the kernels (the
@@ -37,7 +41,7 @@ installed (`--plot`, default benchmarks/out/bench.png; that folder is git-ignore
 TFLOP/s and ratios when measured, wall otherwise.
 
 Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|device|both
-         --device-ms 20  --no-compile-times
+         --device-ms 20  --unroll 16  --no-compile-times
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ SHAPES = (
     (128, 128, 128),
 )
 METHODS = ("wall", "device")
+# Products per iteration of the device method's loop. An XLA while-loop iteration cost 15.3 us
+# on the H200 with nothing inside (`_loop_overhead` at unroll 1), more than the smallest kernels
+# benchmarked (128^3, 64x4096x4096) take; shared by 16 products it is under 1 us each.
+DEFAULT_UNROLL = 16
 
 
 def time_per_call(fn, *args, reps: int, rounds: int = 5) -> float:
@@ -87,37 +95,50 @@ def time_per_call(fn, *args, reps: int, rounds: int = 5) -> float:
     return float(np.median(times))
 
 
-# --- The device method: R dependent products in one XLA while loop -----------------------------
+# --- The device method: R dependent products in one XLA while loop, U per iteration -------------
 
 
-def loop_fn(product: Callable, reps: int) -> Callable:
+def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Callable:
     """`f(a, b, scale)`: `product` run `reps` times, each feeding the previous one's output back.
 
-    Iteration i computes out_i = product(a_i, b), where a_i is a_{i-1} with a_i[0, 0] =
+    Product i computes out_i = product(a_i, b), where a_i is a_{i-1} with a_i[0, 0] =
     a_{i-1}[0, 0] + scale * out_{i-1}[0, 0] (in float32, rounded to a's dtype). With scale = 0.0
     the result is exactly product(a, b); because scale is a runtime value, XLA must still run
-    every product in order. The update is one dynamic-update-slice of the loop-carried `a`, in
-    place, so an iteration costs one product plus one tiny fusion and the loop counter.
+    every product in order. The products run `unroll` at a time in the body of a
+    `lax.fori_loop` of reps / unroll iterations, so the loop's per-iteration cost is shared by
+    `unroll` products. The update is one dynamic-update-slice of `a`, in place; a[0, 0] is also
+    carried as a scalar, so that no update reads the big buffer a later update writes (on CPU,
+    reading it back made XLA copy `a` before every update but the last of an iteration). A
+    product costs one product plus one tiny fusion, and 1 / unroll of the loop counter.
 
     Args:
       product: (a [m, k], b [k, n]) -> out [m, n].
-      reps: the number of iterations, a Python int (a static trip count: XLA's GPU while loop
-        then runs without reading the predicate back to the host every iteration).
+      reps: the number of products, a Python int, a multiple of `unroll` (the trip count
+        reps / unroll is then static: XLA knows it and annotates the loop with it).
+      unroll: products per loop iteration.
 
     Returns:
-      A function of (a [m, k], b [k, n], scale []) returning the last iteration's out [m, n].
+      A function of (a [m, k], b [k, n], scale []) returning the last product's out [m, n].
+
+    Raises:
+      ValueError: `unroll` is not positive or `reps` is not a positive multiple of it.
     """
+    if unroll < 1 or reps < 1 or reps % unroll:
+        raise ValueError(f"want reps a positive multiple of unroll >= 1, got {reps=}, {unroll=}")
 
     def f(a, b, scale):
         def body(_, carry):
-            a, _ = carry
-            out = product(a, b)
-            a00 = a[0, 0].astype(jnp.float32) + scale * out[0, 0].astype(jnp.float32)
-            return a.at[0, 0].set(a00.astype(a.dtype)), out
+            a, a00, out = carry
+            for _ in range(unroll):
+                out = product(a, b)
+                a00 = a00.astype(jnp.float32) + scale * out[0, 0].astype(jnp.float32)
+                a00 = a00.astype(a.dtype)
+                a = a.at[0, 0].set(a00)
+            return a, a00, out
 
         out = jax.eval_shape(product, a, b)
-        init = (a, jnp.zeros(out.shape, out.dtype))
-        return jax.lax.fori_loop(0, reps, body, init)[1]
+        init = (a, a[0, 0], jnp.zeros(out.shape, out.dtype))
+        return jax.lax.fori_loop(0, reps // unroll, body, init)[2]
 
     return f
 
@@ -131,6 +152,7 @@ _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_DIMS = re.compile(r"\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +176,12 @@ class _Instr:
         return self.opcode == "custom-call" and bool(
             target and _PRODUCT_TARGETS.search(target.group(1))
         )
+
+    @property
+    def size(self) -> int:
+        """Elements of the result (of its first array, for a tuple such as a cuBLAS call's)."""
+        dims = _DIMS.search(self.shape)
+        return math.prod(int(d) for d in dims.group(1).split(",") if d) if dims else 0
 
 
 def _parse_hlo(text: str) -> tuple[dict[str, list[_Instr]], str]:
@@ -201,29 +229,37 @@ class LoopCheck:
     """What the compiled HLO of a `loop_fn` function holds.
 
     Attributes:
-      reps: the trip count asked for.
+      reps: the products asked for.
+      unroll: the products per iteration asked for.
+      min_size: the elements of one product's output ([m, n]: m * n); 1 checks no size.
       whiles: while loops in the module.
       trip_count: XLA's known trip count of the loop (None when there is not exactly one loop,
         or XLA did not annotate it).
       body_products: products in the loop's body and condition, with what they call.
+      small_products: those of them whose output has fewer than `min_size` elements (a product
+        XLA narrowed to the one element the next update reads).
       other_products: products elsewhere (hoisted out of the loop or peeled off it).
       body_copies: non-scalar copies in the loop's body (a per-iteration operand copy).
     """
 
     reps: int
+    unroll: int
+    min_size: int
     whiles: int
     trip_count: int | None
     body_products: int
+    small_products: int
     other_products: int
     body_copies: int
 
     @classmethod
-    def from_hlo(cls, text: str, reps: int) -> LoopCheck:
+    def from_hlo(cls, text: str, reps: int, unroll: int, min_size: int = 1) -> LoopCheck:
+        """Reads a compiled module's text (`compiled.as_text()`); arguments as the attributes."""
         comps, entry = _parse_hlo(text)
         names = _reachable(comps, entry)
         whiles = [ins for n in names for ins in comps[n] if ins.opcode == "while"]
         total = sum(ins.is_product for n in names for ins in comps[n])
-        body_products = body_copies = 0
+        body_products = small_products = body_copies = 0
         trip_count = None
         if len(whiles) == 1:
             text = whiles[0].text
@@ -231,7 +267,9 @@ class LoopCheck:
             for pattern in (_BODY, _CONDITION):
                 found = pattern.search(text)
                 inner += _reachable(comps, found.group(1)) if found else []
-            body_products = sum(ins.is_product for n in inner for ins in comps[n])
+            products = [ins for n in inner for ins in comps[n] if ins.is_product]
+            body_products = len(products)
+            small_products = sum(ins.size < min_size for ins in products)
             body_copies = sum(
                 ins.opcode in ("copy", "copy-start") and not re.match(r"\w+\[\]", ins.shape)
                 for n in inner
@@ -239,20 +277,31 @@ class LoopCheck:
             )
             trip = _TRIP_COUNT.search(text)
             trip_count = int(trip.group(1)) if trip else None
-        return cls(reps, len(whiles), trip_count, body_products, total - body_products,
-                   body_copies)  # fmt: skip
+        return cls(reps, unroll, min_size, len(whiles), trip_count, body_products, small_products,
+                   total - body_products, body_copies)  # fmt: skip
 
     def problems(self) -> list[str]:
-        """Why the loop is not R iterations of exactly one product each; empty when it is."""
+        """Why the loop is not R / U iterations of exactly U products each; empty when it is."""
+        out = self.loop_problems()
+        if self.body_products != self.unroll:
+            out.append(f"{self.body_products} products per iteration, want {self.unroll}")
+        if self.small_products:
+            out.append(f"{self.small_products} products per iteration with fewer than "
+                       f"{self.min_size} output elements (narrowed)")  # fmt: skip
+        if self.other_products:
+            out.append(f"{self.other_products} products outside the loop (hoisted or peeled)")
+        return out
+
+    def loop_problems(self) -> list[str]:
+        """The problems of the loop itself, whatever it runs: its count, trips and copies."""
         out = []
         if self.whiles != 1:
             out.append(f"{self.whiles} while loops, want 1 (removed, unrolled or split)")
-        if self.trip_count is not None and self.trip_count != self.reps:
-            out.append(f"trip count {self.trip_count}, want {self.reps} (partly unrolled)")
-        if self.body_products != 1:
-            out.append(f"{self.body_products} products per iteration, want 1")
-        if self.other_products:
-            out.append(f"{self.other_products} products outside the loop (hoisted or peeled)")
+        elif self.trip_count is None:
+            out.append("no known trip count (XLA did not annotate the loop)")
+        elif self.trip_count != self.reps // self.unroll:
+            out.append(f"trip count {self.trip_count}, want {self.reps // self.unroll} "
+                       "(unrolled or split further)")  # fmt: skip
         if self.body_copies:
             out.append(f"{self.body_copies} operand copies per iteration")
         return out
@@ -274,8 +323,9 @@ def time_device(
     *,
     min_seconds: float = 0.02,
     rounds: int = 5,
-    start_reps: int = 4,
+    start_trips: int = 4,
     max_reps: int = 1 << 20,
+    unroll: int = DEFAULT_UNROLL,
 ) -> DeviceTiming | list[DeviceTiming]:
     """Seconds per `product(a, b)` on the device, by `loop_fn` (see the module docstring).
 
@@ -285,16 +335,20 @@ def time_device(
     Args:
       products: one product, or several to compare; each (a [m, k], b [k, n]) -> [m, n].
       a: [m, k], b: [k, n]: the operands.
-      min_seconds: R grows (from `start_reps`, at least doubling) until one call takes this long.
+      min_seconds: R grows (from `start_trips` * `unroll`, at least doubling) until one call
+        takes this long.
       rounds: timed calls of each product after warm-up; the median is kept.
-      start_reps: the first R tried.
-      max_reps: R never exceeds this.
+      start_trips: the first trip count tried. Keep it >= 2: XLA removes a loop of one trip,
+        and the check then fails.
+      max_reps: R never exceeds this (nor falls below `unroll`).
+      unroll: products per loop iteration; R is a multiple of it.
 
     Returns:
       For each product (a single one when `products` is one), the median call time / R, R, and
       the check of the compiled loop.
     """
     scale = jnp.zeros((), jnp.float32)
+    top_trips = max(1, max_reps // unroll)
 
     def one_call(compiled) -> float:
         t = time.perf_counter()
@@ -302,32 +356,45 @@ def time_device(
         return time.perf_counter() - t
 
     def calibrate(product):
-        reps = max(1, start_reps)
+        trips = max(1, min(start_trips, top_trips))
         while True:
-            compiled = jax.jit(loop_fn(product, reps)).lower(a, b, scale).compile()
+            reps = trips * unroll
+            compiled = jax.jit(loop_fn(product, reps, unroll)).lower(a, b, scale).compile()
             one_call(compiled)  # warm-up: first-call allocation and loading
             t = one_call(compiled)
-            if t >= min_seconds or reps >= max_reps:
+            if t >= min_seconds or trips >= top_trips:
                 return compiled, reps
-            grow = math.ceil(reps * 1.25 * min_seconds / max(t, 1e-9))
-            reps = min(max_reps, max(2 * reps, grow))
+            grow = math.ceil(trips * 1.25 * min_seconds / max(t, 1e-9))
+            trips = min(top_trips, max(2 * trips, grow))
 
     single = callable(products)
-    loops = [calibrate(p) for p in ([products] if single else products)]
+    products = [products] if single else list(products)
+    loops = [calibrate(p) for p in products]
     times = np.array([[one_call(c) for c, _ in loops] for _ in range(rounds)])
-    out = [DeviceTiming(float(np.median(times[:, i])) / reps, reps,
-                        LoopCheck.from_hlo(c.as_text(), reps))
-           for i, (c, reps) in enumerate(loops)]  # fmt: skip
+    out = []
+    for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
+        size = math.prod(jax.eval_shape(product, a, b).shape)
+        check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size)
+        out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check))
     return out[0] if single else out
 
 
-def _loop_overhead(a, b, min_seconds: float) -> float:
-    """Seconds per iteration of the device method's loop with the product taken out."""
+def _loop_overhead(a, b, min_seconds: float, unroll: int = DEFAULT_UNROLL) -> DeviceTiming:
+    """Seconds per product of the device method's loop with the products taken out.
+
+    The same loop (`unroll` one-element updates of `a` per iteration, each chained to the
+    last) with each product replaced by a [1, 1] one that reads a few elements of `a`: what a
+    product's time in `time_device` holds besides the product itself. XLA may fuse the updates
+    of one iteration, which real products keep apart, so this is a lower bound. The check's
+    `loop_problems` say whether the loop ran as the timed ones do.
+    """
 
     def no_product(x, y):
-        return x[:1, :1].astype(jnp.float32) * y[:1, :1].astype(jnp.float32)
+        # More than a[0, 0]: XLA reads that from the carried scalar, leaving `a` unread and dead.
+        row = x[:1, :8].astype(jnp.float32).sum(keepdims=True)
+        return row * y[:1, :1].astype(jnp.float32)
 
-    return time_device(no_product, a, b, min_seconds=min_seconds).seconds
+    return time_device(no_product, a, b, min_seconds=min_seconds, unroll=unroll)
 
 
 # --- The benchmark -------------------------------------------------------------------------------
@@ -376,7 +443,9 @@ def _operands(m, n, k, dtype):
     return a, b
 
 
-def run(shapes, dtypes, methods=METHODS, device_seconds: float = 0.02) -> list[Row]:
+def run(
+    shapes, dtypes, methods=METHODS, device_seconds: float = 0.02, unroll: int = DEFAULT_UNROLL
+) -> list[Row]:
     """Times jax_sm100.matmul and jnp.dot on every shape and dtype by each of `methods`."""
     rows = []
     total = len(shapes) * len(dtypes)
@@ -396,8 +465,10 @@ def run(shapes, dtypes, methods=METHODS, device_seconds: float = 0.02) -> list[R
                 row.wall = (time_per_call(ours, a, b, reps=reps),
                             time_per_call(dot, a, b, reps=reps))  # fmt: skip
             if "device" in methods:
-                ours_t, dot_t = time_device((ours_fn, dot_fn), a, b, min_seconds=device_seconds)
-                row.device = (ours_t, dot_t)
+                timings = time_device(
+                    (ours_fn, dot_fn), a, b, min_seconds=device_seconds, unroll=unroll
+                )
+                row.device = (timings[0], timings[1])
             rows.append(row)
     _progress(total, total, "done")
     print(file=sys.stderr)
@@ -520,23 +591,31 @@ def main(argv=None) -> int:
     ap.add_argument("--method", choices=(*METHODS, "both"), default="both")
     ap.add_argument("--device-ms", type=float, default=20.0,
                     help="device method: grow R until one call takes this long")  # fmt: skip
+    ap.add_argument("--unroll", type=int, default=DEFAULT_UNROLL,
+                    help="device method: products per loop iteration")  # fmt: skip
     ap.add_argument("--plot", default=os.path.join("benchmarks", "out", "bench.png"))
     ap.add_argument("--no-compile-times", action="store_true")
     args = ap.parse_args(argv)
+    if args.unroll < 1:
+        ap.error(f"--unroll must be >= 1, got {args.unroll}")
     dtypes = args.dtypes.split(",")
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     methods = METHODS if args.method == "both" else (args.method,)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-          f"target {gpu_lowering.device_info()}, methods {'+'.join(methods)}")  # fmt: skip
-    rows = run(shapes, dtypes, methods, device_seconds=args.device_ms / 1e3)
+          f"target {gpu_lowering.device_info()}, methods {'+'.join(methods)}, "
+          f"device-method unroll {args.unroll}")  # fmt: skip
+    rows = run(shapes, dtypes, methods, device_seconds=args.device_ms / 1e3, unroll=args.unroll)
     report(rows, methods)
     if "device" in methods:
         for dtype in dtypes:
             a, b = _operands(128, 128, 128, dtype)
-            secs = _loop_overhead(a, b, args.device_ms / 1e3)
-            print(f"device-method loop overhead per iteration ({dtype}, no product): "
-                  f"{secs * 1e6:.3f} us, inside both sides' device times")  # fmt: skip
+            t = _loop_overhead(a, b, args.device_ms / 1e3, unroll=args.unroll)
+            print(f"device-method loop overhead per product ({dtype}, no product, "
+                  f"unroll {args.unroll}): {t.seconds * 1e6:.3f} us, inside both sides' device "
+                  "times")  # fmt: skip
+            for p in t.check.loop_problems():
+                print(f"! device-method loop overhead ({dtype}) not measured as timed: {p}")
     if not args.no_compile_times:
         for label, secs in cold_compile_times(shapes, dtypes):
             print(f"cold compile {secs:5.2f} s  {label}")

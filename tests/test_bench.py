@@ -1,4 +1,4 @@
-"""The benchmark's device-method timer on CPU: real, dependent products, one per loop iteration."""
+"""The benchmark's device-method timer on CPU: real, dependent products, U per loop iteration."""
 
 from __future__ import annotations
 
@@ -38,58 +38,125 @@ class DeviceTimerTest(parameterized.TestCase):
         a, b = _operands(24, 40, 32)
         t = bench.time_device(product, a, b, min_seconds=2e-3, rounds=3)
         self.assertTrue(math.isfinite(t.seconds) and t.seconds > 0, t)
-        self.assertGreaterEqual(t.reps, 4)
+        self.assertGreaterEqual(t.reps, 4 * bench.DEFAULT_UNROLL)  # at least 4 iterations
+        self.assertEqual(t.reps % bench.DEFAULT_UNROLL, 0)
+        self.assertEqual((t.check.unroll, t.check.min_size), (bench.DEFAULT_UNROLL, 24 * 40))
         self.assertEqual(t.check.problems(), [])
 
     def test_several_products_are_timed_alike(self):
         a, b = _operands(24, 40, 32)
-        timings = bench.time_device([p for _, p in PRODUCTS], a, b, min_seconds=2e-3, rounds=3)
+        timings = bench.time_device(
+            [p for _, p in PRODUCTS], a, b, min_seconds=2e-3, rounds=3, unroll=3
+        )
         self.assertLen(timings, len(PRODUCTS))
         for t in timings:
             self.assertTrue(math.isfinite(t.seconds) and t.seconds > 0, t)
+            self.assertEqual(t.reps % 3, 0)
+            self.assertEqual(t.check.trip_count, t.reps // 3)
             self.assertEqual(t.check.problems(), [])
 
-    @parameterized.named_parameters(*PRODUCTS)
-    def test_one_product_per_iteration(self, product):
+    def test_reps_are_multiples_of_unroll_within_bounds(self):
+        a, b = _operands(8, 8, 8)
+        # One call cannot reach 10 s: R stops at max_reps, rounded down to a multiple of 6.
+        t = bench.time_device(jnp.dot, a, b, min_seconds=10.0, rounds=1, max_reps=40, unroll=6)
+        self.assertEqual(t.reps, 36)
+        self.assertEqual((t.check.trip_count, t.check.body_products), (6, 6))
+        t = bench.time_device(jnp.dot, a, b, min_seconds=0.0, rounds=1, start_trips=3, unroll=5)
+        self.assertEqual(t.reps, 15)
+        self.assertEqual(t.check.problems(), [])
+
+    @parameterized.named_parameters(
+        (f"{name}_unroll{unroll}", product, unroll)
+        for name, product in PRODUCTS
+        for unroll in (1, 4)
+    )
+    def test_unroll_products_per_iteration(self, product, unroll):
         a, b = _operands(24, 40, 32)
-        text = _compiled_text(bench.loop_fn(product, 5), a, b, jnp.float32(0))
-        check = bench.LoopCheck.from_hlo(text, 5)
+        reps = 5 * unroll
+        text = _compiled_text(bench.loop_fn(product, reps, unroll), a, b, jnp.float32(0))
+        check = bench.LoopCheck.from_hlo(text, reps, unroll, 24 * 40)
         self.assertEqual((check.whiles, check.trip_count), (1, 5))
-        self.assertEqual((check.body_products, check.other_products), (1, 0))
-        self.assertEqual(check.body_copies, 0)
-        # The same facts read off the text without the parser: one loop of 5 iterations, one
-        # dot in the module, and that dot's computation is called from the loop's body.
+        self.assertEqual((check.body_products, check.small_products), (unroll, 0))
+        self.assertEqual((check.other_products, check.body_copies), (0, 0))
+        self.assertEqual(check.problems(), [])
+        # The same facts read off the text without the parser: one loop of 5 iterations and
+        # `unroll` full-size dots in the module (all of them in the loop, as the parser says).
         self.assertEqual(text.count(" while("), 1)
         self.assertIn('"known_trip_count":{"n":"5"}', text)
-        self.assertEqual(text.count(" dot("), 1)
+        self.assertEqual(text.count(" dot("), unroll)
+        self.assertEqual(text.count(" f32[24,40]{1,0} dot("), unroll)
 
-    def test_check_flags_loops_that_are_not_one_product_per_iteration(self):
+    def test_loop_fn_rejects_reps_not_a_multiple_of_unroll(self):
+        with self.assertRaisesRegex(ValueError, "reps=10, unroll=4"):
+            bench.loop_fn(jnp.dot, 10, 4)
+        with self.assertRaisesRegex(ValueError, "reps=4, unroll=0"):
+            bench.loop_fn(jnp.dot, 4, 0)
+
+    def test_check_flags_loops_that_are_not_unroll_products_per_iteration(self):
         a, b = _operands(32, 32, 32)
         s = jnp.float32(0)
-        unrolled = lambda a, b, s: jax.lax.fori_loop(0, 6, lambda i, x: jnp.dot(x, b), a, unroll=2)
-        check = bench.LoopCheck.from_hlo(_compiled_text(unrolled, a, b, s), 6)
-        self.assertEqual(check.body_products, 2)
-        self.assertIn("2 products per iteration, want 1", check.problems())
-        self.assertIn("trip count 3, want 6 (partly unrolled)", check.problems())
+        # Asked for 2 products per iteration, got 4 (as if XLA had unrolled the loop further).
+        check = bench.LoopCheck.from_hlo(
+            _compiled_text(bench.loop_fn(jnp.dot, 8, 4), a, b, s), 8, 2, 32 * 32
+        )
+        self.assertEqual(check.body_products, 4)
+        self.assertIn("4 products per iteration, want 2", check.problems())
+        self.assertIn("trip count 2, want 4 (unrolled or split further)", check.problems())
 
-        peeled = lambda a, b, s: bench.loop_fn(jnp.dot, 4)(a, b, s) + jnp.dot(a, b)
-        check = bench.LoopCheck.from_hlo(_compiled_text(peeled, a, b, s), 4)
-        self.assertEqual((check.body_products, check.other_products), (1, 1))
+        peeled = lambda a, b, s: bench.loop_fn(jnp.dot, 4, 2)(a, b, s) + jnp.dot(a, b)
+        check = bench.LoopCheck.from_hlo(_compiled_text(peeled, a, b, s), 4, 2, 32 * 32)
+        self.assertEqual((check.body_products, check.other_products), (2, 1))
         self.assertIn("1 products outside the loop (hoisted or peeled)", check.problems())
 
-        check = bench.LoopCheck.from_hlo(_compiled_text(jnp.dot, a, b), 4)
+        # Products narrowed to one row: the right count, but not the full [m, n] output.
+        narrow = bench.loop_fn(lambda x, y: jnp.dot(x[:1], y), 6, 3)
+        check = bench.LoopCheck.from_hlo(_compiled_text(narrow, a, b, s), 6, 3, 32 * 32)
+        self.assertEqual((check.body_products, check.small_products), (3, 3))
+        self.assertEqual(
+            check.problems(),
+            ["3 products per iteration with fewer than 1024 output elements (narrowed)"],
+        )
+
+        check = bench.LoopCheck.from_hlo(_compiled_text(jnp.dot, a, b), 4, 2)
         self.assertEqual(check.whiles, 0)
-        self.assertNotEqual(check.problems(), [])
+        self.assertIn("0 while loops, want 1 (removed, unrolled or split)", check.problems())
+
+    def test_check_flags_a_loop_without_a_known_trip_count(self):
+        a, b = _operands(16, 16, 16)
+
+        def dynamic(a, b, n):  # a runtime trip count: XLA cannot annotate it
+            return jax.lax.fori_loop(0, n, lambda i, x: jnp.dot(x, b), a)
+
+        text = _compiled_text(dynamic, a, b, jnp.int32(3))
+        check = bench.LoopCheck.from_hlo(text, 3, 1, 16 * 16)
+        self.assertIsNone(check.trip_count)
+        self.assertIn("no known trip count (XLA did not annotate the loop)", check.problems())
+
+    @parameterized.parameters("float32", "bfloat16")
+    def test_loop_overhead_is_the_same_loop_without_products(self, dtype):
+        a, b = (x.astype(dtype) for x in _operands(24, 40, 32))
+        t = bench._loop_overhead(a, b, 1e-3, unroll=4)
+        self.assertTrue(math.isfinite(t.seconds) and t.seconds > 0, t)
+        self.assertEqual((t.check.unroll, t.check.trip_count), (4, t.reps // 4))
+        self.assertEqual((t.check.body_products, t.check.other_products), (0, 0))
+        self.assertEqual(t.check.loop_problems(), [])
+
+    def test_a_loop_of_one_trip_is_removed_and_flagged(self):
+        a, b = _operands(16, 16, 16)
+        t = bench.time_device(jnp.dot, a, b, min_seconds=0.0, rounds=1, start_trips=1, unroll=2)
+        self.assertEqual((t.reps, t.check.whiles, t.check.other_products), (2, 0, 2))
+        self.assertIn("0 while loops, want 1 (removed, unrolled or split)", t.check.problems())
 
     @parameterized.named_parameters(*PRODUCTS)
     def test_loop_computes_the_product(self, product):
         a, b = _operands(24, 40, 32, seed=1)
         single = np.asarray(jax.jit(product)(a, b))
-        # scale 0, as the benchmark runs it: exactly one product, whatever R.
-        out = jax.jit(bench.loop_fn(product, 7))(a, b, jnp.float32(0))
-        np.testing.assert_array_equal(np.asarray(out), single)
+        # scale 0, as the benchmark runs it: exactly one product, whatever R and U.
+        for reps, unroll in ((7, 1), (12, 4), (16, 16)):
+            out = jax.jit(bench.loop_fn(product, reps, unroll))(a, b, jnp.float32(0))
+            np.testing.assert_array_equal(np.asarray(out), single)
 
-        # scale 0.25: a[0, 0] moves every iteration, so only row 0 changes, as simulated.
+        # scale 0.25: a[0, 0] moves after every product, so only row 0 changes, as simulated.
         def simulate(reps):
             a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
             for _ in range(reps):
@@ -97,26 +164,32 @@ class DeviceTimerTest(parameterized.TestCase):
                 a64[0, 0] = np.float32(a64[0, 0] + 0.25 * z[0, 0])
             return z
 
-        out = np.asarray(jax.jit(bench.loop_fn(product, 3))(a, b, jnp.float32(0.25)))
-        np.testing.assert_allclose(out[1:], single[1:], rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(out[0], simulate(3)[0], rtol=1e-4, atol=1e-4)
-        for reps in (1, 2, 4):  # 3 iterations ran, not fewer and not more
-            self.assertGreater(np.abs(simulate(reps)[0] - out[0]).max(), 1e-2)
+        for reps, unroll in ((3, 1), (6, 3)):
+            loop = jax.jit(bench.loop_fn(product, reps, unroll))
+            out = np.asarray(loop(a, b, jnp.float32(0.25)))
+            np.testing.assert_allclose(out[1:], single[1:], rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(out[0], simulate(reps)[0], rtol=1e-4, atol=1e-4)
+            # `reps` dependent products ran: not fewer (one per iteration, say), not more.
+            for other in {1, 2, reps - 1, reps // unroll, reps + 1} - {reps}:
+                self.assertGreater(np.abs(simulate(other)[0] - out[0]).max(), 1e-2, other)
 
 
 class MainTest(absltest.TestCase):
     def test_cli_prints_both_methods(self):
         with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()) as f:
             argv = ["--shapes", "16x8x24,4096x8x8", "--dtypes", "float32", "--device-ms", "1",
-                    "--no-compile-times", "--plot", os.path.join(tmp, "bench.png")]  # fmt: skip
+                    "--unroll", "4", "--no-compile-times",
+                    "--plot", os.path.join(tmp, "bench.png")]  # fmt: skip
             with contextlib.redirect_stderr(io.StringIO()):
                 self.assertEqual(bench.main(argv), 0)
         text = f.getvalue()
+        self.assertIn("methods wall+device, device-method unroll 4", text)
         self.assertIn("| wall: ours", text)
         self.assertIn("| device: ours", text)
         self.assertIn("geomean ratio (wall) over shapes with m >= 4096", text)
         self.assertIn("geomean ratio (device) over shapes with m >= 4096", text)
-        self.assertIn("loop overhead per iteration (float32", text)
+        self.assertIn("loop overhead per product (float32, no product, unroll 4)", text)
+        self.assertNotIn("not measured as timed", text)
         self.assertNotIn("check failed", text)
 
 
