@@ -1,6 +1,7 @@
 """Sweeps SM90 schedules on the large shapes (H200), for the planner's choices.
 
     python benchmarks/tune_sm90.py [--shapes 8192x8192x8192,...] [--dtype bfloat16] [--jobs 15]
+        [--pingpong-tiles 128x192,128x128] [--clusters 2x1,1x2] [--swizzles 1,8] [--epi-n 0]
 
 For each shape the planner's plan is varied in schedule (cooperative 128x256, or ping-pong with
 a 128x192, 128x128 or 64x256 tile per warp group), cluster shape and raster swizzle
@@ -32,27 +33,29 @@ import gpu_check  # noqa: E402  (its parallel precompile)
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 4096, 4096), (4096, 14336, 4096))
 # (pingpong, tile_mn)
-SCHEDULES = ((False, (128, 256)), (True, (128, 192)), (True, (128, 128)))
-CLUSTERS = ((2, 1), (1, 2))
-SWIZZLES = (1, 8)
 
 
-def variants(base):
+def variants(base, schedules, clusters, swizzles, epi_ns):
     out = []
-    for (pp, tile), cluster, swz in itertools.product(SCHEDULES, CLUSTERS, SWIZZLES):
+    for (pp, tile), cluster, swz, epi_n in itertools.product(schedules, clusters, swizzles, epi_ns):
         try:
-            out.append(planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster,
-                                             pingpong=pp, swizzle_size=swz))  # fmt: skip
+            out.append(planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster, pingpong=pp,
+                                             swizzle_size=swz, epi_n=epi_n))  # fmt: skip
         except planning.C.PlanError as e:
-            print(f"  skip {tile} pingpong={pp} {cluster} swizzle {swz}: {e}")
+            print(f"  skip {tile} pingpong={pp} {cluster} swizzle {swz} epi_n {epi_n}: {e}")
     return out
+
+
+def _pairs(text):
+    return tuple(tuple(int(v) for v in s.split("x")) for s in text.split(",") if s)
 
 
 def describe(p) -> str:
     tm, tn, _ = p.cta_tile_mnk
     kind = "pingpong" if p.pingpong else "coop"
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
-            f"swz {p.swizzle_size} stages {p.num_ab_stages}")  # fmt: skip
+            f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
+            f"stages {p.num_ab_stages}")  # fmt: skip
 
 
 def main():
@@ -62,14 +65,23 @@ def main():
     ap.add_argument("--jobs", type=int, default=0)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pingpong-tiles", default="128x192,128x128", help="'' for none")
+    ap.add_argument("--clusters", default="2x1,1x2")
+    ap.add_argument("--swizzles", default="1,8")
+    ap.add_argument("--epi-n", default="0", help="epilogue sub-tile widths; 0 = the planner's")
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dt = jnp.dtype(args.dtype)
     sms = jax.devices()[0].core_count
+    schedules = ((False, (128, 256)),) + tuple((True, t) for t in _pairs(args.pingpong_tiles))
+    clusters = _pairs(args.clusters)
+    swizzles = tuple(int(v) for v in args.swizzles.split(","))
+    epi_ns = tuple(int(v) for v in args.epi_n.split(","))
     plans = {}
     for m, n, k in shapes:
         base = jax_sm100.plan(m, n, k, a_dtype=dt, b_dtype=dt, arch="sm_90a")
-        plans[m, n, k] = (base, variants(planning.dataclasses.replace(base, num_sms=sms)))
+        base_sms = planning.dataclasses.replace(base, num_sms=sms)
+        plans[m, n, k] = (base, variants(base_sms, schedules, clusters, swizzles, epi_ns))
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]
         gpu_check.precompile_parallel(pairs, args.jobs)

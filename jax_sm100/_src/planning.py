@@ -76,7 +76,7 @@ def smem_capacity(arch: str) -> int:
 
 
 @functools.cache
-def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = False):
+def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = False, epi_n: int = 0):
     """The rule of the DSL's `sm90.compute_tile_shape_or_override`, restated in plain ints.
 
     Calling the helper itself needs an MLIR context (it sizes tuples with cute.size); a context
@@ -89,9 +89,15 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = Fals
     for a 128-row tile in one warp group goes block by block).
     """
     bits = C.DTYPE_BITS.get(out_dtype, 32)
-    if cta_m > 64 and not pingpong:  # cooperative: two consumer warp groups share the M extent
-        return min(128, cta_m), min(32, cta_n)
-    return 64, min(64 if bits == 8 else 32, cta_n)
+    rows = min(128, cta_m) if cta_m > 64 and not pingpong else 64
+    cols = min(32 if cta_m > 64 and not pingpong else 64 if bits == 8 else 32, cta_n)
+    if epi_n:
+        if epi_n % 16 or epi_n > cta_n or cta_n % epi_n:
+            raise C.PlanError(
+                f"epi_n={epi_n} must be a multiple of 16 that divides the tile's N ({cta_n})"
+            )
+        cols = epi_n
+    return rows, cols
 
 
 def epi_smem_bytes(
@@ -145,6 +151,7 @@ class GemmPlan:
     raster_along_m: bool = True
     swizzle_size: int = 1
     pingpong: bool = False
+    epi_n: int = 0
     num_sms: int = 0
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
@@ -201,8 +208,13 @@ class GemmPlan:
             alloc = _pow2_ceil(max(C.TMEM_MIN_COLS, cols * self.num_acc_stages))
             C.check_tmem(alloc)
             b_rows = mn // 2 if self.use_2cta else mn
+            if self.epi_n:
+                raise C.PlanError(
+                    f"epi_n={self.epi_n} is an sm_90a choice; sm_100a plans take the DSL's "
+                    "epilogue tile (leave epi_n=0)"
+                )
         else:
-            epi = _sm90_epi_tile(cta[0], cta[1], self.out_dtype, self.pingpong)
+            epi = _sm90_epi_tile(cta[0], cta[1], self.out_dtype, self.pingpong, self.epi_n)
             cols, alloc = 0, 0
             if self.num_acc_stages != 1:
                 raise C.PlanError(f"sm_90a accumulates in registers: {self.num_acc_stages=} != 1")
@@ -266,6 +278,7 @@ class GemmPlan:
             ("smem_bytes", f"{self.smem_bytes} of {smem_capacity(self.arch)}"),
             ("split_k", self.split_k),
             ("pingpong", self.pingpong),
+            ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
             ("tiles", self.num_tiles),
@@ -297,7 +310,7 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     pp = plan.pingpong if pingpong is None else bool(pingpong)
     tiler = (tm, tn, plan.mma_tiler_mnk[2])
     C.check_pingpong(plan.arch, pp, tiler)
-    epi = _sm90_epi_tile(tm, tn, plan.out_dtype, pp)
+    epi = _sm90_epi_tile(tm, tn, plan.out_dtype, pp, changes.get("epi_n", plan.epi_n))
     epi_bytes = epi_smem_bytes(
         plan.arch, epi, plan.num_epi_stages, plan.out_dtype, plan.c_dtype, plan.split_k, pp
     )
