@@ -2,7 +2,7 @@
 
 Usage on the H200 (see benchmarks/RESULTS.md):
 
-    python benchmarks/gpu_check.py [--cases N] [--bench] [--jobs J] [--pingpong]
+    python benchmarks/gpu_check.py [--cases N] [--bench] [--jobs J] [--pingpong] [--epi-n 64]
 
 Correctness compares every case against a float32 (HIGHEST precision) XLA reference on the same
 inputs by ||out - ref|| / ||ref||, with a per-dtype tolerance; NaNs fail. The kernel path taken
@@ -234,16 +234,35 @@ def force_pingpong():
     planning.plan = plan
 
 
+def force_epi_n(epi_n: int):
+    """Makes every SM90 plan of this process use epilogue sub-tiles `epi_n` wide, where legal."""
+    real = planning.plan
+
+    def plan(*args, **kw):
+        p = real(*args, **kw)
+        if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
+            return p
+        try:
+            return planning.sm90_variant(p, epi_n=epi_n)
+        except planning.C.PlanError:
+            return p
+
+    planning.plan = plan
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--pingpong", action="store_true", help="force ping-pong SM90 plans")
+    ap.add_argument("--epi-n", type=int, default=0, help="force this SM90 epilogue width")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--jobs", type=int, default=0, help="parallel precompile workers")
     args = ap.parse_args()
     print("devices", jax.devices(), "info", gpu_lowering.device_info(), flush=True)
     if args.pingpong:
         force_pingpong()
+    if args.epi_n:
+        force_epi_n(args.epi_n)
     fails = correctness(args.cases, jobs=args.jobs)
     ok_grad = grad_check()
     if args.bench:
