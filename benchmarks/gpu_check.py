@@ -212,6 +212,20 @@ def grad_check():
     return all(e < 3e-2 for e in errs)
 
 
+def force_kernels():
+    """Plans our kernels for every problem a kernel can take, small ones included.
+
+    The planner sends sm_90a problems under `planning.SM90_MIN_FLOPS` to XLA's dot (faster
+    there); this matrix is about the kernels' correctness, so it plans them anyway.
+    """
+    real = planning.plan
+
+    def plan(*args, **kw):
+        return real(*args, **{**kw, "force_kernel": True})
+
+    planning.plan = plan
+
+
 def force_pingpong():
     """Makes every SM90 plan of this process a ping-pong one, cycling through its tile shapes.
 
@@ -255,10 +269,14 @@ def main():
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--pingpong", action="store_true", help="force ping-pong SM90 plans")
     ap.add_argument("--epi-n", type=int, default=0, help="force this SM90 epilogue width")
+    ap.add_argument("--planner-routing", action="store_true",
+                    help="let small problems go to XLA's dot as the planner says")  # fmt: skip
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--jobs", type=int, default=0, help="parallel precompile workers")
     args = ap.parse_args()
     print("devices", jax.devices(), "info", gpu_lowering.device_info(), flush=True)
+    if not args.planner_routing:
+        force_kernels()
     if args.pingpong:
         force_pingpong()
     if args.epi_n:

@@ -383,8 +383,34 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
     return split
 
 
+# Below these sizes (FLOPs of the whole batched problem) XLA's dot beats the SM90 kernels on
+# the H200: the persistent kernel's start-up (barrier init, cluster sync, pipeline fill) costs
+# ~1-1.6 us more than cuBLAS's kernels, measured by `python -m jax_sm100.bench --method device`
+# on 2026-11-29 (benchmarks/RESULTS.md): 0.62-0.83x at 128^3, 256^3, 1024^3, 1024x1024x128 and
+# 512x2048x512; 0.90x at 1024x4096x1024 (2^33 FLOPs) and 0.92-0.96x at 2048^3. Split-K plans
+# win at 64x4096x4096 (1.2x, 2^31.0 FLOPs), tie at 256x256x4096 and 128x1024x1024 and lose at
+# 64x64x4096 (0.72x).
+SM90_MIN_FLOPS = 2**33
+SM90_SPLITK_MIN_FLOPS = 2**30
+
+
+def _sm90_too_small(m, n, k, batch, split) -> str | None:
+    flops = 2 * m * n * k * batch
+    floor = SM90_SPLITK_MIN_FLOPS if split > 1 else SM90_MIN_FLOPS
+    if flops >= floor:
+        return None
+    kind = f"split-K x{split}" if split > 1 else "wgmma"
+    return (
+        f"XLA dot: a small problem ({flops / 1e9:.3g} GFLOP < {floor / 1e9:.3g}), where the "
+        f"persistent {kind} kernel's ~1.5 us start-up makes it slower than XLA's dot on the "
+        "H200 (benchmarks/RESULTS.md); plan(..., force_kernel=True) plans the kernel anyway"
+    )
+
+
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major):
+def _plan_cached(
+    m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel
+):
     C.check_arch(arch)
     num_sms = DEFAULT_NUM_SMS[arch]
     why_not = C.kernel_support(
@@ -424,6 +450,9 @@ def _plan_cached(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_m
         return plan
     tm, tn, cluster = _choose_sm90(m, n, k, batch, num_sms)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
+    if why_not is None and not force_kernel:
+        why_not = _sm90_too_small(m, n, k, batch, split)
+        split = 1 if why_not else split
     epi = _sm90_epi_tile(tm, tn, out_dtype)
     epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, split)
     stages = _max_ab_stages(arch, (tm, tn, ktile), tn, ab_bits, epi_bytes)
@@ -484,6 +513,7 @@ def plan(
     arch: str = "sm_100a",
     a_major: str = "k",
     b_major: str = "n",
+    force_kernel: bool = False,
 ) -> GemmPlan:
     """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
 
@@ -496,6 +526,9 @@ def plan(
       arch: "sm_100a" (tcgen05 kernels) or "sm_90a" (wgmma kernels).
       a_major, b_major: which dim of A ("k" for a row-major [m, k]) and B ("n" for a row-major
         [k, n]) is contiguous in memory.
+      force_kernel: plan the arch's kernel even for a problem small enough that XLA's dot is
+        measured faster (sm_90a below `SM90_MIN_FLOPS`); for tests and benchmarks. Problems a
+        kernel cannot take at all still go to XLA's dot.
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -514,7 +547,7 @@ def plan(
             raise C.PlanError(f"{name}={v!r} must be a positive int")
     return _plan_cached(
         int(m), int(n), int(k), a_name, b_name, out_name, c_name, int(batch), arch,
-        a_major, b_major,
+        a_major, b_major, bool(force_kernel),
     )  # fmt: skip
 
 
