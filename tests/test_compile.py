@@ -17,7 +17,11 @@ _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
 
 
 def _plan(m, n, k, **kw):
-    return planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a", **kw)
+    # force_kernel: compile_plan needs a kernel plan, also for problems the planner would send
+    # to XLA's dot (`planning.SM90_MIN_FLOPS`).
+    return planning.plan(
+        m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a", force_kernel=True, **kw
+    )
 
 
 class CompileTest(absltest.TestCase):
@@ -55,10 +59,12 @@ class CompileTest(absltest.TestCase):
 
     @absltest.skipUnless(_HAS_CXX, "the CUDA lowering registers the FFI handler: needs g++/c++")
     def test_cuda_lowering_emits_ffi_call(self):
+        # The lowering plans with no force flag: the folded 3072x2048x1024 problem is above
+        # planning.SM90_MIN_FLOPS, so it runs on our kernel (only traced and lowered here).
         f = jax.jit(lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias, activation="relu"))
-        args = (jax.ShapeDtypeStruct((3, 256, 512), jnp.bfloat16),
-                jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
-                jax.ShapeDtypeStruct((1024,), jnp.float32))  # fmt: skip
+        args = (jax.ShapeDtypeStruct((3, 1024, 1024), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16),
+                jax.ShapeDtypeStruct((2048,), jnp.float32))  # fmt: skip
         with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
             exp = jax.export.export(
                 f, platforms=["cuda"],
@@ -68,7 +74,8 @@ class CompileTest(absltest.TestCase):
         self.assertIn(f"custom_call @{ffi.TARGET}", text)
         self.assertRegex(text, r"prefix = \"jax_sm100_gemm\"")
         how = gpu_lowering.explain()
-        self.assertEqual(how.plan.m, 768)  # the batch of 3 is folded into m (B is shared)
+        self.assertEqual(how.plan.m, 3072)  # the batch of 3 is folded into m (B is shared)
+        self.assertEqual(how.plan.kernel, planning.KERNEL_SM90)
 
 
 if __name__ == "__main__":

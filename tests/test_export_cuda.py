@@ -63,9 +63,10 @@ class ExportForSm100Test(parameterized.TestCase):
 
     def test_target_arch_without_plan(self):
         # With no plan and no SM90/SM100 device, lowering for CUDA picks XLA's dot, unless
-        # JAX_SM100_TARGET_ARCH names the arch to cross-compile for.
-        a = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
-        b = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+        # JAX_SM100_TARGET_ARCH names the arch to cross-compile for. 1024x4096x1024 is at
+        # planning.SM90_MIN_FLOPS: the sm_90a planner sends smaller problems to XLA's dot.
+        a = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
         text = _export(lambda a, b: jax_sm100.matmul(a, b), a, b).mlir_module()
         self.assertNotIn("jax_sm100_gemm", text)
         self.assertIn("dot_general", text)

@@ -42,19 +42,39 @@ def _grid():
         yield arch, m, n, k, ad, bd, cd, b_major
 
 
+def _sm90_floor(kernel_plan: planning.GemmPlan) -> int:
+    """FLOPs under which the planner sends a problem to XLA's dot instead of this kernel plan."""
+    if kernel_plan.arch != "sm_90a" or kernel_plan.kernel == planning.KERNEL_XLA:
+        return 0
+    split = kernel_plan.split_k > 1
+    return planning.SM90_SPLITK_MIN_FLOPS if split else planning.SM90_MIN_FLOPS
+
+
 class PlannerInvariantsTest(parameterized.TestCase):
     def test_grid(self):
-        count = 0
+        count = routed = 0
         for arch, m, n, k, ad, bd, cd, b_major in _grid():
-            p = jax_sm100.plan(
-                m, n, k, a_dtype=ad, b_dtype=bd, c_dtype=cd, arch=arch, b_major=b_major
-            )
+            kw = dict(a_dtype=ad, b_dtype=bd, c_dtype=cd, arch=arch, b_major=b_major)
+            forced = jax_sm100.plan(m, n, k, force_kernel=True, **kw)
+            p = jax_sm100.plan(m, n, k, **kw)
             with self.subTest(plan=(arch, m, n, k, ad, bd, cd, b_major)):
-                self._check(p)
+                # With force_kernel, a kernel plan exactly where a kernel can take the problem.
+                self._check(forced)
+                if 2 * m * n * k < _sm90_floor(forced):
+                    # Too small for the SM90 kernel to beat XLA's dot: the planner says so.
+                    self._check(p, too_small=True)
+                    self.assertEqual(p.kernel, planning.KERNEL_XLA)
+                    self.assertIn("force_kernel", p.reason)
+                    self.assertEqual(p.split_k, 1)
+                    routed += 1
+                else:
+                    self.assertEqual(p, forced)
             count += 1
         self.assertGreater(count, 200)
+        self.assertGreater(routed, 0)
 
-    def _check(self, p: planning.GemmPlan):
+    def _check(self, p: planning.GemmPlan, too_small: bool = False):
+        """Invariants of a plan; `too_small`: one the planner sent to XLA's dot for its size."""
         cta = p.cta_tile_mnk
         out_bits = C.DTYPE_BITS[p.out_dtype]
         c_bits = None if p.c_dtype is None else C.DTYPE_BITS[p.c_dtype]
@@ -97,7 +117,10 @@ class PlannerInvariantsTest(parameterized.TestCase):
             p.a_major,
             p.b_major,
         )
-        self.assertEqual(p.kernel == planning.KERNEL_XLA, why is not None, p.reason)
+        if too_small:
+            self.assertIsNone(why)  # a kernel could take it
+        else:
+            self.assertEqual(p.kernel == planning.KERNEL_XLA, why is not None, p.reason)
         if why is not None:
             self.assertEqual(p.reason, why)
         self.assertTrue(p.reason)
@@ -127,10 +150,39 @@ class PlannerInvariantsTest(parameterized.TestCase):
         )
         self.assertIn("K-major", fp8.reason)
         fp8_t = jax_sm100.plan(
-            64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", arch="sm_90a", b_major="k"
-        )
+            64, 64, 64, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", arch="sm_90a",
+            b_major="k", force_kernel=True,
+        )  # fmt: skip
         self.assertEqual(fp8_t.kernel, "sm90_wgmma")
         self.assertEqual(fp8_t.mma_tiler_mnk[2], 128)
+
+    @parameterized.named_parameters(
+        # (problem, the planner's kernel, the kernel plan(..., force_kernel=True) gives)
+        # 2 * 1024 * 4096 * 1024 = 2**33 FLOPs: at SM90_MIN_FLOPS.
+        ("at_the_floor", dict(m=1024, n=4096, k=1024), "sm90_wgmma", "sm90_wgmma"),
+        ("under_the_floor", dict(m=1024, n=1024, k=1024), "xla_dot", "sm90_wgmma"),
+        # Split-K plans have the lower floor, SM90_SPLITK_MIN_FLOPS: 2**31 FLOPs keep the
+        # kernel, 2**25 do not.
+        ("skinny_split_k", dict(m=64, n=4096, k=4096), "sm90_wgmma_splitk", "sm90_wgmma_splitk"),
+        ("tiny_split_k", dict(m=64, n=64, k=4096), "xla_dot", "sm90_wgmma_splitk"),
+        # The floor counts the whole batch: 16 GEMMs of 2**30 FLOPs each.
+        ("batched", dict(m=512, n=1024, k=1024, batch=16), "sm90_wgmma", "sm90_wgmma"),
+        ("one_of_the_batch", dict(m=512, n=1024, k=1024), "xla_dot", "sm90_wgmma"),
+        # sm_100a plans are not affected.
+        ("sm100", dict(m=128, n=128, k=128, arch="sm_100a"), "sm100_tcgen05", "sm100_tcgen05"),
+    )
+    def test_small_sm90_problems_run_on_xla(self, problem, kernel, forced_kernel):
+        kw = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a") | problem
+        p = jax_sm100.plan(**kw)
+        forced = jax_sm100.plan(**kw, force_kernel=True)
+        self.assertEqual(p.kernel, kernel, p.reason)
+        self.assertEqual(forced.kernel, forced_kernel, forced.reason)
+        if kernel == planning.KERNEL_XLA:
+            self.assertIn("small problem", p.reason)
+            self.assertIn("force_kernel=True", p.reason)
+            self.assertEqual(p.split_k, 1)
+        else:
+            self.assertEqual(p, forced)
 
 
 class DslWorkedExamplesTest(parameterized.TestCase):

@@ -73,7 +73,8 @@ class PrecompileTest(parameterized.TestCase):
 
     @parameterized.parameters("sm_100a", "sm_90a")
     def test_compiles_each_plan_once_in_order(self, arch):
-        shapes = [(4096, 4096, 4096), (2, 1024, 2048, 512), (4096, 4096, 4096), (512, 256, 1024)]
+        # Every shape is at or above planning.SM90_MIN_FLOPS, so sm_90a plans kernels for all.
+        shapes = [(4096, 4096, 4096), (2, 1024, 2048, 1024), (4096, 4096, 4096), (2048, 2048, 1024)]
         results = precompile(shapes, arch=arch, progress=False)
 
         self.assertEqual([r.shape for r in results], shapes)
@@ -87,13 +88,13 @@ class PrecompileTest(parameterized.TestCase):
         )
         for r in results:
             self.assertEqual(r.plan.arch, arch)
-        expected = planning.plan(1024, 2048, 512, a_dtype="bfloat16", b_dtype="bfloat16",
+        expected = planning.plan(1024, 2048, 1024, a_dtype="bfloat16", b_dtype="bfloat16",
                                  batch=2, arch=arch)  # fmt: skip
         self.assertEqual(results[1].plan, expected)
 
     def test_spec_carries_dtypes_layouts_and_epilogue(self):
         (result,) = precompile(
-            [(1024, 1024, 1024)], dtypes=("float16", "float16", "float32"), arch="sm_90a",
+            [(2048, 2048, 1024)], dtypes=("float16", "float16", "float32"), arch="sm_90a",
             a_major="m", b_major="k", c_dtype="float32", bias_dtype="float32",
             activation="relu", alpha=2, beta=0.5, progress=False,
         )  # fmt: skip

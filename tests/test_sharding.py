@@ -586,6 +586,19 @@ class ExplicitAxesTest(ShardedTestCase):
             self.assertEqual(same_spec(out_type.spec), want)
 
 
+# Runs a script (argv[1], its arguments after it) as __main__ with every plan made with
+# force_kernel=True. The sm_90a planner sends problems under planning.SM90_MIN_FLOPS to XLA's
+# dot, and the example's small products all are: without this, an H200 would run none on ours.
+_FORCE_KERNEL_MAIN = """
+import runpy, sys
+from jax_sm100._src import planning
+plan = planning.plan
+planning.plan = lambda *args, **kw: plan(*args, **{**kw, "force_kernel": True})
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 class ExampleTest(absltest.TestCase):
     """examples/train_sharded.py on this run's platform, its "model" axis the mesh's."""
 
@@ -606,7 +619,7 @@ class ExampleTest(absltest.TestCase):
             )
         self.dp = self.num_devices // self.tp
 
-    def run_example(self, dtype, *flags):
+    def run_example(self, dtype, *flags, force_kernel=False):
         env = _child_env()
         if _PLATFORM == "cpu":
             env["JAX_PLATFORMS"] = "cpu"  # the host devices even where GPUs are present
@@ -614,9 +627,10 @@ class ExampleTest(absltest.TestCase):
             # jnp.matmul (the --reference run) then multiplies at full float32 precision, as
             # jax_sm100.matmul's XLA dot does; on GPUs XLA's default is tf32. No-op on CPU.
             env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+        python = [sys.executable, "-c", _FORCE_KERNEL_MAIN] if force_kernel else [sys.executable]
         proc = subprocess.run(
             [
-                sys.executable, str(REPO_ROOT / "examples" / "train_sharded.py"), "--steps", "3",
+                *python, str(REPO_ROOT / "examples" / "train_sharded.py"), "--steps", "3",
                 "--seq", "16", "--d-model", "32", "--d-ff", "64", "--heads", "4", "--head-dim", "8",
                 "--tp", str(self.tp), "--dtype", dtype, *flags,
             ],
@@ -634,8 +648,8 @@ class ExampleTest(absltest.TestCase):
         n = tensor_parallel + (self.dp > 1)
         return f"collectives per training step: { ({'all-reduce': n} if n else 'none') }"
 
-    def check_against_reference(self, dtype, **tolerance):
-        out, losses = self.run_example(dtype)
+    def check_against_reference(self, dtype, force_kernel=False, **tolerance):
+        out, losses = self.run_example(dtype, force_kernel=force_kernel)
         self.assertIn(self.want_collectives(), out)
         self.assertLen(losses, 2)  # the first step's and the last's
         self.assertLess(losses[-1], losses[0])
@@ -667,7 +681,7 @@ class ExampleTest(absltest.TestCase):
                 "bfloat16 products run on our kernels only on an sm_90a/sm_100a GPU "
                 f"({_PLATFORM_ENV}=gpu); the float32 case covers the partitioning here"
             )
-        self.check_against_reference("bfloat16", rtol=2e-2)
+        self.check_against_reference("bfloat16", force_kernel=True, rtol=2e-2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ from jax_sm100._src.kernels.spec import KernelSpec
 
 
 def _plan(m, n, k, dtype="bfloat16", **kw):
-    return planning.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, arch="sm_90a", **kw)
+    # force_kernel: these tests are about the kernel, also on problems small enough that the
+    # planner would send them to XLA's dot (`planning.SM90_MIN_FLOPS`).
+    return planning.plan(
+        m, n, k, a_dtype=dtype, b_dtype=dtype, arch="sm_90a", force_kernel=True, **kw
+    )
 
 
 class Sm90PtxTest(parameterized.TestCase):
@@ -94,8 +98,7 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertIn("warp-group split", why)
 
     def test_fp8_k_major(self):
-        p = planning.plan(1024, 1024, 1024, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
-                          out_dtype="bfloat16", arch="sm_90a", b_major="k")  # fmt: skip
+        p = _plan(1024, 1024, 1024, "float8_e4m3fn", out_dtype="bfloat16", b_major="k")
         if p.kernel == "xla_dot":
             self.skipTest(f"planner sends fp8 to XLA here: {p.reason}")
         ptx = compile_mod.compile_plan(p).ptx
