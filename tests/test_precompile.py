@@ -54,6 +54,8 @@ def _binary_the_lowering_compiles(m, n, k, *, arch, num_sms):
             jax.eval_shape(call, *operands)
         except _Compiling:
             pass
+    if not calls:
+        return None  # the lowering ran XLA's dot
     (binary,) = calls
     return binary
 
@@ -118,18 +120,27 @@ class PrecompileTest(parameterized.TestCase):
         ("split_kept", 4096, 4, planning.KERNEL_SM90_SPLITK),
         # 4112 / 4 = 1028 bf16 is not a whole number of 16-byte units; 4112 / 2 = 2056 is.
         ("split_reduced", 4112, 2, planning.KERNEL_SM90_SPLITK),
-        # 4104 / 2 = 2052 is not 16-byte aligned either: the unsplit kernel runs.
-        ("split_dropped", 4104, 1, planning.KERNEL_SM90),
+        # 4104 / 2 = 2052 is not 16-byte aligned either: unsplit, 64x4096x4104 is under the
+        # planner's SM90_MIN_FLOPS, so XLA's dot runs and nothing is compiled.
+        ("split_dropped_small", 4104, 1, planning.KERNEL_XLA),
+        # 128x4096x16392: 16392 / 2 = 8196 bf16 is not 16-byte aligned; unsplit, the problem is
+        # big enough for the wgmma kernel.
+        ("split_dropped", 16392, 1, planning.KERNEL_SM90, 128),
     )
-    def test_split_k_plan_is_the_one_the_lowering_compiles(self, k, split, kernel):
-        m, n, num_sms = 64, 4096, 114
+    def test_split_k_plan_is_the_one_the_lowering_compiles(self, k, split, kernel, m=64):
+        n, num_sms = 4096, 114
         planned = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
-        self.assertEqual((planned.kernel, planned.split_k), (planning.KERNEL_SM90_SPLITK, 4))
+        self.assertEqual(planned.kernel, planning.KERNEL_SM90_SPLITK)
 
         lowered = _binary_the_lowering_compiles(m, n, k, arch="sm_90a", num_sms=num_sms)
         (result,) = precompile([(m, n, k)], arch="sm_90a", num_sms=num_sms, progress=False)
 
         self.assertEqual((result.plan.kernel, result.plan.split_k), (kernel, split))
+        if kernel == planning.KERNEL_XLA:
+            self.assertIsNone(lowered)
+            self.compile_plan.assert_not_called()
+            self.assertIn("force_kernel", result.note)
+            return
         self.assertEqual((result.plan, result.spec), lowered)
         self.compile_plan.assert_called_once_with(*lowered)
         self.assertEqual(result.note.startswith("compiled; split-K not applicable"), split == 1)

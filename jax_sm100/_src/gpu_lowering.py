@@ -176,6 +176,8 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         )
     if num_sms and p.num_sms != num_sms:
         p = dataclasses.replace(p, num_sms=num_sms)
+    p, split_notes = adjust_plan_for_call(p, k, names[0], LL, planned=plan is None)
+    notes.extend(split_notes)
     if p.kernel == planning.KERNEL_XLA or out_dtype.name not in _KERNEL_OUT:
         _last.append(Lowered(p, "; ".join(notes + [f"XLA dot: {p.reason}"])))
         return _reference(a, b, bias, c, **kw)
@@ -189,8 +191,6 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         alpha=alpha, beta=beta,
     )  # fmt: skip
 
-    p, split_notes = adjust_plan_for_call(p, k, names[0], LL)
-    notes.extend(split_notes)
     _last.append(Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()
     if p.split_k > 1:
@@ -206,7 +206,7 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
 
 
 def adjust_plan_for_call(
-    plan: planning.GemmPlan, k: int, a_dtype: str, batch: int
+    plan: planning.GemmPlan, k: int, a_dtype: str, batch: int, planned: bool = True
 ) -> tuple[planning.GemmPlan, tuple[str, ...]]:
     """The plan a kernel call compiles: `plan` with its split-K factor made to fit the call.
 
@@ -221,6 +221,9 @@ def adjust_plan_for_call(
       k: the contraction size.
       a_dtype: the name of A's dtype.
       batch: the call's batch after folding (1 for a single GEMM).
+      planned: the plan is the planner's own (not the caller's): an unsplit fallback that is
+        small enough for the planner's XLA rule (`planning.SM90_MIN_FLOPS`) then goes to XLA's
+        dot, as the planner would have sent it there unsplit.
 
     Returns:
       The plan to compile, and notes on what was changed (for `Lowered.note`).
@@ -229,6 +232,10 @@ def adjust_plan_for_call(
         return plan, ()
     split = _usable_split(plan, k, a_dtype) if batch == 1 else 1
     if split == 1:
+        small = planning.sm90_too_small(plan.m, plan.n, plan.k, plan.batch, 1) if planned else None
+        if small is not None:
+            plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
+            return plan, ("split-K not applicable (k not divisible) and too small unsplit",)
         plan = dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1)
         return plan, ("split-K not applicable (k not divisible): unsplit kernel",)
     if split != plan.split_k:

@@ -397,7 +397,8 @@ SM90_MIN_FLOPS = 2**33
 SM90_SPLITK_MIN_FLOPS = 2**30
 
 
-def _sm90_too_small(m, n, k, batch, split) -> str | None:
+def sm90_too_small(m, n, k, batch, split) -> str | None:
+    """The planner's reason to send a small sm_90a problem to XLA's dot, or None."""
     flops = 2 * m * n * k * batch
     floor = SM90_SPLITK_MIN_FLOPS if split > 1 else SM90_MIN_FLOPS
     if flops >= floor:
@@ -454,7 +455,7 @@ def _plan_cached(
     tm, tn, cluster = _choose_sm90(m, n, k, batch, num_sms)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
     if why_not is None and not force_kernel:
-        why_not = _sm90_too_small(m, n, k, batch, split)
+        why_not = sm90_too_small(m, n, k, batch, split)
         split = 1 if why_not else split
     epi = _sm90_epi_tile(tm, tn, out_dtype)
     epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, split)
