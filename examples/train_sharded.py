@@ -7,7 +7,8 @@ The mesh is ("data", "model"): the batch is split over "data"; the attention hea
 hidden units over "model" (Megatron-style: q/k/v and the MLP's up-projection column-parallel,
 the attention output and the MLP's down-projection row-parallel, one all-reduce each). The
 attention scores and their weighted sum are batched products over (batch, heads), local to
-every device. On a machine without GPUs it runs on 8 host CPU devices (2 x 4); with GPUs, on
+every device. On a machine without GPUs it runs on 8 host CPU devices (2 x 4; set
+JAX_NUM_CPU_DEVICES for another count); with GPUs, on
 all of them. The student learns to match a fixed random teacher with the same architecture, so
 the loss falls towards zero; the loss and the time per step are printed, and the collectives of
 the compiled step are counted once: on the default 2 x 4 mesh, 9 all-reduces per step (two per
@@ -19,13 +20,14 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import re
 import time
 
 import jax
 
 # Must precede JAX's first use of a backend; GPU runs are unaffected.
-jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", 8)))
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

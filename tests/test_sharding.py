@@ -599,6 +599,36 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+class OneDeviceMeshTest(absltest.TestCase):
+    """An Explicit mesh of one device: types name the axes, nothing is partitioned."""
+
+    def test_contracting_dim_typed_on_a_size_one_axis(self):
+        # Seen with examples/train_sharded.py on one GPU: XLA's dot refused a k typed as
+        # sharded over the size-1 "model" axis ("ambiguous how the output should be sharded").
+        mesh = jax.make_mesh((1, 1), AXES, axis_types=(AxisType.Explicit,) * 2,
+                             devices=platform_devices()[:1])  # fmt: skip
+        x, w, b = rand(0, 8, 32), rand(1, 32, 16), rand(2, 16)
+        c = rand(3, 8, 16)
+
+        def f(x, w, b, c):
+            return jax_sm100.matmul(x, w, bias=b, c=c, beta=0.5, activation="gelu")
+
+        def loss(x, w, b, c):
+            return jnp.sum(f(x, w, b, c) ** 2)
+
+        want = jax.jit(f)(x, w, b, c)
+        want_g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b, c)
+        with jax.sharding.set_mesh(mesh):
+            args = [jax.device_put(v, NamedSharding(mesh, spec)) for v, spec in
+                    zip((x, w, b, c), (PS("data", "model"), PS("model", None), PS(), PS()),
+                        strict=True)]  # fmt: skip
+            got = jax.jit(f)(*args)
+            got_g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        for g, w_ in zip(got_g, want_g, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=1e-5, atol=1e-5)
+
+
 class ExampleTest(absltest.TestCase):
     """examples/train_sharded.py on this run's platform, its "model" axis the mesh's."""
 

@@ -36,8 +36,10 @@ def _lowering(local_fn, ctx, *args, **params):
         a, b, bias, c = P._split(args, has_bias, has_c)
         return local_fn(a, b, bias, c, **params)
 
-    fn = sharding.partition(fn, ctx, **params)
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    partitioned = sharding.partition(fn, ctx, **params)
+    if partitioned is fn:
+        ctx = sharding.unsharded_context(ctx)
+    return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *args)
 
 
 mlir.register_lowering(P.matmul_p, functools.partial(_lowering, _local_cpu), platform="cpu")

@@ -86,6 +86,27 @@ def partition(fn, ctx, **params):
     return wrapped
 
 
+def unsharded_context(ctx):
+    """`ctx` with its avals' sharding types made replicated, for a lowering on one device.
+
+    Under an Explicit mesh every aval carries its sharding in its type, even on a one-device mesh
+    (axes of size 1), where nothing is partitioned. XLA's dot then refuses a contracting dim typed
+    as sharded ("ambiguous how the output should be sharded"), though nothing is split; on one
+    device every sharding is the replicated one, so the local lowering sees that instead.
+    """
+
+    def replicated(aval):
+        sh = getattr(aval, "sharding", None)
+        if sh is None or not hasattr(sh, "spec") or all(d is None for d in sh.spec):
+            return aval
+        return aval.update(sharding=sh.update(spec=PS()))
+
+    return ctx.replace(
+        avals_in=[replicated(a) for a in ctx.avals_in],
+        avals_out=[replicated(a) for a in ctx.avals_out],
+    )
+
+
 def _is_sharded(axis_context) -> bool:
     if isinstance(axis_context, sharding_impls.ShardingContext):
         return axis_context.num_devices > 1
