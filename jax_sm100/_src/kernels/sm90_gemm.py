@@ -125,8 +125,12 @@ class Sm90GemmKernel:
     def _setup(self):
         """Layouts and atoms derived from the configuration and operand dtypes."""
         tm, tn, tk = self.tile_mnk
-        a_major = warpgroup.OperandMajorMode.K if self._a_k_major else warpgroup.OperandMajorMode.MN
-        b_major = warpgroup.OperandMajorMode.K if self._b_k_major else warpgroup.OperandMajorMode.MN
+        a_major = (
+            cute.nvgpu.OperandMajorMode.K if self._a_k_major else cute.nvgpu.OperandMajorMode.MN
+        )
+        b_major = (
+            cute.nvgpu.OperandMajorMode.K if self._b_k_major else cute.nvgpu.OperandMajorMode.MN
+        )
         self.tiled_mma = sm90.make_trivial_tiled_mma(
             self.a_dtype,
             self.b_dtype,
