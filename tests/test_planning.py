@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+from unittest import mock
 
 import cutlass.utils as cu
 from absl.testing import absltest, parameterized
@@ -343,6 +345,16 @@ class Sm90ScheduleTest(parameterized.TestCase):
         p100 = jax_sm100.plan(1024, 1024, 1024, a_dtype="bfloat16", b_dtype="bfloat16")
         with self.assertRaisesRegex(C.PlanError, "sm_90a plan"):
             planning.sm90_variant(p100, pingpong=True)
+
+    def test_small_problems_env(self):
+        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        with mock.patch.dict(os.environ, {"JAX_SM100_SMALL_PROBLEMS": "kernel"}):
+            self.assertEqual(planning.plan(512, 512, 512, **bf).kernel, planning.KERNEL_SM90)
+        with mock.patch.dict(os.environ, {"JAX_SM100_SMALL_PROBLEMS": "xla"}):
+            self.assertEqual(planning.plan(512, 512, 512, **bf).kernel, planning.KERNEL_XLA)
+        with mock.patch.dict(os.environ, {"JAX_SM100_SMALL_PROBLEMS": "yes"}):
+            with self.assertRaisesRegex(C.PlanError, "'xla' or 'kernel'"):
+                planning.plan(512, 512, 512, **bf)
 
     def test_tall_grid_multicasts_a(self):
         # 128 x 16 tiles of 128x256: the CTAs of a cluster pair along N and share A.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import numpy as np
 
@@ -532,7 +533,8 @@ def plan(
         [k, n]) is contiguous in memory.
       force_kernel: plan the arch's kernel even for a problem small enough that XLA's dot is
         measured faster (sm_90a below `SM90_MIN_FLOPS`); for tests and benchmarks. Problems a
-        kernel cannot take at all still go to XLA's dot.
+        kernel cannot take at all still go to XLA's dot. `JAX_SM100_SMALL_PROBLEMS=kernel` in
+        the environment sets it for every plan of the process.
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -551,8 +553,21 @@ def plan(
             raise C.PlanError(f"{name}={v!r} must be a positive int")
     return _plan_cached(
         int(m), int(n), int(k), a_name, b_name, out_name, c_name, int(batch), arch,
-        a_major, b_major, bool(force_kernel),
+        a_major, b_major, bool(force_kernel) or small_problems_on_kernels(),
     )  # fmt: skip
+
+
+def small_problems_on_kernels() -> bool:
+    """True when `JAX_SM100_SMALL_PROBLEMS=kernel`: every plan behaves as `force_kernel=True`.
+
+    For programs that want our kernels on small problems too (the measured ~1.5 us start-up cost
+    accepted), without passing plans: e.g. where XLA's own GEMM for small shapes misbehaves
+    (benchmarks/RESULTS.md: XLA's Triton GEMM gave inf in a small bf16 model on the H200).
+    """
+    value = os.environ.get("JAX_SM100_SMALL_PROBLEMS", "xla")
+    if value not in ("xla", "kernel"):
+        raise C.PlanError(f"JAX_SM100_SMALL_PROBLEMS={value!r} must be 'xla' or 'kernel'")
+    return value == "kernel"
 
 
 def check_plan_fits(plan: GemmPlan, expected: GemmPlan) -> None:
