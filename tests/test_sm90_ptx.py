@@ -85,6 +85,14 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertRegex(ptx, r"bar\.sync\s+%r\d+,\s*128;")
         self.assertIn("stmatrix.sync.aligned", ptx)
 
+    def test_unverified_256_row_tiles_refused(self):
+        p = dataclasses.replace(_plan(4096, 4096, 4096), mma_tiler_mnk=(256, 128, 64),
+                                num_ab_stages=4)  # fmt: skip
+        why = sm90_gemm.Sm90GemmKernel.can_implement(p, KernelSpec.for_plan(p))
+        self.assertIn("not yet verified on a GPU", why)
+        with self.assertRaisesRegex(ValueError, "not yet verified"):
+            compile_mod.compile_plan(p)
+
     def test_kernel_refuses_mismatched_epilogue_tile(self):
         # The kernel reads each epilogue sub-tile as one run of registers; a ping-pong group with
         # a 128-row sub-tile would mix its two MMA blocks (seen wrong on the H200).
