@@ -3,12 +3,15 @@
 One kernel class, `Sm100GemmKernel`, compiled from a `GemmPlan` (planning.py) and a `KernelSpec`
 (spec.py). The plan fixes every tiling and pipelining number; this module only turns those numbers
 into CuTe layouts, TMA atoms and a warp-specialised device program, and refuses (in
-`can_implement`) a plan it cannot honour rather than re-deciding it.
+`can_implement`) a plan it cannot honour rather than re-deciding it. The epilogue warps' device
+code (TMEM -> registers -> fused math -> TMA store of D) is in sm100_epilogue.py; everything
+else, host and device, is here.
 
 Warp roles inside one CTA (192 threads, 224 when a source C is read):
 
-    warps 0-3  epilogue: TMEM -> registers (tcgen05.ld), fused epilogue math, registers -> SMEM,
-               TMA store of D; warp 0 also allocates and frees the TMEM accumulators
+    warps 0-3  epilogue (sm100_epilogue.py): TMEM -> registers (tcgen05.ld), fused epilogue
+               math, registers -> SMEM, TMA store of D; warp 0 also allocates and frees the
+               TMEM accumulators
     warp 4     MMA: issues tcgen05.mma (cta_group::1, or cta_group::2 from the leader CTA of a
                pair) into one of `num_acc_stages` TMEM accumulators
     warp 5     producer: TMA loads of A and B tiles into `num_ab_stages` SMEM stages, multicast
@@ -39,19 +42,19 @@ from cutlass.cutlass_dsl.cutlass import CuTeDSL
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src import constraints, planning
-from jax_sm100._src.kernels import common
+from jax_sm100._src.kernels import common, sm100_epilogue
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _FP8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
-_WARP = 32
-_EPI_WARPS = (0, 1, 2, 3)
+# Warp roles (the module docstring); the epilogue warps are sm100_epilogue's.
+_WARP = sm100_epilogue.WARP
+_EPI_WARPS = sm100_epilogue.EPI_WARPS
 _MMA_WARP = 4
 _AB_LOAD_WARP = 5
 _C_LOAD_WARP = 6
 
-# Named-barrier ids; 0 is __syncthreads.
-_EPI_BARRIER = 1
+# Named-barrier ids; 0 is __syncthreads, 1 the epilogue's (sm100_epilogue.EPI_BARRIER).
 _TMEM_PTR_BARRIER = 2
 
 
@@ -69,24 +72,6 @@ def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:
     if values % box:
         raise ValueError(f"a TMA stage of {values} values is not whole boxes of {box}")
     return cute.size(atom.thr_id) * values * atom.value_type.width // 8
-
-
-def _group_mma_modes(t: cute.Tensor) -> cute.Tensor:
-    """((atom_m, atom_n), rest_m, rest_n, *more) -> ((atom_m, rest_m), (atom_n, rest_n), *more).
-
-    `partition_C` keeps the MMA atom's values in mode 0; the epilogue wants plain M and N modes
-    so that it can divide them by the epilogue subtile.
-    """
-    lay = t.layout
-    outer = lay.outer if isinstance(lay, cute.ComposedLayout) else lay
-    (am, an), rm, rn, *more = outer.shape
-    (sam, san), srm, srn, *more_s = outer.stride
-    regrouped = cute.make_layout(
-        ((am, rm), (an, rn), *more), stride=((sam, srm), (san, srn), *more_s)
-    )
-    if isinstance(lay, cute.ComposedLayout):
-        regrouped = cute.make_composed_layout(lay.inner, lay.offset, regrouped)
-    return cute.make_tensor(t.iterator, regrouped)
 
 
 class Sm100GemmKernel:
@@ -437,7 +422,9 @@ class Sm100GemmKernel:
                 0,
                 cute.make_layout(1),
                 cute.group_modes(sC, 0, 2),
-                cute.group_modes(cute.flat_divide(_group_mma_modes(tCgC), epi_tile), 0, 2),
+                cute.group_modes(
+                    cute.flat_divide(sm100_epilogue.group_mma_modes(tCgC), epi_tile), 0, 2
+                ),
             )
             # Source-C ring, local to the CTA: one releasing lane per epilogue warp.
             c_pipe = pipeline.PipelineTmaAsync.create(
@@ -571,15 +558,16 @@ class Sm100GemmKernel:
             tmem.allocate(self.tmem_alloc_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(self.acc_dtype)
-            acc = _group_mma_modes(cute.make_tensor(tmem_ptr, acc_layout))
-            self._epilogue(
+            acc = sm100_epilogue.group_mma_modes(cute.make_tensor(tmem_ptr, acc_layout))
+            sm100_epilogue.epilogue(
+                self,
                 tidx,
                 warp,
                 acc,
                 acc_pipe,
                 sD,
                 tma_atom_d,
-                _group_mma_modes(tCgD),
+                sm100_epilogue.group_mma_modes(tCgD),
                 sC,
                 c_pipe,
                 mBias,
@@ -592,179 +580,6 @@ class Sm100GemmKernel:
             )
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
-
-    @cute.jit
-    def _epilogue(
-        self,
-        tidx,
-        warp,
-        acc: cute.Tensor,
-        acc_pipe,
-        sD: cute.Tensor,
-        tma_atom_d: cute.CopyAtom,
-        tDgD: cute.Tensor,
-        sC,
-        c_pipe,
-        mBias,
-        d_in: cute.Tensor,
-        thr_mma,
-        sched,
-        work,
-        pair,
-        epi_tile,
-    ):
-        """TMEM -> registers -> fused math -> SMEM -> TMA store, one epilogue subtile at a time."""
-        t2r_atom = utils.sm100.get_tmem_load_op(
-            self.cta_tile,
-            self.d_layout,
-            self.d_dtype,
-            self.acc_dtype,
-            epi_tile,
-            self.use_2cta,
-        )
-        # (EPI_M, EPI_N, n_epi_m, n_epi_n, ACC_STAGE)
-        acc_epi = cute.flat_divide(acc, epi_tile)
-        t2r = tcgen05.make_tmem_copy(t2r_atom, acc_epi[(None, None, 0, 0, 0)])
-        thr_t2r = t2r.get_slice(tidx)
-        tTR_tAcc = thr_t2r.partition_S(acc_epi)
-        gD_epi = cute.flat_divide(tDgD, epi_tile)
-        tTR_gD = thr_t2r.partition_D(gD_epi)
-        tTR_rAcc = cute.make_rmem_tensor(
-            tTR_gD[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype
-        )
-
-        r2s = cute.make_tiled_copy_D(
-            utils.sm100.get_smem_store_op(self.d_layout, self.d_dtype, self.acc_dtype, t2r), t2r
-        )
-        thr_r2s = r2s.get_slice(tidx)
-        tRS_sD = thr_r2s.partition_D(sD)
-        tRS_rD = cute.make_rmem_tensor(r2s.retile(tTR_rAcc).shape, self.d_dtype)
-
-        bSG_sD, bSG_gD = cpasync.tma_partition(
-            tma_atom_d,
-            0,
-            cute.make_layout(1),
-            cute.group_modes(sD, 0, 2),
-            cute.group_modes(gD_epi, 0, 2),
-        )
-
-        if cutlass.const_expr(self.spec.has_c):
-            # C is read into registers in the order the TMEM load left the accumulator in, so
-            # the same r2s retile lines C up with acc element for element.
-            s2r = cute.make_tiled_copy_D(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.c_dtype), t2r
-            )
-            tSR_sC = s2r.get_slice(tidx).partition_D(sC)
-            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, self.c_dtype)
-            tSR_rC = s2r.retile(tTR_rC)
-            c_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.num_epi_stages
-            )
-
-        if cutlass.const_expr(self.spec.has_bias):
-            # Bias goes through the same partition as D, so its registers line up with the
-            # accumulator's; D's coordinates say which columns exist in a ragged last N tile.
-            tile_mn = cute.slice_(self.mma_tiler, (None, None, 0))
-            tBgBias, tBcD = (
-                thr_t2r.partition_D(
-                    cute.flat_divide(
-                        _group_mma_modes(
-                            thr_mma.partition_C(cute.local_tile(t, tile_mn, (None, None, None)))
-                        ),
-                        epi_tile,
-                    )
-                )
-                for t in (mBias, cute.make_identity_tensor(d_in.shape))
-            )
-            tRrBias = cute.make_rmem_tensor(tTR_rAcc.shape, self.bias_dtype)
-            n_extent = d_in.shape[1]
-
-        store_barrier = pipeline.NamedBarrier(
-            barrier_id=_EPI_BARRIER, num_threads=_WARP * len(_EPI_WARPS)
-        )
-        d_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.num_epi_stages,
-            producer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, _WARP * len(_EPI_WARPS)
-            ),
-        )
-        acc_state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Consumer, self.num_acc_stages
-        )
-        d_stage = cutlass.Int32(0)
-
-        while work.is_valid_tile:
-            tile = work.tile_idx
-            mma_tile = (tile[0] // pair, tile[1], tile[2])
-            src = tTR_tAcc[(None, None, None, None, None, acc_state.index)]
-            src = cute.group_modes(src, 3, cute.rank(src))
-            dst = bSG_gD[(None, None, None, *mma_tile)]
-            dst = cute.group_modes(dst, 1, cute.rank(dst))
-            if cutlass.const_expr(self.spec.has_bias):
-                bias_src = tBgBias[(None, None, None, None, None, *mma_tile)]
-                bias_src = cute.group_modes(bias_src, 3, cute.rank(bias_src))
-                coords = tBcD[(None, None, None, None, None, *mma_tile)]
-                coords = cute.group_modes(coords, 3, cute.rank(coords))
-                # Whole N tile inside the matrix: vector loads, no per-element predicate.
-                bias_in_range = (mma_tile[1] + 1) * self.mma_tiler[1] <= n_extent
-
-            acc_pipe.consumer_wait(acc_state)
-            num_sub = cute.size(src, mode=[3])
-            for sub in cutlass.range(num_sub):
-                cute.copy(t2r, src[(None, None, None, sub)], tTR_rAcc)
-                if sub == num_sub - 1:
-                    # The whole accumulator is in registers: hand the TMEM stage back to the
-                    # MMA warp before doing the math, so the next tile's MMAs can start.
-                    cute.arch.fence_view_async_tmem_load()
-                    with cute.arch.elect_one():
-                        acc_pipe.consumer_release(acc_state)
-                    acc_state.advance()
-
-                c_vec, bias_vec = None, None
-                if cutlass.const_expr(self.spec.has_c):
-                    c_pipe.consumer_wait(c_state)
-                    cute.copy(s2r, tSR_sC[(None, None, None, c_state.index)], tSR_rC)
-                    # The slot is refilled by TMA (async proxy) after this generic-proxy read.
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    c_pipe.consumer_release(c_state)
-                    c_state.advance()
-                    c_vec = r2s.retile(tTR_rC).load()
-                if cutlass.const_expr(self.spec.has_bias):
-                    b_view = bias_src[(None, None, None, sub)]
-                    if bias_in_range:
-                        cute.autovec_copy(b_view, tRrBias)
-                    else:
-                        coord_view = coords[(None, None, None, sub)]
-                        for i in cutlass.range(cute.size(tRrBias), unroll_full=True):
-                            tRrBias[i] = self.bias_dtype(0.0)
-                            if coord_view[i][1] < n_extent:
-                                tRrBias[i] = b_view[i]
-                    bias_vec = r2s.retile(tRrBias).load()
-                v = common.apply_epilogue(
-                    r2s.retile(tTR_rAcc).load(),
-                    c_vec,
-                    bias_vec,
-                    alpha=self.spec.alpha,
-                    beta=self.spec.beta,
-                    activation=self.spec.activation,
-                )
-                tRS_rD.store(v.to(self.d_dtype))
-
-                cute.copy(r2s, tRS_rD, tRS_sD[(None, None, None, d_stage)])
-                # Generic-proxy SMEM writes must be visible to the async (TMA) proxy.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                store_barrier.arrive_and_wait()
-                if warp == _EPI_WARPS[0]:
-                    cute.copy(tma_atom_d, bSG_sD[(None, d_stage)], dst[(None, sub)])
-                    d_pipe.producer_commit()
-                    d_pipe.producer_acquire()
-                store_barrier.arrive_and_wait()
-                d_stage = (d_stage + 1) % self.num_epi_stages
-
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
-
-        d_pipe.producer_tail()
 
     # ----------------------------------------------------------------------------- legality
 
