@@ -20,7 +20,7 @@ from unittest import mock
 
 from absl.testing import absltest, parameterized
 
-from jax_sm100._src import disk_cache, planning
+from jax_sm100._src import disk_cache, kernel_key, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -88,25 +88,25 @@ class CacheKeyTest(parameterized.TestCase):
         super().setUp()
         self.plan = sample_plan()
         self.spec = sample_spec()
-        self.key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a")
+        self.key = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a")
 
     def test_key_is_sha256_hex_and_stable(self):
         self.assertRegex(self.key, r"^[0-9a-f]{64}$")
-        again = disk_cache.cache_key(sample_plan(), sample_spec(), arch="sm_100a")
+        again = kernel_key.cache_key(sample_plan(), sample_spec(), arch="sm_100a")
         self.assertEqual(again, self.key)
 
     @parameterized.named_parameters((f.name, f.name) for f in dataclasses.fields(planning.GemmPlan))
     def test_each_plan_field_changes_key(self, name):
         plan = _with_field(self.plan, name, _perturbed(getattr(self.plan, name)))
-        self.assertNotEqual(disk_cache.cache_key(plan, self.spec, arch="sm_100a"), self.key)
+        self.assertNotEqual(kernel_key.cache_key(plan, self.spec, arch="sm_100a"), self.key)
 
     @parameterized.named_parameters((f.name, f.name) for f in dataclasses.fields(KernelSpec))
     def test_each_spec_field_changes_key(self, name):
         spec = _with_field(self.spec, name, _perturbed(getattr(self.spec, name)))
-        self.assertNotEqual(disk_cache.cache_key(self.plan, spec, arch="sm_100a"), self.key)
+        self.assertNotEqual(kernel_key.cache_key(self.plan, spec, arch="sm_100a"), self.key)
 
     def test_arch_changes_key(self):
-        self.assertNotEqual(disk_cache.cache_key(self.plan, self.spec, arch="sm_90a"), self.key)
+        self.assertNotEqual(kernel_key.cache_key(self.plan, self.spec, arch="sm_90a"), self.key)
 
     @parameterized.named_parameters(
         ("dsl_version", "dsl_version", "4.9.0"),
@@ -114,48 +114,48 @@ class CacheKeyTest(parameterized.TestCase):
         ("sources", "kernel_sources_hash", "0" * 64),
     )
     def test_environment_changes_key(self, function, value):
-        with mock.patch.object(disk_cache, function, return_value=value):
-            key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a")
+        with mock.patch.object(kernel_key, function, return_value=value):
+            key = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a")
         self.assertNotEqual(key, self.key)
 
     def test_host_cpu_changes_key(self):
-        with mock.patch.object(disk_cache.platform, "machine", return_value="aarch64-test"):
-            key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a")
+        with mock.patch.object(kernel_key.platform, "machine", return_value="aarch64-test"):
+            key = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a")
         self.assertNotEqual(key, self.key)
 
     def test_extra_changes_key_and_its_order_does_not(self):
-        a = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", extra={"x": "1", "y": "2"})
-        b = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", extra={"y": "2", "x": "1"})
-        c = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", extra={"x": "1", "y": "3"})
+        a = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a", extra={"x": "1", "y": "2"})
+        b = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a", extra={"y": "2", "x": "1"})
+        c = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a", extra={"x": "1", "y": "3"})
         self.assertEqual(a, b)
         self.assertNotEqual(a, self.key)
         self.assertNotEqual(a, c)
 
     def test_values_that_compare_equal_but_differ_in_type_give_different_keys(self):
         keys = {
-            disk_cache.cache_key(_with_field(self.plan, "num_sms", v), self.spec, arch="sm_100a")
+            kernel_key.cache_key(_with_field(self.plan, "num_sms", v), self.spec, arch="sm_100a")
             for v in (1, 1.0, True, "1", (1,), [1])
         }
         self.assertLen(keys, 6)
 
     def test_ignored_plan_fields_share_a_key(self):
         sizes = ("m", "n", "k", "batch", "reason")
-        key = disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
+        key = kernel_key.cache_key(self.plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
         self.assertNotEqual(key, self.key)
         for name in sizes:
             plan = _with_field(self.plan, name, _perturbed(getattr(self.plan, name)))
-            other = disk_cache.cache_key(plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
+            other = kernel_key.cache_key(plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
             self.assertEqual(other, key, msg=name)
         plan = _with_field(self.plan, "num_ab_stages", self.plan.num_ab_stages + 1)
-        other = disk_cache.cache_key(plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
+        other = kernel_key.cache_key(plan, self.spec, arch="sm_100a", ignore_plan_fields=sizes)
         self.assertNotEqual(other, key)
 
     def test_ignoring_an_unknown_field_raises(self):
         with self.assertRaisesRegex(ValueError, "not fields of GemmPlan"):
-            disk_cache.cache_key(self.plan, self.spec, arch="sm_100a", ignore_plan_fields=["mm"])
+            kernel_key.cache_key(self.plan, self.spec, arch="sm_100a", ignore_plan_fields=["mm"])
 
     def test_plan_and_spec_are_not_interchangeable(self):
-        swapped = disk_cache.cache_key(self.spec, self.plan, arch="sm_100a")
+        swapped = kernel_key.cache_key(self.spec, self.plan, arch="sm_100a")
         self.assertNotEqual(swapped, self.key)
 
     @parameterized.named_parameters(
@@ -164,7 +164,7 @@ class CacheKeyTest(parameterized.TestCase):
     )
     def test_unserializable_field_raises(self, value):
         with self.assertRaisesRegex(TypeError, "cannot serialize"):
-            disk_cache.cache_key(_with_field(self.plan, "reason", value), self.spec, arch="sm_100a")
+            kernel_key.cache_key(_with_field(self.plan, "reason", value), self.spec, arch="sm_100a")
 
     @parameterized.named_parameters(
         ("arch_none", dict(arch=None)),
@@ -173,7 +173,7 @@ class CacheKeyTest(parameterized.TestCase):
     )
     def test_bad_arguments_raise(self, kwargs):
         with self.assertRaises(TypeError):
-            disk_cache.cache_key(self.plan, self.spec, **kwargs)
+            kernel_key.cache_key(self.plan, self.spec, **kwargs)
 
     def test_same_key_in_other_processes(self):
         script = textwrap.dedent(
@@ -181,8 +181,8 @@ class CacheKeyTest(parameterized.TestCase):
             import sys
             sys.path.insert(0, {str(Path(__file__).parent)!r})
             import test_disk_cache as t
-            from jax_sm100._src import disk_cache
-            print(disk_cache.cache_key(t.sample_plan(), t.sample_spec(), arch="sm_100a"))
+            from jax_sm100._src import kernel_key
+            print(kernel_key.cache_key(t.sample_plan(), t.sample_spec(), arch="sm_100a"))
             """
         )
         procs = [
@@ -212,9 +212,9 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
         return root
 
     def test_real_sources_hash(self):
-        self.assertRegex(disk_cache.kernel_sources_hash(), r"^[0-9a-f]{64}$")
+        self.assertRegex(kernel_key.kernel_sources_hash(), r"^[0-9a-f]{64}$")
         self.assertEqual(
-            disk_cache.kernel_sources_hash(), disk_cache._hash_sources(disk_cache._SRC_ROOT)
+            kernel_key.kernel_sources_hash(), kernel_key._hash_sources(kernel_key._SRC_ROOT)
         )
 
     @parameterized.named_parameters(
@@ -229,13 +229,16 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
             True,
         ),
         ("planning_edit", lambda r: (r / "planning.py").write_text("PLAN = 5\n"), False),
+        # The modules that name and store a binary do not change it.
+        ("key_module_added", lambda r: (r / "kernel_key.py").write_text("KEY = 1\n"), False),
+        ("cache_module_added", lambda r: (r / "disk_cache.py").write_text("CACHE = 1\n"), False),
         ("non_python_added", lambda r: (r / "kernels/notes.txt").write_text("x"), False),
     )
     def test_sources_hash_sensitivity(self, edit, changes):
         root = self._tree()
-        before = disk_cache._hash_sources(root)
+        before = kernel_key._hash_sources(root)
         edit(root)
-        after = disk_cache._hash_sources(root)
+        after = kernel_key._hash_sources(root)
         if changes:
             self.assertNotEqual(before, after)
         else:
@@ -243,53 +246,53 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
 
     def test_dsl_version_from_metadata(self):
         self.assertEqual(
-            disk_cache.dsl_version.__wrapped__(),
-            importlib.metadata.version(disk_cache.DSL_DISTRIBUTION),
+            kernel_key.dsl_version.__wrapped__(),
+            importlib.metadata.version(kernel_key.DSL_DISTRIBUTION),
         )
 
     def test_dsl_version_without_metadata_reads_the_source(self):
         with mock.patch.object(
             importlib.metadata, "version", side_effect=importlib.metadata.PackageNotFoundError
         ):
-            version = disk_cache.dsl_version.__wrapped__()
-        self.assertEqual(version, importlib.metadata.version(disk_cache.DSL_DISTRIBUTION))
+            version = kernel_key.dsl_version.__wrapped__()
+        self.assertEqual(version, importlib.metadata.version(kernel_key.DSL_DISTRIBUTION))
 
     def test_dsl_absent(self):
         with (
             mock.patch.object(
                 importlib.metadata, "version", side_effect=importlib.metadata.PackageNotFoundError
             ),
-            mock.patch.object(disk_cache.importlib.util, "find_spec", return_value=None),
-            mock.patch.object(disk_cache, "_loaded_compiler_library", return_value=None),
+            mock.patch.object(kernel_key.importlib.util, "find_spec", return_value=None),
+            mock.patch.object(kernel_key, "_loaded_compiler_library", return_value=None),
         ):
-            self.assertEqual(disk_cache.dsl_version.__wrapped__(), "absent")
-            self.assertEqual(disk_cache.dsl_build_fingerprint.__wrapped__(), "")
+            self.assertEqual(kernel_key.dsl_version.__wrapped__(), "absent")
+            self.assertEqual(kernel_key.dsl_build_fingerprint.__wrapped__(), "")
 
     def test_dsl_build_fingerprint_is_the_loaded_flavour(self):
-        library = disk_cache._loaded_compiler_library()
+        library = kernel_key._loaded_compiler_library()
         flavour = library.name.split(".")[1]
         self.assertRegex(flavour, r"^cu\d+$")
         digest = hashlib.sha256(
             library.with_name(f"_cutlass_ir_version_{flavour}.py").read_bytes()
         ).hexdigest()
-        self.assertEqual(disk_cache.dsl_build_fingerprint(), f"{flavour}={digest}")
+        self.assertEqual(kernel_key.dsl_build_fingerprint(), f"{flavour}={digest}")
 
     def test_dsl_build_fingerprint_unloaded_lists_every_flavour(self):
-        with mock.patch.object(disk_cache, "_loaded_compiler_library", return_value=None):
-            fingerprint = disk_cache.dsl_build_fingerprint.__wrapped__()
+        with mock.patch.object(kernel_key, "_loaded_compiler_library", return_value=None):
+            fingerprint = kernel_key.dsl_build_fingerprint.__wrapped__()
         self.assertRegex(fingerprint, r"^_cutlass_ir_version_cu\d+\.py=[0-9a-f]{64}")
 
     def test_other_flavour_gives_another_fingerprint(self):
         tmp_flavour = "cu99"
-        library = disk_cache._loaded_compiler_library()
+        library = kernel_key._loaded_compiler_library()
         root = Path(self.enterContext(tempfile.TemporaryDirectory()))
         other = root / library.name.replace(library.name.split(".")[1], tmp_flavour)
         other.write_bytes(b"")
         (root / f"_cutlass_ir_version_{tmp_flavour}.py").write_text('DSO_SHA256 = {"x": "0"}\n')
-        with mock.patch.object(disk_cache, "_loaded_compiler_library", return_value=other):
-            fingerprint = disk_cache.dsl_build_fingerprint.__wrapped__()
+        with mock.patch.object(kernel_key, "_loaded_compiler_library", return_value=other):
+            fingerprint = kernel_key.dsl_build_fingerprint.__wrapped__()
         self.assertStartsWith(fingerprint, f"{tmp_flavour}=")
-        self.assertNotEqual(fingerprint, disk_cache.dsl_build_fingerprint())
+        self.assertNotEqual(fingerprint, kernel_key.dsl_build_fingerprint())
 
 
 class KernelCacheTest(parameterized.TestCase):

@@ -146,12 +146,12 @@ def _from_disk_or_compile(plan, spec: KernelSpec) -> CompiledGemm:
     The entry's payload is the object file; its metadata holds everything else a CompiledGemm
     carries (PTX, cubin as hex, argument layout), so a hit needs no DSL import at all.
     """
-    from jax_sm100._src import disk_cache  # noqa: PLC0415
+    from jax_sm100._src import disk_cache, kernel_key  # noqa: PLC0415
 
     cache = disk_cache.default_cache()
     if cache.directory is None:
         return _build(plan, spec)
-    key = disk_cache.cache_key(plan, spec, arch=plan.arch, ignore_plan_fields=_SIZE_FIELDS)
+    key = kernel_key.cache_key(plan, spec, arch=plan.arch, ignore_plan_fields=_SIZE_FIELDS)
     built: list[CompiledGemm] = []
 
     def build_entry():
