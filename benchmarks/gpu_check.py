@@ -2,7 +2,8 @@
 
 Usage on the H200 (see benchmarks/RESULTS.md):
 
-    python benchmarks/gpu_check.py [--cases N] [--bench] [--jobs J] [--pingpong] [--epi-n 64]
+    python benchmarks/gpu_check.py [--cases N] [--bench] [--jobs J]
+        [--pingpong | --epi-n 64 | --large-configs] [--planner-routing]
 
 Correctness compares every case against a float32 (HIGHEST precision) XLA reference on the same
 inputs by ||out - ref|| / ||ref||, with a per-dtype tolerance; NaNs fail. The kernel path taken
@@ -248,6 +249,40 @@ def force_pingpong():
     planning.plan = plan
 
 
+# The cooperative configurations the planner picks for large problems, to run on the small
+# problems of the matrix: (tile_mn, cluster_mn, swizzle_size).
+_LARGE_CONFIGS = (
+    ((128, 256), (2, 1), 8),
+    ((128, 256), (1, 2), 8),
+    ((128, 256), (1, 2), 1),
+    ((128, 128), (2, 1), 1),
+    ((64, 256), (1, 2), 1),
+    ((128, 256), (1, 1), 1),
+)
+
+
+def force_large_configs():
+    """Cycles every SM90 plan of this process through the planner's large-problem configurations.
+
+    The matrix's problems (sizes up to 1024) mostly plan 64x128 tiles; this runs the same cases
+    on the 128x256 / 1x2 / swizzle-8 configurations large problems use, fused epilogues included.
+    """
+    real = planning.plan
+    configs = itertools.cycle(_LARGE_CONFIGS)
+
+    def plan(*args, **kw):
+        p = real(*args, **kw)
+        if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
+            return p
+        tile, cluster, swz = next(configs)
+        try:
+            return planning.sm90_variant(p, tile_mn=tile, cluster_mn=cluster, swizzle_size=swz)
+        except planning.C.PlanError:
+            return p
+
+    planning.plan = plan
+
+
 def force_epi_n(epi_n: int):
     """Makes every SM90 plan of this process use epilogue sub-tiles `epi_n` wide, where legal."""
     real = planning.plan
@@ -269,6 +304,8 @@ def main():
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--pingpong", action="store_true", help="force ping-pong SM90 plans")
     ap.add_argument("--epi-n", type=int, default=0, help="force this SM90 epilogue width")
+    ap.add_argument("--large-configs", action="store_true",
+                    help="cycle SM90 plans through large-problem tiles and clusters")  # fmt: skip
     ap.add_argument("--planner-routing", action="store_true",
                     help="let small problems go to XLA's dot as the planner says")  # fmt: skip
     ap.add_argument("--bench", action="store_true")
@@ -281,6 +318,8 @@ def main():
         force_pingpong()
     if args.epi_n:
         force_epi_n(args.epi_n)
+    if args.large_configs:
+        force_large_configs()
     fails = correctness(args.cases, jobs=args.jobs)
     ok_grad = grad_check()
     if args.bench:
