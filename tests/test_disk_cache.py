@@ -21,17 +21,9 @@ from unittest import mock
 from absl.testing import absltest, parameterized
 
 from jax_sm100._src import disk_cache
+from tests import test_util as tu
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _subprocess_env(**overrides) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env.update(overrides)
-    return env
 
 
 def _key(i) -> str:
@@ -443,7 +435,7 @@ class ConcurrencyTest(parameterized.TestCase):
     def _spawn(self, script, *args):
         return subprocess.Popen(
             [sys.executable, "-c", _LOAD + script, *map(str, args)],
-            env=_subprocess_env(),
+            env=tu.subprocess_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import hashlib
 import importlib.metadata
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,8 +17,7 @@ from absl.testing import absltest, parameterized
 
 from jax_sm100._src import kernel_key, planning
 from jax_sm100._src.kernels.spec import KernelSpec
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests import test_util as tu
 
 
 def sample_plan() -> planning.GemmPlan:
@@ -59,15 +57,6 @@ def _with_field(obj, name, value):
     new = copy.copy(obj)
     object.__setattr__(new, name, value)
     return new
-
-
-def _subprocess_env(**overrides) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    env.update(overrides)
-    return env
 
 
 class CacheKeyTest(parameterized.TestCase):
@@ -175,7 +164,7 @@ class CacheKeyTest(parameterized.TestCase):
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", script],
-                env=_subprocess_env(PYTHONHASHSEED=seed),
+                env=tu.subprocess_env(PYTHONHASHSEED=seed),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

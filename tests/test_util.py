@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -64,3 +66,16 @@ def assert_close(test, got, want, out_dtype, k=1):
 
 
 assert ml_dtypes  # fp8 dtypes are registered with numpy by importing ml_dtypes
+
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(**overrides) -> dict[str, str]:
+    """This process's environment with the repository on PYTHONPATH, plus `overrides`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    env.update(overrides)
+    return env
