@@ -2,14 +2,21 @@
 
     python benchmarks/tune_sm90.py [--shapes 8192x8192x8192,...] [--dtype bfloat16] [--jobs 15]
         [--pingpong-tiles 128x192,128x128] [--clusters 2x1,1x2] [--swizzles 1,8] [--epi-n 0]
+        [--tiles 128x256] [--stages 0] [--method wall|device]
 
-For each shape the planner's plan is varied in schedule (cooperative 128x256, or ping-pong with
-a 128x192, 128x128 or 64x256 tile per warp group), cluster shape and raster swizzle
-(`planning.sm90_variant` refills the A/B stages for each tile) and timed through
-`jax_sm100.matmul(plan=...)` with `jax_sm100.bench`'s wall method, beside `jnp.dot`, in
-interleaved rounds (median kept) so clock drift spreads over every variant. Every variant's
-result is checked against `jnp.dot`'s before it is timed. All binaries are compiled first by
-`--jobs` CPU workers. Prints one line per variant, then the best per shape.
+Small shapes (which the planner sends to XLA's dot), e.g. whether cluster 1x1 or fewer stages
+remove our kernel's start-up cost there:
+
+    python benchmarks/tune_sm90.py --shapes 1024x1024x1024,512x2048x512 --method device \\
+        --tiles 64x128,128x128 --pingpong-tiles "" --clusters 1x1,2x1 --swizzles 1 --stages 0,2,4
+
+For each shape the planner's plan is varied in schedule (cooperative tiles, or ping-pong with
+a 128x192, 128x128 or 64x256 tile per warp group), cluster shape, raster swizzle, epilogue width
+and A/B stage cap (`planning.sm90_variant` refills the stages for each tile) and timed through
+`jax_sm100.matmul(plan=...)` beside `jnp.dot`, by `jax_sm100.bench`'s wall method in interleaved
+rounds (median kept) so clock drift spreads over every variant, or by its device method. Every
+variant's result is checked against `jnp.dot`'s before it is timed. All binaries are compiled
+first by `--jobs` CPU workers. Prints one line per variant, then the best per shape.
 """
 
 from __future__ import annotations
@@ -32,17 +39,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check  # noqa: E402  (its parallel precompile)
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 4096, 4096), (4096, 14336, 4096))
-# (pingpong, tile_mn)
 
 
-def variants(base, schedules, clusters, swizzles, epi_ns):
+def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,)):
+    """Every legal combination; a stage count of 0 keeps the most that fit, others cap it."""
     out = []
-    for (pp, tile), cluster, swz, epi_n in itertools.product(schedules, clusters, swizzles, epi_ns):
+    for (pp, tile), cluster, swz, epi_n, cap in itertools.product(
+        schedules, clusters, swizzles, epi_ns, stages
+    ):
         try:
-            out.append(planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster, pingpong=pp,
-                                             swizzle_size=swz, epi_n=epi_n))  # fmt: skip
+            p = planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster, pingpong=pp,
+                                      swizzle_size=swz, epi_n=epi_n)  # fmt: skip
         except planning.C.PlanError as e:
             print(f"  skip {tile} pingpong={pp} {cluster} swizzle {swz} epi_n {epi_n}: {e}")
+            continue
+        if cap and cap >= p.num_ab_stages:
+            continue  # the same plan as the uncapped one
+        out.append(planning.dataclasses.replace(p, num_ab_stages=cap) if cap else p)
     return out
 
 
@@ -69,19 +82,28 @@ def main():
     ap.add_argument("--clusters", default="2x1,1x2")
     ap.add_argument("--swizzles", default="1,8")
     ap.add_argument("--epi-n", default="0", help="epilogue sub-tile widths; 0 = the planner's")
+    ap.add_argument("--tiles", default="128x256", help="cooperative tiles ('' for none)")
+    ap.add_argument("--stages", default="0", help="A/B stage caps; 0 = as many as fit")
+    ap.add_argument("--method", choices=("wall", "device"), default="wall",
+                    help="device: bench's dependent-product loop, for small shapes")  # fmt: skip
     args = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dt = jnp.dtype(args.dtype)
     sms = jax.devices()[0].core_count
-    schedules = ((False, (128, 256)),) + tuple((True, t) for t in _pairs(args.pingpong_tiles))
+    schedules = tuple((False, t) for t in _pairs(args.tiles)) + tuple(
+        (True, t) for t in _pairs(args.pingpong_tiles)
+    )
+    stages = tuple(int(v) for v in args.stages.split(","))
     clusters = _pairs(args.clusters)
     swizzles = tuple(int(v) for v in args.swizzles.split(","))
     epi_ns = tuple(int(v) for v in args.epi_n.split(","))
     plans = {}
     for m, n, k in shapes:
-        base = jax_sm100.plan(m, n, k, a_dtype=dt, b_dtype=dt, arch="sm_90a")
+        # force_kernel: small shapes are tuned too, though the planner sends them to XLA's dot.
+        base = jax_sm100.plan(m, n, k, a_dtype=dt, b_dtype=dt, arch="sm_90a", force_kernel=True)
         base_sms = planning.dataclasses.replace(base, num_sms=sms)
-        plans[m, n, k] = (base, variants(base_sms, schedules, clusters, swizzles, epi_ns))
+        vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages)
+        plans[m, n, k] = (base, vs)
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]
         gpu_check.precompile_parallel(pairs, args.jobs)
@@ -110,9 +132,16 @@ def main():
         # Interleaved rounds: every variant is timed once per round, so clock drift over the
         # sweep spreads over all of them; the median over rounds is kept.
         times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, f in fns.items():
-                times[name].append(bench.time_per_call(f, a, b, reps=args.reps, rounds=1))
+        if args.method == "device":
+            got = bench.time_device(list(fns.values()), a, b, rounds=args.rounds)
+            for name, t in zip(fns, got, strict=True):
+                times[name] = [t.seconds]
+                for problem in t.check.problems():
+                    print(f"  ! {name}: {problem}", flush=True)
+        else:
+            for _ in range(args.rounds):
+                for name, f in fns.items():
+                    times[name].append(bench.time_per_call(f, a, b, reps=args.reps, rounds=1))
         med = {name: float(np.median(t)) for name, t in times.items()}
         dot_s = med["jnp.dot"]
         for name, s in med.items():
