@@ -93,8 +93,10 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = Fals
     for a 128-row tile in one warp group goes block by block).
     """
     bits = C.DTYPE_BITS.get(out_dtype, 32)
-    rows = min(128, cta_m) if cta_m > 64 and not pingpong else 64
-    cols = min(32 if cta_m > 64 and not pingpong else 64 if bits == 8 else 32, cta_n)
+    if cta_m > 64 and not pingpong:  # cooperative: two consumer warp groups share the M extent
+        rows, cols = min(128, cta_m), min(32, cta_n)
+    else:
+        rows, cols = 64, min(64 if bits == 8 else 32, cta_n)
     if epi_n:
         if epi_n % 16 or epi_n > cta_n or cta_n % epi_n:
             raise C.PlanError(
@@ -311,23 +313,17 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     if plan.arch != "sm_90a":
         raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
     tm, tn = tile_mn or plan.cta_tile_mnk[:2]
-    pp = plan.pingpong if pingpong is None else bool(pingpong)
-    tiler = (tm, tn, plan.mma_tiler_mnk[2])
-    C.check_pingpong(plan.arch, pp, tiler)
-    epi = _sm90_epi_tile(tm, tn, plan.out_dtype, pp, changes.get("epi_n", plan.epi_n))
-    epi_bytes = epi_smem_bytes(
-        plan.arch, epi, plan.num_epi_stages, plan.out_dtype, plan.c_dtype, plan.split_k, pp
-    )
-    ab = plan.a_dtype if plan.a_dtype in C.KERNEL_OPERAND_DTYPES[plan.arch] else "bfloat16"
-    stages = _max_ab_stages(plan.arch, tiler, tn, C.DTYPE_BITS[ab], epi_bytes)
-    return dataclasses.replace(
+    edited = dataclasses.replace(
         plan,
-        mma_tiler_mnk=tiler,
+        mma_tiler_mnk=(tm, tn, plan.mma_tiler_mnk[2]),
         cluster_shape_mn=tuple(cluster_mn or plan.cluster_shape_mn),
-        pingpong=pp,
-        num_ab_stages=stages,
+        pingpong=plan.pingpong if pingpong is None else bool(pingpong),
+        num_ab_stages=C.MIN_AB_STAGES,
         **changes,
     )
+    # The edited plan has derived its epilogue and stage sizes; fill the SMEM that is left.
+    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES - edited._epi_bytes
+    return dataclasses.replace(edited, num_ab_stages=free // edited.ab_stage_bytes)
 
 
 def _wave_cost(tiles: int, ctas_per_tile: int, num_sms: int, area: int, eff: float) -> float:

@@ -33,6 +33,7 @@ from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from jax_sm100._src import constraints
 from jax_sm100._src.kernels import common
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -52,8 +53,6 @@ _TURN_BARRIER_ID = 3
 # GPU: refused until the H200 correctness matrix covers them.
 SUPPORTED_TILE_M = (64, 128)
 SUPPORTED_TILE_N = (64, 128, 192, 256)
-# Ping-pong: one warp group holds a whole tile's accumulators, at most this many per thread.
-PINGPONG_MAX_ACC_REGS = 192
 
 
 class Sm90GemmKernel:
@@ -112,11 +111,10 @@ class Sm90GemmKernel:
             return "8-bit wgmma needs K-major A and B"
         if tk * bits != 1024:
             return f"cta tile k={tk} must span 128 bytes of {spec.a_dtype}"
-        if plan.pingpong and (tm > 128 or tm * tn // _THREADS_PER_WG > PINGPONG_MAX_ACC_REGS):
-            return (
-                f"ping-pong keeps a {tm}x{tn} tile in one warp group: more than "
-                f"{PINGPONG_MAX_ACC_REGS} accumulator registers per thread"
-            )
+        try:
+            constraints.check_pingpong(plan.arch, plan.pingpong, plan.cta_tile_mnk)
+        except constraints.PlanError as e:
+            return str(e)
         # The epilogue takes each sub-tile's registers as one contiguous run of the retiled
         # accumulator, which holds when a sub-tile is one 64-row MMA block per warp group.
         rows_per_wg = 64 if plan.pingpong else min(tm, 128) // (2 if tm >= 128 else 1)
