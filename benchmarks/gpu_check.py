@@ -227,26 +227,35 @@ def force_kernels():
     planning.plan = plan
 
 
-def force_pingpong():
-    """Makes every SM90 plan of this process a ping-pong one, cycling through its tile shapes.
+def _vary_sm90_plans(edits):
+    """Replaces each SM90 plan of this process by `sm90_variant(plan, **edit)`, cycling `edits`.
 
-    For checking the ping-pong schedule on the whole case matrix, whatever the planner prefers.
+    An edit that is illegal for a plan (a tile too big for its problem, say) is skipped for the
+    next one; a plan no edit fits stays as planned.
     """
     real = planning.plan
-    tiles = itertools.cycle(((128, 128), (128, 192), (64, 256), (64, 128)))
+    edits = list(edits)
+    cycle = itertools.cycle(edits)
 
     def plan(*args, **kw):
         p = real(*args, **kw)
         if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
             return p
-        for _ in range(4):
+        for _ in edits:
             try:
-                return planning.sm90_variant(p, tile_mn=next(tiles), pingpong=True)
+                return planning.sm90_variant(p, **next(cycle))
             except planning.C.PlanError:
                 continue
         return p
 
     planning.plan = plan
+
+
+def force_pingpong():
+    """Every SM90 plan a ping-pong one, cycling through its tile shapes: the schedule on the
+    whole case matrix, whatever the planner prefers."""
+    tiles = ((128, 128), (128, 192), (64, 256), (64, 128))
+    _vary_sm90_plans(dict(tile_mn=t, pingpong=True) for t in tiles)
 
 
 # The cooperative configurations the planner picks for large problems, to run on the small
@@ -262,41 +271,17 @@ _LARGE_CONFIGS = (
 
 
 def force_large_configs():
-    """Cycles every SM90 plan of this process through the planner's large-problem configurations.
+    """Every SM90 plan cycled through the planner's large-problem configurations.
 
     The matrix's problems (sizes up to 1024) mostly plan 64x128 tiles; this runs the same cases
     on the 128x256 / 1x2 / swizzle-8 configurations large problems use, fused epilogues included.
     """
-    real = planning.plan
-    configs = itertools.cycle(_LARGE_CONFIGS)
-
-    def plan(*args, **kw):
-        p = real(*args, **kw)
-        if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
-            return p
-        tile, cluster, swz = next(configs)
-        try:
-            return planning.sm90_variant(p, tile_mn=tile, cluster_mn=cluster, swizzle_size=swz)
-        except planning.C.PlanError:
-            return p
-
-    planning.plan = plan
+    _vary_sm90_plans(dict(tile_mn=t, cluster_mn=c, swizzle_size=z) for t, c, z in _LARGE_CONFIGS)
 
 
 def force_epi_n(epi_n: int):
-    """Makes every SM90 plan of this process use epilogue sub-tiles `epi_n` wide, where legal."""
-    real = planning.plan
-
-    def plan(*args, **kw):
-        p = real(*args, **kw)
-        if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
-            return p
-        try:
-            return planning.sm90_variant(p, epi_n=epi_n)
-        except planning.C.PlanError:
-            return p
-
-    planning.plan = plan
+    """Every SM90 plan with epilogue sub-tiles `epi_n` wide, where legal."""
+    _vary_sm90_plans([dict(epi_n=epi_n)])
 
 
 def main():
