@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import itertools
 import multiprocessing
 import os
 import sys
 import time
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -228,22 +228,25 @@ def force_kernels():
 
 
 def _vary_sm90_plans(edits):
-    """Replaces each SM90 plan of this process by `sm90_variant(plan, **edit)`, cycling `edits`.
+    """Replaces each SM90 plan of this process by `sm90_variant(plan, **edit)`, edits rotating.
 
-    An edit that is illegal for a plan (a tile too big for its problem, say) is skipped for the
-    next one; a plan no edit fits stays as planned.
+    The first edit tried for a problem is picked by a hash of its plan, not by call order, so
+    the precompile workers and this process give each problem the same variant (a rotation by
+    call count gave the workers other variants than the cases then asked for, and every case
+    compiled again). An edit that is illegal for a plan (a tile too big for its problem, say) is
+    skipped for the next one; a plan no edit fits stays as planned.
     """
     real = planning.plan
     edits = list(edits)
-    cycle = itertools.cycle(edits)
 
     def plan(*args, **kw):
         p = real(*args, **kw)
         if p.kernel not in (planning.KERNEL_SM90, planning.KERNEL_SM90_SPLITK):
             return p
-        for _ in edits:
+        first = zlib.crc32(repr(p).encode())
+        for i in range(len(edits)):
             try:
-                return planning.sm90_variant(p, **next(cycle))
+                return planning.sm90_variant(p, **edits[(first + i) % len(edits)])
             except planning.C.PlanError:
                 continue
         return p
@@ -254,7 +257,7 @@ def _vary_sm90_plans(edits):
 def force_pingpong():
     """Every SM90 plan a ping-pong one, cycling through its tile shapes: the schedule on the
     whole case matrix, whatever the planner prefers."""
-    tiles = ((128, 128), (128, 192), (64, 256), (64, 128))
+    tiles = ((128, 128), (128, 160), (128, 192), (64, 256), (64, 128))
     _vary_sm90_plans(dict(tile_mn=t, pingpong=True) for t in tiles)
 
 
@@ -267,6 +270,9 @@ _LARGE_CONFIGS = (
     ((128, 128), (2, 1), 1),
     ((64, 256), (1, 2), 1),
     ((128, 256), (1, 1), 1),
+    ((256, 128), (1, 2), 1),
+    ((256, 128), (2, 1), 8),
+    ((128, 160), (2, 1), 1),
 )
 
 

@@ -85,13 +85,21 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertRegex(ptx, r"bar\.sync\s+%r\d+,\s*128;")
         self.assertIn("stmatrix.sync.aligned", ptx)
 
-    def test_unverified_256_row_tiles_refused(self):
-        p = dataclasses.replace(_plan(4096, 4096, 4096), mma_tiler_mnk=(256, 128, 64),
-                                num_ab_stages=4)  # fmt: skip
-        why = sm90_gemm.Sm90GemmKernel.can_implement(p, KernelSpec.for_plan(p))
-        self.assertIn("not yet verified on a GPU", why)
-        with self.assertRaisesRegex(ValueError, "not yet verified"):
-            compile_mod.compile_plan(p)
+    def test_256_row_tile(self):
+        # Two 64-row MMA blocks per consumer warp group; 128x32 epilogue sub-tiles, one block of
+        # each warp group per sub-tile.
+        p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(256, 128), cluster_mn=(1, 2))
+        self.assertEqual(p.epi_tile, (128, 32))
+        ptx = compile_mod.compile_plan(p).ptx
+        self.assertIn("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", ptx)
+        self.assertIn("multicast::cluster", ptx)
+
+    def test_160_wide_tile(self):
+        # cuBLAS's tile for tall and wide problems on the H200; B N-major gets a 64-byte swizzle.
+        for pp in (True, False):
+            p = planning.sm90_variant(_plan(16384, 4096, 4096), tile_mn=(128, 160), pingpong=pp)
+            ptx = compile_mod.compile_plan(p).ptx
+            self.assertIn("wgmma.mma_async.sync.aligned.m64n160k16.f32.bf16.bf16", ptx)
 
     def test_kernel_refuses_mismatched_epilogue_tile(self):
         # The kernel reads each epilogue sub-tile as one run of registers; a ping-pong group with

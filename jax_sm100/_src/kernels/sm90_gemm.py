@@ -49,10 +49,10 @@ _SMEM_ALIGN = 1024
 _EPI_BARRIER_ID = 1
 _TURN_BARRIER_ID = 3
 
-# 256-row tiles compile (two 64-row MMA blocks per consumer warp group) but have never run on a
-# GPU: refused until the H200 correctness matrix covers them.
-SUPPORTED_TILE_M = (64, 128)
-SUPPORTED_TILE_N = (64, 128, 192, 256)
+# 256-row tiles give each consumer warp group two 64-row MMA blocks. N = 160 is cuBLAS's choice
+# for large tall and wide problems on the H200 (benchmarks/cublas_kernels.py).
+SUPPORTED_TILE_M = (64, 128, 256)
+SUPPORTED_TILE_N = (64, 128, 160, 192, 256)
 
 
 class Sm90GemmKernel:
@@ -98,8 +98,6 @@ class Sm90GemmKernel:
         tm, tn, tk = plan.cta_tile_mnk
         if plan.arch != "sm_90a":
             return f"{plan.arch=} is not sm_90a"
-        if tm == 256:
-            return "256-row SM90 tiles are not yet verified on a GPU; use 128x256 or 128x128"
         if tm not in SUPPORTED_TILE_M or tn not in SUPPORTED_TILE_N:
             return f"cta tile {tm}x{tn} not in {SUPPORTED_TILE_M} x {SUPPORTED_TILE_N}"
         if spec.a_dtype not in common.CUTLASS_DTYPES or spec.b_dtype not in common.CUTLASS_DTYPES:
