@@ -1,7 +1,8 @@
 """GPU checks beyond gpu_check.py: fp8 operands, CUDA-graph replay, compute-sanitizer memcheck.
 
     python benchmarks/gpu_extra_checks.py            # all three (memcheck in a child process)
-    python benchmarks/gpu_extra_checks.py --cases X  # parts: fp8, graph, memcheck, racecheck
+    python benchmarks/gpu_extra_checks.py --cases X  # parts: fp8, graph, memcheck, racecheck,
+                                                     # splitk
 
 Each part compares against a float32 XLA reference on normal random data and prints one
 `RESULT` line.
@@ -28,13 +29,78 @@ def _rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None):
+def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None, transpose_a=False,
+          alpha=1.0, beta=1.0, plan=None):  # fmt: skip
     ops = [a, b] + ([bias] if bias is not None else []) + ([c] if c is not None else [])
     return P.matmul_p.bind(
-        *ops, transpose_a=False, transpose_b=transpose_b, alpha=1.0, beta=1.0,
+        *ops, transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
         activation=activation, out_dtype=np.dtype(out_dtype), has_bias=bias is not None,
-        has_c=c is not None, plan=None,
+        has_c=c is not None, plan=plan,
     )  # fmt: skip
+
+
+def splitk(cases: int = 60) -> int:
+    """Split-K plans (the cluster's in-kernel reduction) forced on random skinny problems.
+
+    Every split factor (2, 4, 8), split tiles 64x128 / 64x256 / 128x128, m not a multiple of
+    the tile (1 to 256), n not a multiple of it, both operand layouts, bf16 / fp16, and each
+    epilogue (alpha, beta * C, bias, relu / gelu / silu, out dtype) against a float32 reference.
+    """
+    rng = np.random.default_rng(5)
+    fails = 0
+    tiles = ((64, 128), (64, 256), (128, 128))
+    acts = (None, "relu", "gelu", "silu")
+    for i in range(cases):
+        split = (2, 4, 8)[i % 3]
+        tile = tiles[(i // 3) % len(tiles)]
+        dt = ("bfloat16", "float16")[i % 2]
+        m = int(rng.choice([1, 8, 37, 64, 100, 128, 200, 256]))
+        n = int(rng.choice([64, 136, 520, 1000, 4096]))
+        k = split * int(rng.choice([256, 520, 1024, 2056]))
+        ta, tb = bool(rng.integers(2)), bool(rng.integers(2))
+        if ta:
+            m = max(8, m // 8 * 8)  # an M-major A needs 16-byte rows for TMA
+        epi = i % 4
+        kw = dict(activation=acts[i % 4], out_dtype=("float32", dt, dt, dt)[epi])
+        a = rng.standard_normal((k, m) if ta else (m, k), np.float32)
+        b = rng.standard_normal((n, k) if tb else (k, n), np.float32) / np.sqrt(k)
+        a, b = jnp.asarray(a, dt), jnp.asarray(b, dt)
+        c = jnp.asarray(rng.standard_normal((m, n), np.float32), dt) if epi >= 2 else None
+        bias = jnp.asarray(rng.standard_normal((n,), np.float32), "float32") if epi else None
+        if epi == 3:
+            kw.update(alpha=2.0, beta=0.5)
+        base = jax_sm100.plan(m, n, k, a_dtype=dt, b_dtype=dt, arch="sm_90a",
+                              a_major="m" if ta else "k", b_major="k" if tb else "n",
+                              out_dtype=kw["out_dtype"], c_dtype=None if c is None else dt,
+                              force_kernel=True)  # fmt: skip
+        try:
+            unsplit = planning.with_split(base, 1)
+            p = planning.with_split(planning.sm90_variant(unsplit, tile_mn=tile), split)
+        except planning.C.PlanError as e:
+            print(f"splitk case {i}: skipped ({e})")
+            continue
+        kw.update(transpose_a=ta, transpose_b=tb, plan=p)
+        f = jax.jit(lambda a, b, c, bias, kw=kw: _bind(a, b, c=c, bias=bias, **kw))
+        out = f(a, b, c, bias)
+        low = gpu_lowering.explain()
+        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+        z = kw.get("alpha", 1.0) * jnp.dot(f32(a.T if ta else a), f32(b.T if tb else b),
+                                           precision="highest")  # fmt: skip
+        if c is not None:
+            z = z + kw.get("beta", 1.0) * f32(c)
+        if bias is not None:
+            z = z + bias
+        z = P.apply_activation(z, kw["activation"])
+        err = _rel_err(out, z)
+        ran = low.plan.split_k if low and low.plan else 0
+        ok = err < (2e-3 if kw["out_dtype"] == "float32" else 1e-2) and ran > 1
+        fails += not ok
+        if not ok or i % 10 == 0:
+            verdict = "ok" if ok else "FAIL"
+            print(f"splitk case {i} {m}x{n}x{k} {dt} tile {tile} split {split} (ran {ran}) "
+                  f"ta={ta} tb={tb} epi={epi}: rel err {err:.2e} {verdict}")  # fmt: skip
+    print("RESULT splitk fails", fails)
+    return fails
 
 
 def fp8() -> int:
@@ -111,6 +177,19 @@ def memcheck_child() -> None:
         out = jax.jit(lambda a, b, p=p: jax_sm100.matmul(a, b, plan=p))(a, b)
         err = _rel_err(out, jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)))
         print(f"memcheck case {m}x{n}x{k} ping-pong {tile}: rel err {err:.1e}")
+    # Split-K (the cluster's distributed-shared-memory reduction), every factor, with C and bias.
+    m, n, k = 100, 520, 2048
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
+    c = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+    base = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
+                          arch="sm_90a", force_kernel=True)  # fmt: skip
+    for split in (2, 4, 8):
+        unsplit = planning.sm90_variant(planning.with_split(base, 1), tile_mn=(64, 128))
+        p = planning.with_split(unsplit, split)
+        out = jax.jit(lambda a, b, c, p=p: jax_sm100.matmul(a, b, c=c, plan=p))(a, b, c)
+        ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) + c.astype(jnp.float32)
+        print(f"memcheck case {m}x{n}x{k} split-K x{split}: rel err {_rel_err(out, ref):.1e}")
 
 
 def memcheck(tool: str = "memcheck") -> int:
@@ -142,7 +221,7 @@ def main():
         return 0
     fails = 0
     for part in parts:
-        parts = {"fp8": fp8, "graph": graph, "memcheck": memcheck,
+        parts = {"fp8": fp8, "graph": graph, "memcheck": memcheck, "splitk": splitk,
                  "racecheck": lambda: memcheck("racecheck")}  # fmt: skip
         fails += parts[part]()
     return int(fails > 0)

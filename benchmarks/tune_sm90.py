@@ -4,6 +4,9 @@
         [--pingpong-tiles 128x192,128x128] [--clusters 2x1,1x2] [--swizzles 1,8] [--epi-n 0]
         [--tiles 128x256] [--stages 0] [--method wall|device]
 
+Split-K (skinny shapes): `--splits 2,4,8 --tiles 64x128,64x256 --method device` times each tile
+with each split factor (the cluster's in-kernel reduction).
+
 Small shapes (which the planner sends to XLA's dot), e.g. whether cluster 1x1 or fewer stages
 remove our kernel's start-up cost there:
 
@@ -63,9 +66,21 @@ def _pairs(text):
     return tuple(tuple(int(v) for v in s.split("x")) for s in text.split(",") if s)
 
 
+def split_variants(base, tiles, splits):
+    """Split-K plans of `base`'s problem: each cooperative tile with each split factor."""
+    out = []
+    unsplit = planning.with_split(base, 1)
+    for tile, split in itertools.product(tiles, splits):
+        try:
+            out.append(planning.with_split(planning.sm90_variant(unsplit, tile_mn=tile), split))
+        except planning.C.PlanError as e:
+            print(f"  skip {tile} split {split}: {e}")
+    return out
+
+
 def describe(p) -> str:
     tm, tn, _ = p.cta_tile_mnk
-    kind = "pingpong" if p.pingpong else "coop"
+    kind = f"split{p.split_k}" if p.split_k > 1 else "pingpong" if p.pingpong else "coop"
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
             f"stages {p.num_ab_stages}")  # fmt: skip
@@ -84,6 +99,8 @@ def main():
     ap.add_argument("--epi-n", default="0", help="epilogue sub-tile widths; 0 = the planner's")
     ap.add_argument("--tiles", default="128x256", help="cooperative tiles ('' for none)")
     ap.add_argument("--stages", default="0", help="A/B stage caps; 0 = as many as fit")
+    ap.add_argument("--splits", default="",
+                    help="split-K factors: time --tiles split by each instead")  # fmt: skip
     ap.add_argument("--method", choices=("wall", "device"), default="wall",
                     help="device: bench's dependent-product loop, for small shapes")  # fmt: skip
     args = ap.parse_args()
@@ -102,7 +119,11 @@ def main():
         # force_kernel: small shapes are tuned too, though the planner sends them to XLA's dot.
         base = jax_sm100.plan(m, n, k, a_dtype=dt, b_dtype=dt, arch="sm_90a", force_kernel=True)
         base_sms = planning.dataclasses.replace(base, num_sms=sms)
-        vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages)
+        if args.splits:
+            splits = tuple(int(v) for v in args.splits.split(","))
+            vs = split_variants(base_sms, _pairs(args.tiles), splits)
+        else:
+            vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages)
         plans[m, n, k] = (base, vs)
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]

@@ -39,12 +39,26 @@ class CompileTest(absltest.TestCase):
                          compile_mod.binary_key(p2, KernelSpec.for_plan(p2)))  # fmt: skip
         self.assertIs(compile_mod.compile_plan(p1), compile_mod.compile_plan(p2))
 
-    def test_splitk_compiles_float32_partials(self):
+    def test_splitk_reduces_in_the_cluster(self):
+        # One kernel: the (1, split) cluster sums its partials through distributed shared
+        # memory (mapa + ld.shared::cluster), with cluster-scope mbarrier hand-offs, and writes
+        # the output dtype itself (no float32 partials, no multicast loads).
         p = _plan(64, 4096, 4096)
         self.assertEqual(p.kernel, "sm90_wgmma_splitk")
-        c = compile_mod.compile_plan(p)
-        self.assertEqual(c.spec.out_dtype, "float32")
-        self.assertGreater(c.split_k, 1)
+        self.assertEqual(p.cluster_shape_mn, (1, p.split_k))
+        spec = KernelSpec(
+            a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="bfloat16", c_dtype="bfloat16",
+            bias_dtype="float32", activation="gelu", beta=0.5,
+        )  # fmt: skip
+        c = compile_mod.compile_plan(p, spec)
+        self.assertEqual((c.spec, c.split_k), (spec, p.split_k))
+        ptx = c.ptx
+        self.assertIn("ld.shared::cluster.v4", ptx)
+        self.assertIn("mapa.shared::cluster", ptx)
+        self.assertIn("mbarrier.arrive.release.cluster.shared::cluster", ptx)
+        self.assertIn("fence.acq_rel.cluster", ptx)
+        self.assertIn("tanh.approx.f32", ptx)
+        self.assertNotIn("multicast::cluster", ptx)
 
     def test_xla_plan_is_refused(self):
         p = dataclasses.replace(_plan(256, 256, 256), kernel="xla_dot")

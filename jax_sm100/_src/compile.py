@@ -58,7 +58,7 @@ class CompiledGemm:
       object_bytes: the x86-64 object file holding the cubin and the launch wrapper.
       ptx: the kernel's PTX; cubin: its cubin (both kept for tests and inspection).
       tensor_args: the kernel's tensor arguments, in order (absent c/bias are left out).
-      split_k: the plan's split factor (the kernel then writes float32 partials, batch = split).
+      split_k: the plan's split factor (A and B are then passed as (M, K/split, split) views).
       compile_seconds: wall time of `cute.compile` plus export.
     """
 
@@ -93,23 +93,12 @@ def binary_key(plan, spec: KernelSpec) -> tuple:
     return (fields, spec)
 
 
-def splitk_spec(spec: KernelSpec) -> KernelSpec:
-    """The spec of a split-K partial product: float32 out, no epilogue, every operand batched."""
-    return KernelSpec(
-        a_dtype=spec.a_dtype,
-        b_dtype=spec.b_dtype,
-        out_dtype="float32",
-        a_major=spec.a_major,
-        b_major=spec.b_major,
-    )
-
-
 def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     """Compiles the kernel `plan` selects, for `plan.arch`, once per process.
 
     Works without a GPU. For a split-K plan (`plan.split_k > 1`) the binary is the SM90 kernel
-    on strided views: A and B as (M, K/split, split) and D as float32 partials (M, N, split),
-    whose sum the caller reduces before the epilogue (gpu_lowering.py).
+    with A and B taken as (M, K/split, split) and (N, K/split, split) strided views; it sums the
+    splits in the cluster and writes D through the fused epilogue itself.
 
     Args:
       plan: a GemmPlan whose kernel is not "xla_dot".
@@ -223,52 +212,31 @@ def cache_stats() -> dict[str, int]:
     return dict(_stats, entries=len(_cache))
 
 
-def _splitk_fake_operands(spec: KernelSpec):
-    """(a, b, d) strided views for split-K: any leading dim, any split stride."""
+def _splitk_fake_operands(plan, spec: KernelSpec):
+    """(a, b, d, c, bias) for split-K: A and B as (rows, K/split, split) views of the row-major
+    buffers (any leading dimension and split stride), D, C and bias as for one GEMM."""
     from cutlass import cute  # noqa: PLC0415
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: PLC0415
+    from cutlass.cute.runtime import make_fake_tensor  # noqa: PLC0415
 
     from jax_sm100._src.kernels import common  # noqa: PLC0415
 
-    def strided(dtype, rows, cols, contiguous_cols):
+    s = cute.sym_int()
+    kc = cute.sym_int()
+
+    def view(dtype, rows, contiguous_k):
         div = common.elems_per_16b(dtype)
         ld, split_stride = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
-        stride = (ld, 1, split_stride) if contiguous_cols else (1, ld, split_stride)
+        stride = (ld, 1, split_stride) if contiguous_k else (1, ld, split_stride)
         return make_fake_tensor(
-            common.cutlass_dtype(dtype), (rows, cols, s), stride,
+            common.cutlass_dtype(dtype), (rows, kc, s), stride,
             assumed_align=common.TMA_ALIGN_BYTES,
         )  # fmt: skip
 
-    a_k = spec.a_major == "k"
-    b_n = spec.b_major == "n"
+    a_k, b_n = spec.a_major == "k", spec.b_major == "n"
     m = cute.sym_int(divisibility=1 if a_k else common.elems_per_16b(spec.a_dtype))
-    n = cute.sym_int(divisibility=common.elems_per_16b("float32"))
-    kc = cute.sym_int()
-    s = cute.sym_int()
-    a = strided(spec.a_dtype, m, kc, a_k)
-    b = strided(spec.b_dtype, n, kc, not b_n)
-    d = make_fake_compact_tensor(
-        common.cutlass_dtype("float32"), (m, n, s), stride_order=(1, 0, 2),
-        assumed_align=common.TMA_ALIGN_BYTES,
-    )  # fmt: skip
-    return a, b, d, None, None
-
-
-def _splitk_plan(plan):
-    """The plan re-derived for float32 partials (a larger epilogue buffer), fewer A/B stages
-    when the planner's count no longer fits in shared memory."""
-    from jax_sm100._src import constraints  # noqa: PLC0415
-
-    stages = plan.num_ab_stages
-    while True:
-        try:
-            return dataclasses.replace(
-                plan, out_dtype="float32", c_dtype=None, num_ab_stages=stages
-            )
-        except constraints.PlanError:
-            if stages <= constraints.MIN_AB_STAGES:
-                raise
-            stages -= 1
+    n = cute.sym_int(divisibility=common.elems_per_16b(spec.b_dtype) if b_n else 1)
+    _, _, d, c, bias = common.make_fake_operands(plan, spec)
+    return view(spec.a_dtype, m, a_k), view(spec.b_dtype, n, not b_n), d, c, bias
 
 
 def _tensor_args(operands) -> tuple[TensorArg, ...]:
@@ -298,9 +266,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
         from jax_sm100._src.kernels import sm90_gemm  # noqa: PLC0415
 
         if plan.split_k > 1:
-            plan = _splitk_plan(plan)
-            spec = splitk_spec(spec)
-            operands = _splitk_fake_operands(spec)
+            operands = _splitk_fake_operands(plan, spec)
         else:
             operands = tuple(common.make_fake_operands(plan, spec))
         kernel = sm90_gemm.Sm90GemmKernel(plan, spec)

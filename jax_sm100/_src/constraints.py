@@ -104,6 +104,26 @@ def check_pingpong(arch: str, pingpong: bool, mma_tiler_mnk: tuple) -> None:
         )
 
 
+# Float32 words of padding after each row of a split-K partial tile in shared memory (spreads the
+# accumulator fragments' stores over the banks).
+SPLITK_ROW_PAD = 8
+# The largest split-K tile the planner picks (its float32 partial stays in shared memory).
+SPLITK_MAX_TILE_ELEMS = 128 * 128
+
+
+def check_split_k(split_k: int, cluster_shape_mn: tuple, pingpong: bool) -> None:
+    if split_k == 1:
+        return
+    if tuple(cluster_shape_mn) != (1, split_k):
+        raise PlanError(
+            f"split_k={split_k} runs each output tile's {split_k} K slices as one (1, {split_k}) "
+            f"cluster that sums them in shared memory; got {cluster_shape_mn=}, "
+            f"use cluster_shape_mn=(1, {split_k}) (planning.with_split does)"
+        )
+    if pingpong:
+        raise PlanError("split-K plans are cooperative: pingpong=True needs split_k=1")
+
+
 def check_cluster(arch: str, cluster_shape_mn: tuple, use_2cta: bool) -> None:
     cm, cn = cluster_shape_mn
     for v in (cm, cn):

@@ -17,8 +17,8 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
    `jax_sm100_gemm` target, carrying the object file, its function name and the runtime extents
    and strides as attributes; the binary travels inside the HLO.
-5. A split-K plan runs the kernel on (M, K/s, s) views into float32 partials, summed by XLA with
-   the epilogue fused into that reduction.
+5. A split-K plan runs the same kernel on (M, K/s, s) views of A and B; each output tile's s
+   CTAs sum their partials in the cluster and apply the epilogue (one launch, no workspace).
 
 Anything a kernel cannot take (unsupported dtype, misaligned contiguous dim, batched bias, an
 `xla_dot` plan) runs on XLA's dot with the same float32 epilogue (`primitive.reference_matmul`);
@@ -76,16 +76,6 @@ def explain() -> Lowered | None:
 def _reference(a, b, bias, c, **kw):
     upcast = any(np.dtype(x.dtype).itemsize == 1 for x in (a, b))
     return P.reference_matmul(a, b, bias, c, upcast=upcast, **kw)
-
-
-def _epilogue_xla(z, c, bias, *, alpha, beta, activation, out_dtype):
-    if alpha != 1.0:
-        z = alpha * z
-    if c is not None:
-        z = z + beta * c.astype(jnp.float32)
-    if bias is not None:
-        z = z + bias.astype(jnp.float32)
-    return P.apply_activation(z, activation).astype(out_dtype)
 
 
 def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
@@ -193,13 +183,6 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
 
     _last.append(Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()
-    if p.split_k > 1:
-        compiled = compile_mod.compile_plan(p, spec)
-        parts = _call_splitk(compiled, a3[0], b3[0], mm, n, k, a_major, b_major)
-        z = jnp.sum(parts, axis=0)
-        out = _epilogue_xla(z, None if c3 is None else c3[0], bias1, alpha=alpha, beta=beta,
-                            activation=activation, out_dtype=out_dtype)  # fmt: skip
-        return out.reshape(out_shape)
     compiled = compile_mod.compile_plan(p, spec)
     out = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
     return out.reshape(out_shape)
@@ -236,10 +219,11 @@ def adjust_plan_for_call(
         if small is not None:
             plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
             return plan, ("split-K not applicable (k not divisible) and too small unsplit",)
-        plan = dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1)
-        return plan, ("split-K not applicable (k not divisible): unsplit kernel",)
+        return planning.with_split(plan, 1), (
+            "split-K not applicable (k not divisible): unsplit kernel",
+        )
     if split != plan.split_k:
-        return dataclasses.replace(plan, split_k=split), ()
+        return planning.with_split(plan, split), ()
     return plan, ()
 
 
@@ -268,9 +252,21 @@ def _ffi(compiled, out_type, operands, dims, order):
 
 def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
     # (shape, strides) of each operand in the kernel's modes (spec.py), for row-major buffers.
-    modes = {
-        "a": ((m, k, L), (k, 1, m * k)) if a_major == "k" else ((m, k, L), (1, m, m * k)),
-        "b": ((n, k, L), (1, n, n * k)) if b_major == "n" else ((n, k, L), (k, 1, n * k)),
+    # A split-K kernel (L == 1) takes A and B as (rows, K/s, s) views: split j is columns (or
+    # rows) [j K/s, (j + 1) K/s) of the same buffer.
+    s = compiled.split_k
+    kc = k // s
+    if s > 1:
+        modes = {
+            "a": ((m, kc, s), (k, 1, kc)) if a_major == "k" else ((m, kc, s), (1, m, kc * m)),
+            "b": ((n, kc, s), (1, n, kc * n)) if b_major == "n" else ((n, kc, s), (k, 1, kc)),
+        }
+    else:
+        modes = {
+            "a": ((m, k, L), (k, 1, m * k)) if a_major == "k" else ((m, k, L), (1, m, m * k)),
+            "b": ((n, k, L), (1, n, n * k)) if b_major == "n" else ((n, k, L), (k, 1, n * k)),
+        }
+    modes |= {
         "d": ((m, n, L), (n, 1, m * n)),
         "c": ((m, n, L), (n, 1, m * n)),
         "bias": ((n,), (1,)),
@@ -288,20 +284,3 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         order.append(index[arg.name])
     out_type = jax.ShapeDtypeStruct((L, m, n), out_dtype)
     return _ffi(compiled, out_type, operands, dims, order)
-
-
-def _call_splitk(compiled, a2, b2, m, n, k, a_major, b_major):
-    s = compiled.split_k
-    kc = k // s
-    modes = {
-        "a": ((m, kc, s), (k, 1, kc)) if a_major == "k" else ((m, kc, s), (1, m, kc * m)),
-        "b": ((n, kc, s), (1, n, kc * n)) if b_major == "n" else ((n, kc, s), (k, 1, kc)),
-        "d": ((m, n, s), (n, 1, m * n)),
-    }
-    index = {"a": 0, "b": 1, "d": -1}
-    dims, order = [], []
-    for arg in compiled.tensor_args:
-        dims += arg.dims(*modes[arg.name])
-        order.append(index[arg.name])
-    out_type = jax.ShapeDtypeStruct((s, m, n), jnp.float32)
-    return _ffi(compiled, out_type, [a2, b2], dims, order)

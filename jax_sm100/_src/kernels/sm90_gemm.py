@@ -13,6 +13,15 @@ One CTA runs 1 + W warp groups (W = 2 for 128- and 256-row tiles, 1 for 64-row t
   global memory at the coordinates each register lands on), convert to the output type, write
   the sub-tile to shared memory with `stmatrix` and one thread stores it with TMA.
 
+Split-K (`plan.split_k = S > 1`, skinny problems): A and B come as (rows, K/S, S) views and the
+tile grid is folded to (tiles_m, tiles_n * S): the S CTAs of one (1, S) cluster take the S K
+slices of one output tile (no multicast; the cluster is the reduction group). After the main loop
+each CTA writes its float32 partial tile to its own shared memory and signals every CTA of the
+cluster on an mbarrier; CTA r then sums rows [r tm / S, (r + 1) tm / S) over the S partials
+through distributed shared memory, applies the fused epilogue and stores to D, and signals that
+it is done reading, so no CTA reuses or frees its partial while another still reads it. One
+launch, no workspace, no second reduction kernel.
+
 The tile schedule is CUTLASS's static persistent scheduler (grid = min(clusters of tiles,
 SMs / cluster size)), rasterised along M or N with the plan's swizzle. Out-of-bounds rows,
 columns and k-blocks are handled by TMA (zero fill on load, clipping on store), so any m, n, k
@@ -30,6 +39,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import cute
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -75,6 +85,7 @@ class Sm90GemmKernel:
         self.epi_tile = tuple(plan.epi_tile)
         self.acc_dtype = cutlass.Float32
         self.pingpong = bool(plan.pingpong)
+        self.split = int(plan.split_k)
         # Cooperative: the consumer warp groups split each tile's rows. Ping-pong: two consumer
         # warp groups take alternate tiles, each whole, so one's epilogue overlaps the other's
         # main loop; each has its own epilogue buffers, barrier and TMA-store thread.
@@ -86,9 +97,10 @@ class Sm90GemmKernel:
         self.epi_threads = _THREADS_PER_WG * self.mma_wgs
         cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
         self.max_active_clusters = max(1, plan.num_sms // cluster_size)
-        # A tile is shared by the CTAs of one cluster row (same m), B by one cluster column.
-        self.a_mcast = self.cluster_mn[1]
-        self.b_mcast = self.cluster_mn[0]
+        # A tile is shared by the CTAs of one cluster row (same m), B by one cluster column. A
+        # split-K cluster's CTAs read different K slices: nothing is shared.
+        self.a_mcast = 1 if self.split > 1 else self.cluster_mn[1]
+        self.b_mcast = 1 if self.split > 1 else self.cluster_mn[0]
         self.has_c = spec.has_c and spec.beta != 0.0
         self.has_bias = spec.has_bias
 
@@ -111,8 +123,11 @@ class Sm90GemmKernel:
             return f"cta tile k={tk} must span 128 bytes of {spec.a_dtype}"
         try:
             constraints.check_pingpong(plan.arch, plan.pingpong, plan.cta_tile_mnk)
+            constraints.check_split_k(plan.split_k, plan.cluster_shape_mn, plan.pingpong)
         except constraints.PlanError as e:
             return str(e)
+        if tm % plan.split_k:
+            return f"split_k={plan.split_k} must divide the tile's {tm} rows (one slice per CTA)"
         # The epilogue takes each sub-tile's registers as one contiguous run of the retiled
         # accumulator, which holds when a sub-tile is one 64-row MMA block per warp group.
         rows_per_wg = 64 if plan.pingpong else min(tm, 128) // (2 if tm >= 128 else 1)
@@ -193,6 +208,8 @@ class Sm90GemmKernel:
         )
 
         tiles_mnl = cute.ceil_div(d.shape, (tm, tn, 1))
+        if cutlass.const_expr(self.split > 1):
+            tiles_mnl = (tiles_mnl[0], tiles_mnl[1] * self.split, tiles_mnl[2])
         sched = utils.PersistentTileSchedulerParams(
             tiles_mnl, (*self.cluster_mn, 1), self.plan.swizzle_size, self.plan.raster_along_m
         )
@@ -211,7 +228,21 @@ class Sm90GemmKernel:
                 cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
             ]
 
-        self.shared = Shared
+        @cute.struct
+        class SharedSplitK:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            red_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            sa: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
+            ]
+            sb: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)], _SMEM_ALIGN
+            ]
+            red: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, tm * (tn + constraints.SPLITK_ROW_PAD)], 128
+            ]
+
+        self.shared = SharedSplitK if self.split > 1 else Shared
         self.kernel(
             tma_a,
             ta,
@@ -284,20 +315,42 @@ class Sm90GemmKernel:
         # Every consumer warp of every CTA that reads a multicast stage releases it (in ping-pong
         # only the warp group whose tile the stage belongs to reads it).
         releasers = (self.a_mcast + self.b_mcast - 1) * self.mma_wgs * 4
+        # The stage ring spans the CTAs that share stages by multicast (none for split-K).
+        pipe_layout = cute.make_layout((1, *cluster_layout.shape))
+        if cutlass.const_expr(self.split > 1):
+            pipe_layout = cute.make_layout((1, 1, 1, 1))
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releasers),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, *cluster_layout.shape)),
+            cta_layout_vmnk=pipe_layout,
             defer_sync=True,
         )
+        red_bars = None
+        if cutlass.const_expr(self.split > 1):
+            # "partials written" and "done reading": every consumer thread of every CTA of the
+            # cluster arrives once per tile. Initialised before the cluster-wide sync below, so
+            # no peer arrives on them earlier.
+            red_bars = storage.red_barriers.data_ptr()
+            if warp == 0:
+                with cute.arch.elect_one():
+                    for i in cutlass.range_constexpr(2):
+                        cute.arch.mbarrier_init(
+                            red_bars + i, self.num_consumer_threads * self.split
+                        )
+                cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sa.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sb.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-        sD = storage.sd.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        if cutlass.const_expr(self.split > 1):
+            sD = storage.red.get_tensor(
+                cute.make_layout((tm, tn), stride=(tn + constraints.SPLITK_ROW_PAD, 1))
+            )
+        else:
+            sD = storage.sd.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
 
         # (tile, tile, tiles_m|n, tiles_k, l) views of the operands.
         gA = cute.local_tile(mA, (tm, tk), (None, None, None))
@@ -305,19 +358,22 @@ class Sm90GemmKernel:
         gD = cute.local_tile(mD_tma, (tm, tn), (None, None, None))
         k_tiles = cute.size(gA, mode=[3])
 
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_a,
+        # Each CTA of a multicast group loads its share of the tile for all of them.
+        a_share, a_group = (
             cluster_coord[1],
             cute.make_layout(cute.slice_(cluster_layout, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2),
-            cute.group_modes(gA, 0, 2),
         )
-        tBsB, tBgB = cpasync.tma_partition(
-            tma_b,
+        b_share, b_group = (
             cluster_coord[0],
             cute.make_layout(cute.slice_(cluster_layout, (None, 0, 0)).shape),
-            cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
+        )
+        if cutlass.const_expr(self.split > 1):
+            a_share, a_group, b_share, b_group = 0, cute.make_layout(1), 0, cute.make_layout(1)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, a_share, a_group, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, b_share, b_group, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
@@ -330,7 +386,8 @@ class Sm90GemmKernel:
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC,
-                          mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG)  # fmt: skip
+                          mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG, red_bars,
+                          rank)  # fmt: skip
 
     @cute.jit
     def _produce(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
@@ -344,6 +401,10 @@ class Sm90GemmKernel:
             tile = work.tile_idx
             a_k = tAgA[(None, tile[0], None, tile[2])]
             b_k = tBgB[(None, tile[1], None, tile[2])]
+            if cutlass.const_expr(self.split > 1):
+                # Folded grid: tile n * split + j is K slice j of output tile (m, n).
+                a_k = tAgA[(None, tile[0], None, tile[1] % self.split)]
+                b_k = tBgB[(None, tile[1] // self.split, None, tile[1] % self.split)]
             state.reset_count()
             for _ in range(k_tiles):
                 ab_pipe.producer_acquire(state)
@@ -360,7 +421,7 @@ class Sm90GemmKernel:
 
     @cute.jit
     def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
-                 k_tiles, consumer_wg, warp, ctidx):  # fmt: skip
+                 k_tiles, consumer_wg, warp, ctidx, red_bars, rank):  # fmt: skip
         tm, tn, _ = self.tile_mnk
         # Thread index within this tile's epilogue group, and the group's first warp.
         etidx = ctidx
@@ -378,19 +439,24 @@ class Sm90GemmKernel:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD).shape[:3], self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
 
-        # Register -> shared copy of one epilogue sub-tile (stmatrix for 16-bit outputs).
-        r2s_atom = sm90.get_smem_store_op(
-            LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
-        )
-        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(etidx)
-        tRS_sD = thr_r2s.partition_D(sD)
-        tRS_acc = r2s.retile(acc)
-        sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-        sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
-        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
-        sub_size = cute.size(sub_acc)
+        # Register -> shared copy of one epilogue sub-tile (stmatrix for 16-bit outputs). The
+        # split-K epilogue writes its float32 partial tile element by element instead.
+        r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size = (None,) * 7
+        if cutlass.const_expr(self.split == 1):
+            r2s_atom = sm90.get_smem_store_op(
+                LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+            )
+            stm_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype
+            )
+            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+            thr_r2s = r2s.get_slice(etidx)
+            tRS_sD = thr_r2s.partition_D(sD)
+            tRS_acc = r2s.retile(acc)
+            sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+            sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
+            sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+            sub_size = cute.size(sub_acc)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
@@ -464,40 +530,132 @@ class Sm90GemmKernel:
                     read.advance()
                     release.advance()
 
-            # ---- epilogue, one sub-tile at a time.
-            gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
-            cD_tile = cD[(None, None, *tile)]
-            bSG_sD, bSG_gD = cpasync.tma_partition(
-                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
-            )
-            gC_tile = None
-            if cutlass.const_expr(self.has_c):
-                gC_tile = gC[(None, None, *tile)]
-            subs_mn = gD_tile.shape[1]
-            sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
-            num_subs = cute.size(sub_order)
-            done = tiles_done * num_subs
-            for s in cutlass.range_constexpr(num_subs):
-                for v in cutlass.range_constexpr(sub_size):
-                    sub_acc[v] = tRS_acc[s * sub_size + v]
-                sub_crd = sub_order.get_hier_coord(s)
-                vals = sub_acc.load()
-                if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
-                    vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
-                sub_out.store(vals.to(self.d_dtype))
-                buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
-                cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_barrier.arrive_and_wait()
-                if warp == store_warp:
-                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, sub_crd)])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                epi_barrier.arrive_and_wait()
+            if cutlass.const_expr(self.split > 1):
+                self._splitk_epilogue(acc, tiled_mma.get_slice(ctidx), sD, red_bars, rank,
+                                      tile, tiles_done, ctidx, mD, mC, mBias)  # fmt: skip
+            else:
+                # ---- epilogue, one sub-tile at a time.
+                gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
+                cD_tile = cD[(None, None, *tile)]
+                bSG_sD, bSG_gD = cpasync.tma_partition(
+                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
+                )
+                gC_tile = None
+                if cutlass.const_expr(self.has_c):
+                    gC_tile = gC[(None, None, *tile)]
+                subs_mn = gD_tile.shape[1]
+                sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
+                num_subs = cute.size(sub_order)
+                done = tiles_done * num_subs
+                for s in cutlass.range_constexpr(num_subs):
+                    for v in cutlass.range_constexpr(sub_size):
+                        sub_acc[v] = tRS_acc[s * sub_size + v]
+                    sub_crd = sub_order.get_hier_coord(s)
+                    vals = sub_acc.load()
+                    if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
+                        vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
+                    sub_out.store(vals.to(self.d_dtype))
+                    buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
+                    cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_barrier.arrive_and_wait()
+                    if warp == store_warp:
+                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, sub_crd)])
+                        store_pipe.producer_commit()
+                        store_pipe.producer_acquire()
+                    epi_barrier.arrive_and_wait()
             tiles_done += 1
             sched.advance_to_next_work()
             work = sched.get_current_work()
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _splitk_epilogue(self, acc, thr_c, sRed, red_bars, rank, tile, tiles_done, ctidx, mD, mC,
+                         mBias):  # fmt: skip
+        """Sums one output tile's S partials across the cluster, then the fused epilogue.
+
+        `acc` is this CTA's float32 partial for K slice `rank`; `sRed` its (tm, tn) shared
+        buffer; `red_bars` the "partials written" and "done reading" mbarriers, each completing
+        once per tile when all consumer threads of all S CTAs have arrived.
+        """
+        tm, tn, _ = self.tile_mnk
+        split = self.split
+        threads = self.num_consumer_threads
+        phase = tiles_done % 2
+        cluster_scope = nvvm.MemScopeKind.CLUSTER
+        # 1. Publish this CTA's partial (the previous tile's readers are done: step 3).
+        tCsRed = thr_c.partition_C(sRed)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            tCsRed[i] = acc[i]
+        for q in cutlass.range_constexpr(split):
+            cute.arch.mbarrier_arrive(red_bars, peer_cta_rank_in_cluster=q, scope=cluster_scope)
+        cute.arch.mbarrier_wait(red_bars, phase)
+        cute.arch.fence_acq_rel_cluster()
+
+        # 2. Rows [rank * rows, (rank + 1) * rows) of the tile: 4 columns per thread and step,
+        # summed over the S partials (read through distributed shared memory), then the
+        # epilogue and a predicated store (n is a multiple of 4, so a vector is in or out).
+        rows = tm // split
+        vecs_per_row = tn // 4
+        num_vecs = rows * vecs_per_row
+        row_words = tn + constraints.SPLITK_ROW_PAD
+        m0 = tile[0] * tm
+        n0 = (tile[1] // split) * tn
+        for j in cutlass.range_constexpr((num_vecs + threads - 1) // threads):
+            v = ctidx + j * threads
+            if v < num_vecs:
+                r = rank * rows + v // vecs_per_row
+                col = (v % vecs_per_row) * 4
+                off = cute.assume(r * row_words + col, divby=4)
+                total = cute.make_rmem_tensor((4,), cutlass.Float32)
+                total.fill(0.0)
+                part = cute.make_rmem_tensor((4,), cutlass.Float32)
+                for q in cutlass.range_constexpr(split):
+                    src = cute.make_tensor(
+                        cute.arch.map_dsmem_ptr(sRed.iterator + off, q), cute.make_layout(4)
+                    )
+                    cute.autovec_copy(src, part)
+                    total.store(total.load() + part.load())
+                gm = m0 + r
+                gn = n0 + col
+                if gm < mD.shape[0]:
+                    if gn < mD.shape[1]:
+                        vals = total.load()
+                        if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
+                            vals = self._splitk_fused(vals, gm, gn, mC, mBias)
+                        out = cute.make_rmem_tensor((4,), self.d_dtype)
+                        out.store(vals.to(self.d_dtype))
+                        for i in cutlass.range_constexpr(4):
+                            mD[(gm, gn + i, 0)] = out[i]
+
+        # 3. Done reading the peers' partials; wait until every peer is done reading ours.
+        for q in cutlass.range_constexpr(split):
+            cute.arch.mbarrier_arrive(red_bars + 1, peer_cta_rank_in_cluster=q, scope=cluster_scope)
+        cute.arch.mbarrier_wait(red_bars + 1, phase)
+
+    @cute.jit
+    def _splitk_fused(self, vals, gm, gn, mC, mBias):
+        """alpha, beta * C, bias and activation on 4 summed values at (gm, gn .. gn + 3)."""
+        c_vals = None
+        bias_vals = None
+        if cutlass.const_expr(self.has_c):
+            rc = cute.make_rmem_tensor((4,), mC.element_type)
+            for i in cutlass.range_constexpr(4):
+                rc[i] = mC[(gm, gn + i, 0)]
+            c_vals = rc.load()
+        if cutlass.const_expr(self.has_bias):
+            rb = cute.make_rmem_tensor((4,), mBias.element_type)
+            for i in cutlass.range_constexpr(4):
+                rb[i] = mBias[gn + i]
+            bias_vals = rb.load()
+        return common.apply_epilogue(
+            vals,
+            c_vals,
+            bias_vals,
+            alpha=self.spec.alpha,
+            beta=self.spec.beta,
+            activation=self.spec.activation,
+        )
 
     @cute.jit
     def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD):
