@@ -22,6 +22,7 @@ import numpy as np
 import jax_sm100
 from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src import primitive as P
+from jax_sm100._src.kernels.spec import KernelSpec
 
 
 def _rel_err(out, ref) -> float:
@@ -39,17 +40,12 @@ def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None, t
     )  # fmt: skip
 
 
-def splitk(cases: int = 60) -> int:
-    """Split-K plans (the cluster's in-kernel reduction) forced on random skinny problems.
-
-    Every split factor (2, 4, 8), split tiles 64x128 / 64x256 / 128x128, m not a multiple of
-    the tile (1 to 256), n not a multiple of it, both operand layouts, bf16 / fp16, and each
-    epilogue (alpha, beta * C, bias, relu / gelu / silu, out dtype) against a float32 reference.
-    """
+def _splitk_cases(cases: int):
+    """(inputs, matmul params, plan, kernel spec) of `cases` random split-K problems."""
     rng = np.random.default_rng(5)
-    fails = 0
     tiles = ((64, 128), (64, 256), (128, 128))
     acts = (None, "relu", "gelu", "silu")
+    out = []
     for i in range(cases):
         split = (2, 4, 8)[i % 3]
         tile = tiles[(i // 3) % len(tiles)]
@@ -61,14 +57,13 @@ def splitk(cases: int = 60) -> int:
         if ta:
             m = max(8, m // 8 * 8)  # an M-major A needs 16-byte rows for TMA
         epi = i % 4
-        kw = dict(activation=acts[i % 4], out_dtype=("float32", dt, dt, dt)[epi])
-        a = rng.standard_normal((k, m) if ta else (m, k), np.float32)
-        b = rng.standard_normal((n, k) if tb else (k, n), np.float32) / np.sqrt(k)
-        a, b = jnp.asarray(a, dt), jnp.asarray(b, dt)
-        c = jnp.asarray(rng.standard_normal((m, n), np.float32), dt) if epi >= 2 else None
-        bias = jnp.asarray(rng.standard_normal((n,), np.float32), "float32") if epi else None
+        kw = dict(activation=acts[epi], out_dtype=("float32", dt, dt, dt)[epi])
         if epi == 3:
             kw.update(alpha=2.0, beta=0.5)
+        a = rng.standard_normal((k, m) if ta else (m, k), np.float32)
+        b = rng.standard_normal((n, k) if tb else (k, n), np.float32) / np.sqrt(k)
+        c = rng.standard_normal((m, n), np.float32) if epi >= 2 else None
+        bias = rng.standard_normal((n,), np.float32) if epi else None
         base = jax_sm100.plan(m, n, k, a_dtype=dt, b_dtype=dt, arch="sm_90a",
                               a_major="m" if ta else "k", b_major="k" if tb else "n",
                               out_dtype=kw["out_dtype"], c_dtype=None if c is None else dt,
@@ -79,11 +74,40 @@ def splitk(cases: int = 60) -> int:
         except planning.C.PlanError as e:
             print(f"splitk case {i}: skipped ({e})")
             continue
+        spec = KernelSpec(
+            a_dtype=dt, b_dtype=dt, out_dtype=kw["out_dtype"], a_major=p.a_major,
+            b_major=p.b_major, c_dtype=p.c_dtype, bias_dtype=None if bias is None else "float32",
+            activation=kw["activation"], alpha=kw.get("alpha", 1.0), beta=kw.get("beta", 1.0),
+        )  # fmt: skip
         kw.update(transpose_a=ta, transpose_b=tb, plan=p)
-        f = jax.jit(lambda a, b, c, bias, kw=kw: _bind(a, b, c=c, bias=bias, **kw))
-        out = f(a, b, c, bias)
+        arrays = [jnp.asarray(x, dt) for x in (a, b)] + [
+            None if c is None else jnp.asarray(c, dt),
+            None if bias is None else jnp.asarray(bias),
+        ]
+        out.append((i, arrays, kw, p, spec))
+    return out
+
+
+def splitk(cases: int = 60, jobs: int = 15) -> int:
+    """Split-K plans (the cluster's in-kernel reduction) forced on random skinny problems.
+
+    Every split factor (2, 4, 8), split tiles 64x128 / 64x256 / 128x128, m not a multiple of
+    the tile (1 to 256), n not a multiple of it, both operand layouts, bf16 / fp16, and each
+    epilogue (alpha, beta * C, bias, relu / gelu / silu, out dtype) against a float32 reference.
+    The binaries are compiled first by `jobs` CPU workers.
+    """
+    todo = _splitk_cases(cases)
+    if jobs > 1:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import gpu_check  # noqa: PLC0415  (its parallel precompile)
+
+        gpu_check.precompile_parallel([(p, spec) for *_, p, spec in todo], jobs)
+    fails = 0
+    for i, (a, b, c, bias), kw, p, _ in todo:
+        out = jax.jit(lambda a, b, c, bias, kw=kw: _bind(a, b, c=c, bias=bias, **kw))(a, b, c, bias)
         low = gpu_lowering.explain()
         f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+        ta, tb = kw["transpose_a"], kw["transpose_b"]
         z = kw.get("alpha", 1.0) * jnp.dot(f32(a.T if ta else a), f32(b.T if tb else b),
                                            precision="highest")  # fmt: skip
         if c is not None:
@@ -97,8 +121,10 @@ def splitk(cases: int = 60) -> int:
         fails += not ok
         if not ok or i % 10 == 0:
             verdict = "ok" if ok else "FAIL"
-            print(f"splitk case {i} {m}x{n}x{k} {dt} tile {tile} split {split} (ran {ran}) "
-                  f"ta={ta} tb={tb} epi={epi}: rel err {err:.2e} {verdict}")  # fmt: skip
+            m, n = out.shape
+            print(f"splitk case {i} {m}x{n}x{a.size // m} {a.dtype} tile {p.cta_tile_mnk[:2]} "
+                  f"split {p.split_k} (ran {ran}) ta={ta} tb={tb} {kw['activation']} "
+                  f"out {kw['out_dtype']}: rel err {err:.2e} {verdict}")  # fmt: skip
     print("RESULT splitk fails", fails)
     return fails
 

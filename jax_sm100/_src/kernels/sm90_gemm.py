@@ -330,16 +330,14 @@ class Sm90GemmKernel:
         )
         red_bars = None
         if cutlass.const_expr(self.split > 1):
-            # "partials written" and "done reading": every consumer thread of every CTA of the
-            # cluster arrives once per tile. Initialised before the cluster-wide sync below, so
-            # no peer arrives on them earlier.
+            # "partials written" and "done reading": one thread of every CTA of the cluster
+            # arrives once per tile. Initialised before the cluster-wide sync below, so no peer
+            # arrives on them earlier.
             red_bars = storage.red_barriers.data_ptr()
             if warp == 0:
                 with cute.arch.elect_one():
                     for i in cutlass.range_constexpr(2):
-                        cute.arch.mbarrier_init(
-                            red_bars + i, self.num_consumer_threads * self.split
-                        )
+                        cute.arch.mbarrier_init(red_bars + i, self.split)
                 cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
@@ -576,19 +574,25 @@ class Sm90GemmKernel:
 
         `acc` is this CTA's float32 partial for K slice `rank`; `sRed` its (tm, tn) shared
         buffer; `red_bars` the "partials written" and "done reading" mbarriers, each completing
-        once per tile when all consumer threads of all S CTAs have arrived.
+        once per tile when all S CTAs have arrived. One thread per CTA arrives, after a barrier
+        over the CTA's consumer threads, with a cluster-scope release that carries their
+        writes (or reads) along; one arrival per thread measured several times slower on the
+        H200 (S x 128 remote atomics on one word).
         """
         tm, tn, _ = self.tile_mnk
         split = self.split
         threads = self.num_consumer_threads
         phase = tiles_done % 2
         cluster_scope = nvvm.MemScopeKind.CLUSTER
+        sync = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER_ID, num_threads=threads)
         # 1. Publish this CTA's partial (the previous tile's readers are done: step 3).
         tCsRed = thr_c.partition_C(sRed)
         for i in cutlass.range_constexpr(cute.size(acc)):
             tCsRed[i] = acc[i]
-        for q in cutlass.range_constexpr(split):
-            cute.arch.mbarrier_arrive(red_bars, peer_cta_rank_in_cluster=q, scope=cluster_scope)
+        sync.arrive_and_wait()
+        if ctidx == 0:
+            for q in cutlass.range_constexpr(split):
+                cute.arch.mbarrier_arrive(red_bars, peer_cta_rank_in_cluster=q, scope=cluster_scope)
         cute.arch.mbarrier_wait(red_bars, phase)
         cute.arch.fence_acq_rel_cluster()
 
@@ -629,8 +633,12 @@ class Sm90GemmKernel:
                             mD[(gm, gn + i, 0)] = out[i]
 
         # 3. Done reading the peers' partials; wait until every peer is done reading ours.
-        for q in cutlass.range_constexpr(split):
-            cute.arch.mbarrier_arrive(red_bars + 1, peer_cta_rank_in_cluster=q, scope=cluster_scope)
+        sync.arrive_and_wait()
+        if ctidx == 0:
+            for q in cutlass.range_constexpr(split):
+                cute.arch.mbarrier_arrive(
+                    red_bars + 1, peer_cta_rank_in_cluster=q, scope=cluster_scope
+                )
         cute.arch.mbarrier_wait(red_bars + 1, phase)
 
     @cute.jit
