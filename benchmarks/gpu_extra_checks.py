@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sm100
+from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
@@ -70,7 +71,9 @@ def _splitk_cases(cases: int):
                               force_kernel=True)  # fmt: skip
         try:
             unsplit = planning.with_split(base, 1)
-            p = planning.with_split(planning.sm90_variant(unsplit, tile_mn=tile), split)
+            p = planning.with_split(
+                planning.sm90_variant(unsplit, tile_mn=tile), split, reduce="cluster"
+            )
         except planning.C.PlanError as e:
             print(f"splitk case {i}: skipped ({e})")
             continue
@@ -89,7 +92,7 @@ def _splitk_cases(cases: int):
 
 
 def splitk(cases: int = 60, jobs: int = 15) -> int:
-    """Split-K plans (the cluster's in-kernel reduction) forced on random skinny problems.
+    """In-cluster split-K plans (`split_reduce="cluster"`) forced on random skinny problems.
 
     Every split factor (2, 4, 8), split tiles 64x128 / 64x256 / 128x128, m not a multiple of
     the tile (1 to 256), n not a multiple of it, both operand layouts, bf16 / fp16, and each
@@ -103,6 +106,7 @@ def splitk(cases: int = 60, jobs: int = 15) -> int:
 
         gpu_check.precompile_parallel([(p, spec) for *_, p, spec in todo], jobs)
     fails = 0
+    stats = compile_mod.cache_stats()
     for i, (a, b, c, bias), kw, p, _ in todo:
         out = jax.jit(lambda a, b, c, bias, kw=kw: _bind(a, b, c=c, bias=bias, **kw))(a, b, c, bias)
         low = gpu_lowering.explain()
@@ -119,12 +123,13 @@ def splitk(cases: int = 60, jobs: int = 15) -> int:
         ran = low.plan.split_k if low and low.plan else 0
         ok = err < (2e-3 if kw["out_dtype"] == "float32" else 1e-2) and ran > 1
         fails += not ok
-        if not ok or i % 10 == 0:
+        if not ok or i % 10 == 0 or os.environ.get("JAX_SM100_VERBOSE"):
             verdict = "ok" if ok else "FAIL"
             m, n = out.shape
             print(f"splitk case {i} {m}x{n}x{a.size // m} {a.dtype} tile {p.cta_tile_mnk[:2]} "
                   f"split {p.split_k} (ran {ran}) ta={ta} tb={tb} {kw['activation']} "
                   f"out {kw['out_dtype']}: rel err {err:.2e} {verdict}")  # fmt: skip
+    print("compiles in this process:", compile_mod.cache_stats()["compiles"] - stats["compiles"])
     print("RESULT splitk fails", fails)
     return fails
 
@@ -189,7 +194,12 @@ def memcheck_child() -> None:
         b = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
         c = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16) if kw else None
         bias = jnp.asarray(rng.standard_normal((n,), np.float32), jnp.bfloat16) if kw else None
-        out = jax.jit(lambda a, b, c, bias: jax_sm100.matmul(a, b, c=c, bias=bias))(a, b, c, bias)
+        # force_kernel: these problems are under the planner's XLA threshold (SM90_MIN_FLOPS).
+        p = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+                           c_dtype="bfloat16" if kw else None, force_kernel=True)  # fmt: skip
+        out = jax.jit(lambda a, b, c, bias, p=p: jax_sm100.matmul(a, b, c=c, bias=bias, plan=p))(
+            a, b, c, bias
+        )
         out.block_until_ready()
         low = gpu_lowering.explain()
         print(f"memcheck case {m}x{n}x{k}: {low.plan.kernel if low.plan else low.note}")
@@ -212,7 +222,7 @@ def memcheck_child() -> None:
                           arch="sm_90a", force_kernel=True)  # fmt: skip
     for split in (2, 4, 8):
         unsplit = planning.sm90_variant(planning.with_split(base, 1), tile_mn=(64, 128))
-        p = planning.with_split(unsplit, split)
+        p = planning.with_split(unsplit, split, reduce="cluster")
         out = jax.jit(lambda a, b, c, p=p: jax_sm100.matmul(a, b, c=c, plan=p))(a, b, c)
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) + c.astype(jnp.float32)
         print(f"memcheck case {m}x{n}x{k} split-K x{split}: rel err {_rel_err(out, ref):.1e}")

@@ -5,7 +5,7 @@
         [--tiles 128x256] [--stages 0] [--method wall|device]
 
 Split-K (skinny shapes): `--splits 2,4,8 --tiles 64x128,64x256 --method device` times each tile
-with each split factor (the cluster's in-kernel reduction).
+with each split factor, partials summed by XLA and in the cluster (`--split-reduce`).
 
 Small shapes (which the planner sends to XLA's dot), e.g. whether cluster 1x1 or fewer stages
 remove our kernel's start-up cost there:
@@ -66,13 +66,15 @@ def _pairs(text):
     return tuple(tuple(int(v) for v in s.split("x")) for s in text.split(",") if s)
 
 
-def split_variants(base, tiles, splits):
-    """Split-K plans of `base`'s problem: each cooperative tile with each split factor."""
+def split_variants(base, tiles, splits, reduces):
+    """Split-K plans of `base`'s problem: each cooperative tile with each split factor, partials
+    summed by each of `reduces` ("xla", "cluster")."""
     out = []
-    unsplit = planning.with_split(base, 1)
-    for tile, split in itertools.product(tiles, splits):
+    unsplit = planning.with_split(base, 1, reduce="xla")
+    for tile, split, reduce in itertools.product(tiles, splits, reduces):
         try:
-            out.append(planning.with_split(planning.sm90_variant(unsplit, tile_mn=tile), split))
+            tiled = planning.sm90_variant(unsplit, tile_mn=tile)
+            out.append(planning.with_split(tiled, split, reduce=reduce))
         except planning.C.PlanError as e:
             print(f"  skip {tile} split {split}: {e}")
     return out
@@ -80,7 +82,13 @@ def split_variants(base, tiles, splits):
 
 def describe(p) -> str:
     tm, tn, _ = p.cta_tile_mnk
-    kind = f"split{p.split_k}" if p.split_k > 1 else "pingpong" if p.pingpong else "coop"
+    kind = (
+        f"split{p.split_k}{p.split_reduce[0]}"
+        if p.split_k > 1
+        else "pingpong"
+        if p.pingpong
+        else "coop"
+    )
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
             f"stages {p.num_ab_stages}")  # fmt: skip
@@ -101,6 +109,8 @@ def main():
     ap.add_argument("--stages", default="0", help="A/B stage caps; 0 = as many as fit")
     ap.add_argument("--splits", default="",
                     help="split-K factors: time --tiles split by each instead")  # fmt: skip
+    ap.add_argument("--split-reduce", default="xla,cluster",
+                    help="where split partials are summed: xla, cluster")  # fmt: skip
     ap.add_argument("--method", choices=("wall", "device"), default="wall",
                     help="device: bench's dependent-product loop, for small shapes")  # fmt: skip
     args = ap.parse_args()
@@ -121,7 +131,7 @@ def main():
         base_sms = planning.dataclasses.replace(base, num_sms=sms)
         if args.splits:
             splits = tuple(int(v) for v in args.splits.split(","))
-            vs = split_variants(base_sms, _pairs(args.tiles), splits)
+            vs = split_variants(base_sms, _pairs(args.tiles), splits, args.split_reduce.split(","))
         else:
             vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages)
         plans[m, n, k] = (base, vs)

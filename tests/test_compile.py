@@ -39,11 +39,18 @@ class CompileTest(absltest.TestCase):
                          compile_mod.binary_key(p2, KernelSpec.for_plan(p2)))  # fmt: skip
         self.assertIs(compile_mod.compile_plan(p1), compile_mod.compile_plan(p2))
 
+    def test_splitk_compiles_float32_partials(self):
+        p = _plan(64, 4096, 4096)
+        self.assertEqual((p.kernel, p.split_reduce), ("sm90_wgmma_splitk", "xla"))
+        c = compile_mod.compile_plan(p)
+        self.assertEqual(c.spec.out_dtype, "float32")
+        self.assertGreater(c.split_k, 1)
+
     def test_splitk_reduces_in_the_cluster(self):
         # One kernel: the (1, split) cluster sums its partials through distributed shared
         # memory (mapa + ld.shared::cluster), with cluster-scope mbarrier hand-offs, and writes
         # the output dtype itself (no float32 partials, no multicast loads).
-        p = _plan(64, 4096, 4096)
+        p = planning.with_split(_plan(64, 4096, 4096), 4, reduce="cluster")
         self.assertEqual(p.kernel, "sm90_wgmma_splitk")
         self.assertEqual(p.cluster_shape_mn, (1, p.split_k))
         spec = KernelSpec(
@@ -59,6 +66,35 @@ class CompileTest(absltest.TestCase):
         self.assertIn("fence.acq_rel.cluster", ptx)
         self.assertIn("tanh.approx.f32", ptx)
         self.assertNotIn("multicast::cluster", ptx)
+
+    @absltest.skipUnless(_HAS_CXX, "the CUDA lowering registers the FFI handler: needs g++/c++")
+    def test_split_reduce_lowerings(self):
+        # "xla": the kernel returns float32 partials and XLA sums them (a reduce in the module);
+        # "cluster": one custom call returns the bf16 output with C and bias as operands.
+        base = _plan(64, 4096, 4096, c_dtype="bfloat16")
+        args = (jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16),
+                jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4096,), jnp.float32))  # fmt: skip
+        for reduce in ("xla", "cluster"):
+            p = planning.with_split(base, 4, reduce=reduce)
+            f = jax.jit(lambda a, b, c, bias, p=p: jax_sm100.matmul(
+                a, b, c=c, bias=bias, activation="relu", plan=p))  # fmt: skip
+            with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
+                exp = jax.export.export(
+                    f, platforms=["cuda"],
+                    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ffi.TARGET)],
+                )(*args)  # fmt: skip
+            text = exp.mlir_module()
+            calls = [ln for ln in text.splitlines() if f"custom_call @{ffi.TARGET}" in ln]
+            self.assertLen(calls, 1)
+            if reduce == "xla":
+                self.assertIn("-> tensor<4x64x4096xf32>", calls[0])
+                self.assertIn("stablehlo.reduce", text)
+            else:
+                self.assertIn("-> tensor<1x64x4096xbf16>", calls[0])
+                self.assertNotIn("stablehlo.reduce", text)
+            self.assertEqual(gpu_lowering.explain().plan.split_reduce, reduce)
 
     def test_xla_plan_is_refused(self):
         p = dataclasses.replace(_plan(256, 256, 256), kernel="xla_dot")

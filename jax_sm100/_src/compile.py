@@ -58,7 +58,8 @@ class CompiledGemm:
       object_bytes: the x86-64 object file holding the cubin and the launch wrapper.
       ptx: the kernel's PTX; cubin: its cubin (both kept for tests and inspection).
       tensor_args: the kernel's tensor arguments, in order (absent c/bias are left out).
-      split_k: the plan's split factor (A and B are then passed as (M, K/split, split) views).
+      split_k: the plan's split factor (A and B are then passed as (M, K/split, split) views;
+        with `plan.split_reduce == "xla"` the kernel writes float32 partials, batch = split).
       compile_seconds: wall time of `cute.compile` plus export.
     """
 
@@ -93,12 +94,25 @@ def binary_key(plan, spec: KernelSpec) -> tuple:
     return (fields, spec)
 
 
+def splitk_spec(spec: KernelSpec) -> KernelSpec:
+    """The spec of a split-K partial product: float32 out, no epilogue, every operand batched."""
+    return KernelSpec(
+        a_dtype=spec.a_dtype,
+        b_dtype=spec.b_dtype,
+        out_dtype="float32",
+        a_major=spec.a_major,
+        b_major=spec.b_major,
+    )
+
+
 def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     """Compiles the kernel `plan` selects, for `plan.arch`, once per process.
 
     Works without a GPU. For a split-K plan (`plan.split_k > 1`) the binary is the SM90 kernel
-    with A and B taken as (M, K/split, split) and (N, K/split, split) strided views; it sums the
-    splits in the cluster and writes D through the fused epilogue itself.
+    with A and B taken as (M, K/split, split) and (N, K/split, split) strided views. With
+    `plan.split_reduce == "xla"` it writes float32 partials (M, N, split), whose sum the caller
+    reduces before the epilogue (gpu_lowering.py); with "cluster" it sums the splits in the
+    cluster and writes D through the fused epilogue itself.
 
     Args:
       plan: a GemmPlan whose kernel is not "xla_dot".
@@ -212,11 +226,12 @@ def cache_stats() -> dict[str, int]:
     return dict(_stats, entries=len(_cache))
 
 
-def _splitk_fake_operands(plan, spec: KernelSpec):
+def _splitk_fake_operands(plan, spec: KernelSpec, partials: bool):
     """(a, b, d, c, bias) for split-K: A and B as (rows, K/split, split) views of the row-major
-    buffers (any leading dimension and split stride), D, C and bias as for one GEMM."""
+    buffers (any leading dimension and split stride); D float32 partials (M, N, split) when
+    `partials`, else D, C and bias as for one GEMM."""
     from cutlass import cute  # noqa: PLC0415
-    from cutlass.cute.runtime import make_fake_tensor  # noqa: PLC0415
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: PLC0415
 
     from jax_sm100._src.kernels import common  # noqa: PLC0415
 
@@ -235,8 +250,33 @@ def _splitk_fake_operands(plan, spec: KernelSpec):
     a_k, b_n = spec.a_major == "k", spec.b_major == "n"
     m = cute.sym_int(divisibility=1 if a_k else common.elems_per_16b(spec.a_dtype))
     n = cute.sym_int(divisibility=common.elems_per_16b(spec.b_dtype) if b_n else 1)
+    a, b = view(spec.a_dtype, m, a_k), view(spec.b_dtype, n, not b_n)
+    if partials:
+        n_d = cute.sym_int(divisibility=common.elems_per_16b("float32"))
+        d = make_fake_compact_tensor(
+            common.cutlass_dtype("float32"), (m, n_d, s), stride_order=(1, 0, 2),
+            assumed_align=common.TMA_ALIGN_BYTES,
+        )  # fmt: skip
+        return a, b, d, None, None
     _, _, d, c, bias = common.make_fake_operands(plan, spec)
-    return view(spec.a_dtype, m, a_k), view(spec.b_dtype, n, not b_n), d, c, bias
+    return a, b, d, c, bias
+
+
+def _splitk_plan(plan):
+    """The plan re-derived for float32 partials (a larger epilogue buffer), fewer A/B stages
+    when the planner's count no longer fits in shared memory."""
+    from jax_sm100._src import constraints  # noqa: PLC0415
+
+    stages = plan.num_ab_stages
+    while True:
+        try:
+            return dataclasses.replace(
+                plan, out_dtype="float32", c_dtype=None, num_ab_stages=stages
+            )
+        except constraints.PlanError:
+            if stages <= constraints.MIN_AB_STAGES:
+                raise
+            stages -= 1
 
 
 def _tensor_args(operands) -> tuple[TensorArg, ...]:
@@ -265,8 +305,12 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
     if plan.kernel in ("sm90_wgmma", "sm90_wgmma_splitk"):
         from jax_sm100._src.kernels import sm90_gemm  # noqa: PLC0415
 
-        if plan.split_k > 1:
-            operands = _splitk_fake_operands(plan, spec)
+        if plan.split_k > 1 and plan.split_reduce == "xla":
+            plan = _splitk_plan(plan)
+            spec = splitk_spec(spec)
+            operands = _splitk_fake_operands(plan, spec, partials=True)
+        elif plan.split_k > 1:
+            operands = _splitk_fake_operands(plan, spec, partials=False)
         else:
             operands = tuple(common.make_fake_operands(plan, spec))
         kernel = sm90_gemm.Sm90GemmKernel(plan, spec)

@@ -104,15 +104,19 @@ def check_pingpong(arch: str, pingpong: bool, mma_tiler_mnk: tuple) -> None:
         )
 
 
-# Float32 words of padding after each row of a split-K partial tile in shared memory (spreads the
-# accumulator fragments' stores over the banks).
+# Float32 words of padding after each row of an in-cluster split-K partial tile in shared memory
+# (spreads the accumulator fragments' stores over the banks).
 SPLITK_ROW_PAD = 8
-# The largest split-K tile the planner picks (its float32 partial stays in shared memory).
-SPLITK_MAX_TILE_ELEMS = 128 * 128
+# Where a split-K plan sums its partials: "xla" (the kernel writes float32 partials, one XLA
+# reduction fused with the epilogue sums them) or "cluster" (the split_k CTAs of a tile form a
+# cluster and sum them through distributed shared memory, then run the epilogue themselves).
+SPLIT_REDUCES = ("xla", "cluster")
 
 
-def check_split_k(split_k: int, cluster_shape_mn: tuple, pingpong: bool) -> None:
-    if split_k == 1:
+def check_split_k(split_k: int, cluster_shape_mn: tuple, pingpong: bool, split_reduce: str) -> None:
+    if split_reduce not in SPLIT_REDUCES:
+        raise PlanError(f"split_reduce={split_reduce!r} must be one of {SPLIT_REDUCES}")
+    if split_k == 1 or split_reduce == "xla":
         return
     if tuple(cluster_shape_mn) != (1, split_k):
         raise PlanError(

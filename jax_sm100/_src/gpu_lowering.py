@@ -17,8 +17,10 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
    `jax_sm100_gemm` target, carrying the object file, its function name and the runtime extents
    and strides as attributes; the binary travels inside the HLO.
-5. A split-K plan runs the same kernel on (M, K/s, s) views of A and B; each output tile's s
-   CTAs sum their partials in the cluster and apply the epilogue (one launch, no workspace).
+5. A split-K plan runs the kernel on (M, K/s, s) views of A and B. With `split_reduce="xla"`
+   (the planner's) it writes float32 partials, summed by XLA with the epilogue fused into that
+   reduction; with "cluster" each output tile's s CTAs sum their partials in the cluster and
+   apply the epilogue themselves (one launch, no workspace).
 
 Anything a kernel cannot take (unsupported dtype, misaligned contiguous dim, batched bias, an
 `xla_dot` plan) runs on XLA's dot with the same float32 epilogue (`primitive.reference_matmul`);
@@ -76,6 +78,16 @@ def explain() -> Lowered | None:
 def _reference(a, b, bias, c, **kw):
     upcast = any(np.dtype(x.dtype).itemsize == 1 for x in (a, b))
     return P.reference_matmul(a, b, bias, c, upcast=upcast, **kw)
+
+
+def _epilogue_xla(z, c, bias, *, alpha, beta, activation, out_dtype):
+    if alpha != 1.0:
+        z = alpha * z
+    if c is not None:
+        z = z + beta * c.astype(jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    return P.apply_activation(z, activation).astype(out_dtype)
 
 
 def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
@@ -184,6 +196,12 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     _last.append(Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()
     compiled = compile_mod.compile_plan(p, spec)
+    if p.split_k > 1 and p.split_reduce == "xla":
+        parts = _call(compiled, a3[0], b3[0], None, None, mm, n, k, 1, a_major, b_major, None)
+        z = jnp.sum(parts, axis=0)
+        out = _epilogue_xla(z, None if c3 is None else c3[0], bias1, alpha=alpha, beta=beta,
+                            activation=activation, out_dtype=out_dtype)  # fmt: skip
+        return out.reshape(out_shape)
     out = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
     return out.reshape(out_shape)
 
@@ -253,9 +271,11 @@ def _ffi(compiled, out_type, operands, dims, order):
 def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
     # (shape, strides) of each operand in the kernel's modes (spec.py), for row-major buffers.
     # A split-K kernel (L == 1) takes A and B as (rows, K/s, s) views: split j is columns (or
-    # rows) [j K/s, (j + 1) K/s) of the same buffer.
+    # rows) [j K/s, (j + 1) K/s) of the same buffer. With "xla" reduction it returns the float32
+    # partials (s, m, n).
     s = compiled.split_k
     kc = k // s
+    partials = s > 1 and compiled.plan.split_reduce == "xla"
     if s > 1:
         modes = {
             "a": ((m, kc, s), (k, 1, kc)) if a_major == "k" else ((m, kc, s), (1, m, kc * m)),
@@ -271,6 +291,9 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         "c": ((m, n, L), (n, 1, m * n)),
         "bias": ((n,), (1,)),
     }
+    if partials:
+        modes["d"] = ((m, n, s), (n, 1, m * n))
+        out_dtype, L = np.dtype(np.float32), s
     operands = [a3, b3] + [x for x in (c3, bias1) if x is not None]
     index = {"a": 0, "b": 1, "d": -1}
     nxt = 2

@@ -16,9 +16,10 @@ per SM) is best, a 1-CTA 128x256 close, then 128-wide N tiles, with 64-row tiles
 land on the biggest tiles, and problems with few tiles trade tile size for filled SMs.
 
 Skinny problems (m <= 256 with large k and few output tiles) on sm_90a get a split-K plan, which
-spreads K over idle SMs: the `split_k` CTAs of one output tile form a (1, split_k) cluster and sum
-their float32 partials through distributed shared memory before one fused epilogue, in the same
-kernel.
+spreads K over idle SMs; the partial products are reduced in float32 before the epilogue, by XLA
+(`split_reduce="xla"`, the planner's choice) or inside the kernel by a (1, split_k) cluster
+(`split_reduce="cluster"`, `with_split(plan, s, reduce="cluster")`; correct on the H200 but
+slower there so far: benchmarks/RESULTS.md).
 
 Small sm_90a problems (under `SM90_MIN_FLOPS`, or `SM90_SPLITK_MIN_FLOPS` for split-K) are planned
 onto XLA's dot, which the H200 measurements put ahead there; `force_kernel=True` overrides.
@@ -109,18 +110,20 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = Fals
 
 
 def epi_smem_bytes(
-    arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k, pingpong=False, cta_mn=None
-) -> int:
+    arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k, pingpong=False, cta_mn=None,
+    split_reduce="xla",
+) -> int:  # fmt: skip
     """Shared memory of the epilogue's staging buffers.
 
-    D is staged through SMEM for its TMA store. SM100 kernels also stage C through SMEM (a TMA
-    load); SM90 kernels read C from global memory in registers. A ping-pong SM90 kernel has one
-    set of buffers per consumer warp group. A split-K SM90 kernel instead holds its whole float32
-    partial tile (`cta_mn`, rows padded by `C.SPLITK_ROW_PAD`), which the cluster reads back.
+    D is staged through SMEM for its TMA store, in float32 for split-K partials. SM100 kernels
+    also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers.
+    A ping-pong SM90 kernel has one set of buffers per consumer warp group. An in-cluster split-K
+    kernel instead holds its whole float32 partial tile (`cta_mn`, rows padded by
+    `C.SPLITK_ROW_PAD`), which the cluster reads back.
     """
-    if split_k > 1:
+    if split_k > 1 and split_reduce == "cluster":
         return cta_mn[0] * (cta_mn[1] + C.SPLITK_ROW_PAD) * 4
-    d_bits = C.DTYPE_BITS[out_dtype]
+    d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype]
     c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and arch == "sm_100a") else 0
     groups = 2 if pingpong else 1
     return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
@@ -159,6 +162,7 @@ class GemmPlan:
     a_major: str = "k"
     b_major: str = "n"
     split_k: int = 1
+    split_reduce: str = "xla"
     raster_along_m: bool = True
     swizzle_size: int = 1
     pingpong: bool = False
@@ -197,7 +201,7 @@ class GemmPlan:
             raise C.PlanError(
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
             )
-        C.check_split_k(self.split_k, self.cluster_shape_mn, self.pingpong)
+        C.check_split_k(self.split_k, self.cluster_shape_mn, self.pingpong, self.split_reduce)
         ab = self.a_dtype if self.a_dtype in C.KERNEL_OPERAND_DTYPES[self.arch] else "bfloat16"
         C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab)
         C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
@@ -257,7 +261,7 @@ class GemmPlan:
     def _epi_bytes(self) -> int:
         return epi_smem_bytes(
             self.arch, self.epi_tile, self.num_epi_stages, self.out_dtype, self.c_dtype,
-            self.split_k, self.pingpong, self.cta_tile_mnk[:2],
+            self.split_k, self.pingpong, self.cta_tile_mnk[:2], self.split_reduce,
         )  # fmt: skip
 
     @property
@@ -289,6 +293,7 @@ class GemmPlan:
             ("num_epi_stages", self.num_epi_stages),
             ("smem_bytes", f"{self.smem_bytes} of {smem_capacity(self.arch)}"),
             ("split_k", self.split_k),
+            ("split_reduce", self.split_reduce),
             ("pingpong", self.pingpong),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
@@ -383,24 +388,25 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
         return 1
     k_tiles = math.ceil(k / ktile)
     split = 1
-    # Keep at least 4 K tiles per split so each CTA still pipelines; a tile's splits are one
-    # cluster, so at most the arch's cluster size.
-    while (
-        tiles * split * 2 <= num_sms
-        and k_tiles // (split * 2) >= 4
-        and split * 2 <= C.MAX_CLUSTER_SIZE["sm_90a"]
-    ):
+    # Keep at least 4 K tiles per split so each CTA still pipelines.
+    while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= 4:
         split *= 2
     return split
 
 
-def with_split(plan: GemmPlan, split: int) -> GemmPlan:
-    """`plan` with split factor `split` (its (1, split) cluster; 1: the unsplit SM90 kernel),
-    A/B stages refilled to the shared memory its epilogue leaves. PlanError if none fit."""
+def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPlan:
+    """`plan` (sm_90a) with split factor `split` (1: the unsplit SM90 kernel) and partials summed
+    by `reduce` ("xla" or "cluster"; default: the plan's), A/B stages refilled to the shared
+    memory its epilogue leaves. An in-cluster split takes the (1, split) cluster it reduces in.
+    Raises PlanError if the combination is illegal or no stages fit."""
+    reduce = reduce or plan.split_reduce
     kernel = KERNEL_SM90_SPLITK if split > 1 else KERNEL_SM90
+    cluster = plan.cluster_shape_mn
+    if reduce == "cluster":
+        cluster = (1, split)
     edited = dataclasses.replace(
-        plan, kernel=kernel, split_k=split, cluster_shape_mn=(1, split), pingpong=False,
-        num_ab_stages=C.MIN_AB_STAGES,
+        plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
+        pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
     )  # fmt: skip
     free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES - edited._epi_bytes
     return dataclasses.replace(edited, num_ab_stages=free // edited.ab_stage_bytes)
@@ -477,17 +483,8 @@ def _plan_cached(
     if why_not is None and not force_kernel:
         why_not = sm90_too_small(m, n, k, batch, split)
         split = 1 if why_not else split
-    if split > 1 and tm * tn > C.SPLITK_MAX_TILE_ELEMS:
-        # A split-K CTA keeps its whole float32 partial tile in shared memory: a 128x256 one
-        # would leave room for one A/B stage. Split 128x128 tiles instead, if that still splits.
-        t2 = (min(tm, 128), C.SPLITK_MAX_TILE_ELEMS // min(tm, 128))
-        s2 = _split_k(m, n, k, batch, *t2, ktile, num_sms)
-        if s2 > 1:
-            (tm, tn), split = t2, s2
-    if split > 1:
-        cluster = (1, split)
     epi = _sm90_epi_tile(tm, tn, out_dtype)
-    epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, split, cta_mn=(tm, tn))
+    epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, split)
     stages = _max_ab_stages(arch, (tm, tn, ktile), tn, ab_bits, epi_bytes)
     if why_not is not None:
         kernel = KERNEL_XLA

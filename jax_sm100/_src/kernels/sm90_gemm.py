@@ -13,14 +13,15 @@ One CTA runs 1 + W warp groups (W = 2 for 128- and 256-row tiles, 1 for 64-row t
   global memory at the coordinates each register lands on), convert to the output type, write
   the sub-tile to shared memory with `stmatrix` and one thread stores it with TMA.
 
-Split-K (`plan.split_k = S > 1`, skinny problems): A and B come as (rows, K/S, S) views and the
-tile grid is folded to (tiles_m, tiles_n * S): the S CTAs of one (1, S) cluster take the S K
-slices of one output tile (no multicast; the cluster is the reduction group). After the main loop
-each CTA writes its float32 partial tile to its own shared memory and signals every CTA of the
-cluster on an mbarrier; CTA r then sums rows [r tm / S, (r + 1) tm / S) over the S partials
-through distributed shared memory, applies the fused epilogue and stores to D, and signals that
-it is done reading, so no CTA reuses or frees its partial while another still reads it. One
-launch, no workspace, no second reduction kernel.
+Split-K (`plan.split_k = S > 1`) with `plan.split_reduce == "xla"` is this kernel as a batched
+GEMM over (rows, K/S, S) views writing float32 partials; the caller sums them. With "cluster", A
+and B come as (rows, K/S, S) views and the tile grid is folded to (tiles_m, tiles_n * S): the S
+CTAs of one (1, S) cluster take the S K slices of one output tile (no multicast; the cluster is
+the reduction group). After the main loop each CTA writes its float32 partial tile to its own
+shared memory and signals every CTA of the cluster on an mbarrier; CTA r then sums rows
+[r tm / S, (r + 1) tm / S) over the S partials through distributed shared memory, applies the
+fused epilogue and stores to D, and signals that it is done reading, so no CTA reuses or frees
+its partial while another still reads it. One launch, no workspace, no second reduction kernel.
 
 The tile schedule is CUTLASS's static persistent scheduler (grid = min(clusters of tiles,
 SMs / cluster size)), rasterised along M or N with the plan's swizzle. Out-of-bounds rows,
@@ -85,7 +86,8 @@ class Sm90GemmKernel:
         self.epi_tile = tuple(plan.epi_tile)
         self.acc_dtype = cutlass.Float32
         self.pingpong = bool(plan.pingpong)
-        self.split = int(plan.split_k)
+        # Only an in-cluster split changes the kernel; an "xla" split is a batched GEMM to it.
+        self.split = int(plan.split_k) if plan.split_reduce == "cluster" else 1
         # Cooperative: the consumer warp groups split each tile's rows. Ping-pong: two consumer
         # warp groups take alternate tiles, each whole, so one's epilogue overlaps the other's
         # main loop; each has its own epilogue buffers, barrier and TMA-store thread.
@@ -123,10 +125,12 @@ class Sm90GemmKernel:
             return f"cta tile k={tk} must span 128 bytes of {spec.a_dtype}"
         try:
             constraints.check_pingpong(plan.arch, plan.pingpong, plan.cta_tile_mnk)
-            constraints.check_split_k(plan.split_k, plan.cluster_shape_mn, plan.pingpong)
+            constraints.check_split_k(
+                plan.split_k, plan.cluster_shape_mn, plan.pingpong, plan.split_reduce
+            )
         except constraints.PlanError as e:
             return str(e)
-        if tm % plan.split_k:
+        if plan.split_reduce == "cluster" and tm % plan.split_k:
             return f"split_k={plan.split_k} must divide the tile's {tm} rows (one slice per CTA)"
         # The epilogue takes each sub-tile's registers as one contiguous run of the retiled
         # accumulator, which holds when a sub-tile is one 64-row MMA block per warp group.
