@@ -336,6 +336,37 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertEqual(q.cta_tile_mnk, self.p.cta_tile_mnk)
         self.assertEqual(q.num_ab_stages, self.p.num_ab_stages)
 
+    def test_with_split(self):
+        p = planning.plan(64, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertEqual((p.kernel, p.split_reduce), (planning.KERNEL_SM90_SPLITK, "xla"))
+        # In-cluster: the (1, split) cluster, and the float32 partial tile in shared memory.
+        q = planning.with_split(p, 8, reduce="cluster")
+        self.assertEqual((q.split_k, q.cluster_shape_mn, q.split_reduce), (8, (1, 8), "cluster"))
+        tm, tn, _ = q.cta_tile_mnk
+        red = tm * (tn + C.SPLITK_ROW_PAD) * 4
+        self.assertEqual(
+            q.smem_bytes, C.SMEM_RESERVED_BYTES + red + q.num_ab_stages * q.ab_stage_bytes
+        )
+        self.assertGreater(q.smem_bytes + q.ab_stage_bytes, planning.smem_capacity("sm_90a"))
+        # Unsplit: the plain SM90 kernel.
+        u = planning.with_split(q, 1)
+        self.assertEqual(
+            (u.kernel, u.split_k, u.cluster_shape_mn), (planning.KERNEL_SM90, 1, (1, 1))
+        )
+        # An XLA-reduced split keeps the plan's cluster (it multicasts like an unsplit plan).
+        self.assertEqual(planning.with_split(p, 2).cluster_shape_mn, p.cluster_shape_mn)
+
+    @parameterized.named_parameters(
+        ("cluster_not_1xS", {"cluster_shape_mn": (2, 1)}, r"cluster_shape_mn=\(1, 4\)"),
+        ("pingpong", {"pingpong": True}, "cooperative"),
+        ("unknown_reduce", {"split_reduce": "atomics"}, "must be one of"),
+    )
+    def test_cluster_split_rules(self, change, msg):
+        p = planning.plan(64, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        q = planning.with_split(p, 4, reduce="cluster")
+        with self.assertRaisesRegex(C.PlanError, msg):
+            dataclasses.replace(q, **change)
+
     @parameterized.parameters((128, 256), (256, 128))
     def test_pingpong_tile_too_big(self, tm, tn):
         with self.assertRaisesRegex(C.PlanError, "one warp group's registers"):

@@ -58,8 +58,8 @@ _SM100_CANDIDATES = (
     (False, 64, 128, 0.62),
 )
 _SM90_CANDIDATES = (
-    # (tile_m, tile_n, efficiency). 256-row tiles (two 128-row blocks per consumer warp group)
-    # compile but have not been run on a GPU; the SM90 kernel refuses them until they are.
+    # (tile_m, tile_n, efficiency). 256x128 and 128x160 tiles run correctly on the H200 but were
+    # not faster than 128x256 there (benchmarks/RESULTS.md, third session): plan options only.
     (128, 256, 1.00),
     (128, 128, 0.85),
     (64, 256, 0.72),
