@@ -16,6 +16,16 @@ from jax_sm100._src.kernels.spec import KernelSpec
 _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
 
 
+def _export_for_h200(f, *args) -> str:
+    """The StableHLO of `f` exported for CUDA as if on an H200 (sm_90a, 132 SMs), on any machine."""
+    with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
+        exp = jax.export.export(
+            f, platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ffi.TARGET)],
+        )(*args)  # fmt: skip
+    return exp.mlir_module()
+
+
 def _plan(m, n, k, **kw):
     # force_kernel: compile_plan needs a kernel plan, also for problems the planner would send
     # to XLA's dot (`planning.SM90_MIN_FLOPS`).
@@ -80,12 +90,7 @@ class CompileTest(absltest.TestCase):
             p = planning.with_split(base, 4, reduce=reduce)
             f = jax.jit(lambda a, b, c, bias, p=p: jax_sm100.matmul(
                 a, b, c=c, bias=bias, activation="relu", plan=p))  # fmt: skip
-            with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
-                exp = jax.export.export(
-                    f, platforms=["cuda"],
-                    disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ffi.TARGET)],
-                )(*args)  # fmt: skip
-            text = exp.mlir_module()
+            text = _export_for_h200(f, *args)
             calls = [ln for ln in text.splitlines() if f"custom_call @{ffi.TARGET}" in ln]
             self.assertLen(calls, 1)
             if reduce == "xla":
@@ -115,12 +120,7 @@ class CompileTest(absltest.TestCase):
         args = (jax.ShapeDtypeStruct((3, 1024, 1024), jnp.bfloat16),
                 jax.ShapeDtypeStruct((1024, 2048), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2048,), jnp.float32))  # fmt: skip
-        with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
-            exp = jax.export.export(
-                f, platforms=["cuda"],
-                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ffi.TARGET)],
-            )(*args)  # fmt: skip
-        text = exp.mlir_module()
+        text = _export_for_h200(f, *args)
         self.assertIn(f"custom_call @{ffi.TARGET}", text)
         self.assertRegex(text, r"prefix = \"jax_sm100_gemm\"")
         how = gpu_lowering.explain()

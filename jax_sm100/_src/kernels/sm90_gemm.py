@@ -660,14 +660,7 @@ class Sm90GemmKernel:
             for i in cutlass.range_constexpr(4):
                 rb[i] = mBias[gn + i]
             bias_vals = rb.load()
-        return common.apply_epilogue(
-            vals,
-            c_vals,
-            bias_vals,
-            alpha=self.spec.alpha,
-            beta=self.spec.beta,
-            activation=self.spec.activation,
-        )
+        return self._epilogue_math(vals, c_vals, bias_vals)
 
     @cute.jit
     def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD):
@@ -695,6 +688,10 @@ class Sm90GemmKernel:
                 if cute.elem_less(coords[i], mD.shape):
                     rb[i] = mBias[coords[i][1]]
             bias_vals = rb.load()
+        return self._epilogue_math(vals, c_vals, bias_vals)
+
+    def _epilogue_math(self, vals, c_vals, bias_vals):
+        """The spec's alpha, beta, activation on float32 values (inlined into the kernel)."""
         return common.apply_epilogue(
             vals,
             c_vals,
