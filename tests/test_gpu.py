@@ -6,7 +6,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import gpu_lowering
+from jax_sm100._src import gpu_lowering, planning
 
 
 def _arch():
@@ -44,6 +44,42 @@ class GpuTest(parameterized.TestCase):
         err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
         self.assertLess(err, 2e-2 if dtype == "bfloat16" else 5e-3)
         self.assertNotEqual(gpu_lowering.explain().plan.kernel, "xla_dot")
+
+    @parameterized.named_parameters(
+        ("coop_256x128", dict(tile_mn=(256, 128))),
+        ("coop_128x160", dict(tile_mn=(128, 160))),
+        ("pingpong_128x160", dict(tile_mn=(128, 160), pingpong=True)),
+        ("split4_in_cluster", dict(split=4)),
+        ("split8_in_cluster", dict(split=8)),
+    )
+    def test_plan_variants(self, edit):
+        # The schedules the planner does not pick but plans may ask for, on sizes that are not
+        # multiples of their tiles, with C, bias and an activation.
+        split = edit.pop("split", 0)
+        m, n, k = (100, 520, 2048) if split else (520, 1000, 264)
+        ka, kb, kc, kd = jax.random.split(jax.random.key(7), 4)
+        a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+        b = (jax.random.normal(kb, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        c = jax.random.normal(kc, (m, n), jnp.float32).astype(jnp.bfloat16)
+        bias = jax.random.normal(kd, (n,), jnp.float32)
+        plan = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
+                              arch="sm_90a", force_kernel=True)  # fmt: skip
+        if split:
+            unsplit = planning.sm90_variant(planning.with_split(plan, 1), tile_mn=(64, 128))
+            plan = planning.with_split(unsplit, split, reduce="cluster")
+        else:
+            plan = planning.sm90_variant(planning.with_split(plan, 1), **edit)
+        fn = jax.jit(lambda a, b, c, bias: jax_sm100.matmul(
+            a, b, c=c, bias=bias, beta=0.5, activation="silu", plan=plan))  # fmt: skip
+        out = fn(a, b, c, bias)
+        ref = jax.nn.silu(
+            jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+            + 0.5 * c.astype(jnp.float32)
+            + bias
+        )
+        err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
+        self.assertLess(err, 2e-2)
+        self.assertEqual(gpu_lowering.explain().plan, plan)
 
 
 if __name__ == "__main__":
