@@ -237,11 +237,15 @@ def adjust_plan_for_call(
         if small is not None:
             plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
             return plan, ("split-K not applicable (k not divisible) and too small unsplit",)
-        return planning.with_split(plan, 1), (
-            "split-K not applicable (k not divisible): unsplit kernel",
-        )
+        note = ("split-K not applicable (k not divisible): unsplit kernel",)
+        if plan.split_reduce == "cluster":
+            return planning.with_split(plan, 1), note
+        # An XLA-reduced plan keeps its stages, schedule and cluster (the binary verified).
+        return dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1), note
     if split != plan.split_k:
-        return planning.with_split(plan, split), ()
+        if plan.split_reduce == "cluster":
+            return planning.with_split(plan, split), ()  # its (1, split) cluster
+        return dataclasses.replace(plan, split_k=split), ()
     return plan, ()
 
 

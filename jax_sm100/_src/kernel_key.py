@@ -38,11 +38,12 @@ DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
 # Bump when the serialization in `cache_key` changes meaning.
 _KEY_FORMAT = 1
 
-# Everything whose source text changes a compiled kernel: the kernels, and the module that
-# drives the DSL compile. Not this module nor disk_cache.py (see the module docstring).
+# Everything whose source text changes a compiled kernel: the kernels, the module that drives
+# the DSL compile, and the constraints the kernels read (e.g. the split-K partial tile's row
+# padding). Not this module nor disk_cache.py (see the module docstring).
 _SRC_ROOT = Path(__file__).resolve().parent
 _SOURCE_DIRS = ("kernels",)
-_SOURCE_FILES = ("compile.py",)
+_SOURCE_FILES = ("compile.py", "constraints.py")
 
 
 def _canonical(value: Any, ignore: Collection[str] = ()) -> Any:

@@ -644,6 +644,9 @@ class Sm90GemmKernel:
                     red_bars + 1, peer_cta_rank_in_cluster=q, scope=cluster_scope
                 )
         cute.arch.mbarrier_wait(red_bars + 1, phase)
+        # The wait acquires at CTA scope; the peers released at cluster scope. Order their reads
+        # before this CTA's next partial overwrites the buffer (as after step 1's wait).
+        cute.arch.fence_acq_rel_cluster()
 
     @cute.jit
     def _splitk_fused(self, vals, gm, gn, mC, mBias):
