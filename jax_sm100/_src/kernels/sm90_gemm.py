@@ -219,34 +219,30 @@ class Sm90GemmKernel:
         )
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.max_active_clusters)
 
-        @cute.struct
-        class Shared:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sa: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
-            ]
-            sb: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)], _SMEM_ALIGN
-            ]
-            sd: cute.struct.Align[
-                cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
-            ]
-
-        @cute.struct
-        class SharedSplitK:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            red_barriers: cute.struct.MemRange[cutlass.Int64, 2]
-            sa: cute.struct.Align[
-                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
-            ]
-            sb: cute.struct.Align[
-                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)], _SMEM_ALIGN
-            ]
-            red: cute.struct.Align[
+        # The output buffer: D's epilogue staging, or an in-cluster split's float32 partial
+        # tile; such a split also keeps its two reduction mbarriers after the stage barriers.
+        out_buf = cute.struct.Align[
+            cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
+        ]
+        red_bars = 0
+        if cutlass.const_expr(self.split > 1):
+            out_buf = cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, tm * (tn + constraints.SPLITK_ROW_PAD)], 128
             ]
+            red_bars = 2
 
-        self.shared = SharedSplitK if self.split > 1 else Shared
+        @cute.struct
+        class Shared:
+            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2 + red_bars]
+            sa: cute.struct.Align[
+                cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
+            ]
+            sb: cute.struct.Align[
+                cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)], _SMEM_ALIGN
+            ]
+            sd: out_buf
+
+        self.shared = Shared
         self.kernel(
             tma_a,
             ta,
@@ -337,7 +333,7 @@ class Sm90GemmKernel:
             # "partials written" and "done reading": one thread of every CTA of the cluster
             # arrives once per tile. Initialised before the cluster-wide sync below, so no peer
             # arrives on them earlier.
-            red_bars = storage.red_barriers.data_ptr()
+            red_bars = storage.ab_barriers.data_ptr() + self.ab_stages * 2
             if warp == 0:
                 with cute.arch.elect_one():
                     for i in cutlass.range_constexpr(2):
@@ -348,7 +344,7 @@ class Sm90GemmKernel:
         sA = storage.sa.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sb.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         if cutlass.const_expr(self.split > 1):
-            sD = storage.red.get_tensor(
+            sD = storage.sd.get_tensor(
                 cute.make_layout((tm, tn), stride=(tn + constraints.SPLITK_ROW_PAD, 1))
             )
         else:
