@@ -22,6 +22,7 @@ import sys
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import planning
+from jax_sm100._src.kernels import sm90_gemm
 
 
 def _check(result):
@@ -88,12 +89,11 @@ def plans_to_probe(shapes, splits):
         yield f"{m}x{n}x{k} planner", base
         if base.kernel == planning.KERNEL_XLA or m > 256:
             continue  # split-K variants only for skinny problems
-        unsplit = planning.with_split(base, 1, reduce="xla")
         for tile in ((64, 128), (64, 256), (128, 128)):
             for split in splits:
                 for reduce in ("xla", "cluster"):
                     try:
-                        tiled = planning.sm90_variant(unsplit, tile_mn=tile)
+                        tiled = planning.sm90_variant(base, tile_mn=tile)
                         p = planning.with_split(tiled, split, reduce=reduce)
                     except planning.C.PlanError:
                         continue
@@ -116,7 +116,7 @@ def main() -> int:
     for label, plan in plans_to_probe(shapes, splits):
         plan = planning.dataclasses.replace(plan, num_sms=sms)
         compiled = compile_mod.compile_plan(plan)
-        threads = 128 * (1 + (2 if plan.pingpong or plan.cta_tile_mnk[0] >= 128 else 1))
+        threads = sm90_gemm.Sm90GemmKernel(compiled.plan, compiled.spec).threads
         cluster = plan.cluster_shape_mn
         fit = max_active_clusters(cu, compiled, threads, plan.smem_bytes, cluster)
         total, launched = launched_clusters(plan, sms)

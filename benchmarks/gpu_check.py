@@ -108,7 +108,16 @@ class _Collected(Exception):
 
 
 def collect_binaries(cases) -> list:
-    """(plan, spec) of every kernel the cases need, by lowering each with compiling stubbed."""
+    """(plan, spec) of every kernel the cases need."""
+    calls = []
+    for i, case in enumerate(cases):
+        calls.append((_bind_fn(case), [x for x in _inputs(case, i) if x is not None]))
+    return binaries_of(calls)
+
+
+def binaries_of(calls) -> list:
+    """(plan, spec) of every kernel that `calls` ((jitted function, arguments) pairs) compile,
+    found by lowering each for CUDA with compiling stubbed: exactly what the calls will ask for."""
     seen, pairs = set(), []
     real = compile_mod.compile_plan
 
@@ -121,11 +130,10 @@ def collect_binaries(cases) -> list:
 
     compile_mod.compile_plan = record
     try:
-        for i, case in enumerate(cases):
-            args = [x for x in _inputs(case, i) if x is not None]
-            avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+        for fn, args in calls:
+            avals = [None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
             try:
-                _bind_fn(case).trace(*avals).lower(lowering_platforms=("cuda",))
+                fn.trace(*avals).lower(lowering_platforms=("cuda",))
             except Exception:  # the stub stops every lowering that reaches a kernel
                 pass
     finally:

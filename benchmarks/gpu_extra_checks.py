@@ -23,7 +23,6 @@ import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import gpu_lowering, planning
 from jax_sm100._src import primitive as P
-from jax_sm100._src.kernels.spec import KernelSpec
 
 
 def _rel_err(out, ref) -> float:
@@ -42,7 +41,7 @@ def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None, t
 
 
 def _splitk_cases(cases: int):
-    """(inputs, matmul params, plan, kernel spec) of `cases` random split-K problems."""
+    """(inputs, matmul params, plan) of `cases` random in-cluster split-K problems."""
     rng = np.random.default_rng(5)
     tiles = ((64, 128), (64, 256), (128, 128))
     acts = (None, "relu", "gelu", "silu")
@@ -70,24 +69,18 @@ def _splitk_cases(cases: int):
                               out_dtype=kw["out_dtype"], c_dtype=None if c is None else dt,
                               force_kernel=True)  # fmt: skip
         try:
-            unsplit = planning.with_split(base, 1)
             p = planning.with_split(
-                planning.sm90_variant(unsplit, tile_mn=tile), split, reduce="cluster"
+                planning.sm90_variant(base, tile_mn=tile), split, reduce="cluster"
             )
         except planning.C.PlanError as e:
             print(f"splitk case {i}: skipped ({e})")
             continue
-        spec = KernelSpec(
-            a_dtype=dt, b_dtype=dt, out_dtype=kw["out_dtype"], a_major=p.a_major,
-            b_major=p.b_major, c_dtype=p.c_dtype, bias_dtype=None if bias is None else "float32",
-            activation=kw["activation"], alpha=kw.get("alpha", 1.0), beta=kw.get("beta", 1.0),
-        )  # fmt: skip
         kw.update(transpose_a=ta, transpose_b=tb, plan=p)
         arrays = [jnp.asarray(x, dt) for x in (a, b)] + [
             None if c is None else jnp.asarray(c, dt),
             None if bias is None else jnp.asarray(bias),
         ]
-        out.append((i, arrays, kw, p, spec))
+        out.append((i, arrays, kw, p))
     return out
 
 
@@ -102,13 +95,17 @@ def splitk(cases: int = 60, jobs: int = 15) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_check  # noqa: PLC0415  (its parallel precompile and host reference)
 
-    todo = _splitk_cases(cases)
+    todo = [
+        (i, args, kw, p, jax.jit(lambda a, b, c, bias, kw=kw: _bind(a, b, c=c, bias=bias, **kw)))
+        for i, args, kw, p in _splitk_cases(cases)
+    ]
     if jobs > 1:
-        gpu_check.precompile_parallel([(p, spec) for *_, p, spec in todo], jobs)
+        pairs = gpu_check.binaries_of([(f, args) for _, args, _, _, f in todo])
+        gpu_check.precompile_parallel(pairs, jobs)
     fails = 0
     stats = compile_mod.cache_stats()
-    for i, (a, b, c, bias), kw, p, _ in todo:
-        out = jax.jit(lambda a, b, c, bias, kw=kw: _bind(a, b, c=c, bias=bias, **kw))(a, b, c, bias)
+    for i, (a, b, c, bias), kw, p, f in todo:
+        out = f(a, b, c, bias)
         low = gpu_lowering.explain()
         # gpu_check's float32 host reference (no per-case XLA compiles for it).
         ta, tb = kw["transpose_a"], kw["transpose_b"]
@@ -218,8 +215,9 @@ def memcheck_child() -> None:
     base = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
                           arch="sm_90a", force_kernel=True)  # fmt: skip
     for split in (2, 4, 8):
-        unsplit = planning.sm90_variant(planning.with_split(base, 1), tile_mn=(64, 128))
-        p = planning.with_split(unsplit, split, reduce="cluster")
+        p = planning.with_split(
+            planning.sm90_variant(base, tile_mn=(64, 128)), split, reduce="cluster"
+        )
         out = jax.jit(lambda a, b, c, p=p: jax_sm100.matmul(a, b, c=c, plan=p))(a, b, c)
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) + c.astype(jnp.float32)
         print(f"memcheck case {m}x{n}x{k} split-K x{split}: rel err {_rel_err(out, ref):.1e}")

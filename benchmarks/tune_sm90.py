@@ -70,10 +70,9 @@ def split_variants(base, tiles, splits, reduces):
     """Split-K plans of `base`'s problem: each cooperative tile with each split factor, partials
     summed by each of `reduces` ("xla", "cluster")."""
     out = []
-    unsplit = planning.with_split(base, 1, reduce="xla")
     for tile, split, reduce in itertools.product(tiles, splits, reduces):
         try:
-            tiled = planning.sm90_variant(unsplit, tile_mn=tile)
+            tiled = planning.sm90_variant(base, tile_mn=tile)
             out.append(planning.with_split(tiled, split, reduce=reduce))
         except planning.C.PlanError as e:
             print(f"  skip {tile} split {split}: {e}")

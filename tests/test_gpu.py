@@ -65,10 +65,10 @@ class GpuTest(parameterized.TestCase):
         plan = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
                               arch="sm_90a", force_kernel=True)  # fmt: skip
         if split:
-            unsplit = planning.sm90_variant(planning.with_split(plan, 1), tile_mn=(64, 128))
-            plan = planning.with_split(unsplit, split, reduce="cluster")
+            tiled = planning.sm90_variant(plan, tile_mn=(64, 128))
+            plan = planning.with_split(tiled, split, reduce="cluster")
         else:
-            plan = planning.sm90_variant(planning.with_split(plan, 1), **edit)
+            plan = planning.sm90_variant(plan, **edit)
         fn = jax.jit(lambda a, b, c, bias: jax_sm100.matmul(
             a, b, c=c, bias=bias, beta=0.5, activation="silu", plan=plan))  # fmt: skip
         out = fn(a, b, c, bias)
