@@ -44,15 +44,17 @@ import gpu_check  # noqa: E402  (its parallel precompile)
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 4096, 4096), (4096, 14336, 4096))
 
 
-def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,)):
-    """Every legal combination; a stage count of 0 keeps the most that fit, others cap it."""
+def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,), epi_stages=(2,)):
+    """Every legal combination; a stage count of 0 keeps the most that fit, others cap it.
+    More epilogue stages take shared memory from the A/B ring (refilled to what is left)."""
     out = []
-    for (pp, tile), cluster, swz, epi_n, cap in itertools.product(
-        schedules, clusters, swizzles, epi_ns, stages
+    for (pp, tile), cluster, swz, epi_n, cap, es in itertools.product(
+        schedules, clusters, swizzles, epi_ns, stages, epi_stages
     ):
         try:
             p = planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster, pingpong=pp,
-                                      swizzle_size=swz, epi_n=epi_n)  # fmt: skip
+                                      swizzle_size=swz, epi_n=epi_n,
+                                      num_epi_stages=es)  # fmt: skip
         except planning.C.PlanError as e:
             print(f"  skip {tile} pingpong={pp} {cluster} swizzle {swz} epi_n {epi_n}: {e}")
             continue
@@ -90,7 +92,7 @@ def describe(p) -> str:
     )
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
-            f"stages {p.num_ab_stages}")  # fmt: skip
+            f"x{p.num_epi_stages} stages {p.num_ab_stages}")  # fmt: skip
 
 
 def main():
@@ -106,6 +108,7 @@ def main():
     ap.add_argument("--epi-n", default="0", help="epilogue sub-tile widths; 0 = the planner's")
     ap.add_argument("--tiles", default="128x256", help="cooperative tiles ('' for none)")
     ap.add_argument("--stages", default="0", help="A/B stage caps; 0 = as many as fit")
+    ap.add_argument("--epi-stages", default="2", help="epilogue shared-memory stages")
     ap.add_argument("--splits", default="",
                     help="split-K factors: time --tiles split by each instead")  # fmt: skip
     ap.add_argument("--split-reduce", default="xla,cluster",
@@ -132,7 +135,8 @@ def main():
             splits = tuple(int(v) for v in args.splits.split(","))
             vs = split_variants(base_sms, _pairs(args.tiles), splits, args.split_reduce.split(","))
         else:
-            vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages)
+            epi_stages = tuple(int(v) for v in args.epi_stages.split(","))
+            vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages, epi_stages)
         plans[m, n, k] = (base, vs)
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]

@@ -325,10 +325,34 @@ class Sm90ScheduleTest(parameterized.TestCase):
         epi = planning.epi_smem_bytes("sm_90a", (64, 32), 2, "bfloat16", None, 1, True)
         self.assertEqual(epi, 2 * 2 * 64 * 32 * 2)
         self.assertEqual(q.num_ab_stages, stages)
-        self.assertEqual(q.smem_bytes, C.SMEM_RESERVED_BYTES + epi + stages * q.ab_stage_bytes)
+        # What the A/B ring leaves deepens the epilogue's store ring, one stage (epi / 2) each.
+        free = planning.smem_capacity("sm_90a") - C.SMEM_RESERVED_BYTES
+        left = free - epi - stages * q.ab_stage_bytes
+        depth = min(planning.SM90_MAX_EPI_STAGES, 2 + left // (epi // 2))
+        self.assertGreater(self.p.swizzle_size, 1)
+        self.assertEqual(q.num_epi_stages, depth)
+        self.assertEqual(
+            q.smem_bytes, C.SMEM_RESERVED_BYTES + epi * depth // 2 + stages * q.ab_stage_bytes
+        )
         self.assertLessEqual(q.smem_bytes, planning.smem_capacity("sm_90a"))
         with self.assertRaisesRegex(C.PlanError, "shared memory"):
             dataclasses.replace(q, num_ab_stages=stages + 1)
+
+    def test_planner_deepens_epilogue_ring_with_left_smem(self):
+        # 128x256 bf16: 4 A/B stages of 48 KB beside 2 x 8 KB leave 18 KB: two more 8 KB stages.
+        self.assertEqual((self.p.num_ab_stages, self.p.num_epi_stages), (4, 4))
+        self.assertEqual(self.p.smem_bytes, C.SMEM_RESERVED_BYTES + 4 * 8192 + 4 * 49152)
+        # A float32 output's 16 KB sub-tiles leave too little for a third stage.
+        p32 = planning.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16",
+                            out_dtype="float32", arch="sm_90a")  # fmt: skip
+        self.assertEqual((p32.num_ab_stages, p32.num_epi_stages), (4, 2))
+        # Without a swizzled raster the ring stays 2 deep (measured no faster there).
+        p1 = planning.plan(4096, 14336, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                           arch="sm_90a")  # fmt: skip
+        self.assertEqual((p1.swizzle_size, p1.num_ab_stages, p1.num_epi_stages), (1, 4, 2))
+        # An explicit depth is kept and the A/B ring refilled around it.
+        q = planning.sm90_variant(self.p, num_epi_stages=8)
+        self.assertEqual((q.num_ab_stages, q.num_epi_stages), (3, 8))
 
     def test_variant_keeps_other_fields(self):
         q = planning.sm90_variant(self.p, swizzle_size=2, raster_along_m=False)

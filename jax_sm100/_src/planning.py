@@ -324,6 +324,7 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     if plan.arch != "sm_90a":
         raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
     tm, tn = tile_mn or plan.cta_tile_mnk[:2]
+    epi_stages = changes.pop("num_epi_stages", None)
     edited = dataclasses.replace(
         plan,
         mma_tiler_mnk=(tm, tn, plan.mma_tiler_mnk[2]),
@@ -333,8 +334,24 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
         **changes,
     )
     # The edited plan has derived its epilogue and stage sizes; fill the SMEM that is left.
-    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES - edited._epi_bytes
-    return dataclasses.replace(edited, num_ab_stages=free // edited.ab_stage_bytes)
+    return _fill_sm90_smem(edited, epi_stages)
+
+
+def _fill_sm90_smem(plan: GemmPlan, epi_stages: int | None = None) -> GemmPlan:
+    """`plan` with its shared memory refilled: with `epi_stages` given, that epilogue depth and
+    as many A/B stages as fit beside it; else as many A/B stages as fit beside a 2-deep epilogue
+    ring, then, for a swizzled raster, the epilogue ring deepened with what is left (up to
+    `SM90_MAX_EPI_STAGES`)."""
+    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES
+    base = dataclasses.replace(plan, num_epi_stages=epi_stages or 2, num_ab_stages=C.MIN_AB_STAGES)
+    stages = (free - base._epi_bytes) // base.ab_stage_bytes
+    depth = base.num_epi_stages
+    in_cluster = plan.split_k > 1 and plan.split_reduce == "cluster"
+    if epi_stages is None and plan.swizzle_size > 1 and not in_cluster:
+        # (An in-cluster split stages its whole partial tile, whatever the depth.)
+        left = free - base._epi_bytes - stages * base.ab_stage_bytes
+        depth = min(SM90_MAX_EPI_STAGES, depth + left // (base._epi_bytes // depth))
+    return dataclasses.replace(base, num_ab_stages=stages, num_epi_stages=max(depth, 2))
 
 
 def _wave_cost(tiles: int, ctas_per_tile: int, num_sms: int, area: int, eff: float) -> float:
@@ -407,9 +424,9 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
     edited = dataclasses.replace(
         plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
         pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
+        num_epi_stages=2,
     )  # fmt: skip
-    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES - edited._epi_bytes
-    return dataclasses.replace(edited, num_ab_stages=free // edited.ab_stage_bytes)
+    return _fill_sm90_smem(edited)
 
 
 # Below these sizes (FLOPs of the whole batched problem) XLA's dot beats the SM90 kernels on
@@ -419,6 +436,12 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
 # 512x2048x512; 0.90x at 1024x4096x1024 (2^33 FLOPs) and 0.92-0.96x at 2048^3. Split-K plans
 # win at 64x4096x4096 (1.2x, 2^31.0 FLOPs), tie at 256x256x4096 and 128x1024x1024 and lose at
 # 64x64x4096 (0.72x).
+# Epilogue store stages the SM90 planner gives from the shared memory the A/B ring leaves over,
+# for swizzled rasters: with 4 (not 2) sub-tiles in flight the 128x256 tile's epilogue stalls
+# less on its TMA stores. H200, device method, two sweeps: +0.2-7 % in all 16 swizzle-8 pairs
+# (8192^3, 16384x4096x4096, 4096^3, 4096x14336x4096; both clusters), -5 to +2 % (mean -1 %)
+# with swizzle 1, where the planner keeps 2 (benchmarks/RESULTS.md, fourth session).
+SM90_MAX_EPI_STAGES = 4
 SM90_MIN_FLOPS = 2**33
 SM90_SPLITK_MIN_FLOPS = 2**30
 
@@ -483,9 +506,6 @@ def _plan_cached(
     if why_not is None and not force_kernel:
         why_not = sm90_too_small(m, n, k, batch, split)
         split = 1 if why_not else split
-    epi = _sm90_epi_tile(tm, tn, out_dtype)
-    epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, split)
-    stages = _max_ab_stages(arch, (tm, tn, ktile), tn, ab_bits, epi_bytes)
     if why_not is not None:
         kernel = KERNEL_XLA
         reason = why_not
@@ -498,18 +518,20 @@ def _plan_cached(
     else:
         kernel = KERNEL_SM90
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
-    return GemmPlan(
+    plan = GemmPlan(
         **common,
         kernel=kernel,
         reason=reason,
         mma_tiler_mnk=(tm, tn, ktile),
         cluster_shape_mn=cluster,
         use_2cta=False,
-        num_ab_stages=stages,
+        num_ab_stages=C.MIN_AB_STAGES,
         num_acc_stages=1,
         split_k=split,
         swizzle_size=_sm90_swizzle(m, n, batch, tm, tn),
     )
+    # A/B stages as many as fit, then the SMEM left deepens the epilogue's TMA-store ring.
+    return _fill_sm90_smem(plan)
 
 
 def _sm90_swizzle(m, n, batch, tm, tn) -> int:
