@@ -661,8 +661,8 @@ class ExampleTest(absltest.TestCase):
             # On one H200 (JAX 0.11.2) XLA's Triton GEMMs made this model's bfloat16 loss inf by
             # step 2 on XLA's dot, --reference included; cuBLAS GEMMs train it like our kernels
             # (benchmarks/RESULTS.md). The reference should be XLA's correct dot.
-            flags = env.get("XLA_FLAGS", "")
-            env["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_triton_gemm=false".strip()
+            xla_flags = env.get("XLA_FLAGS", "")
+            env["XLA_FLAGS"] = f"{xla_flags} --xla_gpu_enable_triton_gemm=false".strip()
         python = [sys.executable, "-c", _FORCE_KERNEL_MAIN] if force_kernel else [sys.executable]
         proc = subprocess.run(
             [
