@@ -181,6 +181,11 @@ def main():
         help="every product on jnp.matmul (XLA's dot) instead of jax_sm100.matmul, Auto axes",
     )
     parser.add_argument(
+        "--show-collectives",
+        action="store_true",
+        help="print each collective of the compiled training step (operand shapes, groups)",
+    )
+    parser.add_argument(
         "--axes",
         default="explicit",
         choices=["explicit", "auto"],
@@ -236,6 +241,10 @@ def main():
     compiled = train_step.lower(params, state, x, y, 0).compile()
     counts = {k: v for k, v in collectives(compiled.as_text()).items() if v}
     print(f"collectives per training step: {counts or 'none'}")
+    if args.show_collectives:
+        pattern = rf"^\s*(\S+ = .*\s(?:{'|'.join(COLLECTIVES)})(?:-start)?\(.*)$"
+        for line in re.findall(pattern, compiled.as_text(), flags=re.M):
+            print(f"  {line[:240]}")
 
     times = []
     for step in range(args.steps):
