@@ -2,7 +2,8 @@
 
     python benchmarks/tune_sm90.py [--shapes 8192x8192x8192,...] [--dtype bfloat16] [--jobs 15]
         [--pingpong-tiles 128x192,128x128] [--clusters 2x1,1x2] [--swizzles 1,8] [--epi-n 0]
-        [--tiles 128x256] [--stages 0] [--method wall|device]
+        [--tiles 128x256] [--stages 0] [--epi-stages 2,4] [--rasters planner,m,n]
+        [--method wall|device]
 
 Split-K (skinny shapes): `--splits 2,4,8 --tiles 64x128,64x256 --method device` times each tile
 with each split factor, partials summed by XLA and in the cluster (`--split-reduce`).
@@ -44,23 +45,28 @@ import gpu_check  # noqa: E402  (its parallel precompile)
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 4096, 4096), (4096, 14336, 4096))
 
 
-def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,), epi_stages=(2,)):
+def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,), epi_stages=(2,),
+             rasters=(None,)):  # fmt: skip
     """Every legal combination; a stage count of 0 keeps the most that fit, others cap it.
-    More epilogue stages take shared memory from the A/B ring (refilled to what is left)."""
+    More epilogue stages take shared memory from the A/B ring (refilled to what is left). A
+    raster of None keeps the base plan's order; True / False walk tiles along M / N."""
     out = []
-    for (pp, tile), cluster, swz, epi_n, cap, es in itertools.product(
-        schedules, clusters, swizzles, epi_ns, stages, epi_stages
+    for (pp, tile), cluster, swz, epi_n, cap, es, along_m in itertools.product(
+        schedules, clusters, swizzles, epi_ns, stages, epi_stages, rasters
     ):
+        raster = {} if along_m is None else {"raster_along_m": along_m}
         try:
             p = planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster, pingpong=pp,
-                                      swizzle_size=swz, epi_n=epi_n,
-                                      num_epi_stages=es)  # fmt: skip
+                                      swizzle_size=swz, epi_n=epi_n, num_epi_stages=es,
+                                      **raster)  # fmt: skip
         except planning.C.PlanError as e:
             print(f"  skip {tile} pingpong={pp} {cluster} swizzle {swz} epi_n {epi_n}: {e}")
             continue
         if cap and cap >= p.num_ab_stages:
             continue  # the same plan as the uncapped one
-        out.append(planning.dataclasses.replace(p, num_ab_stages=cap) if cap else p)
+        p = planning.dataclasses.replace(p, num_ab_stages=cap) if cap else p
+        if p not in out:  # e.g. "planner" and the raster it names
+            out.append(p)
     return out
 
 
@@ -92,7 +98,8 @@ def describe(p) -> str:
     )
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
-            f"x{p.num_epi_stages} stages {p.num_ab_stages}")  # fmt: skip
+            f"x{p.num_epi_stages} stages {p.num_ab_stages} "
+            f"raster {'M' if p.raster_along_m else 'N'}")  # fmt: skip
 
 
 def main():
@@ -109,6 +116,7 @@ def main():
     ap.add_argument("--tiles", default="128x256", help="cooperative tiles ('' for none)")
     ap.add_argument("--stages", default="0", help="A/B stage caps; 0 = as many as fit")
     ap.add_argument("--epi-stages", default="2", help="epilogue shared-memory stages")
+    ap.add_argument("--rasters", default="planner", help="tile order: planner, m, n (comma list)")
     ap.add_argument("--splits", default="",
                     help="split-K factors: time --tiles split by each instead")  # fmt: skip
     ap.add_argument("--split-reduce", default="xla,cluster",
@@ -136,7 +144,10 @@ def main():
             vs = split_variants(base_sms, _pairs(args.tiles), splits, args.split_reduce.split(","))
         else:
             epi_stages = tuple(int(v) for v in args.epi_stages.split(","))
-            vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages, epi_stages)
+            rasters = tuple({"planner": None, "m": True, "n": False}[r]
+                            for r in args.rasters.split(","))  # fmt: skip
+            vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages, epi_stages,
+                          rasters)  # fmt: skip
         plans[m, n, k] = (base, vs)
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]
