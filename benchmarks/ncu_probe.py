@@ -2,6 +2,7 @@
 
     ncu --profile-from-start off --metrics <list> --csv \\
         python3 benchmarks/ncu_probe.py --shape 16384x4096x4096 [--dtype bfloat16]
+            [--tile 128x160 --cluster 2x1 --pingpong]   # another SM90 plan than the planner's
 
 Both sides are compiled and run (XLA's GEMM autotuning included) before
 `cudaProfilerStart`, so the profiled range holds only `--calls` calls of each, ours first:
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from cuda.bindings import runtime as cudart
 
 import jax_sm100
+from jax_sm100._src import planning
 
 
 def main():
@@ -25,12 +27,23 @@ def main():
     ap.add_argument("--shape", default="16384x4096x4096")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--tile", default="", help="profile this SM90 tile instead, e.g. 128x160")
+    ap.add_argument("--cluster", default="", help="... with this cluster, e.g. 2x1")
+    ap.add_argument("--pingpong", action="store_true", help="... on the ping-pong schedule")
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split("x"))
     ka, kb = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(args.dtype)
     b = jax.random.normal(kb, (k, n), jnp.float32).astype(args.dtype)
-    ours = jax.jit(lambda a, b: jax_sm100.matmul(a, b))
+    plan = None
+    if args.tile or args.cluster or args.pingpong:
+        base = jax_sm100.plan(m, n, k, a_dtype=args.dtype, b_dtype=args.dtype, arch="sm_90a")
+        pair = lambda text: tuple(int(v) for v in text.split("x")) if text else None  # noqa: E731
+        plan = planning.sm90_variant(base, tile_mn=pair(args.tile),
+                                     cluster_mn=pair(args.cluster),
+                                     pingpong=args.pingpong or None)  # fmt: skip
+        print(plan)
+    ours = jax.jit(lambda a, b: jax_sm100.matmul(a, b, plan=plan))
     dot = jax.jit(jnp.dot)
     for f in (ours, dot):
         for _ in range(3):
