@@ -351,7 +351,7 @@ def _fill_sm90_smem(plan: GemmPlan, epi_stages: int | None = None) -> GemmPlan:
         # (An in-cluster split stages its whole partial tile, whatever the depth.)
         left = free - base._epi_bytes - stages * base.ab_stage_bytes
         depth = min(SM90_MAX_EPI_STAGES, depth + left // (base._epi_bytes // depth))
-    return dataclasses.replace(base, num_ab_stages=stages, num_epi_stages=max(depth, 2))
+    return dataclasses.replace(base, num_ab_stages=stages, num_epi_stages=depth)
 
 
 def _wave_cost(tiles: int, ctas_per_tile: int, num_sms: int, area: int, eff: float) -> float:
