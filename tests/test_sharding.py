@@ -87,6 +87,7 @@ else:
     # then find too little memory next to this one.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import ast  # noqa: E402
 import functools  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -676,23 +677,39 @@ class ExampleTest(absltest.TestCase):
         self.assertIn(f"mesh data={self.dp} x model={self.tp}", proc.stdout)
         return proc.stdout, [float(m) for m in re.findall(r"loss (\S+)", proc.stdout)]
 
-    def want_collectives(self) -> str:
+    def want_all_reduces(self) -> int:
         # Per layer: two forward all-reduces over "model" (attention output, MLP down-projection)
         # and two backward ones (the inputs of the column-parallel projections); plus one
         # data-parallel gradient reduction over "data". No all-gather.
         tensor_parallel = 4 * self.LAYERS * (self.tp > 1)
-        n = tensor_parallel + (self.dp > 1)
-        return f"collectives per training step: { ({'all-reduce': n} if n else 'none') }"
+        return tensor_parallel + (self.dp > 1)
+
+    @staticmethod
+    def printed_collectives(out: str) -> dict[str, int]:
+        """The example's "collectives per training step: {...}" line, as a dict."""
+        line = re.search(r"collectives per training step: (.*)", out)
+        assert line, out[-2000:]
+        return {} if line[1] == "none" else ast.literal_eval(line[1])
 
     def check_against_reference(self, dtype, force_kernel=False, **tolerance):
         out, losses = self.run_example(dtype, force_kernel=force_kernel)
-        self.assertIn(self.want_collectives(), out)
+        n = self.want_all_reduces()
+        self.assertEqual(self.printed_collectives(out), {"all-reduce": n} if n else {})
         self.assertLen(losses, 2)  # the first step's and the last's
         self.assertLess(losses[-1], losses[0])
-        # The same training on jnp.matmul: the same collectives and the same losses.
+        # The same training on jnp.matmul: the same losses, and no fewer collectives. On the
+        # host the reference's are exactly ours. On 2 H200s (mesh 2x1, bfloat16, JAX 0.11.2)
+        # XLA's own partitioning of jnp.matmul under Auto axes left 9 gradient all-reduces per
+        # step where ours has 1: its reductions came with different reduction computations and
+        # replica-group spellings, which XLA's GPU combiner does not merge (benchmarks/RESULTS.md).
         ref_out, ref_losses = self.run_example(dtype, "--reference")
         self.assertIn("products on jnp.matmul", ref_out)
-        self.assertIn(self.want_collectives(), ref_out)
+        ref = self.printed_collectives(ref_out)
+        if _PLATFORM == "cpu":
+            self.assertEqual(ref, {"all-reduce": n} if n else {})
+        else:
+            self.assertEqual(set(ref), {"all-reduce"} if n else set())  # nothing but all-reduces
+            self.assertGreaterEqual(ref.get("all-reduce", 0), n)
         np.testing.assert_allclose(losses, ref_losses, **tolerance)
 
     def test_train_sharded_runs_with_tensor_parallel_collectives_only(self):
