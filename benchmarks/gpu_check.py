@@ -293,6 +293,23 @@ def force_large_configs():
     _vary_sm90_plans(dict(tile_mn=t, cluster_mn=c, swizzle_size=z) for t, c, z in _LARGE_CONFIGS)
 
 
+def force_stream_k():
+    """Every cooperative unsplit SM90 plan on the stream-K schedule, in its own tile or cycled
+    through the large-problem configurations. Run it with `--sms` small, so the matrix's problems
+    have more tiles than the grid has clusters and the stream-K phase runs."""
+    edits = [dict(stream_k=True)] + [
+        dict(tile_mn=t, cluster_mn=c, swizzle_size=z, stream_k=True) for t, c, z in _LARGE_CONFIGS
+    ]
+    _vary_sm90_plans(edits)
+
+
+def pretend_sms(num_sms: int):
+    """Plans (and so persistent grids) for a device of `num_sms` SMs: small grids put many
+    tiles on each cluster, which the small problems of the matrix otherwise never do."""
+    arch, _ = gpu_lowering.device_info()
+    gpu_lowering.device_info = lambda: (arch, num_sms)
+
+
 def force_epi_n(epi_n: int):
     """Every SM90 plan with epilogue sub-tiles `epi_n` wide, where legal."""
     _vary_sm90_plans([dict(epi_n=epi_n)])
@@ -303,6 +320,8 @@ def main():
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--pingpong", action="store_true", help="force ping-pong SM90 plans")
     ap.add_argument("--epi-n", type=int, default=0, help="force this SM90 epilogue width")
+    ap.add_argument("--stream-k", action="store_true", help="force stream-K SM90 plans")
+    ap.add_argument("--sms", type=int, default=0, help="plan for this many SMs (small grids)")
     ap.add_argument("--large-configs", action="store_true",
                     help="cycle SM90 plans through large-problem tiles and clusters")  # fmt: skip
     ap.add_argument("--planner-routing", action="store_true",
@@ -317,6 +336,10 @@ def main():
         force_pingpong()
     if args.epi_n:
         force_epi_n(args.epi_n)
+    if args.sms:
+        pretend_sms(args.sms)
+    if args.stream_k:
+        force_stream_k()
     if args.large_configs:
         force_large_configs()
     fails = correctness(args.cases, jobs=args.jobs)

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_extra_checks.py            # all three (memcheck in a child process)
     python benchmarks/gpu_extra_checks.py --cases X  # parts: fp8, graph, memcheck, racecheck,
-                                                     # splitk
+                                                     # splitk, streamk
 
 Each part compares against a float32 XLA reference on normal random data and prints one
 `RESULT` line.
@@ -128,6 +128,59 @@ def splitk(cases: int = 60, jobs: int = 15) -> int:
     return fails
 
 
+def streamk() -> int:
+    """Stream-K plans (`GemmPlan.stream_k`) on the device's own SM count, where the last waves
+    are shared out by k-blocks: the benchmark's large shapes, a batch, non-multiples of the
+    tile with a transposed operand and a fused epilogue. Each against a float32 XLA reference
+    and beside the same plan without stream-K; then 20 replays, which must be bitwise equal
+    (the partial tiles always meet in the same order)."""
+    rng = np.random.default_rng(3)
+    cases = [
+        ((16384, 4096, 4096), {}), ((8192, 8192, 8192), {}), ((4096, 4096, 4096), {}),
+        ((4096, 14336, 4096), {}), ((3000, 5000, 1000), {"epilogue": True}),
+        ((2048, 2048, 1024), {"batch": 4}),
+    ]  # fmt: skip
+    fails = 0
+    for (m, n, k), kw in cases:
+        batch = (kw["batch"],) if "batch" in kw else ()
+        epi = kw.get("epilogue", False)
+        a = jnp.asarray(rng.standard_normal((*batch, m, k), np.float32), jnp.bfloat16)
+        b_shape = (*batch, n, k) if epi else (*batch, k, n)  # transposed B with the epilogue
+        b = jnp.asarray(rng.standard_normal(b_shape, np.float32), jnp.bfloat16)
+        c = jnp.asarray(rng.standard_normal((*batch, m, n), np.float32), jnp.bfloat16)
+        bias = jnp.asarray(rng.standard_normal((n,), np.float32), jnp.bfloat16)
+        base = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+                              batch=batch[0] if batch else 1, b_major="k" if epi else "n",
+                              c_dtype="bfloat16" if epi else None)  # fmt: skip
+        kws = dict(transpose_b=epi, out_dtype="bfloat16")
+        if epi:
+            kws.update(activation="gelu", alpha=0.5, beta=0.75)
+        outs = {}
+        for sk in (False, True):
+            p = planning.sm90_variant(base, stream_k=sk)
+            f = jax.jit(lambda a, b, c, bias, p=p, epi=epi, kws=kws: _bind(
+                a, b, c=c if epi else None, bias=bias if epi else None, plan=p, **kws))  # fmt: skip
+            outs[sk] = f(a, b, c, bias)
+            if sk:
+                same = all(bool(jnp.array_equal(f(a, b, c, bias), outs[sk])) for _ in range(20))
+                low = gpu_lowering.explain()
+        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+        bt = jnp.swapaxes(f32(b), -1, -2) if epi else f32(b)
+        z = jnp.matmul(f32(a), bt, precision="highest")
+        if epi:
+            z = jax.nn.gelu(0.5 * z + 0.75 * f32(c) + f32(bias), approximate=True)
+        err = _rel_err(outs[True], z)
+        err_dp = _rel_err(outs[False], z)
+        ran_sk = bool(low and low.plan and low.plan.stream_k)
+        ok = err < 1e-2 and err <= 1.5 * err_dp + 1e-4 and same and ran_sk
+        fails += not ok
+        print(f"streamk {batch}{m}x{n}x{k} tile {low.plan.cta_tile_mnk[:2]} cluster "
+              f"{low.plan.cluster_shape_mn} epilogue {epi}: rel err {err:.2e} (without stream-K "
+              f"{err_dp:.2e}), 20 replays identical {same}: {'ok' if ok else 'FAIL'}")  # fmt: skip
+    print("RESULT streamk fails", fails)
+    return fails
+
+
 def fp8() -> int:
     """fp8 operands with K-major B (b stored [n, k]), the layout the SM90 fp8 wgmma takes."""
     fails = 0
@@ -221,6 +274,17 @@ def memcheck_child() -> None:
         out = jax.jit(lambda a, b, c, p=p: jax_sm100.matmul(a, b, c=c, plan=p))(a, b, c)
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) + c.astype(jnp.float32)
         print(f"memcheck case {m}x{n}x{k} split-K x{split}: rel err {_rel_err(out, ref):.1e}")
+    # Stream-K: 2048 x 2304 in 128x128 tiles is 144 tile pairs on 66 clusters, so 78 tiles are
+    # shared out by k-blocks and 66 pairs meet in the workspace.
+    m, n, k = 2048, 2304, 512
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((k, n), np.float32), jnp.bfloat16)
+    base = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+                          force_kernel=True)  # fmt: skip
+    p = planning.sm90_variant(base, tile_mn=(128, 128), cluster_mn=(2, 1), stream_k=True)
+    out = jax.jit(lambda a, b, p=p: jax_sm100.matmul(a, b, plan=p))(a, b)
+    err = _rel_err(out, jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)))
+    print(f"memcheck case {m}x{n}x{k} stream-K 128x128 2x1: rel err {err:.1e}")
 
 
 def memcheck(tool: str = "memcheck") -> int:
@@ -253,6 +317,7 @@ def main():
     fails = 0
     for part in parts:
         parts = {"fp8": fp8, "graph": graph, "memcheck": memcheck, "splitk": splitk,
+                 "streamk": streamk,
                  "racecheck": lambda: memcheck("racecheck")}  # fmt: skip
         fails += parts[part]()
     return int(fails > 0)

@@ -46,19 +46,22 @@ SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 4096, 4096), (4096, 14
 
 
 def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,), epi_stages=(2,),
-             rasters=(None,)):  # fmt: skip
+             rasters=(None,), stream_ks=(False,)):  # fmt: skip
     """Every legal combination; a stage count of 0 keeps the most that fit, others cap it.
     More epilogue stages take shared memory from the A/B ring (refilled to what is left). A
-    raster of None keeps the base plan's order; True / False walk tiles along M / N."""
+    raster of None keeps the base plan's order; True / False walk tiles along M / N. Stream-K
+    (cooperative plans only) balances the last waves."""
     out = []
-    for (pp, tile), cluster, swz, epi_n, cap, es, along_m in itertools.product(
-        schedules, clusters, swizzles, epi_ns, stages, epi_stages, rasters
+    for (pp, tile), cluster, swz, epi_n, cap, es, along_m, sk in itertools.product(
+        schedules, clusters, swizzles, epi_ns, stages, epi_stages, rasters, stream_ks
     ):
         raster = {} if along_m is None else {"raster_along_m": along_m}
+        if sk and pp:
+            continue  # stream-K is a cooperative schedule
         try:
             p = planning.sm90_variant(base, tile_mn=tile, cluster_mn=cluster, pingpong=pp,
                                       swizzle_size=swz, epi_n=epi_n, num_epi_stages=es,
-                                      **raster)  # fmt: skip
+                                      stream_k=sk, **raster)  # fmt: skip
         except planning.C.PlanError as e:
             print(f"  skip {tile} pingpong={pp} {cluster} swizzle {swz} epi_n {epi_n}: {e}")
             continue
@@ -96,6 +99,7 @@ def describe(p) -> str:
         if p.pingpong
         else "coop"
     )
+    kind += "+sk" if getattr(p, "stream_k", False) else ""
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
             f"x{p.num_epi_stages} stages {p.num_ab_stages} "
@@ -117,6 +121,7 @@ def main():
     ap.add_argument("--stages", default="0", help="A/B stage caps; 0 = as many as fit")
     ap.add_argument("--epi-stages", default="2", help="epilogue shared-memory stages")
     ap.add_argument("--rasters", default="planner", help="tile order: planner, m, n (comma list)")
+    ap.add_argument("--stream-k", default="0", help="stream-K off/on: 0, 1 or 0,1")
     ap.add_argument("--splits", default="",
                     help="split-K factors: time --tiles split by each instead")  # fmt: skip
     ap.add_argument("--split-reduce", default="xla,cluster",
@@ -146,8 +151,9 @@ def main():
             epi_stages = tuple(int(v) for v in args.epi_stages.split(","))
             rasters = tuple({"planner": None, "m": True, "n": False}[r]
                             for r in args.rasters.split(","))  # fmt: skip
+            stream_ks = tuple(bool(int(v)) for v in args.stream_k.split(","))
             vs = variants(base_sms, schedules, clusters, swizzles, epi_ns, stages, epi_stages,
-                          rasters)  # fmt: skip
+                          rasters, stream_ks)  # fmt: skip
         plans[m, n, k] = (base, vs)
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]

@@ -279,12 +279,43 @@ def _splitk_plan(plan):
             stages -= 1
 
 
+def workspace_shapes(plan) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The extra buffers a plan's kernel takes, by name: (shape, dtype).
+
+    A stream-K plan takes "ws", one float32 tile per CTA of the persistent grid (the partial
+    tiles two clusters meet in), and "flags", one int32 per CTA, zero at every launch (the
+    caller passes zeros). Other plans take none.
+    """
+    if not getattr(plan, "stream_k", False):
+        return {}
+    tm, tn, _ = plan.cta_tile_mnk
+    return {
+        "ws": ((plan.num_sms * tm * tn,), "float32"),
+        "flags": ((plan.num_sms,), "int32"),
+    }
+
+
+def _fake_workspace(plan):
+    """(ws, flags) fake tensors of static shape for a stream-K plan, else (None, None)."""
+    import cutlass  # noqa: PLC0415
+    from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: PLC0415
+
+    shapes = workspace_shapes(plan)
+    if not shapes:
+        return None, None
+    types = {"float32": cutlass.Float32, "int32": cutlass.Int32}
+    return tuple(
+        make_fake_compact_tensor(types[dtype], shape, assumed_align=16)
+        for shape, dtype in shapes.values()
+    )
+
+
 def _tensor_args(operands) -> tuple[TensorArg, ...]:
     from cutlass.cute.typing import SymInt  # noqa: PLC0415
 
-    names = ("a", "b", "d", "c", "bias")
+    names = ("a", "b", "d", "c", "bias", "ws", "flags")
     out = []
-    for name, t in zip(names, operands, strict=True):
+    for name, t in zip(names[: len(operands)], operands, strict=True):
         if t is None:
             continue
         shape_modes = tuple(i for i, x in enumerate(t.shape) if isinstance(x, SymInt))
@@ -313,6 +344,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
             operands = _splitk_fake_operands(plan, spec, partials=False)
         else:
             operands = tuple(common.make_fake_operands(plan, spec))
+        operands = (*operands, *_fake_workspace(plan))
         kernel = sm90_gemm.Sm90GemmKernel(plan, spec)
     elif plan.kernel == "sm100_tcgen05":
         from jax_sm100._src.kernels import sm100_gemm  # noqa: PLC0415

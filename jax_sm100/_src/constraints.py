@@ -104,6 +104,23 @@ def check_pingpong(arch: str, pingpong: bool, mma_tiler_mnk: tuple) -> None:
         )
 
 
+def check_stream_k(arch: str, stream_k: bool, pingpong: bool, split_k: int) -> None:
+    if not stream_k:
+        return
+    if arch != "sm_90a":
+        raise PlanError(f"stream_k=True is an sm_90a (wgmma) schedule; the plan is {arch}")
+    if pingpong:
+        raise PlanError(
+            "stream_k=True balances the cooperative schedule; ping-pong plans take whole tiles "
+            "per warp group (set pingpong=False or stream_k=False)"
+        )
+    if split_k > 1:
+        raise PlanError(
+            f"stream_k=True already splits K where the waves need it; split_k={split_k} plans "
+            "cannot also stream (set split_k=1 or stream_k=False)"
+        )
+
+
 # Float32 words of padding after each row of an in-cluster split-K partial tile in shared memory
 # (spreads the accumulator fragments' stores over the banks).
 SPLITK_ROW_PAD = 8

@@ -260,8 +260,8 @@ def _usable_split(p, k, a_dtype) -> int:
     return s
 
 
-def _ffi(compiled, out_type, operands, dims, order):
-    call = jax.ffi.ffi_call(ffi.TARGET, out_type)
+def _ffi(compiled, out_type, operands, dims, order, aliases=None):
+    call = jax.ffi.ffi_call(ffi.TARGET, out_type, input_output_aliases=aliases)
     return call(
         *operands,
         key=compiled.digest,
@@ -305,9 +305,24 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         if x is not None:
             index[name] = nxt
             nxt += 1
+    out_types = [jax.ShapeDtypeStruct((L, m, n), out_dtype)]
+    aliases = {}
+    # A stream-K kernel's workspace: "ws" an extra result it writes before it reads; "flags"
+    # zeros passed in and aliased to a result, so every launch (CUDA graph replays included)
+    # starts from zeroed flags that XLA owns.
+    for name, (shape, dtype) in compile_mod.workspace_shapes(compiled.plan).items():
+        modes[name] = (shape, (1,))
+        if name == "flags":
+            index[name] = len(operands)
+            aliases[len(operands)] = len(out_types)
+            operands.append(jnp.zeros(shape, dtype))
+        else:
+            index[name] = -1 - len(out_types)
+        out_types.append(jax.ShapeDtypeStruct(shape, dtype))
     dims, order = [], []
     for arg in compiled.tensor_args:
         dims += arg.dims(*modes[arg.name])
         order.append(index[arg.name])
-    out_type = jax.ShapeDtypeStruct((L, m, n), out_dtype)
-    return _ffi(compiled, out_type, operands, dims, order)
+    if len(out_types) == 1:
+        return _ffi(compiled, out_types[0], operands, dims, order)
+    return _ffi(compiled, tuple(out_types), operands, dims, order, aliases)[0]

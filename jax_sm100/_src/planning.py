@@ -168,6 +168,10 @@ class GemmPlan:
     pingpong: bool = False
     epi_n: int = 0
     num_sms: int = 0
+    # sm_90a cooperative plans: when the output tiles do not fill the persistent clusters' last
+    # wave evenly, the final (tiles mod clusters) + clusters tiles are shared out by k-blocks,
+    # stream-K style, and the tiles split between two clusters meet in a float32 workspace.
+    stream_k: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -206,6 +210,7 @@ class GemmPlan:
         C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab)
         C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
         C.check_pingpong(self.arch, self.pingpong, self.mma_tiler_mnk)
+        C.check_stream_k(self.arch, self.stream_k, self.pingpong, self.split_k)
         mm, mn, mk = self.mma_tiler_mnk
         cta = (mm // 2 if self.use_2cta else mm, mn, mk)
         setf("cta_tile_mnk", cta)
@@ -295,6 +300,7 @@ class GemmPlan:
             ("split_k", self.split_k),
             ("split_reduce", self.split_reduce),
             ("pingpong", self.pingpong),
+            ("stream_k", self.stream_k),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),

@@ -105,6 +105,9 @@ class Sm90GemmKernel:
         self.b_mcast = 1 if self.split > 1 else self.cluster_mn[0]
         self.has_c = spec.has_c and spec.beta != 0.0
         self.has_bias = spec.has_bias
+        self.stream_k = bool(plan.stream_k)
+        # Stream-K workspace: one float32 tile and one flag per CTA of the persistent grid.
+        self.ws_slots = plan.num_sms
 
     @staticmethod
     def can_implement(plan, spec: KernelSpec) -> str | None:
@@ -128,6 +131,7 @@ class Sm90GemmKernel:
             constraints.check_split_k(
                 plan.split_k, plan.cluster_shape_mn, plan.pingpong, plan.split_reduce
             )
+            constraints.check_stream_k(plan.arch, plan.stream_k, plan.pingpong, plan.split_k)
         except constraints.PlanError as e:
             return str(e)
         if plan.split_reduce == "cluster" and tm % plan.split_k:
@@ -190,6 +194,8 @@ class Sm90GemmKernel:
         d: cute.Tensor,
         c: cute.Tensor | None,
         bias: cute.Tensor | None,
+        ws: cute.Tensor | None,
+        flags: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
         self.a_dtype = a.element_type
@@ -253,6 +259,8 @@ class Sm90GemmKernel:
             d,
             c,
             bias,
+            ws,
+            flags,
             self.tiled_mma,
             self.cluster_layout,
             self.a_smem_staged,
@@ -281,6 +289,8 @@ class Sm90GemmKernel:
         mD: cute.Tensor,
         mC: cute.Tensor | None,
         mBias: cute.Tensor | None,
+        mWs: cute.Tensor | None,
+        mFlags: cute.Tensor | None,
         tiled_mma: cute.TiledMma,
         cluster_layout: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
@@ -379,13 +389,17 @@ class Sm90GemmKernel:
         if wg == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp == 0:
-                self._produce(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB,
-                              tBsB, b_mask, k_tiles)  # fmt: skip
+                if cutlass.const_expr(self.stream_k):
+                    self._produce_sk(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b,
+                                     tBgB, tBsB, b_mask, k_tiles)  # fmt: skip
+                else:
+                    self._produce(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB,
+                                  tBsB, b_mask, k_tiles)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC,
                           mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG, red_bars,
-                          rank)  # fmt: skip
+                          rank, mWs, mFlags)  # fmt: skip
 
     @cute.jit
     def _produce(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
@@ -418,8 +432,36 @@ class Sm90GemmKernel:
         ab_pipe.producer_tail(state)
 
     @cute.jit
+    def _produce_sk(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
+                    b_mask, k_tiles):  # fmt: skip
+        """The producer on the stream-K schedule: each segment's k-blocks [kb, ke)."""
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        sk = self._sk_schedule(sched_params, k_tiles)
+        idx = cutlass.Int32(0)
+        work, kb, ke = self._sk_segment(sched, sk, idx, k_tiles)
+        while work.is_valid_tile:
+            tile = work.tile_idx
+            a_k = tAgA[(None, tile[0], None, tile[2])]
+            b_k = tBgB[(None, tile[1], None, tile[2])]
+            for j in range(ke - kb):
+                ab_pipe.producer_acquire(state)
+                barrier = ab_pipe.producer_get_barrier(state)
+                cute.copy(tma_a, a_k[(None, kb + j)], tAsA[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
+                cute.copy(tma_b, b_k[(None, kb + j)], tBsB[(None, state.index)],
+                          tma_bar_ptr=barrier, mcast_mask=b_mask)  # fmt: skip
+                ab_pipe.producer_commit(state)
+                state.advance()
+            idx += 1
+            work, kb, ke = self._sk_segment(sched, sk, idx, k_tiles)
+        ab_pipe.producer_tail(state)
+
+    @cute.jit
     def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
-                 k_tiles, consumer_wg, warp, ctidx, red_bars, rank):  # fmt: skip
+                 k_tiles, consumer_wg, warp, ctidx, red_bars, rank, mWs, mFlags):  # fmt: skip
         tm, tn, _ = self.tile_mnk
         # Thread index within this tile's epilogue group, and the group's first warp.
         etidx = ctidx
@@ -478,35 +520,199 @@ class Sm90GemmKernel:
         if cutlass.const_expr(self.has_c):
             gC = cute.local_tile(mC, (tm, tn), (None, None, None))
 
+        # What the epilogue works with (`_store_tile`).
+        epi = (gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size,
+               mBias, mD, store_pipe, epi_barrier, store_warp, epi_group)  # fmt: skip
+
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
         )
-        work = sched.initial_work_tile_info()
+        if cutlass.const_expr(self.stream_k):
+            self._consume_sk(ab_pipe, sched, sched_params, tiled_mma, tCrA, tCrB, acc, k_blocks,
+                             k_tiles, epi, warp, ctidx, rank, mWs, mFlags)  # fmt: skip
+        else:
+            work = sched.initial_work_tile_info()
+            read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.ab_stages
+            )
+            if cutlass.const_expr(self.pingpong):
+                # Group 1 takes the CTA's odd tiles: it lets group 0 start, then skips its tile.
+                if consumer_wg == 1:
+                    if work.is_valid_tile:
+                        their_turn.arrive()
+                sched.advance_to_next_work(advance_count=consumer_wg)
+                work = sched.get_current_work()
+                for _ in range(k_tiles * consumer_wg):
+                    read.advance()
+                    release.advance()
+            tiles_done = cutlass.Int32(0)
+            while work.is_valid_tile:
+                tile = work.tile_idx
+                if cutlass.const_expr(self.pingpong):
+                    my_turn.arrive_and_wait()
+                # ---- main loop: keep one wgmma batch in flight, release a stage once it retired.
+                acc.fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                for kt in range(k_tiles):
+                    ab_pipe.consumer_wait(read)
+                    for kb in cutlass.range_constexpr(k_blocks):
+                        crd = (None, None, kb, read.index)
+                        cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+                    warpgroup.commit_group()
+                    read.advance()
+                    if kt > 0:
+                        warpgroup.wait_group(1)
+                        ab_pipe.consumer_release(release)
+                        release.advance()
+                if cutlass.const_expr(self.pingpong):
+                    # Every stage of this tile has landed: the other group's tile is next in the
+                    # ring. Hand it the turn (if it has a tile) and skip its stages.
+                    sched.advance_to_next_work()
+                    if sched.get_current_work().is_valid_tile:
+                        their_turn.arrive()
+                warpgroup.wait_group(0)
+                ab_pipe.consumer_release(release)
+                release.advance()
+                if cutlass.const_expr(self.pingpong):
+                    for _ in range(k_tiles):
+                        read.advance()
+                        release.advance()
+
+                if cutlass.const_expr(self.split > 1):
+                    self._splitk_epilogue(acc, tiled_mma.get_slice(ctidx), sD, red_bars, rank,
+                                          tile, tiles_done, ctidx, mD, mC, mBias)  # fmt: skip
+                else:
+                    self._store_tile(tile, tiles_done, epi, warp)
+                tiles_done += 1
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+            store_pipe.producer_tail()
+
+    @cute.jit
+    def _store_tile(self, tile, tiles_done, epi, warp):
+        """The fused epilogue of one output tile, from the accumulators, one sub-tile at a time:
+        registers -> shared memory (stmatrix) -> global memory (TMA store)."""
+        (gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size,
+         mBias, mD, store_pipe, epi_barrier, store_warp, epi_group) = epi  # fmt: skip
+        gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
+        cD_tile = cD[(None, None, *tile)]
+        bSG_sD, bSG_gD = cpasync.tma_partition(
+            tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
+        )
+        gC_tile = None
+        if cutlass.const_expr(self.has_c):
+            gC_tile = gC[(None, None, *tile)]
+        subs_mn = gD_tile.shape[1]
+        sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
+        num_subs = cute.size(sub_order)
+        done = tiles_done * num_subs
+        for s in cutlass.range_constexpr(num_subs):
+            for v in cutlass.range_constexpr(sub_size):
+                sub_acc[v] = tRS_acc[s * sub_size + v]
+            sub_crd = sub_order.get_hier_coord(s)
+            vals = sub_acc.load()
+            if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
+                vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
+            sub_out.store(vals.to(self.d_dtype))
+            buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
+            cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp == store_warp:
+                cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, sub_crd)])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()
+
+    # ---------------------------------------------------------------- stream-K
+
+    @cute.jit
+    def _sk_schedule(self, sched_params, k_tiles):
+        """This cluster's share of the stream-K schedule, as (g, G, D, start, end, dp_count).
+
+        T cluster tiles (a cluster tile is one tile per CTA of the cluster) over G persistent
+        clusters. When T > G and G does not divide T, the first D = (T // G - 1) G tiles run
+        data-parallel (cluster g takes tiles g, g + G, ...) and the last T - D tiles (between
+        one and two waves) are cut into (T - D) * k_tiles k-block units shared out evenly:
+        cluster g takes units [g U / G, (g + 1) U / G), at least k_tiles of them, so every such
+        tile is split between at most two consecutive clusters. Otherwise all tiles run
+        data-parallel (U = 0).
+        """
+        g = cute.arch.block_idx()[2]
+        num_clusters = cute.arch.grid_dim()[2]
+        tiles = cute.size(sched_params.problem_layout_ncluster_mnl)
+        full = tiles // num_clusters
+        dp_tiles = tiles
+        units = cutlass.Int32(0)
+        if full >= 1:
+            if tiles - full * num_clusters != 0:
+                dp_tiles = (full - 1) * num_clusters
+                units = (tiles - dp_tiles) * k_tiles
+        dp_count = cutlass.Int32(0)
+        if g < dp_tiles:
+            dp_count = (dp_tiles - g + num_clusters - 1) // num_clusters
+        start = g * units // num_clusters
+        end = (g + 1) * units // num_clusters
+        return g, num_clusters, dp_tiles, start, end, dp_count
+
+    @cute.jit
+    def _sk_segment(self, sched, sk, idx, k_tiles):
+        """Segment `idx` of this cluster's schedule: (work, kb, ke), k-blocks [kb, ke) of the
+        work's tile; work.is_valid_tile is False past the last segment."""
+        g, num_clusters, dp_tiles, start, end, dp_count = sk
+        # Stream-K segment j starts at unit `start` (j = 0), else at a tile boundary.
+        j = idx - dp_count
+        u = start
+        if j > 0:
+            u = (start // k_tiles + j) * k_tiles
+        lin = dp_tiles + u // k_tiles
+        kb = u - (u // k_tiles) * k_tiles
+        ke = kb + (end - u)
+        if ke > k_tiles:
+            ke = k_tiles
+        in_dp = idx < dp_count
+        if in_dp:
+            lin = g + idx * num_clusters
+            kb = cutlass.Int32(0)
+            ke = k_tiles
+        valid = in_dp | (u < end)
+        work = sched._get_current_work_for_linear_idx(lin)
+        return utils.WorkTileInfo(work.tile_idx, valid), kb, ke
+
+    @cute.jit
+    def _consume_sk(self, ab_pipe, sched, sched_params, tiled_mma, tCrA, tCrB, acc, k_blocks,
+                    k_tiles, epi, warp, ctidx, rank, mWs, mFlags):  # fmt: skip
+        """The consumers on the stream-K schedule.
+
+        A whole tile ends in the epilogue. A segment that starts inside a tile (kb > 0; it runs
+        to the tile's end, first in this cluster's stream-K range) publishes its float32 partial
+        in this CTA's workspace slot and raises the slot's flag. A segment that starts a tile
+        but stops short (last in the range) waits for the next cluster's flag for the same CTA
+        rank, adds that partial and runs the epilogue. The next cluster publishes at the start
+        of its range and this one finishes at the end of its own, so the wait is short, and
+        all clusters are resident (the grid is sized to fit), so it always ends.
+        """
+        cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
+        epi_barrier = epi[15]
+        sk = self._sk_schedule(sched_params, k_tiles)
+        mine = sk[0] * cluster_size + rank
+        neighbour = mine + cluster_size
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        if cutlass.const_expr(self.pingpong):
-            # Group 1 takes the CTA's odd tiles: it lets group 0 start, then skips its tile.
-            if consumer_wg == 1:
-                if work.is_valid_tile:
-                    their_turn.arrive()
-            sched.advance_to_next_work(advance_count=consumer_wg)
-            work = sched.get_current_work()
-            for _ in range(k_tiles * consumer_wg):
-                read.advance()
-                release.advance()
         tiles_done = cutlass.Int32(0)
+        idx = cutlass.Int32(0)
+        work, kb, ke = self._sk_segment(sched, sk, idx, k_tiles)
         while work.is_valid_tile:
             tile = work.tile_idx
-            if cutlass.const_expr(self.pingpong):
-                my_turn.arrive_and_wait()
-            # ---- main loop: keep one wgmma batch in flight, release a stage once it retired.
             acc.fill(0.0)
             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.fence()
-            for kt in range(k_tiles):
+            for kt in range(ke - kb):
                 ab_pipe.consumer_wait(read)
-                for kb in cutlass.range_constexpr(k_blocks):
-                    crd = (None, None, kb, read.index)
+                for kblk in cutlass.range_constexpr(k_blocks):
+                    crd = (None, None, kblk, read.index)
                     cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
                 warpgroup.commit_group()
                 read.advance()
@@ -514,58 +720,54 @@ class Sm90GemmKernel:
                     warpgroup.wait_group(1)
                     ab_pipe.consumer_release(release)
                     release.advance()
-            if cutlass.const_expr(self.pingpong):
-                # Every stage of this tile has landed: the other group's tile is next in the
-                # ring. Hand it the turn (if it has a tile) and skip its stages.
-                sched.advance_to_next_work()
-                if sched.get_current_work().is_valid_tile:
-                    their_turn.arrive()
             warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             release.advance()
-            if cutlass.const_expr(self.pingpong):
-                for _ in range(k_tiles):
-                    read.advance()
-                    release.advance()
-
-            if cutlass.const_expr(self.split > 1):
-                self._splitk_epilogue(acc, tiled_mma.get_slice(ctidx), sD, red_bars, rank,
-                                      tile, tiles_done, ctidx, mD, mC, mBias)  # fmt: skip
+            if kb > 0:
+                self._sk_publish(acc, mWs, mFlags, mine, ctidx, epi_barrier)
             else:
-                # ---- epilogue, one sub-tile at a time.
-                gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
-                cD_tile = cD[(None, None, *tile)]
-                bSG_sD, bSG_gD = cpasync.tma_partition(
-                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
-                )
-                gC_tile = None
-                if cutlass.const_expr(self.has_c):
-                    gC_tile = gC[(None, None, *tile)]
-                subs_mn = gD_tile.shape[1]
-                sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
-                num_subs = cute.size(sub_order)
-                done = tiles_done * num_subs
-                for s in cutlass.range_constexpr(num_subs):
-                    for v in cutlass.range_constexpr(sub_size):
-                        sub_acc[v] = tRS_acc[s * sub_size + v]
-                    sub_crd = sub_order.get_hier_coord(s)
-                    vals = sub_acc.load()
-                    if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
-                        vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
-                    sub_out.store(vals.to(self.d_dtype))
-                    buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
-                    cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_barrier.arrive_and_wait()
-                    if warp == store_warp:
-                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, sub_crd)])
-                        store_pipe.producer_commit()
-                        store_pipe.producer_acquire()
-                    epi_barrier.arrive_and_wait()
-            tiles_done += 1
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
-        store_pipe.producer_tail()
+                if ke < k_tiles:
+                    self._sk_gather(acc, mWs, mFlags, neighbour, ctidx, epi_barrier)
+                self._store_tile(tile, tiles_done, epi, warp)
+                tiles_done += 1
+            idx += 1
+            work, kb, ke = self._sk_segment(sched, sk, idx, k_tiles)
+        epi[14].producer_tail()
+
+    def _sk_slot(self, mWs, slot, ctidx, acc):
+        """This thread's words of workspace slot `slot`: word v at v * threads + ctidx, so a
+        warp's access to one v is 128 contiguous bytes."""
+        threads = self.num_consumer_threads
+        base = slot * (threads * cute.size(acc)) + ctidx
+        return cute.make_tensor(
+            mWs.iterator + base, cute.make_layout(cute.size(acc), stride=threads)
+        )
+
+    @cute.jit
+    def _sk_publish(self, acc, mWs, mFlags, slot, ctidx, sync):
+        """Writes this CTA's partial tile to its slot, then releases the slot's flag (after a
+        barrier over the consumer threads, so every thread's stores come before it)."""
+        dst = self._sk_slot(mWs, slot, ctidx, acc)
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            dst[v] = acc[v]
+        sync.arrive_and_wait()
+        if ctidx == 0:
+            cute.arch.atomic_add(mFlags.iterator + slot, cutlass.Int32(1), sem="release",
+                                 scope="gpu")  # fmt: skip
+
+    @cute.jit
+    def _sk_gather(self, acc, mWs, mFlags, slot, ctidx, sync):
+        """Waits (one thread, acquire) for slot `slot`'s flag, then adds its partial tile."""
+        if ctidx == 0:
+            ready = cute.arch.load(mFlags.iterator + slot, cutlass.Int32, sem="acquire",
+                                   scope="gpu")  # fmt: skip
+            while ready == 0:
+                ready = cute.arch.load(mFlags.iterator + slot, cutlass.Int32, sem="acquire",
+                                       scope="gpu")  # fmt: skip
+        sync.arrive_and_wait()
+        src = self._sk_slot(mWs, slot, ctidx, acc)
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            acc[v] = acc[v] + src[v]
 
     @cute.jit
     def _splitk_epilogue(self, acc, thr_c, sRed, red_bars, rank, tile, tiles_done, ctidx, mD, mC,
