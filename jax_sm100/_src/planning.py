@@ -524,6 +524,9 @@ def _plan_cached(
     else:
         kernel = KERNEL_SM90
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
+    stream_k = kernel == KERNEL_SM90 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms)
+    if stream_k:
+        reason += "; stream-K over the last waves (they do not divide evenly)"
     plan = GemmPlan(
         **common,
         kernel=kernel,
@@ -535,9 +538,28 @@ def _plan_cached(
         num_acc_stages=1,
         split_k=split,
         swizzle_size=_sm90_swizzle(m, n, batch, tm, tn),
+        stream_k=stream_k,
     )
     # A/B stages as many as fit, then the SMEM left deepens the epilogue's TMA-store ring.
     return _fill_sm90_smem(plan)
+
+
+def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
+    """Whether an SM90 plan shares its last waves out by k-blocks (`GemmPlan.stream_k`).
+
+    When the persistent clusters' waves do not divide the tiles, the last wave leaves clusters
+    idle (2048 tiles on 132 SMs: 15.5 waves, 3 % of the time). Stream-K costs each cluster one
+    partial tile written and read back; on the H200 (benchmarks/RESULTS.md, fifth session) it
+    gained 0.5-4.4 % at 15.5 waves, was even at 13.6 and lost 3 % at 3.9, so it is taken from
+    `SM90_STREAM_K_MIN_WAVES` full waves on.
+    """
+    cm, cn = cluster
+    cluster_tiles = math.ceil(math.ceil(m / tm) / cm) * math.ceil(math.ceil(n / tn) / cn) * batch
+    clusters = max(1, num_sms // (cm * cn))
+    return cluster_tiles // clusters >= SM90_STREAM_K_MIN_WAVES and cluster_tiles % clusters != 0
+
+
+SM90_STREAM_K_MIN_WAVES = 8
 
 
 def _sm90_swizzle(m, n, batch, tm, tn) -> int:
