@@ -239,7 +239,8 @@ class LoopCheck:
       small_products: those of them whose output has fewer than `min_size` elements (a product
         XLA narrowed to the one element the next update reads).
       other_products: products elsewhere (hoisted out of the loop or peeled off it).
-      body_copies: non-scalar copies in the loop's body (a per-iteration operand copy).
+      body_copies: non-scalar copies in the loop's body (a per-iteration operand copy), other
+        than int32 ones (stream-K flags).
     """
 
     reps: int
@@ -270,8 +271,12 @@ class LoopCheck:
             products = [ins for n in inner for ins in comps[n] if ins.is_product]
             body_products = len(products)
             small_products = sum(ins.size < min_size for ins in products)
+            # int32 copies are a stream-K kernel's flags, zeroed per product (`num_sms` words
+            # XLA copies into the buffer aliased to the call's result); not operand copies.
             body_copies = sum(
-                ins.opcode in ("copy", "copy-start") and not re.match(r"\w+\[\]", ins.shape)
+                ins.opcode in ("copy", "copy-start")
+                and not re.match(r"\w+\[\]", ins.shape)
+                and not ins.shape.startswith("s32[")
                 for n in inner
                 for ins in comps[n]
             )

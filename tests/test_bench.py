@@ -86,6 +86,36 @@ class DeviceTimerTest(parameterized.TestCase):
         self.assertEqual(text.count(" dot("), unroll)
         self.assertEqual(text.count(" f32[24,40]{1,0} dot("), unroll)
 
+    def test_copies_of_stream_k_flags_are_not_operand_copies(self):
+        # A stream-K product's flags (int32, zeroed per call) reach the kernel through a copy
+        # XLA inserts for the aliased buffer; an operand copy (any float array) still counts.
+        text = """HloModule m
+
+%body (p: (f32[8,8], s32[132])) -> (f32[8,8], s32[132]) {
+  %p = (f32[8,8]{1,0}, s32[132]{0}) parameter(0)
+  %a = f32[8,8]{1,0} get-tuple-element(%p), index=0
+  %c1 = f32[8,8]{1,0} copy(%a)
+  %f = s32[132]{0} get-tuple-element(%p), index=1
+  %c2 = s32[132]{0} copy(%f)
+  ROOT %t = (f32[8,8]{1,0}, s32[132]{0}) tuple(%c1, %c2)
+}
+
+%cond (p: (f32[8,8], s32[132])) -> pred[] {
+  %p = (f32[8,8]{1,0}, s32[132]{0}) parameter(0)
+  ROOT %r = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[8,8], y: s32[132]) -> (f32[8,8], s32[132]) {
+  %x = f32[8,8]{1,0} parameter(0)
+  %y = s32[132]{0} parameter(1)
+  %t0 = (f32[8,8]{1,0}, s32[132]{0}) tuple(%x, %y)
+  ROOT %w = (f32[8,8]{1,0}, s32[132]{0}) while(%t0), condition=%cond, body=%body
+}
+"""
+        check = bench.LoopCheck.from_hlo(text, 1, 1)
+        self.assertEqual((check.whiles, check.body_copies), (1, 1))
+        self.assertIn("1 operand copies per iteration", check.loop_problems())
+
     def test_loop_fn_rejects_reps_not_a_multiple_of_unroll(self):
         with self.assertRaisesRegex(ValueError, "reps=10, unroll=4"):
             bench.loop_fn(jnp.dot, 10, 4)

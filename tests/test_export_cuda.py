@@ -61,6 +61,24 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertIn("tcgen05.mma.cta_group::" + ("2" if two_cta else "1"), compiled.ptx)
         self.assertIn(f"tcgen05.alloc.cta_group::{2 if two_cta else 1}", compiled.ptx)
 
+    def test_stream_k_workspace_in_exported_module(self):
+        # A stream-K plan's custom call takes zeroed flags, aliased to a result, and returns
+        # its float32 workspace beside D; the caller sees D only.
+        p = jax_sm100.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                           arch="sm_90a")  # fmt: skip
+        self.assertTrue(p.stream_k)
+        a = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        exp = _export(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, b)
+        self.assertEqual(exp.out_avals[0].shape, (16384, 4096))
+        self.assertLen(exp.out_avals, 1)
+        text = exp.mlir_module()
+        (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
+        ws, flags = f"tensor<{p.num_sms * 128 * 256}xf32>", f"tensor<{p.num_sms}xi32>"
+        self.assertIn(f"{flags}) -> (tensor<1x16384x4096xbf16>, {ws}, {flags})", call)
+        self.assertIn("output_tuple_indices = [2], operand_index = 2", call)
+        self.assertIn("order = dense<[0, 1, -1, -2, 2]>", call)
+
     def test_target_arch_without_plan(self):
         # With no plan and no SM90/SM100 device, lowering for CUDA picks XLA's dot, unless
         # JAX_SM100_TARGET_ARCH names the arch to cross-compile for. 1024x4096x1024 is at

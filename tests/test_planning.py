@@ -396,6 +396,35 @@ class Sm90ScheduleTest(parameterized.TestCase):
         with self.assertRaisesRegex(C.PlanError, "one warp group's registers"):
             planning.sm90_variant(self.p, tile_mn=(tm, tn), pingpong=True)
 
+    @parameterized.named_parameters(
+        # (m, n, k): ~15.5 waves of 66 clusters of 2 -> stream-K; 3.9 waves (measured slower
+        # with it) and a wave that divides evenly -> none.
+        ("waves_15_5", (16384, 4096, 4096), True),
+        ("waves_15_5_square", (8192, 8192, 8192), True),
+        ("waves_13_6", (4096, 14336, 4096), True),
+        ("waves_3_9", (4096, 4096, 4096), False),
+        ("one_wave", (2048, 2048, 2048), False),
+        ("waves_16_even", (128 * 16 * 66 * 2 // 16, 4096, 4096), False),
+    )
+    def test_stream_k_choice(self, shape, want):
+        p = planning.plan(*shape, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertEqual(p.kernel, planning.KERNEL_SM90)
+        self.assertEqual(p.stream_k, want, p)
+        self.assertEqual("stream-K" in p.reason, want)
+        self.assertIn(f"stream_k                 {want}", str(p))
+
+    @parameterized.named_parameters(
+        ("pingpong", dict(pingpong=True, mma_tiler_mnk=(128, 128, 64)), "ping-pong"),
+        ("split", dict(split_k=2, kernel="sm90_wgmma_splitk"), "split_k=2"),
+    )
+    def test_stream_k_rules(self, change, msg):
+        p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        with self.assertRaisesRegex(C.PlanError, msg):
+            dataclasses.replace(p, **change)
+        p100 = jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16")
+        with self.assertRaisesRegex(C.PlanError, "sm_90a"):
+            dataclasses.replace(p100, stream_k=True)
+
     def test_variant_needs_sm90(self):
         p100 = jax_sm100.plan(1024, 1024, 1024, a_dtype="bfloat16", b_dtype="bfloat16")
         with self.assertRaisesRegex(C.PlanError, "sm_90a plan"):

@@ -113,6 +113,32 @@ class Sm90PtxTest(parameterized.TestCase):
         why = sm90_gemm.Sm90GemmKernel.can_implement(fake, spec)
         self.assertIn("warp-group split", why)
 
+    def test_stream_k(self):
+        # The stream-K schedule: the partial tiles' flags are released and acquired at GPU
+        # scope, the partials written and read back in plain global stores and loads, and the
+        # kernel takes its workspace as two more tensors of static shape (one slot per SM).
+        p = planning.sm90_variant(_plan(8192, 8192, 8192), stream_k=True)
+        compiled = compile_mod.compile_plan(p)
+        ptx = compiled.ptx
+        self.assertIn("ld.acquire.gpu.global.b32", ptx)
+        self.assertRegex(ptx, r"atom\.global\.release(\.gpu)?\.add")
+        acc_words = 128 * 256 // 256  # a 128x256 tile over two consumer warp groups
+        self.assertEqual(ptx.count("st.global.b32"), acc_words)
+        self.assertEqual(ptx.count("ld.global.b32"), acc_words)
+        self.assertIn("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ptx)
+        args = {t.name: t for t in compiled.tensor_args}
+        self.assertEqual(list(args), ["a", "b", "d", "ws", "flags"])
+        self.assertEqual(args["ws"].dims((p.num_sms * 128 * 256,), (1,)), [0, 0])
+        self.assertEqual(
+            compile_mod.workspace_shapes(p),
+            {"ws": ((p.num_sms * 128 * 256,), "float32"), "flags": ((p.num_sms,), "int32")},
+        )
+        # Without stream-K: no flags, no workspace.
+        plain = compile_mod.compile_plan(dataclasses.replace(p, stream_k=False))
+        self.assertNotIn("ld.acquire.gpu", plain.ptx)
+        self.assertEqual([t.name for t in plain.tensor_args], ["a", "b", "d"])
+        self.assertEqual(compile_mod.workspace_shapes(plain.plan), {})
+
     def test_fp8_k_major(self):
         p = _plan(1024, 1024, 1024, "float8_e4m3fn", out_dtype="bfloat16", b_major="k")
         if p.kernel == "xla_dot":
