@@ -325,12 +325,15 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
 
     For tuning and tests: `dataclasses.replace` keeps `num_ab_stages`, which is rarely right for
     another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
+    Asking for ping-pong turns stream-K off (a cooperative schedule) unless `stream_k` is given.
     Raises PlanError for an illegal combination, like any plan edit.
     """
     if plan.arch != "sm_90a":
         raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
     tm, tn = tile_mn or plan.cta_tile_mnk[:2]
     epi_stages = changes.pop("num_epi_stages", None)
+    if pingpong:
+        changes.setdefault("stream_k", False)
     edited = dataclasses.replace(
         plan,
         mma_tiler_mnk=(tm, tn, plan.mma_tiler_mnk[2]),
@@ -430,7 +433,7 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
     edited = dataclasses.replace(
         plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
         pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
-        num_epi_stages=2,
+        num_epi_stages=2, stream_k=plan.stream_k and split == 1,
     )  # fmt: skip
     return _fill_sm90_smem(edited)
 

@@ -28,6 +28,18 @@ SMs / cluster size)), rasterised along M or N with the plan's swizzle. Out-of-bo
 columns and k-blocks are handled by TMA (zero fill on load, clipping on store), so any m, n, k
 work as long as each operand's contiguous dimension is 16-byte aligned.
 
+Stream-K (`plan.stream_k`, cooperative plans): when the tiles do not fill the persistent
+clusters' last wave evenly, the first (T // G - 1) G of the T cluster tiles run as above and the
+rest (between one and two waves) are cut into k-blocks shared out evenly over the G clusters,
+so every such tile is split between at most two consecutive clusters. Cluster g + 1 starts its
+share inside the tile that cluster g ends in: it computes that tile's last k-blocks first,
+writes the float32 partial to its workspace slot and raises the slot's flag (gpu-scope
+release); cluster g computes the first k-blocks last, waits for the flag (acquire), adds the
+partial and runs the epilogue. The flags come in zeroed by XLA on every call; the order of the
+two partials is fixed, so results are deterministic. A cluster waits only at its very end, on
+its successor's first work; this assumes, like every persistent schedule here, that the grid
+(sized to the SMs) is resident, as the H200 measurements show (benchmarks/cluster_occupancy.py).
+
 Everything this kernel is specialised on comes from the `GemmPlan` (tiles, cluster, stages,
 raster) and the `KernelSpec` (dtypes, layouts, epilogue); it decides nothing itself.
 """
