@@ -3,7 +3,10 @@
 Usage on the H200 (see benchmarks/RESULTS.md):
 
     python benchmarks/gpu_check.py [--cases N] [--bench] [--jobs J]
-        [--pingpong | --epi-n 64 | --large-configs] [--planner-routing]
+        [--pingpong | --epi-n 64 | --large-configs | --stream-k] [--sms 10] [--planner-routing]
+
+`--stream-k --sms 10` runs every cooperative plan on the stream-K schedule, planned for a
+pretend 10-SM device so that the matrix's small problems have more tiles than clusters.
 
 Correctness compares every case against a float32 (HIGHEST precision) XLA reference on the same
 inputs by ||out - ref|| / ||ref||, with a per-dtype tolerance; NaNs fail. The kernel path taken

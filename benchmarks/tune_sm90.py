@@ -3,6 +3,7 @@
     python benchmarks/tune_sm90.py [--shapes 8192x8192x8192,...] [--dtype bfloat16] [--jobs 15]
         [--pingpong-tiles 128x192,128x128] [--clusters 2x1,1x2] [--swizzles 1,8] [--epi-n 0]
         [--tiles 128x256] [--stages 0] [--epi-stages 2,4] [--rasters planner,m,n]
+        [--stream-k 0,1]
         [--method wall|device]
 
 Split-K (skinny shapes): `--splits 2,4,8 --tiles 64x128,64x256 --method device` times each tile
