@@ -563,21 +563,8 @@ class Sm90GemmKernel:
                 tile = work.tile_idx
                 if cutlass.const_expr(self.pingpong):
                     my_turn.arrive_and_wait()
-                # ---- main loop: keep one wgmma batch in flight, release a stage once it retired.
-                acc.fill(0.0)
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.fence()
-                for kt in range(k_tiles):
-                    ab_pipe.consumer_wait(read)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        crd = (None, None, kb, read.index)
-                        cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-                    warpgroup.commit_group()
-                    read.advance()
-                    if kt > 0:
-                        warpgroup.wait_group(1)
-                        ab_pipe.consumer_release(release)
-                        release.advance()
+                read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
+                                               k_tiles, read, release)  # fmt: skip
                 if cutlass.const_expr(self.pingpong):
                     # Every stage of this tile has landed: the other group's tile is next in the
                     # ring. Hand it the turn (if it has a tile) and skip its stages.
@@ -601,6 +588,27 @@ class Sm90GemmKernel:
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
+
+    @cute.jit
+    def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release):
+        """`n_k` k-tiles of wgmma into zeroed accumulators, one batch kept in flight and each
+        stage released once its batch retired; the last batch is left in flight (the caller
+        waits for it and releases its stage). Returns the advanced (read, release) states."""
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for kt in range(n_k):
+            ab_pipe.consumer_wait(read)
+            for kb in cutlass.range_constexpr(k_blocks):
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
+            warpgroup.commit_group()
+            read.advance()
+            if kt > 0:
+                warpgroup.wait_group(1)
+                ab_pipe.consumer_release(release)
+                release.advance()
+        return read, release
 
     @cute.jit
     def _store_tile(self, tile, tiles_done, epi, warp):
@@ -718,20 +726,8 @@ class Sm90GemmKernel:
         work, kb, ke = self._sk_segment(sched, sk, idx, k_tiles)
         while work.is_valid_tile:
             tile = work.tile_idx
-            acc.fill(0.0)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.fence()
-            for kt in range(ke - kb):
-                ab_pipe.consumer_wait(read)
-                for kblk in cutlass.range_constexpr(k_blocks):
-                    crd = (None, None, kblk, read.index)
-                    cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)
-                warpgroup.commit_group()
-                read.advance()
-                if kt > 0:
-                    warpgroup.wait_group(1)
-                    ab_pipe.consumer_release(release)
-                    release.advance()
+            read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
+                                           ke - kb, read, release)  # fmt: skip
             warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             release.advance()
