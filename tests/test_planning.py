@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 from unittest import mock
 
@@ -126,6 +127,12 @@ class PlannerInvariantsTest(parameterized.TestCase):
         if why is not None:
             self.assertEqual(p.reason, why)
         self.assertTrue(p.reason)
+        if p.swizzle_size > 1:
+            # The DSL's scheduler pads the swizzled cluster count to a multiple of the swizzle
+            # with clusters outside the matrix that still run: the planner avoids any padding.
+            tiles = math.ceil(p.n / cta[1]) if p.raster_along_m else math.ceil(p.m / cta[0])
+            along = p.cluster_shape_mn[1] if p.raster_along_m else p.cluster_shape_mn[0]
+            self.assertEqual(math.ceil(tiles / along) % p.swizzle_size, 0, p)
 
     def test_kernel_choice(self):
         bf = {"a_dtype": "bfloat16", "b_dtype": "bfloat16"}
@@ -413,9 +420,18 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertEqual("stream-K" in p.reason, want)
         self.assertIn(f"stream_k                 {want}", str(p))
 
+    def test_swizzle_only_where_it_divides_the_cluster_columns(self):
+        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        # 16 tile columns in clusters of 1x2: 8 cluster columns, swizzled in bands of 8.
+        self.assertEqual(planning.plan(16384, 4096, 4096, **bf).swizzle_size, 8)
+        # 20 tile columns: 10 cluster columns would run as 16 (6 outside the matrix): none.
+        p = planning.plan(16384, 5120, 4096, **bf)
+        self.assertEqual((p.cluster_shape_mn, p.swizzle_size), ((1, 2), 1))
+
     @parameterized.named_parameters(
         ("pingpong", dict(pingpong=True, mma_tiler_mnk=(128, 128, 64)), "ping-pong"),
         ("split", dict(split_k=2, kernel="sm90_wgmma_splitk"), "split_k=2"),
+        ("cluster_of_4", dict(cluster_shape_mn=(2, 2)), "at most 2 CTAs"),
     )
     def test_stream_k_rules(self, change, msg):
         p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")

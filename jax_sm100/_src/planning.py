@@ -210,7 +210,9 @@ class GemmPlan:
         C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab)
         C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
         C.check_pingpong(self.arch, self.pingpong, self.mma_tiler_mnk)
-        C.check_stream_k(self.arch, self.stream_k, self.pingpong, self.split_k)
+        C.check_stream_k(
+            self.arch, self.stream_k, self.pingpong, self.split_k, self.cluster_shape_mn
+        )
         mm, mn, mk = self.mma_tiler_mnk
         cta = (mm // 2 if self.use_2cta else mm, mn, mk)
         setf("cta_tile_mnk", cta)
@@ -325,19 +327,21 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
 
     For tuning and tests: `dataclasses.replace` keeps `num_ab_stages`, which is rarely right for
     another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
-    Asking for ping-pong turns stream-K off (a cooperative schedule) unless `stream_k` is given.
+    Asking for ping-pong, or clusters of more than 2 CTAs, turns stream-K off unless `stream_k`
+    is given.
     Raises PlanError for an illegal combination, like any plan edit.
     """
     if plan.arch != "sm_90a":
         raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
     tm, tn = tile_mn or plan.cta_tile_mnk[:2]
     epi_stages = changes.pop("num_epi_stages", None)
-    if pingpong:
+    cluster = tuple(cluster_mn or plan.cluster_shape_mn)
+    if pingpong or cluster[0] * cluster[1] > 2:
         changes.setdefault("stream_k", False)
     edited = dataclasses.replace(
         plan,
         mma_tiler_mnk=(tm, tn, plan.mma_tiler_mnk[2]),
-        cluster_shape_mn=tuple(cluster_mn or plan.cluster_shape_mn),
+        cluster_shape_mn=cluster,
         pingpong=plan.pingpong if pingpong is None else bool(pingpong),
         num_ab_stages=C.MIN_AB_STAGES,
         **changes,
@@ -540,7 +544,7 @@ def _plan_cached(
         num_ab_stages=C.MIN_AB_STAGES,
         num_acc_stages=1,
         split_k=split,
-        swizzle_size=_sm90_swizzle(m, n, batch, tm, tn),
+        swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
         stream_k=stream_k,
     )
     # A/B stages as many as fit, then the SMEM left deepens the epilogue's TMA-store ring.
@@ -565,7 +569,7 @@ def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
 SM90_STREAM_K_MIN_WAVES = 8
 
 
-def _sm90_swizzle(m, n, batch, tm, tn) -> int:
+def _sm90_swizzle(m, n, batch, tm, tn, cluster) -> int:
     """Raster swizzle for SM90 grids with many more tile rows than columns (and >= 8 of each).
 
     Rastering along M in 8-tile bands keeps the B tiles of the CTAs running at the same time in
@@ -573,9 +577,16 @@ def _sm90_swizzle(m, n, batch, tm, tn) -> int:
     0.86-0.87x -> 0.93-0.95x, 8192^3 0.95-0.97x -> 0.98-1.0x, 4096^3 unchanged; on
     4096x14336x4096 (more tile columns than rows) it measured 0.83-0.94x against 0.97-1.1x
     without, so wide grids keep 1.
+
+    The DSL's tile scheduler rounds the number of cluster columns up to a multiple of the
+    swizzle, and the clusters it adds lie wholly outside the matrix yet run their main loops (on
+    zero-filled tiles): 10 columns of clusters would run as 16. So the swizzle is taken only
+    where it divides the cluster columns.
     """
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    return 8 if tiles_n >= 8 and tiles_m >= 2 * tiles_n else 1
+    cluster_cols = math.ceil(tiles_n / cluster[1])
+    tall = tiles_n >= 8 and tiles_m >= 2 * tiles_n
+    return 8 if tall and cluster_cols % 8 == 0 else 1
 
 
 def _sm100_reason(use_2cta, mm, mn, num_sms) -> str:

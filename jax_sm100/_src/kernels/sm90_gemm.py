@@ -143,7 +143,9 @@ class Sm90GemmKernel:
             constraints.check_split_k(
                 plan.split_k, plan.cluster_shape_mn, plan.pingpong, plan.split_reduce
             )
-            constraints.check_stream_k(plan.arch, plan.stream_k, plan.pingpong, plan.split_k)
+            constraints.check_stream_k(
+                plan.arch, plan.stream_k, plan.pingpong, plan.split_k, plan.cluster_shape_mn
+            )
         except constraints.PlanError as e:
             return str(e)
         if plan.split_reduce == "cluster" and tm % plan.split_k:
