@@ -420,6 +420,18 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertEqual("stream-K" in p.reason, want)
         self.assertIn(f"stream_k                 {want}", str(p))
 
+    def test_variants_of_a_stream_k_plan(self):
+        p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertTrue(p.stream_k)
+        # Schedules stream-K does not run on turn it off; the rest keep it.
+        self.assertFalse(planning.sm90_variant(p, tile_mn=(128, 128), pingpong=True).stream_k)
+        self.assertFalse(planning.sm90_variant(p, cluster_mn=(2, 2)).stream_k)
+        self.assertFalse(planning.with_split(p, 2).stream_k)
+        self.assertTrue(planning.sm90_variant(p, cluster_mn=(2, 1)).stream_k)
+        self.assertTrue(planning.with_split(p, 1).stream_k)
+        with self.assertRaisesRegex(C.PlanError, "at most 2 CTAs"):
+            planning.sm90_variant(p, cluster_mn=(2, 2), stream_k=True)
+
     def test_swizzle_only_where_it_divides_the_cluster_columns(self):
         bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
         # 16 tile columns in clusters of 1x2: 8 cluster columns, swizzled in bands of 8.
