@@ -286,7 +286,7 @@ def workspace_shapes(plan) -> dict[str, tuple[tuple[int, ...], str]]:
     tiles two clusters meet in), and "flags", one int32 per CTA, zero at every launch (the
     caller passes zeros). Other plans take none.
     """
-    if not getattr(plan, "stream_k", False):
+    if not plan.stream_k:
         return {}
     tm, tn, _ = plan.cta_tile_mnk
     return {

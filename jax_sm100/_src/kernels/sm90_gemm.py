@@ -46,6 +46,8 @@ raster) and the `KernelSpec` (dtypes, layouts, epilogue); it decides nothing its
 
 from __future__ import annotations
 
+import collections
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.pipeline as pipeline
@@ -71,6 +73,13 @@ _SMEM_ALIGN = 1024
 # ping-pong turn barriers that order the consumer warp groups' main loops.
 _EPI_BARRIER_ID = 1
 _TURN_BARRIER_ID = 3
+
+# What one consumer warp group's tile epilogue works with (`_store_tile`), built once.
+_Epilogue = collections.namedtuple(
+    "_Epilogue",
+    "gD cD gC sD tma_d r2s thr_r2s tRS_sD tRS_acc sub_acc sub_out sub_size mBias mD store_pipe "
+    "barrier store_warp group",
+)
 
 # 256-row tiles give each consumer warp group two 64-row MMA blocks. N = 160 is cuBLAS's choice
 # for large tall and wide problems on the H200 (benchmarks/cublas_kernels.py).
@@ -535,8 +544,9 @@ class Sm90GemmKernel:
             gC = cute.local_tile(mC, (tm, tn), (None, None, None))
 
         # What the epilogue works with (`_store_tile`).
-        epi = (gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size,
-               mBias, mD, store_pipe, epi_barrier, store_warp, epi_group)  # fmt: skip
+        epi = _Epilogue(gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out,
+                        sub_size, mBias, mD, store_pipe, epi_barrier, store_warp,
+                        epi_group)  # fmt: skip
 
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -717,7 +727,7 @@ class Sm90GemmKernel:
         all clusters are resident (the grid is sized to fit), so it always ends.
         """
         cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
-        epi_barrier = epi[15]
+        epi_barrier = epi.barrier
         sk = self._sk_schedule(sched_params, k_tiles)
         mine = sk[0] * cluster_size + rank
         neighbour = mine + cluster_size
@@ -742,7 +752,7 @@ class Sm90GemmKernel:
                 tiles_done += 1
             idx += 1
             work, kb, ke = self._sk_segment(sched, sk, idx, k_tiles)
-        epi[14].producer_tail()
+        epi.store_pipe.producer_tail()
 
     def _sk_slot(self, mWs, slot, ctidx, acc):
         """This thread's words of workspace slot `slot`: word v at v * threads + ctidx, so a
