@@ -31,14 +31,15 @@ work as long as each operand's contiguous dimension is 16-byte aligned.
 Stream-K (`plan.stream_k`, cooperative plans): when the tiles do not fill the persistent
 clusters' last wave evenly, the first (T // G - 1) G of the T cluster tiles run as above and the
 rest (between one and two waves) are cut into k-blocks shared out evenly over the G clusters,
-so every such tile is split between at most two consecutive clusters. Cluster g + 1 starts its
-share inside the tile that cluster g ends in: it computes that tile's last k-blocks first,
-writes the float32 partial to its workspace slot and raises the slot's flag (gpu-scope
-release); cluster g computes the first k-blocks last, waits for the flag (acquire), adds the
-partial and runs the epilogue. The flags come in zeroed by XLA on every call; the order of the
-two partials is fixed, so results are deterministic. A cluster waits only at its very end, on
-its successor's first work; this assumes, like every persistent schedule here, that the grid
-(sized to the SMs) is resident, as the H200 measurements show (benchmarks/cluster_occupancy.py).
+so every such tile is split between at most two consecutive clusters. Each cluster walks its
+share backwards, a tile at a time. Cluster g ends its share inside a tile: it computes that
+tile's first k-blocks first, writes the float32 partial to its workspace slot and raises the
+slot's flag (gpu-scope release); cluster g + 1, whose share starts inside the same tile,
+computes the tile's last k-blocks last, waits for the flag (acquire), adds the partial and runs
+the epilogue. The flags come in zeroed by XLA on every call; the order of the two partials is
+fixed, so results are deterministic. A cluster waits only at its very end, and only on a
+cluster of lower index (launched before it), whose publish comes before any wait of its own:
+the schedule finishes however few clusters are resident at once.
 
 Everything this kernel is specialised on comes from the `GemmPlan` (tiles, cluster, stages,
 raster) and the `KernelSpec` (dtypes, layouts, epilogue); it decides nothing itself.
@@ -694,22 +695,29 @@ class Sm90GemmKernel:
         """Segment `idx` of this cluster's schedule: (work, kb, ke), k-blocks [kb, ke) of the
         work's tile; work.is_valid_tile is False past the last segment."""
         g, num_clusters, dp_tiles, start, end, dp_count = sk
-        # Stream-K segment j starts at unit `start` (j = 0), else at a tile boundary.
+        # The stream-K range is walked backwards, a tile at a time: segment j is the part of
+        # tile t1 - j in [start, end), t1 the range's last tile and t0 its first.
         j = idx - dp_count
-        u = start
-        if j > 0:
-            u = (start // k_tiles + j) * k_tiles
-        lin = dp_tiles + u // k_tiles
-        kb = u - (u // k_tiles) * k_tiles
-        ke = kb + (end - u)
-        if ke > k_tiles:
-            ke = k_tiles
+        t0 = start // k_tiles
+        t1 = t0
+        if end > start:
+            t1 = (end - 1) // k_tiles
+        t = t1 - j
+        u = t * k_tiles
+        if u < start:
+            u = start
+        e = (t + 1) * k_tiles
+        if e > end:
+            e = end
+        lin = dp_tiles + t
+        kb = u - t * k_tiles
+        ke = e - t * k_tiles
         in_dp = idx < dp_count
         if in_dp:
             lin = g + idx * num_clusters
             kb = cutlass.Int32(0)
             ke = k_tiles
-        valid = in_dp | (u < end)
+        valid = in_dp | ((end > start) & (j <= t1 - t0))
         work = sched._get_current_work_for_linear_idx(lin)
         return utils.WorkTileInfo(work.tile_idx, valid), kb, ke
 
@@ -718,19 +726,19 @@ class Sm90GemmKernel:
                     k_tiles, epi, warp, ctidx, rank, mWs, mFlags):  # fmt: skip
         """The consumers on the stream-K schedule.
 
-        A whole tile ends in the epilogue. A segment that starts inside a tile (kb > 0; it runs
-        to the tile's end, first in this cluster's stream-K range) publishes its float32 partial
-        in this CTA's workspace slot and raises the slot's flag. A segment that starts a tile
-        but stops short (last in the range) waits for the next cluster's flag for the same CTA
-        rank, adds that partial and runs the epilogue. The next cluster publishes at the start
-        of its range and this one finishes at the end of its own, so the wait is short, and
-        all clusters are resident (the grid is sized to fit), so it always ends.
+        A whole tile ends in the epilogue. A segment that stops short of its tile's end (ke <
+        k_tiles; it starts the tile and comes first in this cluster's backwards walk) publishes
+        its float32 partial in this CTA's workspace slot and raises the slot's flag. A segment
+        that starts inside a tile (kb > 0; last in the walk) waits for the previous cluster's
+        flag for the same CTA rank, adds that partial and runs the epilogue. The previous
+        cluster publishes at the start of its stream-K range and this one gathers at the end of
+        its own, so the wait is short.
         """
         cluster_size = self.cluster_mn[0] * self.cluster_mn[1]
         epi_barrier = epi.barrier
         sk = self._sk_schedule(sched_params, k_tiles)
         mine = sk[0] * cluster_size + rank
-        neighbour = mine + cluster_size
+        previous = mine - cluster_size
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         tiles_done = cutlass.Int32(0)
@@ -743,11 +751,11 @@ class Sm90GemmKernel:
             warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             release.advance()
-            if kb > 0:
+            if ke < k_tiles:
                 self._sk_publish(acc, mWs, mFlags, mine, ctidx, epi_barrier)
             else:
-                if ke < k_tiles:
-                    self._sk_gather(acc, mWs, mFlags, neighbour, ctidx, epi_barrier)
+                if kb > 0:
+                    self._sk_gather(acc, mWs, mFlags, previous, ctidx, epi_barrier)
                 self._store_tile(tile, tiles_done, epi, warp)
                 tiles_done += 1
             idx += 1
