@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import sys
 
@@ -101,8 +102,12 @@ def describe(p) -> str:
         else "coop"
     )
     kind += "+sk" if getattr(p, "stream_k", False) else ""
+    # A swizzle that does not divide the cluster columns runs extra clusters outside the matrix
+    # (planning._sm90_swizzle): such rows time padded work, which the planner never picks.
+    cluster_cols = math.ceil(math.ceil(p.n / tn) / p.cluster_shape_mn[1])
+    pad = "" if cluster_cols % p.swizzle_size == 0 else "(pad)"
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
-            f"swz {p.swizzle_size} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
+            f"swz {p.swizzle_size}{pad} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
             f"x{p.num_epi_stages} stages {p.num_ab_stages} "
             f"raster {'M' if p.raster_along_m else 'N'}")  # fmt: skip
 

@@ -323,7 +323,10 @@ class Sm90ScheduleTest(parameterized.TestCase):
 
     @parameterized.parameters(((128, 192), 5), ((128, 128), 6), ((64, 256), 5))
     def test_variant_refills_stages(self, tile, stages):
-        q = planning.sm90_variant(self.p, tile_mn=tile, pingpong=True, cluster_mn=(1, 2))
+        # (Swizzle 8 asked for: 128x192 leaves 22 cluster columns, where the variant drops it.)
+        q = planning.sm90_variant(
+            self.p, tile_mn=tile, pingpong=True, cluster_mn=(1, 2), swizzle_size=8
+        )
         self.assertTrue(q.pingpong)
         self.assertEqual(q.cta_tile_mnk[:2], tile)
         self.assertEqual(q.cluster_shape_mn, (1, 2))
@@ -439,6 +442,15 @@ class Sm90ScheduleTest(parameterized.TestCase):
         # 20 tile columns: 10 cluster columns would run as 16 (6 outside the matrix): none.
         p = planning.plan(16384, 5120, 4096, **bf)
         self.assertEqual((p.cluster_shape_mn, p.swizzle_size), ((1, 2), 1))
+        # A variant with another tile or cluster re-checks the swizzle, unless it is asked for.
+        q = planning.plan(16384, 4096, 4096, **bf)
+        pp = planning.sm90_variant(q, tile_mn=(128, 160), pingpong=True)
+        self.assertEqual(pp.swizzle_size, 1)
+        self.assertEqual(planning.sm90_variant(q, tile_mn=(128, 192)).swizzle_size, 1)
+        self.assertEqual(planning.sm90_variant(q, cluster_mn=(2, 1)).swizzle_size, 8)
+        self.assertEqual(planning.sm90_variant(q, tile_mn=(128, 128)).swizzle_size, 8)
+        forced = planning.sm90_variant(q, tile_mn=(128, 160), swizzle_size=8)
+        self.assertEqual(forced.swizzle_size, 8)
 
     @parameterized.named_parameters(
         ("pingpong", dict(pingpong=True, mma_tiler_mnk=(128, 128, 64)), "ping-pong"),

@@ -328,7 +328,8 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     For tuning and tests: `dataclasses.replace` keeps `num_ab_stages`, which is rarely right for
     another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
     Asking for ping-pong, or clusters of more than 2 CTAs, turns stream-K off unless `stream_k`
-    is given.
+    is given. A new tile or cluster keeps the plan's swizzle only where it still divides the
+    cluster columns (see `_sm90_swizzle`), unless `swizzle_size` is given.
     Raises PlanError for an illegal combination, like any plan edit.
     """
     if plan.arch != "sm_90a":
@@ -338,6 +339,9 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     cluster = tuple(cluster_mn or plan.cluster_shape_mn)
     if pingpong or cluster[0] * cluster[1] > 2:
         changes.setdefault("stream_k", False)
+    cluster_cols = math.ceil(math.ceil(plan.n / tn) / cluster[1])
+    if cluster_cols % plan.swizzle_size:
+        changes.setdefault("swizzle_size", 1)
     edited = dataclasses.replace(
         plan,
         mma_tiler_mnk=(tm, tn, plan.mma_tiler_mnk[2]),
