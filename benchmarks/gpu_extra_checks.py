@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_extra_checks.py            # all three (memcheck in a child process)
     python benchmarks/gpu_extra_checks.py --cases X  # parts: fp8, graph, memcheck, racecheck,
-                                                     # splitk, streamk
+                                                     # splitk, streamk, pingpong
 
 Each part compares against a float32 XLA reference on normal random data and prints one
 `RESULT` line.
@@ -181,6 +181,52 @@ def streamk() -> int:
     return fails
 
 
+def pingpong() -> int:
+    """The planner's ping-pong plans (many waves of 16-bit tiles, walked along N in swizzled
+    bands) at the benchmark's shapes and a few more: the fused epilogue with transposed B, a
+    batch, a grid whose cluster rows 8 does not divide, fp16; each against float32."""
+    rng = np.random.default_rng(7)
+    cases = [
+        ((16384, 4096, 4096), {}), ((8192, 8192, 8192), {}), ((4096, 14336, 4096), {}),
+        ((16384, 5120, 4096), {"dtype": "float16"}), ((8192, 8192, 2048), {"epilogue": True}),
+        ((4096, 4096, 2048), {"batch": 4}), ((8200, 8200, 1000), {"epilogue": True}),
+    ]  # fmt: skip
+    fails = 0
+    for (m, n, k), kw in cases:
+        dt = kw.get("dtype", "bfloat16")
+        batch = (kw["batch"],) if "batch" in kw else ()
+        epi = kw.get("epilogue", False)
+        a = jnp.asarray(rng.standard_normal((*batch, m, k), np.float32), dt)
+        b = jnp.asarray(rng.standard_normal((*batch, n, k) if epi else (*batch, k, n)), dt)
+        c = jnp.asarray(rng.standard_normal((*batch, m, n), np.float32), dt)
+        bias = jnp.asarray(rng.standard_normal((n,), np.float32), dt)
+        kws = dict(transpose_b=epi, out_dtype=dt)
+        if epi:
+            kws.update(activation="silu", alpha=0.5, beta=0.75)
+        f = jax.jit(lambda a, b, c, bias, epi=epi, kws=kws: _bind(
+            a, b, c=c if epi else None, bias=bias if epi else None, **kws))  # fmt: skip
+        out = f(a, b, c, bias)
+        low = gpu_lowering.explain()
+        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+        bt = jnp.swapaxes(f32(b), -1, -2) if epi else f32(b)
+        z = jnp.matmul(f32(a), bt, precision="highest")
+        if epi:
+            z = jax.nn.silu(0.5 * z + 0.75 * f32(c) + f32(bias))
+        err = _rel_err(out, z)
+        plan = low.plan if low else None
+        ran_pp = bool(plan and plan.kernel == planning.KERNEL_SM90 and plan.pingpong)
+        ok = err < 1e-2 and ran_pp
+        fails += not ok
+        desc = "?" if plan is None else (
+            f"{plan.cta_tile_mnk[0]}x{plan.cta_tile_mnk[1]} cluster {plan.cluster_shape_mn} "
+            f"pingpong {plan.pingpong} raster {'M' if plan.raster_along_m else 'N'} swizzle "
+            f"{plan.swizzle_size}")  # fmt: skip
+        print(f"pingpong {dt} {batch}{m}x{n}x{k} epilogue {epi}: {desc}: rel err {err:.2e}: "
+              f"{'ok' if ok else 'FAIL'}")  # fmt: skip
+    print("RESULT pingpong fails", fails)
+    return fails
+
+
 def fp8() -> int:
     """fp8 operands with K-major B (b stored [n, k]), the layout the SM90 fp8 wgmma takes."""
     fails = 0
@@ -317,7 +363,7 @@ def main():
     fails = 0
     for part in parts:
         parts = {"fp8": fp8, "graph": graph, "memcheck": memcheck, "splitk": splitk,
-                 "streamk": streamk,
+                 "streamk": streamk, "pingpong": pingpong,
                  "racecheck": lambda: memcheck("racecheck")}  # fmt: skip
         fails += parts[part]()
     return int(fails > 0)

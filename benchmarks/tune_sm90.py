@@ -104,8 +104,11 @@ def describe(p) -> str:
     kind += "+sk" if getattr(p, "stream_k", False) else ""
     # A swizzle that does not divide the cluster columns runs extra clusters outside the matrix
     # (planning._sm90_swizzle): such rows time padded work, which the planner never picks.
-    cluster_cols = math.ceil(math.ceil(p.n / tn) / p.cluster_shape_mn[1])
-    pad = "" if cluster_cols % p.swizzle_size == 0 else "(pad)"
+    # (Along N, the cluster rows are the ones padded.)
+    across = math.ceil(math.ceil(p.n / tn) / p.cluster_shape_mn[1])
+    if not p.raster_along_m:
+        across = math.ceil(math.ceil(p.m / tm) / p.cluster_shape_mn[0])
+    pad = "" if across % p.swizzle_size == 0 else "(pad)"
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size}{pad} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
             f"x{p.num_epi_stages} stages {p.num_ab_stages} "

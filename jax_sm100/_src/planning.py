@@ -58,13 +58,25 @@ _SM100_CANDIDATES = (
     (False, 64, 128, 0.62),
 )
 _SM90_CANDIDATES = (
-    # (tile_m, tile_n, efficiency). 256x128 and 128x160 tiles run correctly on the H200 but were
-    # not faster than 128x256 there (benchmarks/RESULTS.md, third session): plan options only.
+    # (tile_m, tile_n, efficiency), cooperative. 256x128 and a cooperative 128x160 run
+    # correctly on the H200 but were not faster than 128x256 there (benchmarks/RESULTS.md,
+    # third session): plan options only.
     (128, 256, 1.00),
     (128, 128, 0.85),
     (64, 256, 0.72),
     (64, 128, 0.62),
 )
+# Ping-pong tiles (one warp group per tile, so its epilogue hides under the other group's main
+# loop), walked along N in bands of 8 tile rows. H200, device method, sixth session
+# (benchmarks/RESULTS.md): 128x160 / 128x192 ping-pong with clusters of 2x1 beat the best
+# cooperative 128x256 plan by 1-4 % at 16384x4096x4096, 8192^3 and 4096x14336x4096, the one of
+# the two that wastes the least last wave winning each time; the efficiency below puts that
+# per-tile gain into the wave model. Taken only for many waves of 16-bit tiles (measured there).
+_SM90_PINGPONG_CANDIDATES = (
+    (128, 160, 1.03),
+    (128, 192, 1.03),
+)
+SM90_PINGPONG_MIN_WAVES = 8
 
 
 def _dsl():
@@ -394,16 +406,27 @@ def _choose_sm100(m, n, k, batch, num_sms):
     return use_2cta, mm, mn, cluster
 
 
-def _choose_sm90(m, n, k, batch, num_sms):
+def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False):
+    """(tile_m, tile_n, cluster, pingpong): the tile with the fewest weighted waves; ping-pong
+    tiles compete only with `pingpong_ok` and when 128x256 tiles fill at least
+    `SM90_PINGPONG_MIN_WAVES` waves."""
+    candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
+    if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
+        SM90_PINGPONG_MIN_WAVES * num_sms
+    ):
+        candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_PINGPONG_CANDIDATES]
     best = None
-    for tm, tn, eff in _SM90_CANDIDATES:
+    for tm, tn, pingpong, eff in candidates:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
         cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff)
         if m < tm:
             cost *= tm / m  # rows of padding still cost MMA time
         if best is None or cost < best[0] - 1e-9:
-            best = (cost, tm, tn)
-    _, tm, tn = best
+            best = (cost, tm, tn, pingpong)
+    _, tm, tn, pingpong = best
+    if pingpong:
+        # Measured best with CTAs paired along M (B multicast) in all three sweeps but one.
+        return tm, tn, (2, 1), True
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     # Multicast the operand that more CTAs share: pair CTAs along the longer tile dimension.
     cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
@@ -412,7 +435,7 @@ def _choose_sm90(m, n, k, batch, num_sms):
         # along N multicasts it. Three H200 sweeps of 16384x4096x4096 (benchmarks/RESULTS.md)
         # put 1x2 ahead of 2x1 by 3-4% each time (0.96-1.0x against 0.95-0.96x jnp.dot).
         cluster = (1, 2)
-    return tm, tn, cluster
+    return tm, tn, cluster, False
 
 
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
@@ -518,7 +541,8 @@ def _plan_cached(
             num_acc_stages=acc_stages,
         )
         return plan
-    tm, tn, cluster = _choose_sm90(m, n, k, batch, num_sms)
+    pingpong_ok = why_not is None and a_dtype == b_dtype and ab_bits == 16 and out_bits == 16
+    tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
     if why_not is None and not force_kernel:
         why_not = sm90_too_small(m, n, k, batch, split)
@@ -534,6 +558,12 @@ def _plan_cached(
         )
     else:
         kernel = KERNEL_SM90
+        reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
+    if pingpong and kernel == KERNEL_SM90:
+        plan = _sm90_pingpong_plan(common, reason, (tm, tn, ktile), m, tm, cluster)
+        if plan is not None:
+            return plan
+        tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
     stream_k = kernel == KERNEL_SM90 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms)
     if stream_k:
@@ -553,6 +583,30 @@ def _plan_cached(
     )
     # A/B stages as many as fit, then the SMEM left deepens the epilogue's TMA-store ring.
     return _fill_sm90_smem(plan)
+
+
+def _sm90_pingpong_plan(common, reason, tile, m, tm, cluster) -> GemmPlan | None:
+    """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
+    where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`) with
+    the measured 4-deep epilogue store ring, or None where it does not fit (the caller then
+    plans the cooperative tile)."""
+    rows = math.ceil(math.ceil(m / tm) / cluster[0])
+    swizzle = 8 if rows % 8 == 0 else 1
+    try:
+        plan = GemmPlan(
+            **common, kernel=KERNEL_SM90,
+            reason=reason.replace("tile:", "ping-pong tile (each warp group's epilogue hidden "
+                                  "under the other's main loop):") + "; raster along N",
+            mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
+            num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
+            swizzle_size=swizzle, pingpong=True,
+        )  # fmt: skip
+        return _fill_sm90_smem(plan, SM90_PINGPONG_EPI_STAGES)
+    except C.PlanError:
+        return None
+
+
+SM90_PINGPONG_EPI_STAGES = 4
 
 
 def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
