@@ -269,7 +269,13 @@ def force_pingpong():
     """Every SM90 plan a ping-pong one, cycling through its tile shapes: the schedule on the
     whole case matrix, whatever the planner prefers."""
     tiles = ((128, 128), (128, 160), (128, 192), (64, 256), (64, 128))
-    _vary_sm90_plans(dict(tile_mn=t, pingpong=True) for t in tiles)
+    edits = [dict(tile_mn=t, pingpong=True) for t in tiles]
+    # The planner's own ping-pong plans for many waves: clusters of 2x1 walked along N in
+    # swizzled bands (on small problems the swizzle pads the rows with clusters outside the
+    # matrix, which must leave it untouched).
+    edits += [dict(tile_mn=t, pingpong=True, cluster_mn=(2, 1), raster_along_m=False,
+                   swizzle_size=z) for t, z in (((128, 160), 8), ((128, 192), 2))]  # fmt: skip
+    _vary_sm90_plans(edits)
 
 
 # The cooperative configurations the planner picks for large problems, to run on the small
@@ -300,8 +306,9 @@ def force_stream_k():
     """Every cooperative unsplit SM90 plan on the stream-K schedule, in its own tile or cycled
     through the large-problem configurations. Run it with `--sms` small, so the matrix's problems
     have more tiles than the grid has clusters and the stream-K phase runs."""
-    edits = [dict(stream_k=True)] + [
-        dict(tile_mn=t, cluster_mn=c, swizzle_size=z, stream_k=True) for t, c, z in _LARGE_CONFIGS
+    edits = [dict(stream_k=True, pingpong=False)] + [
+        dict(tile_mn=t, cluster_mn=c, swizzle_size=z, stream_k=True, pingpong=False)
+        for t, c, z in _LARGE_CONFIGS
     ]
     _vary_sm90_plans(edits)
 

@@ -141,7 +141,13 @@ class PlannerInvariantsTest(parameterized.TestCase):
         self.assertTrue(big.use_2cta)
         self.assertEqual(big.mma_tiler_mnk, (256, 256, 64))
         h = jax_sm100.plan(8192, 8192, 8192, arch="sm_90a", **bf)
-        self.assertEqual((h.kernel, h.cta_tile_mnk), ("sm90_wgmma", (128, 256, 64)))
+        self.assertEqual(
+            (h.kernel, h.cta_tile_mnk, h.pingpong), ("sm90_wgmma", (128, 192, 64), True)
+        )
+        h = jax_sm100.plan(4096, 4096, 4096, arch="sm_90a", **bf)
+        self.assertEqual(
+            (h.kernel, h.cta_tile_mnk, h.pingpong), ("sm90_wgmma", (128, 256, 64), False)
+        )
         skinny = jax_sm100.plan(64, 4096, 4096, arch="sm_90a", **bf)
         self.assertEqual(skinny.kernel, "sm90_wgmma_splitk")
         self.assertGreater(skinny.split_k, 1)
@@ -312,8 +318,9 @@ class Sm90ScheduleTest(parameterized.TestCase):
 
     def setUp(self):
         super().setUp()
+        # 3.9 waves of 128x256 tiles: the cooperative schedule (ping-pong needs 8).
         self.p = planning.plan(
-            8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
+            4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
         )
 
     def test_planner_default_is_cooperative(self):
@@ -357,7 +364,7 @@ class Sm90ScheduleTest(parameterized.TestCase):
                             out_dtype="float32", arch="sm_90a")  # fmt: skip
         self.assertEqual((p32.num_ab_stages, p32.num_epi_stages), (4, 2))
         # Without a swizzled raster the ring stays 2 deep (measured no faster there).
-        p1 = planning.plan(4096, 14336, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+        p1 = planning.plan(4096, 8192, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
                            arch="sm_90a")  # fmt: skip
         self.assertEqual((p1.swizzle_size, p1.num_ab_stages, p1.num_epi_stages), (1, 4, 2))
         # An explicit depth is kept and the A/B ring refilled around it.
@@ -408,7 +415,8 @@ class Sm90ScheduleTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
         # (m, n, k): ~15.5 waves of 66 clusters of 2 -> stream-K; 3.9 waves (measured slower
-        # with it) and a wave that divides evenly -> none.
+        # with it) and a wave that divides evenly -> none. Float32 outputs: with 16-bit ones,
+        # problems of 8 waves or more take the ping-pong schedule (no stream-K; see below).
         ("waves_15_5", (16384, 4096, 4096), True),
         ("waves_15_5_square", (8192, 8192, 8192), True),
         ("waves_13_6", (4096, 14336, 4096), True),
@@ -417,14 +425,56 @@ class Sm90ScheduleTest(parameterized.TestCase):
         ("waves_16_even", (128 * 16 * 66 * 2 // 16, 4096, 4096), False),
     )
     def test_stream_k_choice(self, shape, want):
-        p = planning.plan(*shape, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        p = planning.plan(*shape, a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="float32",
+                          arch="sm_90a")  # fmt: skip
         self.assertEqual(p.kernel, planning.KERNEL_SM90)
+        self.assertFalse(p.pingpong)
         self.assertEqual(p.stream_k, want, p)
         self.assertEqual("stream-K" in p.reason, want)
         self.assertIn(f"stream_k                 {want}", str(p))
 
-    def test_variants_of_a_stream_k_plan(self):
+    @parameterized.named_parameters(
+        # (m, n, k, tile N): of 128x160 and 128x192, the one whose last wave wastes least.
+        ("tall", (16384, 4096, 4096), 160),
+        ("square", (8192, 8192, 8192), 192),
+        ("wide", (4096, 14336, 4096), 160),
+        ("batched", (4, 4096, 4096, 2048), 160),
+    )
+    def test_pingpong_choice(self, shape, tn):
+        *batch, m, n, k = shape
+        p = planning.plan(m, n, k, a_dtype="float16", b_dtype="float16", arch="sm_90a",
+                          batch=batch[0] if batch else 1)  # fmt: skip
+        self.assertEqual(
+            (p.kernel, p.cta_tile_mnk[:2], p.pingpong), ("sm90_wgmma", (128, tn), True)
+        )
+        self.assertEqual((p.cluster_shape_mn, p.raster_along_m, p.swizzle_size), ((2, 1), False, 8))
+        self.assertEqual((p.stream_k, p.num_epi_stages), (False, planning.SM90_PINGPONG_EPI_STAGES))
+        self.assertIn("ping-pong", p.reason)
+        self.assertIn("raster                   along N, swizzle 8", str(p))
+        # 8 cluster rows do not divide 33: no swizzle (the scheduler would pad the rows).
+        odd = planning.plan(8200, 8200, 1000, a_dtype="bfloat16", b_dtype="bfloat16",
+                            arch="sm_90a")  # fmt: skip
+        self.assertEqual((odd.pingpong, odd.swizzle_size), (True, 1))
+        # Not for fewer waves, 32-bit outputs, or 8-bit operands.
+        for kw in (dict(m=4096, n=4096, k=4096, out_dtype=None),
+                   dict(m=m, n=n, k=k, out_dtype="float32")):  # fmt: skip
+            q = planning.plan(kw.pop("m"), kw.pop("n"), kw.pop("k"), a_dtype="bfloat16",
+                              b_dtype="bfloat16", arch="sm_90a", **kw)  # fmt: skip
+            self.assertFalse(q.pingpong, q)
+        f8 = planning.plan(m, n, k, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+                           out_dtype="bfloat16", b_major="k", arch="sm_90a")  # fmt: skip
+        self.assertFalse(f8.pingpong, f8)
+
+    def _coop_stream_k(self):
+        """16384x4096x4096 on the cooperative schedule with stream-K (bf16 output)."""
         p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        return planning.sm90_variant(
+            p, tile_mn=(128, 256), cluster_mn=(1, 2), pingpong=False, raster_along_m=True,
+            swizzle_size=8, stream_k=True,
+        )  # fmt: skip
+
+    def test_variants_of_a_stream_k_plan(self):
+        p = self._coop_stream_k()
         self.assertTrue(p.stream_k)
         # Schedules stream-K does not run on turn it off; the rest keep it.
         self.assertFalse(planning.sm90_variant(p, tile_mn=(128, 128), pingpong=True).stream_k)
@@ -436,7 +486,8 @@ class Sm90ScheduleTest(parameterized.TestCase):
             planning.sm90_variant(p, cluster_mn=(2, 2), stream_k=True)
 
     def test_swizzle_only_where_it_divides_the_cluster_columns(self):
-        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        # (Cooperative plans: float32 outputs; ping-pong plans walk along N, see above.)
+        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="float32", arch="sm_90a")
         # 16 tile columns in clusters of 1x2: 8 cluster columns, swizzled in bands of 8.
         self.assertEqual(planning.plan(16384, 4096, 4096, **bf).swizzle_size, 8)
         # 20 tile columns: 10 cluster columns would run as 16 (6 outside the matrix): none.
@@ -458,7 +509,7 @@ class Sm90ScheduleTest(parameterized.TestCase):
         ("cluster_of_4", dict(cluster_shape_mn=(2, 2)), "at most 2 CTAs"),
     )
     def test_stream_k_rules(self, change, msg):
-        p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        p = self._coop_stream_k()
         with self.assertRaisesRegex(C.PlanError, msg):
             dataclasses.replace(p, **change)
         p100 = jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16")
@@ -482,9 +533,8 @@ class Sm90ScheduleTest(parameterized.TestCase):
 
     def test_tall_grid_multicasts_a(self):
         # 128 x 16 tiles of 128x256: the CTAs of a cluster pair along N and share A.
-        tall = planning.plan(
-            16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
-        )
+        tall = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                             out_dtype="float32", arch="sm_90a")  # fmt: skip
         self.assertEqual(tall.cluster_shape_mn, (1, 2))
         self.assertEqual(self.p.cluster_shape_mn, (2, 1))
 

@@ -88,7 +88,8 @@ class Sm90PtxTest(parameterized.TestCase):
     def test_256_row_tile(self):
         # Two 64-row MMA blocks per consumer warp group; 128x32 epilogue sub-tiles, one block of
         # each warp group per sub-tile.
-        p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(256, 128), cluster_mn=(1, 2))
+        p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(256, 128), cluster_mn=(1, 2),
+                                  pingpong=False)  # fmt: skip
         self.assertEqual(p.epi_tile, (128, 32))
         ptx = compile_mod.compile_plan(p).ptx
         self.assertIn("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", ptx)
@@ -117,7 +118,8 @@ class Sm90PtxTest(parameterized.TestCase):
         # The stream-K schedule: the partial tiles' flags are released and acquired at GPU
         # scope, the partials written and read back in plain global stores and loads, and the
         # kernel takes its workspace as two more tensors of static shape (one slot per SM).
-        p = planning.sm90_variant(_plan(8192, 8192, 8192), stream_k=True)
+        p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(128, 256), pingpong=False,
+                                  raster_along_m=True, stream_k=True)  # fmt: skip
         compiled = compile_mod.compile_plan(p)
         ptx = compiled.ptx
         self.assertIn("ld.acquire.gpu.global.b32", ptx)
