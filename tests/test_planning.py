@@ -502,6 +502,15 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertEqual(planning.sm90_variant(q, tile_mn=(128, 128)).swizzle_size, 8)
         forced = planning.sm90_variant(q, tile_mn=(128, 160), swizzle_size=8)
         self.assertEqual(forced.swizzle_size, 8)
+        # Along N the rows are padded: 8192 rows of 256-row tiles in clusters of 2x1 are 16
+        # cluster rows (kept); 8320 rows are 33 (dropped).
+        pp = planning.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertEqual((pp.raster_along_m, pp.swizzle_size), (False, 8))
+        self.assertEqual(
+            planning.sm90_variant(pp, tile_mn=(256, 128), pingpong=False).swizzle_size, 8
+        )
+        odd = dataclasses.replace(pp, m=8320)
+        self.assertEqual(planning.sm90_variant(odd, tile_mn=(128, 160)).swizzle_size, 1)
 
     @parameterized.named_parameters(
         ("pingpong", dict(pingpong=True, mma_tiler_mnk=(128, 128, 64)), "ping-pong"),

@@ -67,7 +67,7 @@ _SM90_CANDIDATES = (
     (64, 128, 0.62),
 )
 # Ping-pong tiles (one warp group per tile, so its epilogue hides under the other group's main
-# loop), walked along N in bands of 8 tile rows. H200, device method, sixth session
+# loop), walked along N in bands of 8 cluster rows. H200, device method, sixth session
 # (benchmarks/RESULTS.md): 128x160 / 128x192 ping-pong with clusters of 2x1 beat the best
 # cooperative 128x256 plan by 1-4 % at 16384x4096x4096, 8192^3 and 4096x14336x4096, the one of
 # the two that wastes the least last wave winning each time; the efficiency below puts that
@@ -341,7 +341,8 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
     Asking for ping-pong, or clusters of more than 2 CTAs, turns stream-K off unless `stream_k`
     is given. A new tile or cluster keeps the plan's swizzle only where it still divides the
-    cluster columns (see `_sm90_swizzle`), unless `swizzle_size` is given.
+    cluster columns (rows for a raster along N; see `_sm90_swizzle`), unless `swizzle_size` is
+    given.
     Raises PlanError for an illegal combination, like any plan edit.
     """
     if plan.arch != "sm_90a":
@@ -351,8 +352,11 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     cluster = tuple(cluster_mn or plan.cluster_shape_mn)
     if pingpong or cluster[0] * cluster[1] > 2:
         changes.setdefault("stream_k", False)
-    cluster_cols = math.ceil(math.ceil(plan.n / tn) / cluster[1])
-    if cluster_cols % plan.swizzle_size:
+    # The scheduler pads the swizzled dimension: cluster columns along M, cluster rows along N.
+    across = math.ceil(math.ceil(plan.n / tn) / cluster[1])
+    if not changes.get("raster_along_m", plan.raster_along_m):
+        across = math.ceil(math.ceil(plan.m / tm) / cluster[0])
+    if across % plan.swizzle_size:
         changes.setdefault("swizzle_size", 1)
     edited = dataclasses.replace(
         plan,
