@@ -45,15 +45,21 @@ class GpuTest(parameterized.TestCase):
         self.assertLess(err, 2e-2 if dtype == "bfloat16" else 5e-3)
         self.assertNotEqual(gpu_lowering.explain().plan.kernel, "xla_dot")
 
+    _ALONG_N = dict(
+        tile_mn=(128, 192), pingpong=True, cluster_mn=(2, 1), raster_along_m=False, swizzle_size=2
+    )
+
     @parameterized.named_parameters(
         ("coop_256x128", dict(tile_mn=(256, 128))),
         ("coop_128x160", dict(tile_mn=(128, 160))),
         ("pingpong_128x160", dict(tile_mn=(128, 160), pingpong=True)),
+        # The planner's schedule for many waves (2x1, along N), swizzled on a small grid.
+        ("pingpong_along_n", _ALONG_N),
         ("split4_in_cluster", dict(split=4)),
         ("split8_in_cluster", dict(split=8)),
     )
     def test_plan_variants(self, edit):
-        # The schedules the planner does not pick but plans may ask for, on sizes that are not
+        # Schedules and tiles beyond the planner's choice for these sizes, on sizes that are not
         # multiples of their tiles, with C, bias and an activation.
         split = edit.pop("split", 0)
         m, n, k = (100, 520, 2048) if split else (520, 1000, 264)
