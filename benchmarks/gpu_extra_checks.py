@@ -149,9 +149,11 @@ def streamk() -> int:
         b = jnp.asarray(rng.standard_normal(b_shape, np.float32), jnp.bfloat16)
         c = jnp.asarray(rng.standard_normal((*batch, m, n), np.float32), jnp.bfloat16)
         bias = jnp.asarray(rng.standard_normal((n,), np.float32), jnp.bfloat16)
-        base = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
-                              batch=batch[0] if batch else 1, b_major="k" if epi else "n",
-                              c_dtype="bfloat16" if epi else None)  # fmt: skip
+        # The planner's cooperative plan (many waves of 16-bit tiles plan ping-pong instead).
+        base = planning.cooperative(jax_sm100.plan(
+            m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+            batch=batch[0] if batch else 1, b_major="k" if epi else "n",
+            c_dtype="bfloat16" if epi else None))  # fmt: skip
         kws = dict(transpose_b=epi, out_dtype="bfloat16")
         if epi:
             kws.update(activation="gelu", alpha=0.5, beta=0.75)

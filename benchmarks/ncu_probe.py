@@ -41,7 +41,7 @@ def main():
         pair = lambda text: tuple(int(v) for v in text.split("x")) if text else None  # noqa: E731
         plan = planning.sm90_variant(base, tile_mn=pair(args.tile),
                                      cluster_mn=pair(args.cluster),
-                                     pingpong=args.pingpong or None)  # fmt: skip
+                                     pingpong=args.pingpong)  # fmt: skip
         print(plan)
     ours = jax.jit(lambda a, b: jax_sm100.matmul(a, b, plan=plan))
     dot = jax.jit(jnp.dot)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import os
 import sys
 
@@ -85,7 +84,7 @@ def split_variants(base, tiles, splits, reduces):
     out = []
     for tile, split, reduce in itertools.product(tiles, splits, reduces):
         try:
-            tiled = planning.sm90_variant(base, tile_mn=tile)
+            tiled = planning.sm90_variant(base, tile_mn=tile, pingpong=False)
             out.append(planning.with_split(tiled, split, reduce=reduce))
         except planning.C.PlanError as e:
             print(f"  skip {tile} split {split}: {e}")
@@ -102,13 +101,8 @@ def describe(p) -> str:
         else "coop"
     )
     kind += "+sk" if getattr(p, "stream_k", False) else ""
-    # A swizzle that does not divide the cluster columns runs extra clusters outside the matrix
-    # (planning._sm90_swizzle): such rows time padded work, which the planner never picks.
-    # (Along N, the cluster rows are the ones padded.)
-    across = math.ceil(math.ceil(p.n / tn) / p.cluster_shape_mn[1])
-    if not p.raster_along_m:
-        across = math.ceil(math.ceil(p.m / tm) / p.cluster_shape_mn[0])
-    pad = "" if across % p.swizzle_size == 0 else "(pad)"
+    # A padded swizzle runs extra clusters outside the matrix: such rows time wasted work.
+    pad = "(pad)" if planning.swizzle_pads(p) else ""
     return (f"{kind:8s} {tm}x{tn} cluster {p.cluster_shape_mn[0]}x{p.cluster_shape_mn[1]} "
             f"swz {p.swizzle_size}{pad} epi {p.epi_tile[0]}x{p.epi_tile[1]} "
             f"x{p.num_epi_stages} stages {p.num_ab_stages} "

@@ -64,10 +64,11 @@ class ExportForSm100Test(parameterized.TestCase):
     def test_stream_k_workspace_in_exported_module(self):
         # A stream-K plan's custom call takes zeroed flags, aliased to a result, and returns
         # its float32 workspace beside D; the caller sees D only.
-        # (The planner takes ping-pong here, which has no stream-K: the cooperative variant.)
+        # (The planner takes ping-pong here, which has no stream-K: its cooperative plan.)
         p = jax_sm100.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
                            arch="sm_90a")  # fmt: skip
-        p = planning.sm90_variant(p, tile_mn=(128, 256), pingpong=False, stream_k=True)
+        p = planning.cooperative(p)
+        self.assertTrue(p.stream_k)
         a = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
         b = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
         exp = _export(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, b)

@@ -415,8 +415,9 @@ class Sm90ScheduleTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
         # (m, n, k): ~15.5 waves of 66 clusters of 2 -> stream-K; 3.9 waves (measured slower
-        # with it) and a wave that divides evenly -> none. Float32 outputs: with 16-bit ones,
-        # problems of 8 waves or more take the ping-pong schedule (no stream-K; see below).
+        # with it) and a wave that divides evenly -> none. The cooperative plans: with 16-bit
+        # outputs, problems of 8 waves or more take the ping-pong schedule (see below), and
+        # float32 outputs keep the cooperative one.
         ("waves_15_5", (16384, 4096, 4096), True),
         ("waves_15_5_square", (8192, 8192, 8192), True),
         ("waves_13_6", (4096, 14336, 4096), True),
@@ -425,8 +426,9 @@ class Sm90ScheduleTest(parameterized.TestCase):
         ("waves_16_even", (128 * 16 * 66 * 2 // 16, 4096, 4096), False),
     )
     def test_stream_k_choice(self, shape, want):
-        p = planning.plan(*shape, a_dtype="bfloat16", b_dtype="bfloat16", out_dtype="float32",
-                          arch="sm_90a")  # fmt: skip
+        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        p = planning.cooperative(planning.plan(*shape, **bf))
+        self.assertEqual(planning.plan(*shape, out_dtype="float32", **bf).stream_k, want)
         self.assertEqual(p.kernel, planning.KERNEL_SM90)
         self.assertFalse(p.pingpong)
         self.assertEqual(p.stream_k, want, p)
@@ -466,12 +468,12 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertFalse(f8.pingpong, f8)
 
     def _coop_stream_k(self):
-        """16384x4096x4096 on the cooperative schedule with stream-K (bf16 output)."""
+        """16384x4096x4096 (bf16 output) on the planner's cooperative plan: stream-K."""
         p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
-        return planning.sm90_variant(
-            p, tile_mn=(128, 256), cluster_mn=(1, 2), pingpong=False, raster_along_m=True,
-            swizzle_size=8, stream_k=True,
-        )  # fmt: skip
+        q = planning.cooperative(p)
+        self.assertEqual((p.pingpong, q.pingpong, q.cta_tile_mnk[:2]), (True, False, (128, 256)))
+        self.assertEqual((q.cluster_shape_mn, q.raster_along_m, q.swizzle_size), ((1, 2), True, 8))
+        return q
 
     def test_variants_of_a_stream_k_plan(self):
         p = self._coop_stream_k()

@@ -118,8 +118,8 @@ class Sm90PtxTest(parameterized.TestCase):
         # The stream-K schedule: the partial tiles' flags are released and acquired at GPU
         # scope, the partials written and read back in plain global stores and loads, and the
         # kernel takes its workspace as two more tensors of static shape (one slot per SM).
-        p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(128, 256), pingpong=False,
-                                  raster_along_m=True, stream_k=True)  # fmt: skip
+        p = planning.cooperative(_plan(8192, 8192, 8192))
+        self.assertTrue(p.stream_k)
         compiled = compile_mod.compile_plan(p)
         ptx = compiled.ptx
         self.assertIn("ld.acquire.gpu.global.b32", ptx)

@@ -352,11 +352,8 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     cluster = tuple(cluster_mn or plan.cluster_shape_mn)
     if pingpong or cluster[0] * cluster[1] > 2:
         changes.setdefault("stream_k", False)
-    # The scheduler pads the swizzled dimension: cluster columns along M, cluster rows along N.
-    across = math.ceil(math.ceil(plan.n / tn) / cluster[1])
-    if not changes.get("raster_along_m", plan.raster_along_m):
-        across = math.ceil(math.ceil(plan.m / tm) / cluster[0])
-    if across % plan.swizzle_size:
+    along_m = changes.get("raster_along_m", plan.raster_along_m)
+    if _swizzled_extent(plan.m, plan.n, (tm, tn), cluster, along_m) % plan.swizzle_size:
         changes.setdefault("swizzle_size", 1)
     edited = dataclasses.replace(
         plan,
@@ -506,8 +503,9 @@ def sm90_too_small(m, n, k, batch, split) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(
-    m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel
-):
+    m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
+    allow_pingpong=True,
+):  # fmt: skip
     C.check_arch(arch)
     num_sms = DEFAULT_NUM_SMS[arch]
     why_not = C.kernel_support(
@@ -545,7 +543,8 @@ def _plan_cached(
             num_acc_stages=acc_stages,
         )
         return plan
-    pingpong_ok = why_not is None and a_dtype == b_dtype and ab_bits == 16 and out_bits == 16
+    pingpong_ok = allow_pingpong and why_not is None and a_dtype == b_dtype
+    pingpong_ok = pingpong_ok and ab_bits == 16 and out_bits == 16
     tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
     if why_not is None and not force_kernel:
@@ -562,12 +561,11 @@ def _plan_cached(
         )
     else:
         kernel = KERNEL_SM90
-        reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
-    if pingpong and kernel == KERNEL_SM90:
-        plan = _sm90_pingpong_plan(common, reason, (tm, tn, ktile), m, tm, cluster)
-        if plan is not None:
-            return plan
-        tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
+        if pingpong:
+            plan = _sm90_pingpong_plan(common, (tm, tn, ktile), cluster)
+            if plan is not None:
+                return plan
+            tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
     stream_k = kernel == KERNEL_SM90 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms)
     if stream_k:
@@ -589,18 +587,19 @@ def _plan_cached(
     return _fill_sm90_smem(plan)
 
 
-def _sm90_pingpong_plan(common, reason, tile, m, tm, cluster) -> GemmPlan | None:
+def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
     """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
     where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`) with
     the measured 4-deep epilogue store ring, or None where it does not fit (the caller then
     plans the cooperative tile)."""
-    rows = math.ceil(math.ceil(m / tm) / cluster[0])
+    rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
     swizzle = 8 if rows % 8 == 0 else 1
     try:
         plan = GemmPlan(
             **common, kernel=KERNEL_SM90,
-            reason=reason.replace("tile:", "ping-pong tile (each warp group's epilogue hidden "
-                                  "under the other's main loop):") + "; raster along N",
+            reason=(f"wgmma {tile[0]}x{tile[1]} ping-pong tile (each warp group's epilogue "
+                    "hidden under the other's main loop): fewest weighted waves on "
+                    f"{common['num_sms']} SMs; raster along N"),
             mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
             num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
             swizzle_size=swizzle, pingpong=True,
@@ -646,9 +645,25 @@ def _sm90_swizzle(m, n, batch, tm, tn, cluster) -> int:
     where it divides the cluster columns.
     """
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    cluster_cols = math.ceil(tiles_n / cluster[1])
+    cluster_cols = _swizzled_extent(m, n, (tm, tn), cluster, along_m=True)
     tall = tiles_n >= 8 and tiles_m >= 2 * tiles_n
     return 8 if tall and cluster_cols % 8 == 0 else 1
+
+
+def _swizzled_extent(m, n, tile_mn, cluster, along_m) -> int:
+    """The cluster count the DSL's tile scheduler rounds up to a multiple of the swizzle: the
+    cluster columns for a raster along M, the cluster rows along N."""
+    if along_m:
+        return math.ceil(math.ceil(n / tile_mn[1]) / cluster[1])
+    return math.ceil(math.ceil(m / tile_mn[0]) / cluster[0])
+
+
+def swizzle_pads(plan: GemmPlan) -> bool:
+    """Whether `plan`'s swizzle makes the scheduler run clusters outside the matrix (correct,
+    but each runs a full main loop on zero-filled tiles); the planner never plans one."""
+    extent = _swizzled_extent(plan.m, plan.n, plan.cta_tile_mnk[:2], plan.cluster_shape_mn,
+                              plan.raster_along_m)  # fmt: skip
+    return extent % plan.swizzle_size != 0
 
 
 def _sm100_reason(use_2cta, mm, mn, num_sms) -> str:
@@ -705,6 +720,17 @@ def plan(
     return _plan_cached(
         int(m), int(n), int(k), a_name, b_name, out_name, c_name, int(batch), arch,
         a_major, b_major, bool(force_kernel) or small_problems_on_kernels(),
+    )  # fmt: skip
+
+
+def cooperative(plan: GemmPlan) -> GemmPlan:
+    """The planner's plan for `plan`'s problem with the ping-pong schedule ruled out: the
+    cooperative tile, cluster and raster it picks for fewer waves or 32-bit outputs, with
+    stream-K where the last wave is partial. For tests and tuning."""
+    return _plan_cached(
+        plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
+        plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
+        allow_pingpong=False,
     )  # fmt: skip
 
 
