@@ -40,6 +40,34 @@ def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None, t
     )  # fmt: skip
 
 
+_ACTIVATIONS = {"gelu": lambda z: jax.nn.gelu(z, approximate=True), "silu": jax.nn.silu}
+
+
+def _large_case(rng, m, n, k, dtype, batch, epi, activation):
+    """Inputs, matmul parameters and float32 reference of one large-problem check: normal A, B,
+    C and bias; with `epi`, B transposed ([n, k]) and the fused epilogue alpha 0.5, beta 0.75,
+    bias and `activation`; else a plain product."""
+    a = jnp.asarray(rng.standard_normal((*batch, m, k), np.float32), dtype)
+    b_shape = (*batch, n, k) if epi else (*batch, k, n)
+    b = jnp.asarray(rng.standard_normal(b_shape, np.float32), dtype)
+    c = jnp.asarray(rng.standard_normal((*batch, m, n), np.float32), dtype)
+    bias = jnp.asarray(rng.standard_normal((n,), np.float32), dtype)
+    kws = dict(transpose_b=epi, out_dtype=dtype)
+    if epi:
+        kws.update(activation=activation, alpha=0.5, beta=0.75)
+    f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+    ref = jnp.matmul(f32(a), jnp.swapaxes(f32(b), -1, -2) if epi else f32(b), precision="highest")
+    if epi:
+        ref = _ACTIVATIONS[activation](0.5 * ref + 0.75 * f32(c) + f32(bias))
+    return (a, b, c, bias), kws, ref
+
+
+def _large_fn(epi, kws, plan=None):
+    """The jitted product of a `_large_case`, C and bias taken only with the epilogue."""
+    return jax.jit(lambda a, b, c, bias: _bind(
+        a, b, c=c if epi else None, bias=bias if epi else None, plan=plan, **kws))  # fmt: skip
+
+
 def _splitk_cases(cases: int):
     """(inputs, matmul params, plan) of `cases` random in-cluster split-K problems."""
     rng = np.random.default_rng(5)
@@ -144,33 +172,19 @@ def streamk() -> int:
     for (m, n, k), kw in cases:
         batch = (kw["batch"],) if "batch" in kw else ()
         epi = kw.get("epilogue", False)
-        a = jnp.asarray(rng.standard_normal((*batch, m, k), np.float32), jnp.bfloat16)
-        b_shape = (*batch, n, k) if epi else (*batch, k, n)  # transposed B with the epilogue
-        b = jnp.asarray(rng.standard_normal(b_shape, np.float32), jnp.bfloat16)
-        c = jnp.asarray(rng.standard_normal((*batch, m, n), np.float32), jnp.bfloat16)
-        bias = jnp.asarray(rng.standard_normal((n,), np.float32), jnp.bfloat16)
+        args, kws, z = _large_case(rng, m, n, k, "bfloat16", batch, epi, "gelu")
         # The planner's cooperative plan (many waves of 16-bit tiles plan ping-pong instead).
         base = planning.cooperative(jax_sm100.plan(
             m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
             batch=batch[0] if batch else 1, b_major="k" if epi else "n",
             c_dtype="bfloat16" if epi else None))  # fmt: skip
-        kws = dict(transpose_b=epi, out_dtype="bfloat16")
-        if epi:
-            kws.update(activation="gelu", alpha=0.5, beta=0.75)
         outs = {}
         for sk in (False, True):
-            p = planning.sm90_variant(base, stream_k=sk)
-            f = jax.jit(lambda a, b, c, bias, p=p, epi=epi, kws=kws: _bind(
-                a, b, c=c if epi else None, bias=bias if epi else None, plan=p, **kws))  # fmt: skip
-            outs[sk] = f(a, b, c, bias)
+            f = _large_fn(epi, kws, planning.sm90_variant(base, stream_k=sk))
+            outs[sk] = f(*args)
             if sk:
-                same = all(bool(jnp.array_equal(f(a, b, c, bias), outs[sk])) for _ in range(20))
+                same = all(bool(jnp.array_equal(f(*args), outs[sk])) for _ in range(20))
                 low = gpu_lowering.explain()
-        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
-        bt = jnp.swapaxes(f32(b), -1, -2) if epi else f32(b)
-        z = jnp.matmul(f32(a), bt, precision="highest")
-        if epi:
-            z = jax.nn.gelu(0.5 * z + 0.75 * f32(c) + f32(bias), approximate=True)
         err = _rel_err(outs[True], z)
         err_dp = _rel_err(outs[False], z)
         ran_sk = bool(low and low.plan and low.plan.stream_k)
@@ -198,22 +212,9 @@ def pingpong() -> int:
         dt = kw.get("dtype", "bfloat16")
         batch = (kw["batch"],) if "batch" in kw else ()
         epi = kw.get("epilogue", False)
-        a = jnp.asarray(rng.standard_normal((*batch, m, k), np.float32), dt)
-        b = jnp.asarray(rng.standard_normal((*batch, n, k) if epi else (*batch, k, n)), dt)
-        c = jnp.asarray(rng.standard_normal((*batch, m, n), np.float32), dt)
-        bias = jnp.asarray(rng.standard_normal((n,), np.float32), dt)
-        kws = dict(transpose_b=epi, out_dtype=dt)
-        if epi:
-            kws.update(activation="silu", alpha=0.5, beta=0.75)
-        f = jax.jit(lambda a, b, c, bias, epi=epi, kws=kws: _bind(
-            a, b, c=c if epi else None, bias=bias if epi else None, **kws))  # fmt: skip
-        out = f(a, b, c, bias)
+        args, kws, z = _large_case(rng, m, n, k, dt, batch, epi, "silu")
+        out = _large_fn(epi, kws)(*args)
         low = gpu_lowering.explain()
-        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
-        bt = jnp.swapaxes(f32(b), -1, -2) if epi else f32(b)
-        z = jnp.matmul(f32(a), bt, precision="highest")
-        if epi:
-            z = jax.nn.silu(0.5 * z + 0.75 * f32(c) + f32(bias))
         err = _rel_err(out, z)
         plan = low.plan if low else None
         ran_pp = bool(plan and plan.kernel == planning.KERNEL_SM90 and plan.pingpong)
