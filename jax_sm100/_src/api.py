@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,9 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
 
     Returns the operands, the primitive params (without `plan`), and the shape of the result.
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    # jax arrays and tracers pass through as they are (see the batch comment below).
+    a = a if isinstance(a, jax.Array) else jnp.asarray(a)
+    b = b if isinstance(b, jax.Array) else jnp.asarray(b)
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
     if activation not in ACTIVATIONS:
@@ -77,29 +78,22 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
                 f"{out_shape} (a.shape={a.shape}, b.shape={b.shape})"
             )
 
-    # A 2-D weight shared by every batch: fold the batch into m (a free reshape), so one large
-    # GEMM runs instead of many small ones.
-    fold = b.ndim == 2 and a.ndim > 2 and (c is None or c.shape[-2:] == (m, n) or c.ndim < 2)
-    if fold:
-        rows = math.prod(batch) * m
-        a2 = a.reshape(rows, k)
-        c2 = None
-        if c is not None:
-            c2 = jnp.broadcast_to(c, out_shape).reshape(rows, n)
-        operands, nb = [a2, b], 0
-        c_op = c2
-    else:
-        nb = len(batch)
-        a_op = a.reshape((1,) * (nb - (a.ndim - 2)) + a.shape)
-        b_op = b.reshape((1,) * (nb - (b.ndim - 2)) + b.shape)
-        operands = [a_op, b_op]
-        c_op = None
-        if c is not None:
-            # The matrix dims must be full; batch dims stay 1 where c broadcasts (no copy).
-            c_full = c.reshape((1,) * (nb + 2 - c.ndim) + c.shape)
-            if c_full.shape[-2:] != (m, n):
-                c_full = jnp.broadcast_to(c_full, c_full.shape[:-2] + (m, n))
-            c_op = c_full
+    # Every operand to the primitive's rank: `a` as it is when it already has every batch dim
+    # (it then reaches the primitive as the very value given, which autodiff.py relies on to
+    # fuse an activation's derivative into the next product's backward), the rest with unit
+    # dims, which the kernels read with batch stride 0. A 2-D weight shared by every batch
+    # lets the kernels fold the batch into m (primitive.folds_batch): one large GEMM.
+    nb = len(batch)
+    a_op = a if a.ndim == nb + 2 else a.reshape((1,) * (nb + 2 - a.ndim) + a.shape)
+    b_op = b if b.ndim == nb + 2 else b.reshape((1,) * (nb + 2 - b.ndim) + b.shape)
+    operands = [a_op, b_op]
+    c_op = None
+    if c is not None:
+        # The matrix dims must be full; batch dims stay 1 where c broadcasts (no copy).
+        c_full = c.reshape((1,) * (nb + 2 - c.ndim) + c.shape)
+        if c_full.shape[-2:] != (m, n):
+            c_full = jnp.broadcast_to(c_full, c_full.shape[:-2] + (m, n))
+        c_op = c_full
     if bias is not None:
         operands.append(bias.reshape((1,) * nb + (n,)))
     if c_op is not None:
@@ -107,7 +101,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
     params = dict(
         transpose_a=False, transpose_b=False, alpha=float(alpha), beta=float(beta),
         activation=activation, out_dtype=np.dtype(out_name), has_bias=bias is not None,
-        has_c=c is not None,
+        has_c=c is not None, save_preact=False, act_grad=None,
     )  # fmt: skip
     return operands, params, out_shape
 
@@ -160,7 +154,7 @@ def matmul(
             *P._split(operands, params["has_bias"], params["has_c"]), arch=plan.arch, **params
         )
         planning.check_plan_fits(plan, expected)
-    out = P.matmul_p.bind(*operands, plan=plan, **params)
+    (out,) = P.matmul_p.bind(*operands, plan=plan, **params)
     return out.reshape(out_shape)
 
 

@@ -227,9 +227,9 @@ def cache_stats() -> dict[str, int]:
 
 
 def _splitk_fake_operands(plan, spec: KernelSpec, partials: bool):
-    """(a, b, d, c, bias) for split-K: A and B as (rows, K/split, split) views of the row-major
-    buffers (any leading dimension and split stride); D float32 partials (M, N, split) when
-    `partials`, else D, C and bias as for one GEMM."""
+    """(a, b, d, c, bias[, z]) for split-K: A and B as (rows, K/split, split) views of the
+    row-major buffers (any leading dimension and split stride); D float32 partials
+    (M, N, split) when `partials`, else D, C, bias and Z as for one GEMM."""
     from cutlass import cute  # noqa: PLC0415
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: PLC0415
 
@@ -258,8 +258,8 @@ def _splitk_fake_operands(plan, spec: KernelSpec, partials: bool):
             assumed_align=common.TMA_ALIGN_BYTES,
         )  # fmt: skip
         return a, b, d, None, None
-    _, _, d, c, bias = common.make_fake_operands(plan, spec)
-    return a, b, d, c, bias
+    _, _, d, c, bias, z = common.make_fake_operands(plan, spec)
+    return a, b, d, c, bias, z
 
 
 def _splitk_plan(plan):
@@ -271,7 +271,7 @@ def _splitk_plan(plan):
     while True:
         try:
             return dataclasses.replace(
-                plan, out_dtype="float32", c_dtype=None, num_ab_stages=stages
+                plan, out_dtype="float32", c_dtype=None, num_ab_stages=stages, preact_out=False
             )
         except constraints.PlanError:
             if stages <= constraints.MIN_AB_STAGES:
@@ -313,7 +313,7 @@ def _fake_workspace(plan):
 def _tensor_args(operands) -> tuple[TensorArg, ...]:
     from cutlass.cute.typing import SymInt  # noqa: PLC0415
 
-    names = ("a", "b", "d", "c", "bias", "ws", "flags")
+    names = ("a", "b", "d", "c", "bias", "z", "ws", "flags")
     out = []
     for name, t in zip(names[: len(operands)], operands, strict=True):
         if t is None:
@@ -339,7 +339,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
         if plan.split_k > 1 and plan.split_reduce == "xla":
             plan = _splitk_plan(plan)
             spec = splitk_spec(spec)
-            operands = _splitk_fake_operands(plan, spec, partials=True)
+            operands = (*_splitk_fake_operands(plan, spec, partials=True), None)
         elif plan.split_k > 1:
             operands = _splitk_fake_operands(plan, spec, partials=False)
         else:

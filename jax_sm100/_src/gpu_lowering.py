@@ -3,15 +3,15 @@
 Entry point for lowering.py (wrapped with `mlir.lower_fun`):
 
     cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
-                     out_dtype, plan, **unused) -> out
+                     out_dtype, plan, save_preact, act_grad, **unused) -> [out, (z)]
 
 It runs at trace time on the operands' shapes (primitive.py's conventions: a [*Ba, m, k] or
 [*Ba, k, m], b [*Bb, k, n] or [*Bb, n, k], bias [*Bbias, n], c [*Bc, m, n], out [*B, m, n]):
 
 1. The device's arch (sm_90a for compute capability 9.x, sm_100a for 10.x) and SM count.
 2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
-   K-major, the batch folds into m (free reshape, one large GEMM); other broadcasts are
-   materialised (a copy, noted in the plan's reason).
+   K-major, the batch folds into m (free reshape, one large GEMM; `primitive.folds_batch`);
+   other broadcasts are materialised (a copy, noted in the plan's reason).
 3. The planner's plan for that problem (or the caller's), with the device's SM count and a
    split-K factor that fits k (`adjust_plan_for_call`).
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
@@ -21,6 +21,9 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
    (the planner's) it writes float32 partials, summed by XLA with the epilogue fused into that
    reduction; with "cluster" each output tile's s CTAs sum their partials in the cluster and
    apply the epilogue themselves (one launch, no workspace).
+6. `save_preact` (the forward under `grad`) makes the kernel write the pre-activation too, as
+   a second result (`KernelSpec.preact_out`, `planning.with_preact` for a caller's plan);
+   `act_grad` (a backward product) is the kernel epilogue `act'(c) * acc` (`KernelSpec.act_grad`).
 
 Anything a kernel cannot take (unsupported dtype, misaligned contiguous dim, batched bias, an
 `xla_dot` plan) runs on XLA's dot with the same float32 epilogue (`primitive.reference_matmul`);
@@ -80,23 +83,17 @@ def _reference(a, b, bias, c, **kw):
     return P.reference_matmul(a, b, bias, c, upcast=upcast, **kw)
 
 
-def _epilogue_xla(z, c, bias, *, alpha, beta, activation, out_dtype):
-    if alpha != 1.0:
-        z = alpha * z
-    if c is not None:
-        z = z + beta * c.astype(jnp.float32)
-    if bias is not None:
-        z = z + bias.astype(jnp.float32)
-    return P.apply_activation(z, activation).astype(out_dtype)
-
-
 def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
-                     out_dtype, plan=None, **unused):  # fmt: skip
+                     out_dtype, plan=None, save_preact=False, act_grad=None,
+                     **unused):  # fmt: skip
     """The primitive's math on a CUDA device through our kernels (see the module docstring)."""
     del unused
     out_dtype = np.dtype(out_dtype)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
-              activation=activation, out_dtype=out_dtype)  # fmt: skip
+              activation=activation, out_dtype=out_dtype, save_preact=save_preact,
+              act_grad=act_grad)  # fmt: skip
+    epi = dict(alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype,
+               save_preact=save_preact, act_grad=act_grad)  # fmt: skip
     arch, num_sms = device_info()
     if arch is None and plan is not None:
         # No SM90/SM100 device here (e.g. jax.export(platforms=["cuda"]) on a CPU machine): a
@@ -128,14 +125,15 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         return _reference(a, b, bias, c, **kw)
 
     notes = []
-    fold = (
-        plan is None and L > 1 and unbatched(b) and batched(a) and not transpose_a
-        and (c is None or batched(c))
-    )  # fmt: skip
+    fold = P.folds_batch(a.shape, b.shape, transpose_a, out_shape)
     if fold:
         notes.append(f"batch {L} folded into m (B shared)")
         a3 = a.reshape(1, L * m, k)
-        c3 = None if c is None else c.reshape(1, L * m, n)
+        c3 = None
+        if c is not None:
+            if not batched(c):
+                notes.append("C broadcast over the batch materialised")
+            c3 = jnp.broadcast_to(c, out_shape).reshape(1, L * m, n)
         mm, LL = L * m, 1
     else:
         if L > 1 and any(x is not None and not batched(x) for x in (a, b, c)):
@@ -165,8 +163,10 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         p = plan or planning.plan(
             mm, n, k, a_dtype=a.dtype, b_dtype=b.dtype, out_dtype=out_dtype,
             c_dtype=None if c is None else c.dtype, batch=LL, arch=arch,
-            a_major=a_major, b_major=b_major,
+            a_major=a_major, b_major=b_major, preact_out=save_preact,
         )  # fmt: skip
+        if save_preact:
+            p = planning.with_preact(p)
     except (TypeError, ValueError) as e:
         _last.append(Lowered(None, f"no plan ({e}): XLA dot"))
         return _reference(a, b, bias, c, **kw)
@@ -190,20 +190,19 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     spec = KernelSpec(
         a_dtype=names[0], b_dtype=names[1], out_dtype=out_dtype.name, a_major=a_major,
         b_major=b_major, c_dtype=c_name, bias_dtype=bias_name, activation=activation,
-        alpha=alpha, beta=beta,
+        alpha=alpha, beta=1.0 if act_grad else beta, preact_out=save_preact, act_grad=act_grad,
     )  # fmt: skip
 
     _last.append(Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()
     compiled = compile_mod.compile_plan(p, spec)
     if p.split_k > 1 and p.split_reduce == "xla":
-        parts = _call(compiled, a3[0], b3[0], None, None, mm, n, k, 1, a_major, b_major, None)
-        z = jnp.sum(parts, axis=0)
-        out = _epilogue_xla(z, None if c3 is None else c3[0], bias1, alpha=alpha, beta=beta,
-                            activation=activation, out_dtype=out_dtype)  # fmt: skip
-        return out.reshape(out_shape)
-    out = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
-    return out.reshape(out_shape)
+        (parts,) = _call(compiled, a3[0], b3[0], None, None, mm, n, k, 1, a_major, b_major, None)
+        acc = jnp.sum(parts, axis=0)
+        outs = P.epilogue_xla(acc, None if c3 is None else c3[0], bias1, **epi)
+        return [x.reshape(out_shape) for x in outs]
+    outs = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
+    return [x.reshape(out_shape) for x in outs]
 
 
 def adjust_plan_for_call(
@@ -292,6 +291,7 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         }
     modes |= {
         "d": ((m, n, L), (n, 1, m * n)),
+        "z": ((m, n, L), (n, 1, m * n)),
         "c": ((m, n, L), (n, 1, m * n)),
         "bias": ((n,), (1,)),
     }
@@ -306,6 +306,12 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
             index[name] = nxt
             nxt += 1
     out_types = [jax.ShapeDtypeStruct((L, m, n), out_dtype)]
+    results = 1
+    if compiled.spec.preact_out and not partials:
+        # The pre-activation: the second result, in D's dtype and layout.
+        index["z"] = -1 - len(out_types)
+        out_types.append(jax.ShapeDtypeStruct((L, m, n), out_dtype))
+        results = 2
     aliases = {}
     # A stream-K kernel's workspace: "ws" an extra result it writes before it reads; "flags"
     # zeros passed in and aliased to a result, so every launch (CUDA graph replays included)
@@ -324,5 +330,5 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         dims += arg.dims(*modes[arg.name])
         order.append(index[arg.name])
     if len(out_types) == 1:
-        return _ffi(compiled, out_types[0], operands, dims, order)
-    return _ffi(compiled, tuple(out_types), operands, dims, order, aliases)[0]
+        return [_ffi(compiled, out_types[0], operands, dims, order)]
+    return list(_ffi(compiled, tuple(out_types), operands, dims, order, aliases)[:results])

@@ -12,8 +12,11 @@ import functools
 
 from jax.interpreters import mlir
 
+from jax_sm100._src import (
+    autodiff,  # noqa: F401  (registers the differentiation rules)
+    sharding,
+)
 from jax_sm100._src import primitive as P
-from jax_sm100._src import sharding
 
 
 def _local_cpu(a, b, bias, c, **params):
@@ -39,7 +42,7 @@ def _lowering(local_fn, ctx, *args, **params):
     partitioned = sharding.partition(fn, ctx, **params)
     if partitioned is fn:
         ctx = sharding.unsharded_context(ctx)
-    return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *args)
+    return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *args)
 
 
 mlir.register_lowering(P.matmul_p, functools.partial(_lowering, _local_cpu), platform="cpu")

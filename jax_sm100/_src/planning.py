@@ -123,19 +123,20 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = Fals
 
 def epi_smem_bytes(
     arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k, pingpong=False, cta_mn=None,
-    split_reduce="xla",
+    split_reduce="xla", preact_out=False,
 ) -> int:  # fmt: skip
     """Shared memory of the epilogue's staging buffers.
 
-    D is staged through SMEM for its TMA store, in float32 for split-K partials. SM100 kernels
+    D is staged through SMEM for its TMA store, in float32 for split-K partials; so is the
+    pre-activation Z when the epilogue also writes it (`preact_out`, D's dtype). SM100 kernels
     also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers.
     A ping-pong SM90 kernel has one set of buffers per consumer warp group. An in-cluster split-K
     kernel instead holds its whole float32 partial tile (`cta_mn`, rows padded by
-    `C.SPLITK_ROW_PAD`), which the cluster reads back.
+    `C.SPLITK_ROW_PAD`), which the cluster reads back (and writes D and Z from registers).
     """
     if split_k > 1 and split_reduce == "cluster":
         return cta_mn[0] * (cta_mn[1] + C.SPLITK_ROW_PAD) * 4
-    d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype]
+    d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype] * (2 if preact_out else 1)
     c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and arch == "sm_100a") else 0
     groups = 2 if pingpong else 1
     return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
@@ -184,6 +185,9 @@ class GemmPlan:
     # wave evenly, the final (tiles mod clusters) + clusters tiles are shared out by k-blocks,
     # stream-K style, and the tiles split between two clusters meet in a float32 workspace.
     stream_k: bool = False
+    # The epilogue also writes the pre-activation z = alpha * acc + beta * C + bias (a second
+    # output in out_dtype, the residual of the activation's derivative under `grad`).
+    preact_out: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -281,6 +285,7 @@ class GemmPlan:
         return epi_smem_bytes(
             self.arch, self.epi_tile, self.num_epi_stages, self.out_dtype, self.c_dtype,
             self.split_k, self.pingpong, self.cta_tile_mnk[:2], self.split_reduce,
+            self.preact_out,
         )  # fmt: skip
 
     @property
@@ -315,6 +320,7 @@ class GemmPlan:
             ("split_reduce", self.split_reduce),
             ("pingpong", self.pingpong),
             ("stream_k", self.stream_k),
+            ("preact_out", self.preact_out),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
@@ -504,7 +510,7 @@ def sm90_too_small(m, n, k, batch, split) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(
     m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
-    allow_pingpong=True,
+    allow_pingpong=True, preact_out=False,
 ):  # fmt: skip
     C.check_arch(arch)
     num_sms = DEFAULT_NUM_SMS[arch]
@@ -519,6 +525,7 @@ def _plan_cached(
     common = dict(
         arch=arch, m=m, n=n, k=k, batch=batch, a_dtype=a_dtype, b_dtype=b_dtype,
         out_dtype=out_dtype, c_dtype=c_dtype, a_major=a_major, b_major=b_major, num_sms=num_sms,
+        preact_out=preact_out,
     )  # fmt: skip
     if arch == "sm_100a":
         use_2cta, mm, mn, cluster = _choose_sm100(m, n, k, batch, num_sms)
@@ -530,7 +537,7 @@ def _plan_cached(
         epi = _dsl().sm100.compute_epilogue_tile_size(
             cta[0], mn, use_2cta, out_bits, c_dtype and c_bits, False, False
         )
-        epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, 1)
+        epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, 1, preact_out=preact_out)
         stages = _max_ab_stages(arch, cta, mn // 2 if use_2cta else mn, ab_bits, epi_bytes)
         plan = GemmPlan(
             **common,
@@ -685,6 +692,7 @@ def plan(
     a_major: str = "k",
     b_major: str = "n",
     force_kernel: bool = False,
+    preact_out: bool = False,
 ) -> GemmPlan:
     """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
 
@@ -701,6 +709,8 @@ def plan(
         measured faster (sm_90a below `SM90_MIN_FLOPS`); for tests and benchmarks. Problems a
         kernel cannot take at all still go to XLA's dot. `JAX_SM100_SMALL_PROBLEMS=kernel` in
         the environment sets it for every plan of the process.
+      preact_out: the epilogue also writes the pre-activation (what `matmul` under `grad`
+        saves for the activation's derivative): its staging takes shared memory too.
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -720,6 +730,7 @@ def plan(
     return _plan_cached(
         int(m), int(n), int(k), a_name, b_name, out_name, c_name, int(batch), arch,
         a_major, b_major, bool(force_kernel) or small_problems_on_kernels(),
+        preact_out=bool(preact_out),
     )  # fmt: skip
 
 
@@ -730,8 +741,27 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
         plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
-        allow_pingpong=False,
+        allow_pingpong=False, preact_out=plan.preact_out,
     )  # fmt: skip
+
+
+def with_preact(plan: GemmPlan) -> GemmPlan:
+    """`plan` with the pre-activation output (`preact_out=True`) added to its epilogue: the
+    same tiles and schedule, A/B stages reduced where the Z staging leaves fewer in SMEM."""
+    if plan.preact_out:
+        return plan
+    if plan.arch == "sm_90a":
+        depth = plan.num_epi_stages if plan.pingpong else None
+        edited = dataclasses.replace(plan, preact_out=True, num_ab_stages=C.MIN_AB_STAGES)
+        return _fill_sm90_smem(edited, depth)
+    stages = plan.num_ab_stages
+    while True:
+        try:
+            return dataclasses.replace(plan, preact_out=True, num_ab_stages=stages)
+        except C.PlanError:
+            if stages <= C.MIN_AB_STAGES:
+                raise
+            stages -= 1
 
 
 def small_problems_on_kernels() -> bool:

@@ -1,4 +1,4 @@
-"""The `jax_sm100_matmul` primitive: shape rule, reference math, JVP, transpose and batching.
+"""The `jax_sm100_matmul` primitive: shape rule, reference math (the one XLA epilogue), batching.
 
 Operands, in order: `a`, `b`, then `bias` when `has_bias`, then `c` when `has_c`.
 
@@ -9,10 +9,19 @@ Operands, in order: `a`, `b`, then `bias` when `has_bias`, then `c` when `has_c`
     out   [*B, m, n]   B = broadcast(Ba, Bb, Bbias, Bc)
 
 Every operand has the same number of batch dims, and each batch dim is either B's or 1 (a
-broadcast that the kernels serve with batch stride 0, never a copy). The math is
-`activation(alpha * (A @ B) + beta * c + bias)` with float32 accumulation and epilogue.
+broadcast that the kernels serve with batch stride 0, never a copy). The math, with float32
+accumulation and epilogue, is one of two epilogues:
 
-The public `matmul` (api.py) brings user inputs to this form. Lowerings live in lowering.py.
+    z = alpha * (A @ B) + beta * c + bias       out = activation(z)
+                                                 (and z itself too, when `save_preact`)
+    out = act_grad'(c) * (alpha * (A @ B))      when `act_grad` names an activation: the
+                                                 product times that activation's derivative at
+                                                 the pre-activation c (a backward epilogue)
+
+The primitive always has a list of results: `[out]`, or `[out, z]` with `save_preact` (z in
+`out_dtype`: what the backward of the activation needs, saved by the forward kernel itself).
+Differentiation rules live in autodiff.py; lowerings in lowering.py. The public `matmul`
+(api.py) brings user inputs to this form.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
-from jax.interpreters import ad, batching
+from jax.interpreters import batching
 
 from jax_sm100._src import dtypes as D
-from jax_sm100._src.kernels.spec import ACTIVATIONS
+from jax_sm100._src.kernels.spec import ACTIVATIONS, GELU_K0, GELU_K1
 
 matmul_p = jex_core.Primitive("jax_sm100_matmul")
+matmul_p.multiple_results = True
 
 
 # --- shapes ------------------------------------------------------------------------------------
@@ -40,6 +50,10 @@ def _split(args, has_bias, has_c):
     bias = rest.pop(0) if has_bias else None
     c = rest.pop(0) if has_c else None
     return a, b, bias, c
+
+
+def num_results(params) -> int:
+    return 2 if params["save_preact"] else 1
 
 
 def problem_dims(a_shape, b_shape, transpose_a, transpose_b):
@@ -92,25 +106,57 @@ def shape_rule(a_shape, b_shape, bias_shape, c_shape, *, transpose_a, transpose_
     return (*out_batch, m, n)
 
 
+def folds_batch(a_shape, b_shape, transpose_a, out_shape) -> bool:
+    """Whether the kernels run this bind as one GEMM with the batch folded into m.
+
+    When B is one matrix for the whole batch (a weight) and A is K-major with every batch dim
+    its own, [*B, m, k] is a free reshape of [prod(B) * m, k]: one large GEMM runs instead of
+    prod(B) small ones. The CUDA lowering and the plan a user's `plan=` is checked against both
+    ask this, so they agree on the problem (m, batch) a plan is for.
+    """
+    nb = len(out_shape) - 2
+    if math.prod(out_shape[:nb]) <= 1 or transpose_a:
+        return False
+    return all(d == 1 for d in b_shape[:nb]) and tuple(a_shape[:nb]) == tuple(out_shape[:nb])
+
+
+def check_epilogue(*, activation, act_grad, save_preact, has_bias, has_c):
+    """The epilogue params one bind may combine; ValueError naming the clash otherwise."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{activation=} must be one of {ACTIVATIONS}")
+    if act_grad is not None:
+        if act_grad not in ACTIVATIONS:
+            raise ValueError(f"{act_grad=} must be one of {ACTIVATIONS}")
+        if not has_c or has_bias or activation is not None or save_preact:
+            raise ValueError(
+                f"act_grad={act_grad!r} multiplies the product by the activation's derivative "
+                "at c: it needs c, and no bias, activation or save_preact"
+            )
+    if save_preact and activation is None:
+        raise ValueError("save_preact=True saves the pre-activation: it needs an activation")
+
+
 def _abstract_eval(*args, transpose_a, transpose_b, alpha, beta, activation, out_dtype,
-                   has_bias, has_c, plan):  # fmt: skip
+                   has_bias, has_c, plan, save_preact=False, act_grad=None):  # fmt: skip
     a, b, bias, c = _split(args, has_bias, has_c)
     for name, x in (("a", a), ("b", b), ("bias", bias), ("c", c)):
         if x is not None:
             D.operand_dtype_name(x.dtype, name)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{activation=} must be one of {ACTIVATIONS}")
+    check_epilogue(activation=activation, act_grad=act_grad, save_preact=save_preact,
+                   has_bias=has_bias, has_c=has_c)  # fmt: skip
     shape = shape_rule(
         a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape,
         transpose_a=transpose_a, transpose_b=transpose_b,
     )  # fmt: skip
-    sharding = _out_sharding(a, b, bias, c, shape, transpose_a, transpose_b)
+    sharding = out_sharding(a, b, bias, c, shape, transpose_a, transpose_b)
     if sharding is None:
-        return jax.core.ShapedArray(shape, out_dtype)
-    return jax.core.ShapedArray(shape, out_dtype, sharding=sharding)
+        aval = jax.core.ShapedArray(shape, out_dtype)
+    else:
+        aval = jax.core.ShapedArray(shape, out_dtype, sharding=sharding)
+    return [aval] * (2 if save_preact else 1)
 
 
-def _out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
+def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     """The result's sharding type under Explicit mesh axes (None elsewhere).
 
     As for a dot: batch dims as the operands that are not broadcast along them have them, m as
@@ -170,24 +216,49 @@ def apply_activation(z, activation):
     raise ValueError(f"{activation=} must be one of {ACTIVATIONS}")
 
 
-def _activation_grad(z, activation):
-    """d activation / dz at z (float32), for the JVP."""
+def activation_grad(z, activation):
+    """d activation / dz at z, in z's dtype (the kernels' epilogue states the same formulas)."""
     if activation == "relu":
         return (z > 0).astype(z.dtype)
     if activation == "gelu":
-        c = math.sqrt(2 / math.pi)
-        inner = c * (z + 0.044715 * z**3)
-        t = jnp.tanh(inner)
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z * z)
+        t = jnp.tanh(GELU_K0 * (z + GELU_K1 * z**3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * GELU_K0 * (1 + 3 * GELU_K1 * z * z)
     if activation == "silu":
         s = jax.nn.sigmoid(z)
         return s * (1 + z * (1 - s))
     raise ValueError(f"{activation=} has no gradient rule")
 
 
+def acc_dtype(*dtypes) -> np.dtype:
+    """The accumulator/epilogue dtype: float32, or float64 when any dtype involved is float64."""
+    wide = any(np.dtype(d) == np.float64 for d in dtypes)
+    return np.dtype(np.float64 if wide else np.float32)
+
+
+def epilogue_xla(acc, c, bias, *, alpha, beta, activation, out_dtype, save_preact=False,
+                 act_grad=None):  # fmt: skip
+    """The primitive's epilogue in XLA ops on an accumulator `acc` [..., m, n] (float32/64).
+
+    The one statement of the epilogue outside the kernels (common.apply_epilogue): the CPU
+    lowering, the XLA fallback, the split-K reduction and the row-parallel sharded path all
+    call it. `c` is [..., m, n] and `bias` [..., n], broadcasting against `acc`. Returns the
+    primitive's list of results.
+    """
+    t = acc.dtype
+    z = acc if alpha == 1.0 else alpha * acc
+    if act_grad is not None:
+        return [(z * activation_grad(c.astype(t), act_grad)).astype(out_dtype)]
+    if c is not None:
+        z = z + (c.astype(t) if beta == 1.0 else beta * c.astype(t))
+    if bias is not None:
+        z = z + jnp.expand_dims(bias.astype(t), -2)
+    out = apply_activation(z, activation).astype(out_dtype)
+    return [out, z.astype(out_dtype)] if save_preact else [out]
+
+
 def reference_matmul(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
-                     out_dtype, upcast):  # fmt: skip
-    """The primitive's math in XLA ops: a batched dot_general plus the float32 epilogue.
+                     out_dtype, upcast, save_preact=False, act_grad=None):  # fmt: skip
+    """The primitive's math in XLA ops: a batched dot_general plus `epilogue_xla`.
 
     `upcast` converts operands to float32 first (exact for every accepted dtype, and what the CPU
     backend needs for fp8); otherwise the dot runs natively with a float32 accumulator.
@@ -200,162 +271,36 @@ def reference_matmul(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape,
         transpose_a=transpose_a, transpose_b=transpose_b,
     )[:-2]  # fmt: skip
-    # Broadcast batch dims to dot_general's batch form (free inside XLA's fusion of the dot).
-    a = jnp.broadcast_to(a, (*out_batch, *a.shape[-2:]))
-    b = jnp.broadcast_to(b, (*out_batch, *b.shape[-2:]))
-    batch = tuple(range(nb))
     contract_a = nb if transpose_a else nb + 1
-    contract_b = nb + 1 if transpose_b else nb
-    acc = lax.dot_general(
-        a, b, (((contract_a,), (contract_b,)), (batch, batch)),
-        precision=lax.Precision.HIGHEST, preferred_element_type=acc_t,
-    )  # fmt: skip
-    z = acc if alpha == 1.0 else alpha * acc
-    if c is not None:
-        z = z + (c.astype(acc_t) if beta == 1.0 else beta * c.astype(acc_t))
-    if bias is not None:
-        z = z + jnp.expand_dims(bias.astype(acc_t), -2)
-    return apply_activation(z, activation).astype(out_dtype)
-
-
-# --- differentiation ---------------------------------------------------------------------------
-
-
-def acc_dtype(*dtypes) -> np.dtype:
-    """The accumulator/epilogue dtype: float32, or float64 when any dtype involved is float64."""
-    wide = any(np.dtype(d) == np.float64 for d in dtypes)
-    return np.dtype(np.float64 if wide else np.float32)
-
-
-def _bind(*args, **params):
-    return matmul_p.bind(*args, **params)
-
-
-def _linear_params(transpose_a, transpose_b, alpha, out_dtype, *, has_c=False, beta=1.0):
-    return dict(
-        transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
-        activation=None, out_dtype=np.dtype(out_dtype), has_bias=False, has_c=has_c, plan=None,
-    )  # fmt: skip
-
-
-def _jvp(primals, tangents, *, transpose_a, transpose_b, alpha, beta, activation, out_dtype,
-         has_bias, has_c, plan):  # fmt: skip
-    a, b, bias, c = _split(primals, has_bias, has_c)
-    ta, tb, tbias, tc = _split(tangents, has_bias, has_c)
-    params = dict(
-        transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
-        activation=activation, out_dtype=out_dtype, has_bias=has_bias, has_c=has_c, plan=plan,
-    )  # fmt: skip
-    acc = acc_dtype(out_dtype, a.dtype, b.dtype)
-    if activation is None:
-        out = _bind(*primals, **params)
+    if all(d == 1 for d in b.shape[:nb]):
+        # One B for every batch: a plain dot over a's batch dims, broadcast afterwards.
+        b2 = b.reshape(b.shape[nb:])
+        acc = lax.dot_general(
+            a, b2, (((contract_a,), (1 if transpose_b else 0,)), ((), ())),
+            precision=lax.Precision.HIGHEST, preferred_element_type=acc_t,
+        )  # fmt: skip
+        acc = jnp.broadcast_to(acc, (*out_batch, *acc.shape[-2:]))
     else:
-        # The pre-activation z is needed for the activation's derivative; keep it in float32.
-        # A user's plan was made for the fused call's output dtype, so z is planned afresh.
-        z = _bind(*primals, **{**params, "activation": None, "out_dtype": acc, "plan": None})
-        out = apply_activation(z, activation).astype(out_dtype)
-    f32 = acc
-    nonzero = lambda t: t is not None and type(t) is not ad.Zero  # noqa: E731
-    tbias = tbias if nonzero(tbias) else None
-    tc = tc if nonzero(tc) else None
-    # d(alpha A @ B + beta c + bias) = alpha dA @ B + alpha A @ dB + beta dc + dbias, each term
-    # through the primitive: the first product carries dbias and dc in its epilogue, the
-    # second reads the first as C. (Broadcasting the epilogue tangents with jnp ops instead
-    # would type them unsharded, and their transpose would all-gather under Explicit axes.)
-    dz = None
-    for x, y in ((ta, b), (a, tb)):
-        if type(x) is ad.Zero or type(y) is ad.Zero:
-            continue
-        if dz is None:
-            ops = [x, y] + [t for t in (tbias, tc) if t is not None]
-            p = _linear_params(transpose_a, transpose_b, alpha, f32, has_c=tc is not None,
-                               beta=beta)  # fmt: skip
-            dz = _bind(*ops, **{**p, "has_bias": tbias is not None})
-            tbias = tc = None
-        else:
-            dz = _bind(x, y, dz, **_linear_params(transpose_a, transpose_b, alpha, f32,
-                                                   has_c=True))  # fmt: skip
-    nb = out.ndim - 2
-    if tc is not None:  # no product term carried it
-        term = _broadcast_like(beta * tc.astype(f32), tuple(range(nb + 2)), out)
-        dz = term if dz is None else dz + term
-    if tbias is not None:
-        term = _broadcast_like(tbias.astype(f32), (*range(nb), nb + 1), out)
-        dz = term if dz is None else dz + term
-    if dz is None:
-        return out, ad.Zero.from_primal_value(out)
-    if activation is not None:
-        dz = _activation_grad(z, activation) * dz
-    return out, dz.astype(out_dtype)
-
-
-def _broadcast_like(x, dims, like):
-    """`x` broadcast to `like`'s shape and, under Explicit mesh axes, typed with its sharding
-    (so that the transpose sums the cotangent where it lies instead of gathering it)."""
-    sharding = jax.typeof(like).sharding
-    explicit = sharding is not None and not sharding.mesh.empty and sharding.mesh._any_axis_explicit
-    return lax.broadcast_in_dim(x, like.shape, dims, out_sharding=sharding if explicit else None)
-
-
-def _unbroadcast(x, shape):
-    """Sums x over the dims where `shape` (same rank) has 1 and x does not."""
-    axes = tuple(i for i, (s, t) in enumerate(zip(shape, x.shape, strict=True)) if s == 1 != t)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
-def _aval_dtype(x):
-    return x.aval.dtype if ad.is_undefined_primal(x) else x.dtype
-
-
-def _transpose(ct, *args, transpose_a, transpose_b, alpha, beta, activation, out_dtype,
-               has_bias, has_c, plan):  # fmt: skip
-    if activation is not None:
-        raise NotImplementedError("jax_sm100_matmul is not linear with an activation")
-    a, b, bias, c = _split(args, has_bias, has_c)
-    undef = ad.is_undefined_primal
-    if undef(a) and undef(b):
-        raise NotImplementedError("jax_sm100_matmul is bilinear, not linear, in (a, b)")
-    if type(ct) is ad.Zero:
-        return [None] * len(args)
-    f32 = acc_dtype(ct.dtype, _aval_dtype(a), _aval_dtype(b))
-    ct_a = ct_b = ct_bias = ct_c = None
-    if undef(a):
-        aval = a.aval
-        # dA = alpha * G @ B^T, in whichever storage order a has.
-        if transpose_a:
-            x, y, ta_, tb_ = b, ct, transpose_b, True
-        else:
-            x, y, ta_, tb_ = ct, b, False, not transpose_b
-        full = _bind(x, y, **_linear_params(ta_, tb_, alpha, f32))
-        ct_a = _unbroadcast(full, aval.shape).astype(aval.dtype)
-    if undef(b):
-        aval = b.aval
-        # dB = alpha * A^T @ G, in whichever storage order b has.
-        if transpose_b:
-            x, y, ta_, tb_ = ct, a, True, transpose_a
-        else:
-            x, y, ta_, tb_ = a, ct, not transpose_a, False
-        full = _bind(x, y, **_linear_params(ta_, tb_, alpha, f32))
-        ct_b = _unbroadcast(full, aval.shape).astype(aval.dtype)
-    if has_c and undef(c):
-        g = ct.astype(f32) if beta == 1.0 else beta * ct.astype(f32)
-        ct_c = _unbroadcast(g, c.aval.shape).astype(c.aval.dtype)
-    if has_bias and undef(bias):
-        g = jnp.sum(ct.astype(f32), axis=-2)
-        ct_bias = _unbroadcast(g, bias.aval.shape).astype(bias.aval.dtype)
-    out = [ct_a, ct_b]
-    if has_bias:
-        out.append(ct_bias)
-    if has_c:
-        out.append(ct_c)
-    return out
+        a = jnp.broadcast_to(a, (*out_batch, *a.shape[-2:]))
+        b = jnp.broadcast_to(b, (*out_batch, *b.shape[-2:]))
+        batch = tuple(range(nb))
+        contract_b = nb + 1 if transpose_b else nb
+        acc = lax.dot_general(
+            a, b, (((contract_a,), (contract_b,)), (batch, batch)),
+            precision=lax.Precision.HIGHEST, preferred_element_type=acc_t,
+        )  # fmt: skip
+    return epilogue_xla(
+        acc, c, bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype,
+        save_preact=save_preact, act_grad=act_grad,
+    )  # fmt: skip
 
 
 # --- batching ----------------------------------------------------------------------------------
 
 
-def _batch(args, dims, **params):
-    """Folds a vmapped axis into the primitive's batch dims.
+def batch_rule(prim, args, dims, **params):
+    """Folds a vmapped axis into the primitive's batch dims (for `prim`, whose operands all have
+    the same number of batch dims, as matmul_p's).
 
     The new batch dim goes where the first mapped operand already has it when that is among its
     batch dims (so `in_axes=0`, or any batch position, costs no transpose); other mapped operands
@@ -371,7 +316,10 @@ def _batch(args, dims, **params):
             moved.append(jnp.expand_dims(x, at))
         else:
             moved.append(x if d == at else jnp.moveaxis(x, d, at))
-    return _bind(*moved, **params), at
+    outs = prim.bind(*moved, **params)
+    if prim.multiple_results:
+        return outs, [at] * len(outs)
+    return outs, at
 
 
 # --- registration ------------------------------------------------------------------------------
@@ -385,13 +333,15 @@ def _impl(*args, **params):
 
 matmul_p.def_impl(_impl)
 matmul_p.def_abstract_eval(_abstract_eval)
-ad.primitive_jvps[matmul_p] = _jvp
-ad.primitive_transposes[matmul_p] = _transpose
-batching.primitive_batchers[matmul_p] = _batch
+batching.primitive_batchers[matmul_p] = lambda args, dims, **params: batch_rule(
+    matmul_p, args, dims, **params
+)
 
 
-def plan_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype, arch, **_):
-    """The planner's plan for one bind of the primitive (operands given as avals or arrays)."""
+def plan_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype, arch,
+                      save_preact=False, **_):  # fmt: skip
+    """The planner's plan for one bind of the primitive (operands given as avals or arrays),
+    for the GEMM the kernels run (the batch folded into m where `folds_batch` says so)."""
     from jax_sm100._src import planning  # noqa: PLC0415
 
     out_shape = shape_rule(
@@ -399,10 +349,14 @@ def plan_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype, arc
         transpose_a=transpose_a, transpose_b=transpose_b,
     )  # fmt: skip
     m, n, k, _ = problem_dims(a.shape, b.shape, transpose_a, transpose_b)
+    batch = math.prod(out_shape[:-2])
+    if folds_batch(a.shape, b.shape, transpose_a, out_shape):
+        m, batch = m * batch, 1
     return planning.plan(
         m, n, k,
         a_dtype=a.dtype, b_dtype=b.dtype, out_dtype=out_dtype,
         c_dtype=None if c is None else c.dtype,
-        batch=math.prod(out_shape[:-2]), arch=arch,
+        batch=batch, arch=arch,
         a_major="m" if transpose_a else "k", b_major="k" if transpose_b else "n",
+        preact_out=save_preact,
     )  # fmt: skip

@@ -12,7 +12,7 @@ given into per-device work:
 
   * batch, m and n shardings are kept: every device runs one local GEMM (with the whole fused
     epilogue) on its block, with no communication.
-  * k sharded (row-parallel): every device computes `alpha * A_local @ B_local` in the
+  * k sharded (row-parallel): every device computes `A_local @ B_local` in the
     accumulator dtype with no epilogue; the partials are reduced by one `psum_scatter` over the
     mesh axes that the requested output sharding puts on an output dim (a reduce-scatter), and
     one `psum` over the rest; then `beta * c + bias` is added and the activation applied once,
@@ -49,20 +49,23 @@ from jax.experimental.custom_partitioning import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from jax_sm100._src import autodiff
 from jax_sm100._src import constraints as C
 from jax_sm100._src import primitive as P
 
 # custom_partitioning needs the device assignment while lowering, and jit only provides it for
 # programs holding a primitive from this registry; the primitive's custom call is made in its
-# lowering, so the primitive itself must be registered.
+# lowering, so the primitive itself must be registered, and so must the backward's gated
+# product, which lowers to it.
 dispatch.prim_requires_devices_during_lowering.add(P.matmul_p)
+dispatch.prim_requires_devices_during_lowering.add(autodiff.gated_matmul_p)
 
 
 def partition(fn, ctx, **params):
     """Wraps the local lowering `fn(*operands)` so sharded operands split into local GEMMs.
 
     Args:
-      fn: the per-device computation of one bind, `fn(a, b, [bias], [c]) -> out`.
+      fn: the per-device computation of one bind, `fn(a, b, [bias], [c]) -> [out, (z)]`.
       ctx: the lowering rule context of the bind.
       **params: the primitive's params.
 
@@ -80,7 +83,7 @@ def partition(fn, ctx, **params):
     wrapped = custom_partitioning(lambda *operands: P.matmul_p.bind(*operands, **params))
     wrapped.def_partition(
         partition=lambda mesh, args, result: _partition(roles, params, mesh, args, result),
-        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
+        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, params, mesh, args),
         sharding_rule=roles.sharding_rule(),
     )
     return wrapped
@@ -129,6 +132,7 @@ class _Roles:
     result: tuple[str, ...]
     operand_shapes: tuple[tuple[int, ...], ...]
     result_shape: tuple[int, ...]
+    num_results: int = 1
 
     @classmethod
     def of(cls, avals_in, out_shape, params) -> _Roles:
@@ -158,12 +162,13 @@ class _Roles:
             result=(*batch, "m", "n"),
             operand_shapes=tuple(tuple(a.shape) for a in avals_in),
             result_shape=out_shape,
+            num_results=P.num_results(params),
         )
 
     def sharding_rule(self) -> SdyShardingRule:
         return SdyShardingRule(
             operand_mappings=tuple(ArrayMapping(*dims) for dims in self.operands),
-            result_mappings=(ArrayMapping(*self.result),),
+            result_mappings=(ArrayMapping(*self.result),) * self.num_results,
             reduction_factors=("k",),
         )
 
@@ -258,13 +263,16 @@ def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
 # --- callbacks ---------------------------------------------------------------------------------
 
 
-def _infer(roles: _Roles, mesh, arg_shapes):
-    """GSPMD: the result sharding implied by the operands'."""
+def _infer(roles: _Roles, params, mesh, arg_shapes):
+    """GSPMD: the result shardings implied by the operands'."""
     decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], None)
-    return NamedSharding(mesh, decision.spec(roles.result, final=True))
+    return [NamedSharding(mesh, decision.spec(roles.result, final=True))] * roles.num_results
 
 
-def _partition(roles: _Roles, params, mesh, arg_shapes, result_shape):
+def _partition(roles: _Roles, params, mesh, arg_shapes, result_shapes):
+    # Every result (out, and the pre-activation z) has the same dims: the first one's requested
+    # sharding decides.
+    result_shape = result_shapes[0]
     decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding)
     deferred = "k" in decision.local
     arg_shardings = []
@@ -280,7 +288,7 @@ def _partition(roles: _Roles, params, mesh, arg_shapes, result_shape):
             return P.matmul_p.bind(*operands, **local_params)
         return _row_parallel(operands, roles, decision, params, local_params)
 
-    return mesh, lower_fn, result_sharding, tuple(arg_shardings)
+    return mesh, lower_fn, [result_sharding] * roles.num_results, tuple(arg_shardings)
 
 
 def _row_parallel(operands, roles, decision, params, local_params):
@@ -289,21 +297,27 @@ def _row_parallel(operands, roles, decision, params, local_params):
     out_dtype = params["out_dtype"]
     acc = P.acc_dtype(a.dtype, b.dtype, out_dtype)
     partial_params = dict(
-        local_params, activation=None, out_dtype=acc, has_bias=False, has_c=False, beta=1.0
+        local_params,
+        activation=None,
+        out_dtype=acc,
+        has_bias=False,
+        has_c=False,
+        beta=1.0,
+        alpha=1.0,
+        save_preact=False,
+        act_grad=None,
     )
-    z = P.matmul_p.bind(a, b, **partial_params)
+    (z,) = P.matmul_p.bind(a, b, **partial_params)
     for factor, axes in decision.scatter.items():
         z = lax.psum_scatter(
             z, _entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
         )
     if decision.psum:
         z = lax.psum(z, _entry(decision.psum))
-    if c is not None:
-        beta = params["beta"]
-        z = z + (c.astype(acc) if beta == 1.0 else beta * c.astype(acc))
-    if bias is not None:
-        z = z + bias.astype(acc)[..., None, :]
-    return P.apply_activation(z, params["activation"]).astype(out_dtype)
+    return P.epilogue_xla(
+        z, c, bias, alpha=params["alpha"], beta=params["beta"], activation=params["activation"],
+        out_dtype=out_dtype, save_preact=params["save_preact"], act_grad=params["act_grad"],
+    )  # fmt: skip
 
 
 def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
@@ -324,7 +338,7 @@ def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
     fields = dict(m=local("m"), n=local("n"), k=local("k"), batch=batch)
     if "k" in decision.local:
         acc = P.acc_dtype(plan.a_dtype, plan.b_dtype, params["out_dtype"])
-        fields.update(out_dtype=acc.name, c_dtype=None)
+        fields.update(out_dtype=acc.name, c_dtype=None, preact_out=False)
     if all(getattr(plan, f) == v for f, v in fields.items()):
         return params
     try:

@@ -22,7 +22,7 @@ import cutlass
 from cutlass import cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.kernels.spec import GELU_K0, GELU_K1, KernelSpec
 
 # numpy dtype names (what GemmPlan and KernelSpec carry) -> CuTe DSL element types.
 CUTLASS_DTYPES: dict[str, type[cutlass.Numeric]] = {
@@ -90,9 +90,10 @@ class FakeOperands:
     d: cute.Tensor
     c: cute.Tensor | None
     bias: cute.Tensor | None
+    z: cute.Tensor | None = None
 
     def __iter__(self):
-        return iter((self.a, self.b, self.d, self.c, self.bias))
+        return iter((self.a, self.b, self.d, self.c, self.bias, self.z))
 
 
 def _operand(dtype: str, rows, cols, l, *, major_is_cols: bool, batched: bool) -> cute.Tensor:
@@ -113,9 +114,10 @@ def _operand(dtype: str, rows, cols, l, *, major_is_cols: bool, batched: bool) -
 
 
 def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
-    """Fake tensors `(a, b, d, c_or_None, bias_or_None)` for compiling `plan` with `spec`.
+    """Fake tensors `(a, b, d, c_or_None, bias_or_None, z_or_None)` for compiling `plan` with
+    `spec`.
 
-    Modes follow spec.py: a (M, K, L), b (N, K, L), d and c (M, N, L) N-major, bias (N,).
+    Modes follow spec.py: a (M, K, L), b (N, K, L), d, z and c (M, N, L) N-major, bias (N,).
     m, n, k, l are symbolic and shared across operands; each contiguous dimension is declared
     divisible by the elements in 16 bytes of its operand's dtype.
 
@@ -124,7 +126,7 @@ def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
       spec: the KernelSpec (layouts, optional operands, batching).
 
     Returns:
-      A FakeOperands, iterable as the 5-tuple the kernels' host entry points take.
+      A FakeOperands, iterable as the 6-tuple the kernels' host entry points take.
     """
     del plan  # The compiled binary depends on the spec's dtypes and layouts, not on sizes.
 
@@ -153,19 +155,23 @@ def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
         bias = make_fake_compact_tensor(
             cutlass_dtype(spec.bias_dtype), (n,), assumed_align=TMA_ALIGN_BYTES
         )
-    return FakeOperands(a, b, d, c, bias)
+    z = None
+    if spec.preact_out:
+        z = _operand(spec.out_dtype, m, n, l, major_is_cols=True, batched=True)
+    return FakeOperands(a, b, d, c, bias, z)
 
 
-# sqrt(2 / pi), the tanh approximation of GELU (jax.nn.gelu(approximate=True)).
-_GELU_K0 = 0.7978845608028654
-_GELU_K1 = 0.044715
+_GELU_K0, _GELU_K1 = GELU_K0, GELU_K1
 
 
-def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=None):
-    """`act(alpha * acc + beta * c + bias)` on float32 register values; call inside a trace.
+def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=None, act_grad=None,
+                   preact=False):  # fmt: skip
+    """The spec's epilogue on float32 register values; call inside a trace.
 
-    Plain Python over TensorSSA values, so both kernel families inline it into their
-    `@cute.kernel`s. Terms that are absent (None) or neutral (alpha == 1) emit no instructions.
+    `act(alpha * acc + beta * c + bias)`, or with `act_grad` (a backward epilogue)
+    `act_grad'(c) * (alpha * acc)`. Plain Python over TensorSSA values, so both kernel families
+    inline it into their `@cute.kernel`s. Terms that are absent (None) or neutral (alpha == 1)
+    emit no instructions.
 
     Args:
       acc: TensorSSA of Float32, the accumulator fragment.
@@ -173,18 +179,28 @@ def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=No
       bias: None or a TensorSSA of the same shape, already broadcast along m.
       alpha, beta: Python floats (compile-time constants of the KernelSpec).
       activation: None, "relu", "gelu" (tanh approximation) or "silu".
+      act_grad: None or an activation whose derivative at c multiplies the product.
+      preact: also return the pre-activation (`KernelSpec.preact_out`).
 
     Returns:
-      A Float32 TensorSSA of acc's shape.
+      A Float32 TensorSSA of acc's shape; with `preact`, (that, the pre-activation).
     """
     x = acc
     if alpha != 1.0:
         x = x * cutlass.Float32(alpha)
+    if act_grad is not None:
+        return x * activation_derivative(c.to(cutlass.Float32), act_grad)
     if c is not None and beta != 0.0:
         cf = c.to(cutlass.Float32)
         x = x + (cf if beta == 1.0 else cf * cutlass.Float32(beta))
     if bias is not None:
         x = x + bias.to(cutlass.Float32)
+    if preact:
+        return _activate(x, activation), x
+    return _activate(x, activation)
+
+
+def _activate(x, activation):
     if activation == "relu":
         x = cute.where(x > cutlass.Float32(0.0), x, cute.full_like(x, 0.0))
     elif activation == "gelu":
@@ -197,6 +213,28 @@ def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=No
     return x
 
 
+def activation_derivative(z, activation):
+    """d activation / dz at the float32 values z (primitive.activation_grad's formulas)."""
+    one, half = cutlass.Float32(1.0), cutlass.Float32(0.5)
+    if activation == "relu":
+        return cute.where(z > cutlass.Float32(0.0), cute.full_like(z, 1.0), cute.full_like(z, 0.0))
+    if activation == "gelu":
+        z2 = z * z
+        t = cute.math.tanh(
+            z * (cutlass.Float32(_GELU_K0) + cutlass.Float32(_GELU_K0 * _GELU_K1) * z2),
+            fastmath=True,
+        )
+        slope = cutlass.Float32(_GELU_K0) + cutlass.Float32(3 * _GELU_K0 * _GELU_K1) * z2
+        return half * (one + t) + half * z * (one - t * t) * slope
+    if activation == "silu":
+        s = one / (one + cute.math.exp(-z, fastmath=True))
+        return s * (one + z * (one - s))
+    raise ValueError(f"{activation=} has no derivative here; one of 'relu', 'gelu', 'silu'")
+
+
 def epilogue_is_identity(spec: KernelSpec) -> bool:
     """True when the epilogue is a plain conversion of the accumulator (no extra loads/math)."""
-    return spec.alpha == 1.0 and not spec.has_c and not spec.has_bias and spec.activation is None
+    return (
+        spec.alpha == 1.0 and not spec.has_c and not spec.has_bias and spec.activation is None
+        and spec.act_grad is None
+    )  # fmt: skip

@@ -4,11 +4,13 @@ Runs on the four epilogue warps of `Sm100GemmKernel`, one output tile after anot
 kernel's persistent schedule, one epilogue subtile (the plan's `epi_tile`) at a time:
 
     TMEM -> registers       tcgen05.ld of the subtile's fp32 accumulators
-    fused math              `common.apply_epilogue`: alpha, beta * C, bias, activation; C comes
-                            from the SMEM ring that the C producer warp fills by TMA, bias from
-                            global memory (predicated on a ragged last N tile)
-    registers -> SMEM       into one of `num_epi_stages` D buffers, then a proxy fence
-    SMEM -> global          TMA store of D, issued by the first epilogue warp
+    fused math              `common.apply_epilogue`: alpha, beta * C, bias, activation (or a
+                            backward epilogue's act'(C) * acc); C comes from the SMEM ring that
+                            the C producer warp fills by TMA, bias from global memory
+                            (predicated on a ragged last N tile)
+    registers -> SMEM       into one of `num_epi_stages` D buffers (and Z buffers, for the
+                            pre-activation with `spec.preact_out`), then a proxy fence
+    SMEM -> global          TMA store of D (and Z), issued by the first epilogue warp
 
 Once the last subtile of a tile is in registers the TMEM stage goes back to the MMA warp, so its
 next tile's MMAs overlap this tile's math and stores.
@@ -80,11 +82,13 @@ def epilogue(
     work,
     pair,
     epi_tile,
+    zout=None,
 ):
     """TMEM -> registers -> fused math -> SMEM -> TMA store, one epilogue subtile at a time.
 
     `kernel` is the `Sm100GemmKernel` being traced (dtypes, tiles, stage counts, the spec's
-    epilogue); the other arguments are what its `device_kernel` built for this CTA.
+    epilogue); the other arguments are what its `device_kernel` built for this CTA. `zout` is
+    (sZ, tma_atom_z, tZgZ) when the spec also writes the pre-activation, else None.
     """
     t2r_atom = utils.sm100.get_tmem_load_op(
         kernel.cta_tile,
@@ -119,6 +123,17 @@ def epilogue(
         cute.group_modes(sD, 0, 2),
         cute.group_modes(gD_epi, 0, 2),
     )
+
+    if cutlass.const_expr(kernel.spec.preact_out):
+        sZ, tma_atom_z, tZgZ = zout
+        tRS_sZ = thr_r2s.partition_D(sZ)
+        bSG_sZ, bSG_gZ = cpasync.tma_partition(
+            tma_atom_z,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(sZ, 0, 2),
+            cute.group_modes(cute.flat_divide(tZgZ, epi_tile), 0, 2),
+        )
 
     if cutlass.const_expr(kernel.spec.has_c):
         # C is read into registers in the order the TMEM load left the accumulator in, so
@@ -171,6 +186,9 @@ def epilogue(
         src = cute.group_modes(src, 3, cute.rank(src))
         dst = bSG_gD[(None, None, None, *mma_tile)]
         dst = cute.group_modes(dst, 1, cute.rank(dst))
+        if cutlass.const_expr(kernel.spec.preact_out):
+            dst_z = bSG_gZ[(None, None, None, *mma_tile)]
+            dst_z = cute.group_modes(dst_z, 1, cute.rank(dst_z))
         if cutlass.const_expr(kernel.spec.has_bias):
             bias_src = tBgBias[(None, None, None, None, None, *mma_tile)]
             bias_src = cute.group_modes(bias_src, 3, cute.rank(bias_src))
@@ -218,7 +236,13 @@ def epilogue(
                 alpha=kernel.spec.alpha,
                 beta=kernel.spec.beta,
                 activation=kernel.spec.activation,
+                act_grad=kernel.spec.act_grad,
+                preact=kernel.spec.preact_out,
             )
+            if cutlass.const_expr(kernel.spec.preact_out):
+                v, pre = v
+                tRS_rD.store(pre.to(kernel.d_dtype))
+                cute.copy(r2s, tRS_rD, tRS_sZ[(None, None, None, d_stage)])
             tRS_rD.store(v.to(kernel.d_dtype))
 
             cute.copy(r2s, tRS_rD, tRS_sD[(None, None, None, d_stage)])
@@ -227,6 +251,8 @@ def epilogue(
             store_barrier.arrive_and_wait()
             if warp == EPI_WARPS[0]:
                 cute.copy(tma_atom_d, bSG_sD[(None, d_stage)], dst[(None, sub)])
+                if cutlass.const_expr(kernel.spec.preact_out):
+                    cute.copy(tma_atom_z, bSG_sZ[(None, d_stage)], dst_z[(None, sub)])
                 d_pipe.producer_commit()
                 d_pipe.producer_acquire()
             store_barrier.arrive_and_wait()

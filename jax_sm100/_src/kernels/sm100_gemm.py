@@ -75,13 +75,15 @@ def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:
 
 
 class Sm100GemmKernel:
-    """`d = act(alpha * (a @ b) + beta * c + bias)` on SM100 with tcgen05.mma, one plan at a time.
+    """`d = act(alpha * (a @ b) + beta * c + bias)` on SM100 with tcgen05.mma, one plan at a time
+    (and the pre-activation z with `spec.preact_out`, or `act_grad'(c) * alpha * (a @ b)` with
+    `spec.act_grad`: spec.py).
 
     Operand modes follow spec.py: a (M, K, L), b (N, K, L), d and c (M, N, L) N-major, bias (N,).
 
     Example:
         kernel = Sm100GemmKernel(plan, spec)
-        compiled = cute.compile(kernel, a, b, d, None, None, stream)
+        compiled = cute.compile(kernel, a, b, d, None, None, None, stream)
     """
 
     def __init__(self, plan: Any, spec: KernelSpec):
@@ -202,6 +204,8 @@ class Sm100GemmKernel:
         fields["sA"] = tile(self.a_dtype, self.a_smem_staged)
         fields["sB"] = tile(self.b_dtype, self.b_smem_staged)
         fields["sD"] = tile(self.d_dtype, self.d_smem_staged)
+        if self.spec.preact_out:
+            fields["sZ"] = tile(self.d_dtype, self.d_smem_staged)
         if self.spec.has_c:
             fields["sC"] = tile(self.c_dtype, self.c_smem_staged)
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -216,6 +220,7 @@ class Sm100GemmKernel:
         d: cute.Tensor,
         c: cute.Tensor | None,
         bias: cute.Tensor | None,
+        z: cute.Tensor | None,
         stream,
     ):
         """Build the TMA atoms and the tile schedule for these operands, then launch."""
@@ -250,6 +255,14 @@ class Sm100GemmKernel:
             cute.slice_(self.d_smem_staged, (None, None, 0)),
             self.epi_tile,
         )
+        tma_atom_z, tma_z = None, None
+        if cutlass.const_expr(self.spec.preact_out):
+            tma_atom_z, tma_z = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                z,
+                cute.slice_(self.d_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
         tma_atom_c, tma_c = None, None
         if cutlass.const_expr(self.spec.has_c):
             tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(
@@ -292,6 +305,8 @@ class Sm100GemmKernel:
             tma_atom_c,
             tma_c,
             bias_mnl,
+            tma_atom_z,
+            tma_z,
             d,
             sched_params,
             self.cluster_layout_vmnk,
@@ -322,6 +337,8 @@ class Sm100GemmKernel:
         tma_atom_c: cute.CopyAtom | None,
         mC: cute.Tensor | None,
         mBias: cute.Tensor | None,
+        tma_atom_z: cute.CopyAtom | None,
+        mZ: cute.Tensor | None,
         d_in: cute.Tensor,
         sched_params: utils.PersistentTileSchedulerParams,
         cluster: cute.Layout,
@@ -340,6 +357,8 @@ class Sm100GemmKernel:
             cpasync.prefetch_descriptor(tma_atom_b)
         if warp == _EPI_WARPS[0]:
             cpasync.prefetch_descriptor(tma_atom_d)
+            if cutlass.const_expr(self.spec.preact_out):
+                cpasync.prefetch_descriptor(tma_atom_z)
         if cutlass.const_expr(self.spec.has_c):
             if warp == _C_LOAD_WARP:
                 cpasync.prefetch_descriptor(tma_atom_c)
@@ -356,6 +375,12 @@ class Sm100GemmKernel:
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        zout = None  # the pre-activation's staging, TMA atom and tiles, when the spec writes it
+        if cutlass.const_expr(self.spec.preact_out):
+            sZ = storage.sZ.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+            gZ = cute.local_tile(
+                mZ, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None)
+            )
 
         # Global tiles, then this CTA's share of each MMA tile.
         thr_mma = mma.get_slice(peer)
@@ -365,6 +390,8 @@ class Sm100GemmKernel:
         tCgA = thr_mma.partition_A(gA)
         tCgB = thr_mma.partition_B(gB)
         tCgD = thr_mma.partition_C(gD)
+        if cutlass.const_expr(self.spec.preact_out):
+            zout = (sZ, tma_atom_z, sm100_epilogue.group_mma_modes(thr_mma.partition_C(gZ)))
         k_tiles = cute.size(gA, mode=[3])
 
         # TMA views: ((box values, boxes), stage) in SMEM and ((...), tile m|n, k, l) in GMEM.
@@ -577,6 +604,7 @@ class Sm100GemmKernel:
                 work,
                 pair,
                 epi_tile,
+                zout,
             )
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
@@ -599,7 +627,7 @@ def why_not(plan: Any, spec: KernelSpec) -> str | None:
     """
     if plan.arch != "sm_100a" or plan.kernel != "sm100_tcgen05":
         return f"{plan.arch=}, {plan.kernel=}: not an sm100_tcgen05 plan"
-    for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
+    for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major", "preact_out"):
         if getattr(plan, field) != getattr(spec, field):
             return (
                 f"plan.{field}={getattr(plan, field)!r} but spec.{field}={getattr(spec, field)!r}"

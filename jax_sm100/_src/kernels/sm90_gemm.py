@@ -79,7 +79,7 @@ _TURN_BARRIER_ID = 3
 _Epilogue = collections.namedtuple(
     "_Epilogue",
     "gD cD gC sD tma_d r2s thr_r2s tRS_sD tRS_acc sub_acc sub_out sub_size mBias mD store_pipe "
-    "barrier store_warp group",
+    "barrier store_warp group gZ sZ tma_z tRS_sZ",
 )
 
 # 256-row tiles give each consumer warp group two 64-row MMA blocks. N = 160 is cuBLAS's choice
@@ -125,8 +125,10 @@ class Sm90GemmKernel:
         # split-K cluster's CTAs read different K slices: nothing is shared.
         self.a_mcast = 1 if self.split > 1 else self.cluster_mn[1]
         self.b_mcast = 1 if self.split > 1 else self.cluster_mn[0]
-        self.has_c = spec.has_c and spec.beta != 0.0
+        self.has_c = spec.has_c and (spec.beta != 0.0 or spec.act_grad is not None)
         self.has_bias = spec.has_bias
+        # The epilogue also stores the pre-activation Z, through its own staging buffers.
+        self.preact = bool(spec.preact_out)
         self.stream_k = bool(plan.stream_k)
         # Stream-K workspace: one float32 tile and one flag per CTA of the persistent grid.
         self.ws_slots = plan.num_sms
@@ -158,6 +160,8 @@ class Sm90GemmKernel:
             )
         except constraints.PlanError as e:
             return str(e)
+        if spec.preact_out and not plan.preact_out:
+            return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
         if plan.split_reduce == "cluster" and tm % plan.split_k:
             return f"split_k={plan.split_k} must divide the tile's {tm} rows (one slice per CTA)"
         # The epilogue takes each sub-tile's registers as one contiguous run of the retiled
@@ -218,6 +222,7 @@ class Sm90GemmKernel:
         d: cute.Tensor,
         c: cute.Tensor | None,
         bias: cute.Tensor | None,
+        z: cute.Tensor | None,
         ws: cute.Tensor | None,
         flags: cute.Tensor | None,
         stream: cuda.CUstream,
@@ -240,6 +245,14 @@ class Sm90GemmKernel:
             cute.slice_(self.d_smem_staged, (None, None, 0)),
             self.epi_tile,
         )
+        tma_z, tz = None, None
+        if cutlass.const_expr(self.preact):
+            tma_z, tz = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(),
+                z,
+                cute.slice_(self.d_smem_staged, (None, None, 0)),
+                self.epi_tile,
+            )
 
         tiles_mnl = cute.ceil_div(d.shape, (tm, tn, 1))
         if cutlass.const_expr(self.split > 1):
@@ -261,18 +274,19 @@ class Sm90GemmKernel:
             ]
             red_bars = 2
 
-        @cute.struct
-        class Shared:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2 + red_bars]
-            sa: cute.struct.Align[
+        fields = {
+            "ab_barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2 + red_bars],
+            "sa": cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
-            ]
-            sb: cute.struct.Align[
+            ],
+            "sb": cute.struct.Align[
                 cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_staged)], _SMEM_ALIGN
-            ]
-            sd: out_buf
-
-        self.shared = Shared
+            ],
+            "sd": out_buf,
+        }
+        if cutlass.const_expr(self.preact and self.split == 1):
+            fields["sz"] = out_buf  # Z's staging, beside D's (an in-cluster split stores directly)
+        self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         self.kernel(
             tma_a,
             ta,
@@ -283,6 +297,9 @@ class Sm90GemmKernel:
             d,
             c,
             bias,
+            tma_z,
+            tz,
+            z,
             ws,
             flags,
             self.tiled_mma,
@@ -313,6 +330,9 @@ class Sm90GemmKernel:
         mD: cute.Tensor,
         mC: cute.Tensor | None,
         mBias: cute.Tensor | None,
+        tma_z: cute.CopyAtom | None,
+        mZ_tma: cute.Tensor | None,
+        mZ: cute.Tensor | None,
         mWs: cute.Tensor | None,
         mFlags: cute.Tensor | None,
         tiled_mma: cute.TiledMma,
@@ -331,6 +351,8 @@ class Sm90GemmKernel:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_d)
+            if cutlass.const_expr(self.preact):
+                cpasync.prefetch_descriptor(tma_z)
 
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cluster_layout.get_flat_coord(rank)
@@ -383,6 +405,10 @@ class Sm90GemmKernel:
             )
         else:
             sD = storage.sd.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+        sZ, gZ = None, None
+        if cutlass.const_expr(self.preact and self.split == 1):
+            sZ = storage.sz.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
+            gZ = cute.local_tile(mZ_tma, (tm, tn), (None, None, None))
 
         # (tile, tile, tiles_m|n, tiles_k, l) views of the operands.
         gA = cute.local_tile(mA, (tm, tk), (None, None, None))
@@ -423,7 +449,7 @@ class Sm90GemmKernel:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC,
                           mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG, red_bars,
-                          rank, mWs, mFlags)  # fmt: skip
+                          rank, mWs, mFlags, (gZ, sZ, tma_z, mZ))  # fmt: skip
 
     @cute.jit
     def _produce(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
@@ -485,7 +511,8 @@ class Sm90GemmKernel:
 
     @cute.jit
     def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
-                 k_tiles, consumer_wg, warp, ctidx, red_bars, rank, mWs, mFlags):  # fmt: skip
+                 k_tiles, consumer_wg, warp, ctidx, red_bars, rank, mWs, mFlags,
+                 zout):  # fmt: skip
         tm, tn, _ = self.tile_mnk
         # Thread index within this tile's epilogue group, and the group's first warp.
         etidx = ctidx
@@ -521,6 +548,10 @@ class Sm90GemmKernel:
             sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
             sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
             sub_size = cute.size(sub_acc)
+        gZ, sZ, tma_z, mZ = zout
+        tRS_sZ = None
+        if cutlass.const_expr(self.preact and self.split == 1):
+            tRS_sZ = thr_r2s.partition_D(sZ)
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
@@ -547,7 +578,7 @@ class Sm90GemmKernel:
         # What the epilogue works with (`_store_tile`).
         epi = _Epilogue(gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out,
                         sub_size, mBias, mD, store_pipe, epi_barrier, store_warp,
-                        epi_group)  # fmt: skip
+                        epi_group, gZ, sZ, tma_z, tRS_sZ)  # fmt: skip
 
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -594,7 +625,8 @@ class Sm90GemmKernel:
 
                 if cutlass.const_expr(self.split > 1):
                     self._splitk_epilogue(acc, tiled_mma.get_slice(ctidx), sD, red_bars, rank,
-                                          tile, tiles_done, ctidx, mD, mC, mBias)  # fmt: skip
+                                          tile, tiles_done, ctidx, mD, mC, mBias,
+                                          mZ)  # fmt: skip
                 else:
                     self._store_tile(tile, tiles_done, epi, warp)
                 tiles_done += 1
@@ -628,12 +660,19 @@ class Sm90GemmKernel:
         """The fused epilogue of one output tile, from the accumulators, one sub-tile at a time:
         registers -> shared memory (stmatrix) -> global memory (TMA store)."""
         (gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size,
-         mBias, mD, store_pipe, epi_barrier, store_warp, epi_group) = epi  # fmt: skip
+         mBias, mD, store_pipe, epi_barrier, store_warp, epi_group, gZ, sZ, tma_z,
+         tRS_sZ) = epi  # fmt: skip
         gD_tile = cute.zipped_divide(gD[(None, None, *tile)], self.epi_tile)
         cD_tile = cD[(None, None, *tile)]
         bSG_sD, bSG_gD = cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
         )
+        bSG_sZ, bSG_gZ = None, None
+        if cutlass.const_expr(self.preact):
+            bSG_sZ, bSG_gZ = cpasync.tma_partition(
+                tma_z, 0, cute.make_layout(1), cute.group_modes(sZ, 0, 2),
+                cute.zipped_divide(gZ[(None, None, *tile)], self.epi_tile),
+            )  # fmt: skip
         gC_tile = None
         if cutlass.const_expr(self.has_c):
             gC_tile = gC[(None, None, *tile)]
@@ -646,7 +685,13 @@ class Sm90GemmKernel:
                 sub_acc[v] = tRS_acc[s * sub_size + v]
             sub_crd = sub_order.get_hier_coord(s)
             vals = sub_acc.load()
-            if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
+            if cutlass.const_expr(self.preact):
+                vals, pre = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD,
+                                        preact=True)  # fmt: skip
+                sub_out.store(pre.to(self.d_dtype))
+                buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
+                cute.copy(r2s, sub_out, tRS_sZ[(None, None, None, buf)])
+            elif cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
                 vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
             sub_out.store(vals.to(self.d_dtype))
             buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
@@ -655,6 +700,8 @@ class Sm90GemmKernel:
             epi_barrier.arrive_and_wait()
             if warp == store_warp:
                 cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, sub_crd)])
+                if cutlass.const_expr(self.preact):
+                    cute.copy(tma_z, bSG_sZ[(None, buf)], bSG_gZ[(None, sub_crd)])
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             epi_barrier.arrive_and_wait()
@@ -799,7 +846,7 @@ class Sm90GemmKernel:
 
     @cute.jit
     def _splitk_epilogue(self, acc, thr_c, sRed, red_bars, rank, tile, tiles_done, ctidx, mD, mC,
-                         mBias):  # fmt: skip
+                         mBias, mZ):  # fmt: skip
         """Sums one output tile's S partials across the cluster, then the fused epilogue.
 
         `acc` is this CTA's float32 partial for K slice `rank`; `sRed` its (tm, tn) shared
@@ -855,9 +902,14 @@ class Sm90GemmKernel:
                 if gm < mD.shape[0]:
                     if gn < mD.shape[1]:
                         vals = total.load()
-                        if cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
-                            vals = self._splitk_fused(vals, gm, gn, mC, mBias)
                         out = cute.make_rmem_tensor((4,), self.d_dtype)
+                        if cutlass.const_expr(self.preact):
+                            vals, pre = self._splitk_fused(vals, gm, gn, mC, mBias, preact=True)
+                            out.store(pre.to(self.d_dtype))
+                            for i in cutlass.range_constexpr(4):
+                                mZ[(gm, gn + i, 0)] = out[i]
+                        elif cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
+                            vals = self._splitk_fused(vals, gm, gn, mC, mBias)
                         out.store(vals.to(self.d_dtype))
                         for i in cutlass.range_constexpr(4):
                             mD[(gm, gn + i, 0)] = out[i]
@@ -875,7 +927,7 @@ class Sm90GemmKernel:
         cute.arch.fence_acq_rel_cluster()
 
     @cute.jit
-    def _splitk_fused(self, vals, gm, gn, mC, mBias):
+    def _splitk_fused(self, vals, gm, gn, mC, mBias, preact=False):
         """alpha, beta * C, bias and activation on 4 summed values at (gm, gn .. gn + 3)."""
         c_vals = None
         bias_vals = None
@@ -889,10 +941,10 @@ class Sm90GemmKernel:
             for i in cutlass.range_constexpr(4):
                 rb[i] = mBias[gn + i]
             bias_vals = rb.load()
-        return self._epilogue_math(vals, c_vals, bias_vals)
+        return self._epilogue_math(vals, c_vals, bias_vals, preact)
 
     @cute.jit
-    def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD):
+    def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD, preact=False):
         """alpha, beta * C, bias and activation on one sub-tile's registers.
 
         The registers are the source of the register->shared copy, so the copy's source view
@@ -917,10 +969,11 @@ class Sm90GemmKernel:
                 if cute.elem_less(coords[i], mD.shape):
                     rb[i] = mBias[coords[i][1]]
             bias_vals = rb.load()
-        return self._epilogue_math(vals, c_vals, bias_vals)
+        return self._epilogue_math(vals, c_vals, bias_vals, preact)
 
-    def _epilogue_math(self, vals, c_vals, bias_vals):
-        """The spec's alpha, beta, activation on float32 values (inlined into the kernel)."""
+    def _epilogue_math(self, vals, c_vals, bias_vals, preact=False):
+        """The spec's epilogue on float32 values (inlined into the kernel); with `preact`,
+        (result, pre-activation)."""
         return common.apply_epilogue(
             vals,
             c_vals,
@@ -928,4 +981,6 @@ class Sm90GemmKernel:
             alpha=self.spec.alpha,
             beta=self.spec.beta,
             activation=self.spec.activation,
+            act_grad=self.spec.act_grad,
+            preact=preact,
         )

@@ -17,7 +17,10 @@ The host entry point of every kernel takes `(a, b, d, c, bias, stream)` with `No
 absent `c` or `bias`.
 
 The epilogue computes, in float32, `d = act(alpha * acc + beta * c + bias)` and converts to
-`out_dtype`.
+`out_dtype`. With `preact_out` it also writes `z = alpha * acc + beta * c + bias` (before the
+activation) to a second output of `out_dtype`, with d's layout; the host entry point then takes it
+after `bias`. With `act_grad` set (a backward epilogue) it computes instead
+`d = act_grad'(c) * (alpha * acc)`: the product times the named activation's derivative at c.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from __future__ import annotations
 import dataclasses
 
 ACTIVATIONS = (None, "relu", "gelu", "silu")
+# The tanh form of GELU (jax.nn.gelu(approximate=True)): sqrt(2 / pi) and the cubic coefficient.
+GELU_K0 = 0.7978845608028654
+GELU_K1 = 0.044715
 A_MAJORS = ("k", "m")
 B_MAJORS = ("n", "k")
 
@@ -46,6 +52,8 @@ class KernelSpec:
     a_batched: bool = True
     b_batched: bool = True
     c_batched: bool = True
+    preact_out: bool = False
+    act_grad: str | None = None
 
     def __post_init__(self):
         if self.a_major not in A_MAJORS:
@@ -54,6 +62,16 @@ class KernelSpec:
             raise ValueError(f"{self.b_major=} must be one of {B_MAJORS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"{self.activation=} must be one of {ACTIVATIONS}")
+        if self.act_grad is not None and (
+            self.act_grad not in ACTIVATIONS or self.c_dtype is None or self.bias_dtype
+            or self.activation or self.preact_out
+        ):  # fmt: skip
+            raise ValueError(
+                f"{self.act_grad=} needs c (the pre-activation) and no bias, activation or "
+                "preact_out"
+            )
+        if self.preact_out and self.activation is None:
+            raise ValueError("preact_out=True needs an activation (else z is d)")
         object.__setattr__(self, "alpha", float(self.alpha))
         object.__setattr__(self, "beta", float(self.beta))
 
