@@ -102,8 +102,8 @@ def _bind_fn(case):
     params = dict(transpose_a=case["ta"], transpose_b=case["tb"], alpha=case["alpha"],
                   beta=case["beta"], activation=case["act"],
                   out_dtype=np.dtype(jnp.dtype(case["out_dtype"])), has_bias=case["has_bias"],
-                  has_c=case["has_c"], plan=None)  # fmt: skip
-    return jax.jit(lambda *xs: P.matmul_p.bind(*xs, **params))
+                  has_c=case["has_c"], plan=None, save_preact=False, act_grad=None)  # fmt: skip
+    return jax.jit(lambda *xs: P.matmul_p.bind(*xs, **params)[0])
 
 
 class _Collected(Exception):

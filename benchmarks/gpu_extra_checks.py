@@ -36,8 +36,8 @@ def _bind(a, b, *, transpose_b, out_dtype, c=None, bias=None, activation=None, t
     return P.matmul_p.bind(
         *ops, transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
         activation=activation, out_dtype=np.dtype(out_dtype), has_bias=bias is not None,
-        has_c=c is not None, plan=plan,
-    )  # fmt: skip
+        has_c=c is not None, plan=plan, save_preact=False, act_grad=None,
+    )[0]  # fmt: skip
 
 
 _ACTIVATIONS = {"gelu": lambda z: jax.nn.gelu(z, approximate=True), "silu": jax.nn.silu}

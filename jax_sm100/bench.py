@@ -42,6 +42,8 @@ TFLOP/s and ratios when measured, wall otherwise.
 
 Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|device|both
          --device-ms 20  --unroll 16  --no-compile-times
+         --train: a training step instead (jax_sm100/bench_train.py: value_and_grad of an MLP
+         block and a transformer block beside jnp.dot, and the backward products alone)
 """
 
 from __future__ import annotations
@@ -586,6 +588,11 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--train" in argv:
+        from jax_sm100 import bench_train  # noqa: PLC0415
+
+        return bench_train.main([a for a in argv if a != "--train"])
     ap = argparse.ArgumentParser(
         prog="python -m jax_sm100.bench",
         description=__doc__,
