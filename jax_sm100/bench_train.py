@@ -224,6 +224,8 @@ def product_cases():
     k = jax.random.split(jax.random.key(1), 8)
     dn_t = (((0,), (0,)), ((), ()))  # a^T b
     dn_bt = (((1,), (1,)), ((), ()))  # a b^T
+    tn = lambda a, b: lax.dot_general(a, b, dn_t)  # noqa: E731
+    nt = lambda a, b: lax.dot_general(a, b, dn_bt)  # noqa: E731
     z = _normal(k[0], (t, f))
     b1 = _normal(k[1], (f,), 0.1)
 
@@ -245,16 +247,16 @@ def product_cases():
            _normal(k[5], (f, d)), lambda a, b: _bind(a, b, z, ty=True, act_grad="gelu"),
            dot_act_grad)  # fmt: skip
     yield ("wgrad 2: h^T @ g", (f, d, t), _normal(k[4], (t, f)), _normal(k[6], (t, d)),
-           lambda a, b: _bind(a, b, tx=True), lambda a, b: lax.dot_general(a, b, dn_t))  # fmt: skip
+           lambda a, b: _bind(a, b, tx=True), tn)  # fmt: skip
     yield ("dgrad 1: g1 @ w1^T", (t, d, f), _normal(k[7], (t, f)), _normal(k[3], (d, f)),
-           lambda a, b: _bind(a, b, ty=True), lambda a, b: lax.dot_general(a, b, dn_bt))  # fmt: skip
+           lambda a, b: _bind(a, b, ty=True), nt)  # fmt: skip
     yield ("wgrad 1: x^T @ g1", (d, f, t), _normal(k[2], (t, d)), _normal(k[7], (t, f)),
-           lambda a, b: _bind(a, b, tx=True), lambda a, b: lax.dot_general(a, b, dn_t))  # fmt: skip
+           lambda a, b: _bind(a, b, tx=True), tn)  # fmt: skip
     n = 8192
     yield ("8192^3 dgrad: g @ b^T", (n, n, n), _normal(k[0], (n, n)), _normal(k[1], (n, n)),
-           lambda a, b: _bind(a, b, ty=True), lambda a, b: lax.dot_general(a, b, dn_bt))  # fmt: skip
+           lambda a, b: _bind(a, b, ty=True), nt)  # fmt: skip
     yield ("8192^3 wgrad: a^T @ g", (n, n, n), _normal(k[2], (n, n)), _normal(k[3], (n, n)),
-           lambda a, b: _bind(a, b, tx=True), lambda a, b: lax.dot_general(a, b, dn_t))  # fmt: skip
+           lambda a, b: _bind(a, b, tx=True), tn)  # fmt: skip
 
 
 def run_products(device_seconds=0.05):
