@@ -277,8 +277,12 @@ def _linearize(is_vjp, nonzeros, *primals, **params):
     residuals = [*primals] if z is None else [*primals, z]
 
     def linearized(res, *tangents):
+        if _STRUCTURED_RESIDUALS:
+            tangents = tangents[1:]  # the (unused) structured-residual binders
         return _tangents(res[:n], res[n] if len(res) > n else None, tangents, params, out_aval)
 
+    if _STRUCTURED_RESIDUALS:
+        return outs, [True] * len(outs), residuals, None, linearized
     return outs, [True] * len(outs), residuals, linearized
 
 
@@ -427,6 +431,12 @@ def _transpose(cts, *args, transpose_a, transpose_b, alpha, beta, activation, ou
 
 ad.primitive_jvps[P.matmul_p] = _jvp
 ad.primitive_transposes[P.matmul_p] = _transpose
+# JAX 0.11 added "structured residuals" to the linearization-rule protocol: a rule returns five
+# values (None for them) and its tangent function takes their binders after the residuals.
+_STRUCTURED_RESIDUALS = "structured_residuals" in getattr(
+    _ad_internal.LinearizeTrace, "__annotations__", {}
+)
+
 # Where JAX linearizes primitives directly (its default), its fallback would run the JVP rule on
 # fresh tangent tracers, where `_recall` could not see the previous product's tangent. The
 # registry is not re-exported by jax.interpreters.ad.
