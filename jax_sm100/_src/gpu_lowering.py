@@ -223,7 +223,8 @@ def adjust_plan_for_call(
       batch: the call's batch after folding (1 for a single GEMM).
       planned: the plan is the planner's own (not the caller's): an unsplit fallback that is
         small enough for the planner's XLA rule (`planning.SM90_MIN_FLOPS`) then goes to XLA's
-        dot, as the planner would have sent it there unsplit.
+        dot, as the planner would have sent it there unsplit (unless
+        `JAX_SM100_SMALL_PROBLEMS=kernel` puts small problems on the kernels).
 
     Returns:
       The plan to compile, and notes on what was changed (for `Lowered.note`).
@@ -232,7 +233,9 @@ def adjust_plan_for_call(
         return plan, ()
     split = _usable_split(plan, k, a_dtype) if batch == 1 else 1
     if split == 1:
-        small = planning.sm90_too_small(plan.m, plan.n, plan.k, plan.batch, 1) if planned else None
+        small = None
+        if planned and not planning.small_problems_on_kernels():
+            small = planning.sm90_too_small(plan.m, plan.n, plan.k, plan.batch, 1)
         if small is not None:
             plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
             return plan, ("split-K not applicable (k not divisible) and too small unsplit",)

@@ -673,26 +673,37 @@ class Sm90GemmKernel:
                 tma_z, 0, cute.make_layout(1), cute.group_modes(sZ, 0, 2),
                 cute.zipped_divide(gZ[(None, None, *tile)], self.epi_tile),
             )  # fmt: skip
-        gC_tile = None
-        if cutlass.const_expr(self.has_c):
-            gC_tile = gC[(None, None, *tile)]
         subs_mn = gD_tile.shape[1]
         sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
         num_subs = cute.size(sub_order)
         done = tiles_done * num_subs
+        # C comes from global memory into registers, one sub-tile ahead of its use, so that its
+        # latency overlaps the previous sub-tile's math and stores; as vectors where the whole
+        # tile lies inside the matrix.
+        gC_tile, whole, rc_next = None, None, None
+        if cutlass.const_expr(self.has_c):
+            tm, tn, _ = self.tile_mnk
+            gC_tile = gC[(None, None, *tile)]
+            whole = ((tile[0] + 1) * tm <= mD.shape[0]) & ((tile[1] + 1) * tn <= mD.shape[1])
+            rc_next = self._load_c(thr_r2s, cD_tile, gC_tile, sub_order.get_hier_coord(0), mD,
+                                   whole, sub_acc.shape)  # fmt: skip
         for s in cutlass.range_constexpr(num_subs):
             for v in cutlass.range_constexpr(sub_size):
                 sub_acc[v] = tRS_acc[s * sub_size + v]
             sub_crd = sub_order.get_hier_coord(s)
+            rc = rc_next
+            if cutlass.const_expr(self.has_c and s + 1 < num_subs):
+                rc_next = self._load_c(thr_r2s, cD_tile, gC_tile, sub_order.get_hier_coord(s + 1),
+                                       mD, whole, sub_acc.shape)  # fmt: skip
             vals = sub_acc.load()
             if cutlass.const_expr(self.preact):
-                vals, pre = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD,
+                vals, pre = self._fused(vals, rc, thr_r2s, cD_tile, mBias, sub_crd, mD,
                                         preact=True)  # fmt: skip
                 sub_out.store(pre.to(self.d_dtype))
                 buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
                 cute.copy(r2s, sub_out, tRS_sZ[(None, None, None, buf)])
             elif cutlass.const_expr(not common.epilogue_is_identity(self.spec)):
-                vals = self._fused(vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD)
+                vals = self._fused(vals, rc, thr_r2s, cD_tile, mBias, sub_crd, mD)
             sub_out.store(vals.to(self.d_dtype))
             buf = epi_group * self.epi_stages + (done + s) % self.epi_stages
             cute.copy(r2s, sub_out, tRS_sD[(None, None, None, buf)])
@@ -944,23 +955,33 @@ class Sm90GemmKernel:
         return self._epilogue_math(vals, c_vals, bias_vals, preact)
 
     @cute.jit
-    def _fused(self, vals, thr_r2s, cD_tile, gC_tile, mBias, sub_crd, mD, preact=False):
-        """alpha, beta * C, bias and activation on one sub-tile's registers.
+    def _load_c(self, thr_r2s, cD_tile, gC_tile, sub_crd, mD, whole, shape):
+        """This thread's C values of one sub-tile, in registers (zero outside the matrix).
 
         The registers are the source of the register->shared copy, so the copy's source view
-        (`partition_S`) of the output's coordinate tile gives each register's (m, n, l).
+        (`partition_S`) of a tile gives each register's element of it.
         """
+        src = thr_r2s.partition_S(cute.local_tile(gC_tile, self.epi_tile, sub_crd))
+        rc = cute.make_rmem_tensor(shape, src.element_type)
+        if whole:
+            cute.autovec_copy(src, rc)
+        else:
+            coords = thr_r2s.partition_S(cute.local_tile(cD_tile, self.epi_tile, sub_crd))
+            rc.fill(0.0)
+            for i in cutlass.range_constexpr(cute.size(coords)):
+                if cute.elem_less(coords[i], mD.shape):
+                    rc[i] = src[i]
+        return rc
+
+    @cute.jit
+    def _fused(self, vals, rc, thr_r2s, cD_tile, mBias, sub_crd, mD, preact=False):
+        """alpha, beta * C (`rc`, from `_load_c`), bias and activation on one sub-tile's
+        registers, each register's (m, n, l) read off the copy's source view of the tile."""
         coords = thr_r2s.partition_S(cute.local_tile(cD_tile, self.epi_tile, sub_crd))
         n_vals = cute.size(coords)
         c_vals = None
         bias_vals = None
         if cutlass.const_expr(self.has_c):
-            src = thr_r2s.partition_S(cute.local_tile(gC_tile, self.epi_tile, sub_crd))
-            rc = cute.make_rmem_tensor(vals.shape, src.element_type)
-            rc.fill(0.0)
-            for i in cutlass.range_constexpr(n_vals):
-                if cute.elem_less(coords[i], mD.shape):
-                    rc[i] = src[i]
             c_vals = rc.load()
         if cutlass.const_expr(self.has_bias):
             rb = cute.make_rmem_tensor(vals.shape, mBias.element_type)
