@@ -73,7 +73,8 @@ def main() -> None:
         ),
     }
     print(f"{m}x{n}x{k}, B {args.b_major}-major; planner: {p.cta_tile_mnk[:2]} "
-          f"pingpong={p.pingpong}; cooperative: {coop.cta_tile_mnk[:2]} stream_k={coop.stream_k}")  # fmt: skip
+          f"pingpong={p.pingpong}; cooperative: {coop.cta_tile_mnk[:2]} "
+          f"stream_k={coop.stream_k}")  # fmt: skip
     timings = bench.time_device(list(variants.values()), a, b, min_seconds=0.05)
     base = timings[0].seconds
     flop = 2 * m * n * k
