@@ -52,6 +52,10 @@ def main() -> None:
     p = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
                       arch="sm_90a", b_major=args.b_major)  # fmt: skip
     coop = planning.cooperative(p)
+    wide = planning.sm90_variant(p, epi_n=p.cta_tile_mnk[1] // 2)
+    fwd = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+                        b_major=args.b_major, preact_out=True)  # fmt: skip
+    fwd_2 = planning.sm90_variant(fwd, num_epi_stages=2)
     gelu_grad = lambda y: (  # noqa: E731
         y.astype(jnp.float32) * P.activation_grad(z.astype(jnp.float32), "gelu")
     ).astype(jnp.bfloat16)
@@ -65,11 +69,17 @@ def main() -> None:
         "ours, gelu'(C) * acc, cooperative": lambda a, b: _bind(
             a, b, z, tb=tb, c=True, act_grad="gelu", plan=coop
         ),
+        f"ours, gelu'(C) * acc, epi_n {wide.epi_n}": lambda a, b: _bind(
+            a, b, z, tb=tb, c=True, act_grad="gelu", plan=wide
+        ),
         "ours, gelu(acc + bias)": lambda a, b: _bind(
             a, b, bias, tb=tb, bias=True, activation="gelu"
-        ),  # fmt: skip
-        "ours, gelu(acc + bias) and z": lambda a, b: _bind(
-            a, b, bias, tb=tb, bias=True, activation="gelu", preact=True
+        ),
+        f"ours, gelu(acc + bias) and z ({fwd.num_ab_stages}/{fwd.num_epi_stages} st.)": (
+            lambda a, b: _bind(a, b, bias, tb=tb, bias=True, activation="gelu", preact=True)
+        ),
+        f"ours, gelu(acc + bias) and z ({fwd_2.num_ab_stages}/2 st.)": lambda a, b: _bind(
+            a, b, bias, tb=tb, bias=True, activation="gelu", preact=True, plan=fwd_2
         ),
     }
     print(f"{m}x{n}x{k}, B {args.b_major}-major; planner: {p.cta_tile_mnk[:2]} "
