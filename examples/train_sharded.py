@@ -46,9 +46,11 @@ matmul = jax_sm100.matmul
 
 
 def jnp_matmul(a, b, *, bias=None, c=None, alpha=1.0, beta=1.0, activation=None, out_dtype=None):
-    """jax_sm100.matmul's math in jnp ops (float32 accumulation and epilogue)."""
+    """jax_sm100.matmul's math in jnp ops, as a jnp user writes it: the product in the operands'
+    dtype (XLA accumulates in float32 inside it), the epilogue in float32. (Asking the product
+    for a float32 result instead would make XLA's backward run float32 GEMMs.)"""
     out_dtype = out_dtype or jnp.result_type(a, b)
-    z = alpha * jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    z = alpha * jnp.matmul(a, b).astype(jnp.float32)
     if c is not None:
         z = z + beta * c.astype(jnp.float32)
     if bias is not None:

@@ -611,12 +611,17 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
             num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
             swizzle_size=swizzle, pingpong=True,
         )  # fmt: skip
-        return _fill_sm90_smem(plan, SM90_PINGPONG_EPI_STAGES)
+        depth = SM90_PINGPONG_PREACT_EPI_STAGES if plan.preact_out else SM90_PINGPONG_EPI_STAGES
+        return _fill_sm90_smem(plan, depth)
     except C.PlanError:
         return None
 
 
 SM90_PINGPONG_EPI_STAGES = 4
+# With the pre-activation also staged (the forward under `grad`), 4 store stages leave room for
+# 4 A/B stages, 2 leave 5: 655 against 631 TF/s at 8192x14336x4096 with bias + gelu, 128x160
+# ping-pong (H200, benchmarks/epilogue_probe.py, interleaved rounds, 2026-12-01).
+SM90_PINGPONG_PREACT_EPI_STAGES = 2
 
 
 def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
@@ -751,7 +756,7 @@ def with_preact(plan: GemmPlan) -> GemmPlan:
     if plan.preact_out:
         return plan
     if plan.arch == "sm_90a":
-        depth = plan.num_epi_stages if plan.pingpong else None
+        depth = SM90_PINGPONG_PREACT_EPI_STAGES if plan.pingpong else None
         edited = dataclasses.replace(plan, preact_out=True, num_ab_stages=C.MIN_AB_STAGES)
         return _fill_sm90_smem(edited, depth)
     stages = plan.num_ab_stages
