@@ -103,6 +103,20 @@ CASES = [
         force=dict(use_2cta=True, mma_tiler_mnk=(256, 256, 128), cluster_shape_mn=(2, 2)),
         epilogue=dict(bias_dtype="bfloat16", a_batched=False, c_batched=False),
     ),
+    # The forward under grad (D and the pre-activation Z, two TMA stores) and the backward's
+    # activation-gradient epilogue (act'(C) * acc, C the saved pre-activation, B k-major).
+    dict(
+        testcase_name="bf16_2cta_256x256_c2x1_bias_gelu_preact",
+        problem=dict(a_dtype="bfloat16", b_dtype="bfloat16", preact_out=True),
+        force=dict(use_2cta=True, mma_tiler_mnk=(256, 256, 64), cluster_shape_mn=(2, 1)),
+        epilogue=dict(bias_dtype="bfloat16", activation="gelu", preact_out=True),
+    ),
+    dict(
+        testcase_name="bf16_1cta_128x256_c1x2_Bmajor_k_act_grad_gelu",
+        problem=dict(a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16", b_major="k"),
+        force=dict(use_2cta=False, mma_tiler_mnk=(128, 256, 64), cluster_shape_mn=(1, 2)),
+        epilogue=dict(act_grad="gelu"),
+    ),
     dict(
         testcase_name="bf16_2cta_256x64_c2x1_Amajor_m_batched_broadcast_B",
         problem=dict(a_dtype="bfloat16", b_dtype="bfloat16", a_major="m", batch=4),
@@ -210,6 +224,10 @@ class Sm100PtxTest(parameterized.TestCase):
         self.assertEqual(any("multicast::cluster" in x for x in loads), multicast, loads)
         self.assertEqual(any("cta_group::2" in x for x in loads), plan.use_2cta, loads)
         self.assertRegex(ptx, r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.")
+        # One TMA descriptor each for A, B and D, and for C and the pre-activation Z when the
+        # spec has them (each prefetched once by the warp that uses it).
+        descriptors = len(re.findall(r"prefetch\.tensormap\b", ptx))
+        self.assertEqual(descriptors, 3 + spec.has_c + spec.preact_out)
 
         # Transaction bytes per stage, from the plan alone: with cta_group::2 the leader's barrier
         # receives both halves, so either way a stage is the whole MMA tile's A and B.
@@ -231,7 +249,7 @@ class Sm100PtxTest(parameterized.TestCase):
         # Epilogue extras leave traces only when asked for: bias is the only global load the
         # kernel makes outside TMA, and tanh only comes from GELU.
         self.assertEqual("ld.global" in ptx, spec.has_bias)
-        self.assertEqual("tanh.approx.f32" in ptx, spec.activation == "gelu")
+        self.assertEqual("tanh.approx.f32" in ptx, "gelu" in (spec.activation, spec.act_grad))
 
         # Where a CUDA toolkit is installed, the kernel must not spill registers.
         spills = _ptxas_spill_bytes(ptx)

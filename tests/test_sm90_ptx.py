@@ -45,6 +45,30 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertIn("wgmma.mma_async", compiled.ptx)
         self.assertGreater(len(compiled.cubin), 1000)
 
+    @parameterized.parameters(
+        dict(shape=(8192, 14336, 4096)),  # the planner's ping-pong 128x160
+        dict(shape=(2048, 2048, 4096)),  # cooperative
+    )
+    def test_training_epilogues(self, shape):
+        # The forward under grad writes D and the pre-activation Z (a fourth TMA descriptor);
+        # the backward's act'(C) * acc reads C as 32-bit vectors inside the matrix.
+        fwd = _plan(*shape, preact_out=True)
+        spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", bias_dtype="bfloat16",
+                          activation="gelu", preact_out=True)  # fmt: skip
+        ptx = compile_mod.compile_plan(fwd, spec).ptx
+        self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 4)
+        self.assertLessEqual(fwd.smem_bytes, planning.smem_capacity("sm_90a"))
+        bwd = _plan(*shape, c_dtype="bfloat16", b_major="k")
+        spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", b_major="k", c_dtype="bfloat16",
+                          act_grad="gelu")  # fmt: skip
+        ptx = compile_mod.compile_plan(bwd, spec).ptx
+        self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 3)  # C is no TMA
+        self.assertIn("ld.global.b32", ptx)
+        self.assertIn("tanh.approx.f32", ptx)
+        with self.assertRaisesRegex(ValueError, "preact_out"):
+            sm90_gemm.Sm90GemmKernel(bwd, dataclasses.replace(
+                spec, act_grad=None, c_dtype=None, activation="relu", preact_out=True))  # fmt: skip
+
     @parameterized.parameters("relu", "gelu", "silu")
     def test_fused_epilogue_compiles(self, activation):
         p = _plan(512, 512, 512, dtype="float16", c_dtype="float16")
