@@ -147,6 +147,50 @@ class StepNumericsTest(parameterized.TestCase):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12)
 
+    def test_jitted_forward_over_reverse(self):
+        # jit(hessian), jit(jacfwd) and jit(vmap(jvp)) batch the gated product over tangents
+        # only: its saved pre-activation is then unbatched.
+        params, x = _mlp_args(4, 3, 5, "float64", seed=8)
+
+        def f(x, impl):
+            return jnp.sum(_block(impl, "gelu")(params, x) ** 2)
+
+        want = jax.hessian(lambda x: f(x, "jnp"))(x)
+        np.testing.assert_allclose(jax.jit(jax.hessian(lambda x: f(x, "ours")))(x), want,
+                                   rtol=1e-9, atol=1e-12)  # fmt: skip
+        g = lambda x: _block("ours", "silu")(params, x)  # noqa: E731
+        g_ref = lambda x: _block("jnp", "silu")(params, x)  # noqa: E731
+        np.testing.assert_allclose(jax.jit(jax.jacfwd(g))(x), jax.jacfwd(g_ref)(x), rtol=1e-9,
+                                   atol=1e-12)  # fmt: skip
+        ts = jnp.stack([x, 2 * x])
+        got = jax.jit(jax.vmap(lambda t: jax.jvp(g, (x,), (t,))[1]))(ts)
+        ref = jax.vmap(lambda t: jax.jvp(g_ref, (x,), (t,))[1])(ts)
+        np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+
+    @parameterized.parameters("gelu", "silu")
+    def test_overflowed_preactivation_gives_finite_gradients(self, act):
+        # A float16 pre-activation below -65504 is saved as -inf; the activation's derivative
+        # there is its limit (0), as the float32 forward's, not NaN.
+        a = jnp.array([[300.0, 1.0]], jnp.float16)
+        b = jnp.array([[-300.0, 0.5], [1.0, 0.25]], jnp.float16)  # z = [-89999, 0.75]
+        loss = lambda a, b: jnp.sum(jax_sm100.matmul(a, b, activation=act).astype(jnp.float32))  # noqa: E731
+        ga, gb = jax.grad(loss, argnums=(0, 1))(a, b)
+        self.assertTrue(np.isfinite(np.asarray(ga, np.float32)).all(), ga)
+        self.assertTrue(np.isfinite(np.asarray(gb, np.float32)).all(), gb)
+        want = jax.grad(lambda a, b: jnp.sum(P.apply_activation(a @ b, act)), argnums=(0, 1))(
+            a.astype(jnp.float32), b.astype(jnp.float32)
+        )
+        np.testing.assert_allclose(np.asarray(ga, np.float32), want[0], rtol=2e-3, atol=1e-3)
+
+    def test_fp8_output_saves_a_bfloat16_preactivation(self):
+        rng = np.random.default_rng(9)
+        a, b = tu.rand(rng, (8, 16), "bfloat16"), tu.rand(rng, (16, 4), "bfloat16")
+        f = lambda a: jax_sm100.matmul(a, b * 100, activation="gelu", out_dtype="float8_e4m3fn")  # noqa: E731
+        eqns = _matmul_eqns(jax.make_jaxpr(jax.grad(lambda a: jnp.sum(
+            f(a).astype(jnp.float32))))(a).jaxpr)  # fmt: skip
+        fwd = next(e for e in eqns if e.params["save_preact"])
+        self.assertEqual([v.aval.dtype.name for v in fwd.outvars], ["float8_e4m3fn", "bfloat16"])
+
     def test_bfloat16_step_against_float32(self):
         params, x = _mlp_args(64, 32, 128, "bfloat16", seed=5)
         f32 = jax.tree.map(lambda v: v.astype(jnp.float32), (params, x))

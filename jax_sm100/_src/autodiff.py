@@ -95,13 +95,10 @@ mlir.register_lowering(act_grad_mul_p, mlir.lower_fun(_act_grad_mul, multiple_re
 gated_matmul_p = jex_core.Primitive("jax_sm100_gated_matmul")
 
 
-def _gated_params(transpose_a, transpose_b, alpha, out_dtype):
-    return _linear_params(transpose_a, transpose_b, alpha, out_dtype)
-
-
 def _gated(a, z, b, *, activation, transpose_a, transpose_b, alpha, out_dtype):
     gated = act_grad_mul_p.bind(a, z, activation=activation)
-    return P.matmul_p.bind(gated, b, **_gated_params(transpose_a, transpose_b, alpha, out_dtype))[0]
+    params = _linear_params(transpose_a, transpose_b, alpha, out_dtype)
+    return P.matmul_p.bind(gated, b, **params)[0]
 
 
 def _gated_abstract(a, z, b, *, activation, transpose_a, transpose_b, alpha, out_dtype):
@@ -142,13 +139,22 @@ def _gated_transpose(ct, a, z, b, *, activation, transpose_a, transpose_b, alpha
     return [ct_a, None, ct_b]
 
 
+def _gated_batch(args, dims, **params):
+    """A new leading batch dim: `a` and `z` (of one shape) get it, z broadcast where only the
+    tangent is mapped (forward mode over a step); `b` as the matmul batching rule gives it."""
+    (a, z, b), (da, dz, db) = args, dims
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    a = batching.bdim_at_front(a, da, size)
+    z = batching.bdim_at_front(z, dz, size)
+    b = jnp.expand_dims(b, 0) if db is None else jnp.moveaxis(b, db, 0)
+    return gated_matmul_p.bind(a, z, b, **params), 0
+
+
 gated_matmul_p.def_impl(lambda *args, **p: _gated(*args, **p))
 gated_matmul_p.def_abstract_eval(_gated_abstract)
 ad.primitive_jvps[gated_matmul_p] = _gated_jvp
 ad.primitive_transposes[gated_matmul_p] = _gated_transpose
-batching.primitive_batchers[gated_matmul_p] = lambda args, dims, **params: P.batch_rule(
-    gated_matmul_p, args, dims, **params
-)
+batching.primitive_batchers[gated_matmul_p] = _gated_batch
 mlir.register_lowering(gated_matmul_p, mlir.lower_fun(_gated, multiple_results=False))
 
 
@@ -247,7 +253,7 @@ def _tangents(primals, z, tangents, params, out_aval):
         return [dz]
     dout = act_grad_mul_p.bind(dz, z, activation=activation)
     _remember(dout, dz, z, activation)
-    return [dout, dz] if params["save_preact"] else [dout]
+    return [dout, dz.astype(z.dtype)] if params["save_preact"] else [dout]
 
 
 def _broadcast_like(x, dims, aval):
@@ -369,7 +375,7 @@ def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
     summed = jnp.sum(full_product, axis=tuple(reduced), keepdims=True)
     if act_grad is not None:
         activation, z = act_grad
-        summed = summed * P.activation_grad(z.astype(acc), activation)
+        summed = _act_grad_mul(summed, z, activation=activation)
     return summed.astype(want)
 
 
@@ -399,13 +405,12 @@ def _transpose(cts, *args, transpose_a, transpose_b, alpha, beta, activation, ou
         raise NotImplementedError("jax_sm100_matmul is bilinear, not linear, in (a, b)")
     if type(ct) is ad.Zero:
         return [None] * len(args)
+    acc = P.acc_dtype(ct.dtype, _aval_dtype(a), _aval_dtype(b))
     if act_grad is not None:
         if undef(c):
             raise NotImplementedError("a backward epilogue is not linear in its c")
         # Higher-order AD only: act'(c) * product, transposed as the plain product of act'(c) * G.
-        acc = P.acc_dtype(ct.dtype, c.dtype)
-        ct = ct.astype(acc) * P.activation_grad(c.astype(acc), act_grad)
-    acc = P.acc_dtype(ct.dtype, _aval_dtype(a), _aval_dtype(b))
+        ct = _act_grad_mul(ct.astype(acc), jnp.broadcast_to(c, ct.shape), activation=act_grad)
     cd = compute_dtype(_aval_dtype(a), _aval_dtype(b))
     g = ct.astype(cd)
     ct_a = ct_b = ct_bias = ct_c = None

@@ -751,14 +751,12 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
 
 
 def with_preact(plan: GemmPlan) -> GemmPlan:
-    """`plan` with the pre-activation output (`preact_out=True`) added to its epilogue: the
-    same tiles and schedule, A/B stages reduced where the Z staging leaves fewer in SMEM."""
+    """`plan` (a caller's) with the pre-activation output (`preact_out=True`) added to its
+    epilogue: the same tiles, schedule and store stages, A/B stages reduced where the Z staging
+    leaves fewer in SMEM. (The planner's own plans for the forward under `grad` are made with
+    `preact_out` and choose their stages for it.)"""
     if plan.preact_out:
         return plan
-    if plan.arch == "sm_90a":
-        depth = SM90_PINGPONG_PREACT_EPI_STAGES if plan.pingpong else None
-        edited = dataclasses.replace(plan, preact_out=True, num_ab_stages=C.MIN_AB_STAGES)
-        return _fill_sm90_smem(edited, depth)
     stages = plan.num_ab_stages
     while True:
         try:

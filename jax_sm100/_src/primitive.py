@@ -19,7 +19,8 @@ accumulation and epilogue, is one of two epilogues:
                                                  the pre-activation c (a backward epilogue)
 
 The primitive always has a list of results: `[out]`, or `[out, z]` with `save_preact` (z in
-`out_dtype`: what the backward of the activation needs, saved by the forward kernel itself).
+`preact_dtype(out_dtype)`: what the backward of the activation needs, saved by the forward kernel
+itself).
 Differentiation rules live in autodiff.py; lowerings in lowering.py. The public `matmul`
 (api.py) brings user inputs to this form.
 """
@@ -36,7 +37,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching
 
 from jax_sm100._src import dtypes as D
-from jax_sm100._src.kernels.spec import ACTIVATIONS, GELU_K0, GELU_K1
+from jax_sm100._src.kernels.spec import ACT_GRAD_CLAMP, ACTIVATIONS, GELU_K0, GELU_K1
 
 matmul_p = jex_core.Primitive("jax_sm100_matmul")
 matmul_p.multiple_results = True
@@ -54,6 +55,13 @@ def _split(args, has_bias, has_c):
 
 def num_results(params) -> int:
     return 2 if params["save_preact"] else 1
+
+
+def preact_dtype(out_dtype) -> np.dtype:
+    """The dtype the saved pre-activation takes: the output's, but bfloat16 for fp8 outputs
+    (whose range would turn large pre-activations into NaN; the kernels write no fp8)."""
+    out_dtype = np.dtype(out_dtype)
+    return np.dtype(jnp.bfloat16) if out_dtype.itemsize == 1 else out_dtype
 
 
 def problem_dims(a_shape, b_shape, transpose_a, transpose_b):
@@ -149,11 +157,11 @@ def _abstract_eval(*args, transpose_a, transpose_b, alpha, beta, activation, out
         transpose_a=transpose_a, transpose_b=transpose_b,
     )  # fmt: skip
     sharding = out_sharding(a, b, bias, c, shape, transpose_a, transpose_b)
-    if sharding is None:
-        aval = jax.core.ShapedArray(shape, out_dtype)
-    else:
-        aval = jax.core.ShapedArray(shape, out_dtype, sharding=sharding)
-    return [aval] * (2 if save_preact else 1)
+    kw = {} if sharding is None else {"sharding": sharding}
+    out = jax.core.ShapedArray(shape, out_dtype, **kw)
+    if not save_preact:
+        return [out]
+    return [out, jax.core.ShapedArray(shape, preact_dtype(out_dtype), **kw)]
 
 
 def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
@@ -217,7 +225,12 @@ def apply_activation(z, activation):
 
 
 def activation_grad(z, activation):
-    """d activation / dz at z, in z's dtype (the kernels' epilogue states the same formulas)."""
+    """d activation / dz at z, in z's dtype (the kernels' epilogue states the same formulas).
+
+    z is clamped to +-ACT_GRAD_CLAMP first: beyond it every derivative is at its limit (0 or 1),
+    and a saved pre-activation that overflowed its dtype (+-inf) gives 0 or 1, not NaN.
+    """
+    z = jnp.clip(z, -ACT_GRAD_CLAMP, ACT_GRAD_CLAMP)
     if activation == "relu":
         return (z > 0).astype(z.dtype)
     if activation == "gelu":
@@ -253,7 +266,7 @@ def epilogue_xla(acc, c, bias, *, alpha, beta, activation, out_dtype, save_preac
     if bias is not None:
         z = z + jnp.expand_dims(bias.astype(t), -2)
     out = apply_activation(z, activation).astype(out_dtype)
-    return [out, z.astype(out_dtype)] if save_preact else [out]
+    return [out, z.astype(preact_dtype(out_dtype))] if save_preact else [out]
 
 
 def reference_matmul(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,

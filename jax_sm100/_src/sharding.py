@@ -15,8 +15,9 @@ given into per-device work:
   * k sharded (row-parallel): every device computes `A_local @ B_local` in the
     accumulator dtype with no epilogue; the partials are reduced by one `psum_scatter` over the
     mesh axes that the requested output sharding puts on an output dim (a reduce-scatter), and
-    one `psum` over the rest; then `beta * c + bias` is added and the activation applied once,
-    on the reduced block.
+    one `psum` over the rest; then the epilogue (`primitive.epilogue_xla`: alpha,
+    `beta * c + bias` and the activation, the saved pre-activation, or a backward epilogue's
+    act'(c)) runs once, on the reduced block.
   * a mesh axis is used by one factor at most; a sharding that does not divide its dim evenly
     is dropped (XLA would pad the block, and padding inside k would corrupt the sum).
 
@@ -335,7 +336,15 @@ def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
         return roles.size(factor) // math.prod(mesh_shape[a] for a in axes)
 
     batch = math.prod(local(f) for f in roles.result[:-2])
-    fields = dict(m=local("m"), n=local("n"), k=local("k"), batch=batch)
+    m = local("m")
+    # The GEMM the kernels run: the local batch folded into m where the lowering folds it.
+    local_out = tuple(local(f) for f in roles.result)
+    a_dims = roles.operands[0]
+    local_a = tuple(local(f) if f in roles.result or f in ("m", "k") else 1 for f in a_dims)
+    local_b = tuple(1 if f.startswith("u") else local(f) for f in roles.operands[1])
+    if P.folds_batch(local_a, local_b, params["transpose_a"], local_out):
+        m, batch = m * batch, 1
+    fields = dict(m=m, n=local("n"), k=local("k"), batch=batch)
     if "k" in decision.local:
         acc = P.acc_dtype(plan.a_dtype, plan.b_dtype, params["out_dtype"])
         fields.update(out_dtype=acc.name, c_dtype=None, preact_out=False)

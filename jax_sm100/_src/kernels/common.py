@@ -22,7 +22,7 @@ import cutlass
 from cutlass import cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from jax_sm100._src.kernels.spec import GELU_K0, GELU_K1, KernelSpec
+from jax_sm100._src.kernels.spec import ACT_GRAD_CLAMP, GELU_K0, GELU_K1, KernelSpec
 
 # numpy dtype names (what GemmPlan and KernelSpec carry) -> CuTe DSL element types.
 CUTLASS_DTYPES: dict[str, type[cutlass.Numeric]] = {
@@ -161,9 +161,6 @@ def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
     return FakeOperands(a, b, d, c, bias, z)
 
 
-_GELU_K0, _GELU_K1 = GELU_K0, GELU_K1
-
-
 def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=None, act_grad=None,
                    preact=False):  # fmt: skip
     """The spec's epilogue on float32 register values; call inside a trace.
@@ -204,7 +201,7 @@ def _activate(x, activation):
     if activation == "relu":
         x = cute.where(x > cutlass.Float32(0.0), x, cute.full_like(x, 0.0))
     elif activation == "gelu":
-        inner = x * (cutlass.Float32(_GELU_K0) + cutlass.Float32(_GELU_K0 * _GELU_K1) * x * x)
+        inner = x * (cutlass.Float32(GELU_K0) + cutlass.Float32(GELU_K0 * GELU_K1) * x * x)
         x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.tanh(inner, fastmath=True))
     elif activation == "silu":
         x = x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=True))
@@ -214,17 +211,21 @@ def _activate(x, activation):
 
 
 def activation_derivative(z, activation):
-    """d activation / dz at the float32 values z (primitive.activation_grad's formulas)."""
+    """d activation / dz at the float32 values z (primitive.activation_grad's formulas, z
+    clamped to +-ACT_GRAD_CLAMP as there, so an overflowed saved pre-activation gives 0 or 1)."""
     one, half = cutlass.Float32(1.0), cutlass.Float32(0.5)
+    bound = cutlass.Float32(ACT_GRAD_CLAMP)
+    z = cute.where(z > bound, cute.full_like(z, ACT_GRAD_CLAMP), z)
+    z = cute.where(z < -bound, cute.full_like(z, -ACT_GRAD_CLAMP), z)
     if activation == "relu":
         return cute.where(z > cutlass.Float32(0.0), cute.full_like(z, 1.0), cute.full_like(z, 0.0))
     if activation == "gelu":
         z2 = z * z
         t = cute.math.tanh(
-            z * (cutlass.Float32(_GELU_K0) + cutlass.Float32(_GELU_K0 * _GELU_K1) * z2),
+            z * (cutlass.Float32(GELU_K0) + cutlass.Float32(GELU_K0 * GELU_K1) * z2),
             fastmath=True,
         )
-        slope = cutlass.Float32(_GELU_K0) + cutlass.Float32(3 * _GELU_K0 * _GELU_K1) * z2
+        slope = cutlass.Float32(GELU_K0) + cutlass.Float32(3 * GELU_K0 * GELU_K1) * z2
         return half * (one + t) + half * z * (one - t * t) * slope
     if activation == "silu":
         s = one / (one + cute.math.exp(-z, fastmath=True))

@@ -627,11 +627,13 @@ def why_not(plan: Any, spec: KernelSpec) -> str | None:
     """
     if plan.arch != "sm_100a" or plan.kernel != "sm100_tcgen05":
         return f"{plan.arch=}, {plan.kernel=}: not an sm100_tcgen05 plan"
-    for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major", "preact_out"):
+    for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
         if getattr(plan, field) != getattr(spec, field):
             return (
                 f"plan.{field}={getattr(plan, field)!r} but spec.{field}={getattr(spec, field)!r}"
             )
+    if spec.preact_out and not plan.preact_out:
+        return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
     ops = constraints.KERNEL_OPERAND_DTYPES["sm_100a"]
     if spec.a_dtype not in ops or spec.b_dtype not in ops:
         return f"{spec.a_dtype=}, {spec.b_dtype=}: operands must be in {ops}"

@@ -91,8 +91,9 @@ SUPPORTED_TILE_N = (64, 128, 160, 192, 256)
 class Sm90GemmKernel:
     """A persistent warp-specialised wgmma GEMM for one (GemmPlan, KernelSpec).
 
-    Host entry point: `__call__(a, b, d, c, bias, stream)` with the modes of spec.py, `None`
-    for an absent c or bias.
+    Host entry point: `__call__(a, b, d, c, bias, z, ws, flags, stream)` with the modes of
+    spec.py (ws and flags: the stream-K workspace, compile.workspace_shapes), `None`
+    for an absent c, bias, z or workspace.
     """
 
     def __init__(self, plan, spec: KernelSpec):

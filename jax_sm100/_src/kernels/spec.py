@@ -11,16 +11,17 @@ buffers whose batch dims have been flattened into one leading dim `l`:
     d    (M, N, L)  N-major, buffer [l, m, n]
     c    (M, N, L)  N-major, buffer [l, m, n]                      (only when `c_dtype` is set)
     bias (N,)                                                       (only when `bias_dtype` is set)
+    z    (M, N, L)  N-major, buffer [l, m, n]                      (only when `preact_out`)
 
 An operand whose `*_batched` flag is False has batch stride 0: one matrix shared by every batch.
-The host entry point of every kernel takes `(a, b, d, c, bias, stream)` with `None` for an
-absent `c` or `bias`.
+The host entry point of every kernel takes `(a, b, d, c, bias, z, ..., stream)` with `None` for
+an absent `c`, `bias` or `z` (the SM90 family also takes its stream-K workspace before the stream).
 
 The epilogue computes, in float32, `d = act(alpha * acc + beta * c + bias)` and converts to
 `out_dtype`. With `preact_out` it also writes `z = alpha * acc + beta * c + bias` (before the
-activation) to a second output of `out_dtype`, with d's layout; the host entry point then takes it
-after `bias`. With `act_grad` set (a backward epilogue) it computes instead
-`d = act_grad'(c) * (alpha * acc)`: the product times the named activation's derivative at c.
+activation) to a second output of `out_dtype`, with d's layout. With `act_grad` set (a backward
+epilogue) it computes instead `d = act_grad'(c) * (alpha * acc)`: the product times the named
+activation's derivative at c.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ ACTIVATIONS = (None, "relu", "gelu", "silu")
 # The tanh form of GELU (jax.nn.gelu(approximate=True)): sqrt(2 / pi) and the cubic coefficient.
 GELU_K0 = 0.7978845608028654
 GELU_K1 = 0.044715
+# Pre-activations beyond +-this give the derivatives their limits (primitive.ACT_GRAD_CLAMP).
+ACT_GRAD_CLAMP = 1e4
 A_MAJORS = ("k", "m")
 B_MAJORS = ("n", "k")
 
