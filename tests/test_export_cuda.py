@@ -96,6 +96,25 @@ class ExportForSm100Test(parameterized.TestCase):
             (obj,) = _embedded_objects(text)
             self.assertTrue(family in obj, f"{arch}: no {family} kernel in the exported object")
 
+    def test_sm100_grid_from_the_drivers_occupancy(self):
+        # On an sm_100a device the lowering asks the driver how many clusters fit (whole GPCs);
+        # where that is fewer than the plan's resources allow, the grid launches that many.
+        from jax_sm100._src import gpu_lowering
+
+        a = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        with (
+            mock.patch.object(gpu_lowering, "device_info", return_value=("sm_100a", 148)),
+            mock.patch.object(gpu_lowering, "driver_max_clusters", return_value=70) as query,
+        ):
+            _export(lambda a, b: jax_sm100.matmul(a, b), a, a)
+        how = gpu_lowering.explain()
+        size = how.plan.cluster_shape_mn[0] * how.plan.cluster_shape_mn[1]
+        query.assert_called_once_with(size)
+        self.assertEqual(how.plan.max_clusters, 70)
+        self.assertEqual(planning.grid_clusters(how.plan), 70)
+        self.assertIn("grid: 70 clusters", how.note)
+        self.assertGreater(planning.resident_clusters(how.plan), 70)
+
     def test_sm100_plan_on_other_device_raises(self):
         from jax_sm100._src import gpu_lowering
 

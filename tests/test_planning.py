@@ -243,8 +243,10 @@ class PlanEditsTest(parameterized.TestCase):
         self.p = jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16")
 
     def test_legal_edit_rederives(self):
-        q = dataclasses.replace(self.p, num_ab_stages=3)
-        self.assertEqual(q.num_ab_stages, 3)
+        # One stage fewer still keeps one CTA per SM (the 2-CTA 256x256 plan takes all of TMEM).
+        fewer = self.p.num_ab_stages - 1
+        q = dataclasses.replace(self.p, num_ab_stages=fewer)
+        self.assertEqual(q.num_ab_stages, fewer)
         self.assertLess(q.smem_bytes, self.p.smem_bytes)
         q = dataclasses.replace(
             self.p, mma_tiler_mnk=(128, 128, 64), use_2cta=False, cluster_shape_mn=(1, 1)
@@ -256,6 +258,10 @@ class PlanEditsTest(parameterized.TestCase):
         ("stages_overflow_smem", {"num_ab_stages": 40}, "shared memory"),
         ("one_stage", {"num_ab_stages": 1}, "at least 2 stages"),
         ("tmem_overflow", {"num_acc_stages": 3}, "TMEM allocation"),
+        # Two stages leave room for a second CTA per SM, which would wait for the first's 512
+        # TMEM columns (issue 21).
+        ("two_ctas_share_tmem", {"num_ab_stages": 2}, "2 CTAs of this plan fit on one SM"),
+        ("max_clusters_negative", {"max_clusters": -1}, "max_clusters"),
         ("bad_mma_m", {"mma_tiler_mnk": (96, 256, 64)}, "M in"),
         ("bad_mma_n", {"mma_tiler_mnk": (256, 250, 64)}, "multiple of 16"),
         ("bad_k_tile", {"mma_tiler_mnk": (256, 256, 32)}, "128 bytes"),
@@ -272,6 +278,33 @@ class PlanEditsTest(parameterized.TestCase):
     def test_illegal_edit_raises(self, change, pattern):
         with self.assertRaisesRegex(C.PlanError, pattern):
             dataclasses.replace(self.p, **change)
+
+    def test_fp8_n_major_b_steps(self):
+        # The DSL's tcgen05 rule: an 8-bit N-major B takes N in steps of 32 (2-CTA) or 16 (1-CTA).
+        p = jax_sm100.plan(4096, 4096, 4096, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn")
+        self.assertEqual(p.b_major, "n")
+        with self.assertRaisesRegex(C.PlanError, r"multiple of 32.*N-major float8_e4m3fn B"):
+            dataclasses.replace(p, mma_tiler_mnk=(256, 48, 128), use_2cta=True,
+                                cluster_shape_mn=(2, 1))  # fmt: skip
+        with self.assertRaisesRegex(C.PlanError, "multiple of 16"):
+            dataclasses.replace(p, mma_tiler_mnk=(128, 24, 128), use_2cta=False)
+        k_major = dataclasses.replace(p, b_major="k", mma_tiler_mnk=(256, 48, 128), use_2cta=True,
+                                      cluster_shape_mn=(2, 1))  # fmt: skip
+        self.assertEqual(k_major.mma_tiler_mnk[1], 48)
+
+    def test_planner_keeps_one_cta_per_sm_where_tmem_is_over_half(self):
+        for m, n, k, dtype, c in itertools.product(
+            (64, 256, 1024, 4096, 16384), (128, 1024, 4096, 14336), (256, 4096),
+            ("bfloat16", "float32", "float8_e4m3fn"), (None, "bfloat16"),
+        ):  # fmt: skip
+            p = jax_sm100.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, c_dtype=c)
+            threads = C.sm100_threads_per_cta(c is not None)
+            resident = C.max_resident_ctas(p.smem_bytes, threads)
+            self.assertLessEqual(p.tmem_alloc_cols * resident, C.TMEM_MAX_COLS, str(p))
+            if p.tmem_alloc_cols > 256:
+                self.assertEqual(resident, 1, str(p))
+            self.assertEqual(planning.resident_clusters(p), p.num_sms * resident // (
+                p.cluster_shape_mn[0] * p.cluster_shape_mn[1]))  # fmt: skip
 
     def test_derived_fields_not_editable(self):
         with self.assertRaisesRegex(ValueError, "init=False"):

@@ -251,6 +251,17 @@ class Sm100PtxTest(parameterized.TestCase):
         self.assertEqual("ld.global" in ptx, spec.has_bias)
         self.assertEqual("tanh.approx.f32" in ptx, "gelu" in (spec.activation, spec.act_grad))
 
+        # The epilogue warps meet at their barrier after their last TMEM load and before the
+        # columns are given back (named barrier 1, the 128 epilogue threads).
+        free = ptx.index("tcgen05.relinquish_alloc_permit")
+        last_barrier = ptx.rfind("bar.sync \t1, 128;", 0, free)
+        self.assertGreater(last_barrier, 0, "no epilogue barrier before the TMEM free")
+        self.assertNotIn("tcgen05.ld", ptx[last_barrier:free])
+        # The grid: the resident clusters of the plan's own resources (one CTA per SM).
+        size = plan.cluster_shape_mn[0] * plan.cluster_shape_mn[1]
+        resident = constraints.max_resident_ctas(plan.smem_bytes, 32 * (7 if spec.has_c else 6))
+        self.assertEqual(planning.resident_clusters(plan), plan.num_sms * resident // size)
+
         # Where a CUDA toolkit is installed, the kernel must not spill registers.
         spills = _ptxas_spill_bytes(ptx)
         if spills is not None:

@@ -41,6 +41,18 @@ SMEM_RESERVED_BYTES = 1024
 MIN_AB_STAGES = 2
 # Largest cluster the hardware schedules portably.
 MAX_CLUSTER_SIZE = {"sm_100a": 16, "sm_90a": 8}
+# Per SM (CUDA C++ Programming Guide, compute capabilities 9.0 and 10.0): 228 KB of shared
+# memory, of which the system keeps 1 KB per resident CTA; 2048 threads; 32 CTAs.
+SMEM_PER_SM = 228 * 1024
+SMEM_SYSTEM_PER_CTA = 1024
+MAX_THREADS_PER_SM = 2048
+MAX_CTAS_PER_SM = 32
+
+
+def sm100_threads_per_cta(has_c: bool) -> int:
+    """Threads of one SM100 GEMM CTA: 4 epilogue warps, the MMA warp, the A/B TMA warp, and a C
+    TMA warp when the epilogue reads C (the warp roles of kernels/sm100_gemm.py)."""
+    return 32 * (7 if has_c else 6)
 
 
 class PlanError(ValueError):
@@ -57,8 +69,14 @@ def check_arch(arch: str) -> None:
         raise PlanError(f"{arch=} is not supported; use one of {ARCHS}")
 
 
-def check_mma_tiler(arch: str, mma_tiler_mnk: tuple, use_2cta: bool, ab_dtype: str) -> None:
-    """MMA tile shapes the tensor-core instructions implement (PTX ISA, tcgen05.mma / wgmma)."""
+def check_mma_tiler(
+    arch: str, mma_tiler_mnk: tuple, use_2cta: bool, ab_dtype: str, b_major: str = "k"
+) -> None:
+    """MMA tile shapes the tensor-core instructions implement (PTX ISA, tcgen05.mma / wgmma).
+
+    On sm_100a an 8-bit B that is N-major needs N in steps of 16 (1-CTA) or 32 (2-CTA), the rule
+    nvidia-cutlass-dsl's tcgen05 MMA op checks when it is built.
+    """
     m, n, k = mma_tiler_mnk
     if arch == "sm_100a":
         allowed_m = (128, 256) if use_2cta else (64, 128)
@@ -68,9 +86,13 @@ def check_mma_tiler(arch: str, mma_tiler_mnk: tuple, use_2cta: bool, ab_dtype: s
                 f"got {mma_tiler_mnk=}"
             )
         n_step = 16 if (use_2cta or m == 128) else 8
+        why = ""
+        if DTYPE_BITS[ab_dtype] == 8 and b_major == "n":
+            n_step = 32 if use_2cta else 16
+            why = f" (an N-major {ab_dtype} B; a K-major B takes steps of 16)"
         if not (n_step <= n <= 256 and n % n_step == 0):
             raise PlanError(
-                f"sm_100a MMA N must be a multiple of {n_step} in [{n_step}, 256]; "
+                f"sm_100a MMA N must be a multiple of {n_step} in [{n_step}, 256]{why}; "
                 f"got {mma_tiler_mnk=}"
             )
     else:
@@ -165,6 +187,35 @@ def check_cluster(arch: str, cluster_shape_mn: tuple, use_2cta: bool) -> None:
         )
     if use_2cta and cm % 2:
         raise PlanError(f"2-CTA MMA pairs CTAs along M: cluster M must be even, got {cm=}")
+
+
+def max_resident_ctas(smem_bytes: int, threads: int) -> int:
+    """How many CTAs of a kernel can share one SM, at most: by shared memory (with the system's
+    1 KB per CTA), threads and the CTA limit. Registers can only lower it (their count is the
+    compiler's), so this is the bound to size anything that must hold for all residents."""
+    by_smem = SMEM_PER_SM // (smem_bytes + SMEM_SYSTEM_PER_CTA)
+    return max(1, min(by_smem, MAX_THREADS_PER_SM // threads, MAX_CTAS_PER_SM))
+
+
+def check_tmem_residency(tmem_alloc_cols: int, smem_bytes: int, threads: int) -> None:
+    """The TMEM of every CTA that can be resident on an SM must fit its 512 columns together.
+
+    A CTA's `tcgen05.alloc` waits until the columns are free. If a second CTA of the grid can
+    share the SM and the two together ask for more than 512 columns, the second waits for the
+    first to exit; with clusters that progress together, two clusters can then wait on each
+    other forever. The planner fills shared memory, which keeps one CTA per SM; an edited plan
+    (fewer A/B stages, say) can let two in.
+    """
+    resident = max_resident_ctas(smem_bytes, threads)
+    if tmem_alloc_cols * resident > TMEM_MAX_COLS:
+        need = SMEM_PER_SM // 2 - SMEM_SYSTEM_PER_CTA + 1
+        raise PlanError(
+            f"{resident} CTAs of this plan fit on one SM ({smem_bytes=} of shared memory each) "
+            f"and each allocates {tmem_alloc_cols=} of the SM's {TMEM_MAX_COLS} TMEM columns: "
+            "a CTA could wait forever for another's columns. Keep one CTA per SM with more A/B "
+            f"stages (smem_bytes >= {need}; the planner fills shared memory), or allocate at most "
+            f"{TMEM_MAX_COLS // resident} columns (fewer accumulator stages or a narrower tile)"
+        )
 
 
 def check_tmem(tmem_alloc_cols: int) -> None:

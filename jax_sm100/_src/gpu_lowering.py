@@ -62,6 +62,19 @@ def device_info() -> tuple[str | None, int]:
     return arch, int(getattr(dev, "core_count", 0) or 0)
 
 
+@functools.cache
+def driver_max_clusters(cluster_size: int) -> int | None:
+    """How many clusters of `cluster_size` CTAs (each with all of an SM's shared memory) the
+    driver can keep resident on the first device (`cutlass.utils.HardwareInfo`), or None where
+    the query fails."""
+    try:
+        from cutlass.utils import HardwareInfo  # noqa: PLC0415
+
+        return int(HardwareInfo().get_max_active_clusters(cluster_size))
+    except Exception:  # noqa: BLE001  (no driver, no context: fall back to the plan's count)
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Lowered:
     """How one call lowers: its plan, and a note on batch handling."""
@@ -178,6 +191,13 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         )
     if num_sms and p.num_sms != num_sms:
         p = dataclasses.replace(p, num_sms=num_sms)
+    if num_sms and p.kernel == planning.KERNEL_SM100 and not p.max_clusters:
+        # A device is present: its occupancy query knows how clusters fit its GPCs.
+        size = p.cluster_shape_mn[0] * p.cluster_shape_mn[1]
+        fit = driver_max_clusters(size)
+        if fit and fit < planning.resident_clusters(p):
+            p = dataclasses.replace(p, max_clusters=fit)
+            notes.append(f"grid: {fit} clusters of {size} (the driver's occupancy)")
     p, split_notes = adjust_plan_for_call(p, k, names[0], LL, planned=plan is None)
     notes.extend(split_notes)
     if p.kernel == planning.KERNEL_XLA or out_dtype.name not in _KERNEL_OUT:

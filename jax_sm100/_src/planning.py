@@ -188,6 +188,10 @@ class GemmPlan:
     # The epilogue also writes the pre-activation z = alpha * acc + beta * C + bias (a second
     # output in out_dtype, the residual of the activation's derivative under `grad`).
     preact_out: bool = False
+    # sm_100a: the clusters the persistent grid launches; 0 for all that fit by the plan's own
+    # resources (`resident_clusters`). The CUDA lowering sets the driver's occupancy count
+    # where that is lower (clusters must fit whole GPCs).
+    max_clusters: int = 0
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -205,6 +209,10 @@ class GemmPlan:
             v = getattr(self, name)
             if v is not None and v not in C.DTYPE_BITS:
                 raise C.PlanError(f"{name}={v!r} must be one of {tuple(C.DTYPE_BITS)}")
+        if not isinstance(self.max_clusters, (int, np.integer)) or self.max_clusters < 0:
+            raise C.PlanError(f"max_clusters={self.max_clusters!r} must be an int >= 0")
+        if self.max_clusters and self.arch != "sm_100a":
+            raise C.PlanError(f"max_clusters={self.max_clusters} is an sm_100a choice; leave 0")
         if self.kernel not in KERNELS:
             raise C.PlanError(f"kernel={self.kernel!r} must be one of {KERNELS}")
         if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
@@ -223,7 +231,7 @@ class GemmPlan:
             )
         C.check_split_k(self.split_k, self.cluster_shape_mn, self.pingpong, self.split_reduce)
         ab = self.a_dtype if self.a_dtype in C.KERNEL_OPERAND_DTYPES[self.arch] else "bfloat16"
-        C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab)
+        C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab, self.b_major)
         C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
         C.check_pingpong(self.arch, self.pingpong, self.mma_tiler_mnk)
         C.check_stream_k(
@@ -268,6 +276,9 @@ class GemmPlan:
         setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
         C.check_ab_stages(self.num_ab_stages)
         C.check_smem(self.arch, self.smem_bytes, smem_capacity(self.arch))
+        if self.arch == "sm_100a":
+            threads = C.sm100_threads_per_cta(self.c_dtype is not None)
+            C.check_tmem_residency(self.tmem_alloc_cols, self.smem_bytes, threads)
         if self.kernel != KERNEL_XLA:
             why = C.kernel_support(
                 self.arch, self.m, self.n, self.k, self.a_dtype, self.b_dtype, self.out_dtype,
@@ -287,6 +298,13 @@ class GemmPlan:
             self.split_k, self.pingpong, self.cta_tile_mnk[:2], self.split_reduce,
             self.preact_out,
         )  # fmt: skip
+
+    def _grid_text(self) -> str:
+        size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
+        if self.arch == "sm_90a":
+            return f"auto ({max(1, self.num_sms // size)} clusters of {size})"
+        how = "the driver's occupancy" if self.max_clusters else "from the plan's resources"
+        return f"{grid_clusters(self)} clusters of {size} ({how})"
 
     @property
     def num_tiles(self) -> int:
@@ -321,6 +339,7 @@ class GemmPlan:
             ("pingpong", self.pingpong),
             ("stream_k", self.stream_k),
             ("preact_out", self.preact_out),
+            ("max_clusters", self._grid_text()),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
@@ -338,6 +357,21 @@ def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
 def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:
     stage = _ab_stage_bytes(cta, b_rows, ab_bits)
     return (smem_capacity(arch) - C.SMEM_RESERVED_BYTES - epi_bytes) // stage
+
+
+def resident_clusters(plan: GemmPlan) -> int:
+    """Clusters of `plan` that can be resident at once, from its resources alone: the SMs' CTA
+    slots (`constraints.max_resident_ctas`, one per SM for every plan the planner makes, which
+    fill shared memory) divided into clusters. sm_100a only (SM90 grids are `num_sms // size`)."""
+    size = plan.cluster_shape_mn[0] * plan.cluster_shape_mn[1]
+    threads = C.sm100_threads_per_cta(plan.c_dtype is not None)
+    per_sm = C.max_resident_ctas(plan.smem_bytes, threads)
+    return max(1, plan.num_sms * per_sm // size)
+
+
+def grid_clusters(plan: GemmPlan) -> int:
+    """The clusters an sm_100a plan's persistent grid launches."""
+    return plan.max_clusters or resident_clusters(plan)
 
 
 def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None, **changes):

@@ -28,7 +28,6 @@ Verified only by compiling for sm_100a on a CPU machine (tests/test_sm100_ptx.py
 no SM100 GPU has run this code.
 """
 
-import math
 import tempfile
 from typing import Any
 
@@ -112,11 +111,13 @@ class Sm100GemmKernel:
         self.num_acc_stages = plan.num_acc_stages
         self.num_epi_stages = plan.num_epi_stages
         self.tmem_alloc_cols = plan.tmem_alloc_cols
-        # Clusters that fit the machine at one CTA per SM; the grid never launches more.
-        self.max_active_clusters = max(1, plan.num_sms // math.prod(self.cluster_shape_mn))
+        # The persistent grid: the clusters that can be resident at once (planning's count from
+        # the plan's resources, or the driver's where the lowering asked a device).
+        self.max_active_clusters = planning.grid_clusters(plan)
 
         roles = (*_EPI_WARPS, _MMA_WARP, _AB_LOAD_WARP) + ((_C_LOAD_WARP,) if spec.has_c else ())
         self.threads_per_cta = _WARP * len(roles)
+        assert self.threads_per_cta == constraints.sm100_threads_per_cta(spec.has_c)
 
     # -------------------------------------------------------------------------------- setup
 
@@ -606,6 +607,11 @@ class Sm100GemmKernel:
                 epi_tile,
                 zout,
             )
+            # Every epilogue warp's last TMEM load is done before the columns are freed (the
+            # store loop's own barriers order them today; this keeps the free safe from it).
+            pipeline.NamedBarrier(
+                barrier_id=sm100_epilogue.EPI_BARRIER, num_threads=_WARP * len(_EPI_WARPS)
+            ).arrive_and_wait()
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
 
