@@ -53,6 +53,7 @@ def main() -> None:
                       arch="sm_90a", b_major=args.b_major)  # fmt: skip
     coop = planning.cooperative(p)
     wide = planning.sm90_variant(p, epi_n=p.cta_tile_mnk[1] // 2)
+    staged = planning.sm90_variant(p, stage_c=True, stream_k=False)
     fwd = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
                         b_major=args.b_major, preact_out=True)  # fmt: skip
     fwd_2 = planning.sm90_variant(fwd, num_epi_stages=2)
@@ -68,6 +69,10 @@ def main() -> None:
         "ours, gelu'(C) * acc": lambda a, b: _bind(a, b, z, tb=tb, c=True, act_grad="gelu"),
         "ours, gelu'(C) * acc, cooperative": lambda a, b: _bind(
             a, b, z, tb=tb, c=True, act_grad="gelu", plan=coop
+        ),
+        "ours, + C staged by TMA": lambda a, b: _bind(a, b, z, tb=tb, c=True, plan=staged),
+        "ours, gelu'(C) * acc, C staged by TMA": lambda a, b: _bind(
+            a, b, z, tb=tb, c=True, act_grad="gelu", plan=staged
         ),
         f"ours, gelu'(C) * acc, epi_n {wide.epi_n}": lambda a, b: _bind(
             a, b, z, tb=tb, c=True, act_grad="gelu", plan=wide

@@ -55,6 +55,9 @@ class GpuTest(parameterized.TestCase):
         ("pingpong_128x160", dict(tile_mn=(128, 160), pingpong=True)),
         # The planner's schedule for many waves (2x1, along N), swizzled on a small grid.
         ("pingpong_along_n", _ALONG_N),
+        # C through the TMA-staged shared-memory ring (GemmPlan.stage_c), both schedules.
+        ("coop_staged_c", dict(tile_mn=(128, 256), stage_c=True, stream_k=False)),
+        ("pingpong_staged_c", dict(_ALONG_N, stage_c=True)),
         ("split4_in_cluster", dict(split=4)),
         ("split8_in_cluster", dict(split=8)),
     )

@@ -168,6 +168,32 @@ class GradientTest(parameterized.TestCase):
         # Forward, and the weight gradient with the batch folded into k: two kernels.
         self.assertEqual(_products(jax.grad(ours), w), (2, 0))
 
+    @parameterized.parameters(False, True)
+    def test_act_grad_epilogue_with_staged_c(self, pingpong):
+        # The backward's act'(C) * acc with C through the TMA-staged ring (GemmPlan.stage_c),
+        # on sizes that are not multiples of the tile.
+        from jax_sm100._src import planning
+
+        m, n, k = 520, 1000, 264
+        ks = jax.random.split(jax.random.key(13), 3)
+        g, w = _normal(ks[0], (1, m, k)), _normal(ks[1], (1, n, k), k**-0.5)
+        z = _normal(ks[2], (1, m, n))
+        p = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
+                           arch="sm_90a", b_major="k", force_kernel=True)  # fmt: skip
+        edit = dict(tile_mn=(128, 160), pingpong=True, cluster_mn=(2, 1)) if pingpong else {}
+        plan = planning.sm90_variant(p, stage_c=True, stream_k=False, **edit)
+        params = dict(
+            transpose_a=False, transpose_b=True, alpha=1.0, beta=1.0, activation=None,
+            out_dtype=np.dtype(jnp.bfloat16), has_bias=False, has_c=True, plan=plan,
+            save_preact=False, act_grad="gelu",
+        )  # fmt: skip
+        (got,) = jax.jit(lambda g, w, z: P.matmul_p.bind(g, w, z, **params))(g, w, z)
+        want = (g.astype(jnp.float32) @ jnp.swapaxes(w, -1, -2).astype(jnp.float32)) * (
+            P.activation_grad(z.astype(jnp.float32), "gelu")
+        )
+        self.assertLess(_rel_err(got, want), 1e-2)
+        self.assertEqual(gpu_lowering.explain().plan, plan)
+
     def _mlp(self, t=512, d=256, f=1024):
         ks = jax.random.split(jax.random.key(7), 5)
         params = (_normal(ks[0], (d, f), d**-0.5), _normal(ks[1], (f,), 0.1),

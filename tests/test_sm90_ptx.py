@@ -69,6 +69,34 @@ class Sm90PtxTest(parameterized.TestCase):
             sm90_gemm.Sm90GemmKernel(bwd, dataclasses.replace(
                 spec, act_grad=None, c_dtype=None, activation="relu", preact_out=True))  # fmt: skip
 
+    @parameterized.parameters(False, True)
+    def test_staged_c(self, pingpong):
+        # GemmPlan.stage_c: C by TMA into a shared-memory ring (a fourth descriptor), read from
+        # shared memory: no global loads in the kernel; no register spills (where ptxas runs).
+        p = _plan(8192, 14336, 4096, c_dtype="bfloat16", b_major="k")
+        edit = {} if pingpong else dict(tile_mn=(128, 256), pingpong=False)
+        q = planning.sm90_variant(p, stage_c=True, stream_k=False, **edit)
+        self.assertEqual(q.pingpong, pingpong)
+        self.assertGreater(q.smem_bytes, planning.sm90_variant(p, **edit).smem_bytes - 40000)
+        spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", b_major="k", c_dtype="bfloat16",
+                          act_grad="gelu")  # fmt: skip
+        ptx = compile_mod.compile_plan(q, spec).ptx
+        self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 4)
+        self.assertNotIn("ld.global", ptx)
+        self.assertRegex(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global")
+        for bad in (
+            dict(stage_c=True, c_dtype=None),
+            dict(
+                stage_c=True,
+                stream_k=True,
+                mma_tiler_mnk=(128, 256, 64),
+                pingpong=False,
+                cluster_shape_mn=(2, 1),
+            ),
+        ):
+            with self.assertRaisesRegex(planning.C.PlanError, "stage_c"):
+                dataclasses.replace(p, **bad)
+
     @parameterized.parameters("relu", "gelu", "silu")
     def test_fused_epilogue_compiles(self, activation):
         p = _plan(512, 512, 512, dtype="float16", c_dtype="float16")

@@ -126,6 +126,30 @@ def check_pingpong(arch: str, pingpong: bool, mma_tiler_mnk: tuple) -> None:
         )
 
 
+def check_stage_c(
+    arch: str, stage_c: bool, c_dtype, out_dtype: str, stream_k: bool, split_k: int
+) -> None:
+    """SM90's TMA-staged C (`GemmPlan.stage_c`): the epilogue reads C from a shared-memory ring a
+    producer warp fills tile after tile, through the same register<->shared mapping as D's
+    16-bit stores, which needs a C of D's 16-bit dtype and the data-parallel schedule."""
+    if not stage_c:
+        return
+    if arch != "sm_90a":
+        raise PlanError(f"stage_c=True is an sm_90a choice (sm_100a always stages C); {arch=}")
+    if c_dtype is None:
+        raise PlanError("stage_c=True stages the epilogue's C: the problem has no C (c_dtype)")
+    if c_dtype != out_dtype or DTYPE_BITS[c_dtype] != 16:
+        raise PlanError(
+            f"stage_c=True reads C as D's 16-bit fragments: needs c_dtype == out_dtype, 16-bit; "
+            f"got {c_dtype=}, {out_dtype=} (set stage_c=False)"
+        )
+    if stream_k or split_k > 1:
+        raise PlanError(
+            f"stage_c=True needs the data-parallel schedule: {stream_k=} and {split_k=} read C "
+            "from global memory (set stage_c=False)"
+        )
+
+
 def check_stream_k(
     arch: str, stream_k: bool, pingpong: bool, split_k: int, cluster_shape_mn: tuple = (1, 1)
 ) -> None:

@@ -123,13 +123,14 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = Fals
 
 def epi_smem_bytes(
     arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k, pingpong=False, cta_mn=None,
-    split_reduce="xla", preact_out=False,
+    split_reduce="xla", preact_out=False, stage_c=False,
 ) -> int:  # fmt: skip
     """Shared memory of the epilogue's staging buffers.
 
     D is staged through SMEM for its TMA store, in float32 for split-K partials; so is the
     pre-activation Z when the epilogue also writes it (`preact_out`, D's dtype). SM100 kernels
-    also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers.
+    also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers,
+    or stage it too with `stage_c`.
     A ping-pong SM90 kernel has one set of buffers per consumer warp group. An in-cluster split-K
     kernel instead holds its whole float32 partial tile (`cta_mn`, rows padded by
     `C.SPLITK_ROW_PAD`), which the cluster reads back (and writes D and Z from registers).
@@ -137,7 +138,7 @@ def epi_smem_bytes(
     if split_k > 1 and split_reduce == "cluster":
         return cta_mn[0] * (cta_mn[1] + C.SPLITK_ROW_PAD) * 4
     d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype] * (2 if preact_out else 1)
-    c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and arch == "sm_100a") else 0
+    c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and (arch == "sm_100a" or stage_c)) else 0
     groups = 2 if pingpong else 1
     return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
 
@@ -192,6 +193,9 @@ class GemmPlan:
     # resources (`resident_clusters`). The CUDA lowering sets the driver's occupancy count
     # where that is lower (clusters must fit whole GPCs).
     max_clusters: int = 0
+    # sm_90a: the epilogue's C comes through a shared-memory ring that a producer warp fills by
+    # TMA ahead of the epilogue (as on sm_100a), instead of global loads into registers.
+    stage_c: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -237,6 +241,8 @@ class GemmPlan:
         C.check_stream_k(
             self.arch, self.stream_k, self.pingpong, self.split_k, self.cluster_shape_mn
         )
+        C.check_stage_c(self.arch, self.stage_c, self.c_dtype, self.out_dtype, self.stream_k,
+                        self.split_k)  # fmt: skip
         mm, mn, mk = self.mma_tiler_mnk
         cta = (mm // 2 if self.use_2cta else mm, mn, mk)
         setf("cta_tile_mnk", cta)
@@ -296,7 +302,7 @@ class GemmPlan:
         return epi_smem_bytes(
             self.arch, self.epi_tile, self.num_epi_stages, self.out_dtype, self.c_dtype,
             self.split_k, self.pingpong, self.cta_tile_mnk[:2], self.split_reduce,
-            self.preact_out,
+            self.preact_out, self.stage_c,
         )  # fmt: skip
 
     def _grid_text(self) -> str:
@@ -339,6 +345,7 @@ class GemmPlan:
             ("pingpong", self.pingpong),
             ("stream_k", self.stream_k),
             ("preact_out", self.preact_out),
+            ("stage_c", self.stage_c),
             ("max_clusters", self._grid_text()),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
@@ -506,6 +513,7 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
         plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
         pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
         num_epi_stages=2, stream_k=plan.stream_k and split == 1,
+        stage_c=plan.stage_c and split == 1,
     )  # fmt: skip
     return _fill_sm90_smem(edited)
 

@@ -130,6 +130,12 @@ class Sm90GemmKernel:
         self.has_bias = spec.has_bias
         # The epilogue also stores the pre-activation Z, through its own staging buffers.
         self.preact = bool(spec.preact_out)
+        # C through a shared-memory ring filled by TMA (a producer warp walks the CTA's tiles)
+        # rather than global loads into registers; the ring has a slot per store stage.
+        self.stage_c = bool(plan.stage_c) and self.has_c
+        self.num_subs = (self.tile_mnk[0] // self.epi_tile[0]) * (
+            self.tile_mnk[1] // self.epi_tile[1]
+        )
         self.stream_k = bool(plan.stream_k)
         # Stream-K workspace: one float32 tile and one flag per CTA of the persistent grid.
         self.ws_slots = plan.num_sms
@@ -159,6 +165,8 @@ class Sm90GemmKernel:
             constraints.check_stream_k(
                 plan.arch, plan.stream_k, plan.pingpong, plan.split_k, plan.cluster_shape_mn
             )
+            constraints.check_stage_c(plan.arch, plan.stage_c, spec.c_dtype, spec.out_dtype,
+                                      plan.stream_k, plan.split_k)  # fmt: skip
         except constraints.PlanError as e:
             return str(e)
         if spec.preact_out and not plan.preact_out:
@@ -255,6 +263,17 @@ class Sm90GemmKernel:
                 self.epi_tile,
             )
 
+        tma_c, tc, c_staged = None, None, None
+        if cutlass.const_expr(self.stage_c):
+            c_staged = sm90.make_smem_layout_epi(
+                c.element_type, LayoutEnum.ROW_MAJOR, self.epi_tile,
+                self.epi_stages * self.epi_groups,
+            )  # fmt: skip
+            tma_c, tc = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), c, cute.slice_(c_staged, (None, None, 0)),
+                self.epi_tile,
+            )  # fmt: skip
+
         tiles_mnl = cute.ceil_div(d.shape, (tm, tn, 1))
         if cutlass.const_expr(self.split > 1):
             tiles_mnl = (tiles_mnl[0], tiles_mnl[1] * self.split, tiles_mnl[2])
@@ -287,6 +306,13 @@ class Sm90GemmKernel:
         }
         if cutlass.const_expr(self.preact and self.split == 1):
             fields["sz"] = out_buf  # Z's staging, beside D's (an in-cluster split stores directly)
+        if cutlass.const_expr(self.stage_c):
+            fields["c_barriers"] = cute.struct.MemRange[
+                cutlass.Int64, 2 * self.epi_stages * self.epi_groups
+            ]
+            fields["sc"] = cute.struct.Align[
+                cute.struct.MemRange[c.element_type, cute.cosize(c_staged)], _SMEM_ALIGN
+            ]
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         self.kernel(
             tma_a,
@@ -303,6 +329,9 @@ class Sm90GemmKernel:
             z,
             ws,
             flags,
+            tma_c,
+            tc,
+            c_staged,
             self.tiled_mma,
             self.cluster_layout,
             self.a_smem_staged,
@@ -336,6 +365,9 @@ class Sm90GemmKernel:
         mZ: cute.Tensor | None,
         mWs: cute.Tensor | None,
         mFlags: cute.Tensor | None,
+        tma_c: cute.CopyAtom | None,
+        mC_tma: cute.Tensor | None,
+        c_smem_staged: cute.ComposedLayout | None,
         tiled_mma: cute.TiledMma,
         cluster_layout: cute.Layout,
         a_smem_staged: cute.ComposedLayout,
@@ -354,6 +386,8 @@ class Sm90GemmKernel:
             cpasync.prefetch_descriptor(tma_d)
             if cutlass.const_expr(self.preact):
                 cpasync.prefetch_descriptor(tma_z)
+            if cutlass.const_expr(self.stage_c):
+                cpasync.prefetch_descriptor(tma_c)
 
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cluster_layout.get_flat_coord(rank)
@@ -396,6 +430,23 @@ class Sm90GemmKernel:
                     for i in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_init(red_bars + i, self.split)
                 cute.arch.mbarrier_init_fence()
+        # The staged-C ring: one producer thread fills each slot by TMA; every warp of the
+        # epilogue group that reads the slot releases it.
+        c_pipe, sC = None, None
+        if cutlass.const_expr(self.stage_c):
+            c_pipe = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.c_barriers.data_ptr(),
+                num_stages=self.epi_stages * self.epi_groups,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.epi_threads // 32
+                ),
+                tx_count=cute.size_in_bytes(
+                    mC.element_type, cute.slice_(c_smem_staged, (None, None, 0))
+                ),
+                defer_sync=True,
+            )
+            sC = storage.sc.get_tensor(c_smem_staged.outer, swizzle=c_smem_staged.inner)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sa.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -439,6 +490,9 @@ class Sm90GemmKernel:
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
+            if cutlass.const_expr(self.stage_c):
+                if warp == 1:
+                    self._produce_c(c_pipe, sched_params, tma_c, mC_tma, sC)
             if warp == 0:
                 if cutlass.const_expr(self.stream_k):
                     self._produce_sk(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b,
@@ -450,7 +504,7 @@ class Sm90GemmKernel:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC,
                           mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG, red_bars,
-                          rank, mWs, mFlags, (gZ, sZ, tma_z, mZ))  # fmt: skip
+                          rank, mWs, mFlags, (gZ, sZ, tma_z, mZ), (c_pipe, sC))  # fmt: skip
 
     @cute.jit
     def _produce(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
@@ -513,7 +567,7 @@ class Sm90GemmKernel:
     @cute.jit
     def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
                  k_tiles, consumer_wg, warp, ctidx, red_bars, rank, mWs, mFlags,
-                 zout):  # fmt: skip
+                 zout, cstage):  # fmt: skip
         tm, tn, _ = self.tile_mnk
         # Thread index within this tile's epilogue group, and the group's first warp.
         etidx = ctidx
@@ -553,6 +607,14 @@ class Sm90GemmKernel:
         tRS_sZ = None
         if cutlass.const_expr(self.preact and self.split == 1):
             tRS_sZ = thr_r2s.partition_D(sZ)
+        c_pipe, sC = cstage
+        c_read = None
+        if cutlass.const_expr(self.stage_c):
+            # This thread's elements of each C slot, as the register->shared copy writes D.
+            c_pipe = (c_pipe, thr_r2s.partition_D(sC))
+            c_read = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.epi_stages * self.epi_groups
+            )
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
@@ -603,6 +665,9 @@ class Sm90GemmKernel:
                 for _ in range(k_tiles * consumer_wg):
                     read.advance()
                     release.advance()
+                if cutlass.const_expr(self.stage_c):
+                    for _ in range(self.num_subs * consumer_wg):
+                        c_read.advance()
             tiles_done = cutlass.Int32(0)
             while work.is_valid_tile:
                 tile = work.tile_idx
@@ -628,6 +693,11 @@ class Sm90GemmKernel:
                     self._splitk_epilogue(acc, tiled_mma.get_slice(ctidx), sD, red_bars, rank,
                                           tile, tiles_done, ctidx, mD, mC, mBias,
                                           mZ)  # fmt: skip
+                elif cutlass.const_expr(self.stage_c):
+                    c_read = self._store_tile(tile, tiles_done, epi, warp, c_pipe, c_read)
+                    if cutlass.const_expr(self.pingpong):
+                        for _ in range(self.num_subs):  # the other group's tile's slots
+                            c_read.advance()
                 else:
                     self._store_tile(tile, tiles_done, epi, warp)
                 tiles_done += 1
@@ -657,9 +727,11 @@ class Sm90GemmKernel:
         return read, release
 
     @cute.jit
-    def _store_tile(self, tile, tiles_done, epi, warp):
+    def _store_tile(self, tile, tiles_done, epi, warp, c_pipe=None, c_read=None):
         """The fused epilogue of one output tile, from the accumulators, one sub-tile at a time:
-        registers -> shared memory (stmatrix) -> global memory (TMA store)."""
+        registers -> shared memory (stmatrix) -> global memory (TMA store). With a staged C
+        (`c_pipe` = (pipeline, this thread's view of the ring), `c_read` its state), each
+        sub-tile's C comes from its ring slot; returns the advanced state."""
         (gD, cD, gC, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size,
          mBias, mD, store_pipe, epi_barrier, store_warp, epi_group, gZ, sZ, tma_z,
          tRS_sZ) = epi  # fmt: skip
@@ -682,7 +754,7 @@ class Sm90GemmKernel:
         # latency overlaps the previous sub-tile's math and stores; as vectors where the whole
         # tile lies inside the matrix.
         gC_tile, whole, rc_next = None, None, None
-        if cutlass.const_expr(self.has_c):
+        if cutlass.const_expr(self.has_c and not self.stage_c):
             tm, tn, _ = self.tile_mnk
             gC_tile = gC[(None, None, *tile)]
             whole = ((tile[0] + 1) * tm <= mD.shape[0]) & ((tile[1] + 1) * tn <= mD.shape[1])
@@ -693,7 +765,16 @@ class Sm90GemmKernel:
                 sub_acc[v] = tRS_acc[s * sub_size + v]
             sub_crd = sub_order.get_hier_coord(s)
             rc = rc_next
-            if cutlass.const_expr(self.has_c and s + 1 < num_subs):
+            if cutlass.const_expr(self.stage_c):
+                pipe, tRS_sC = c_pipe
+                pipe.consumer_wait(c_read)
+                rc = cute.make_rmem_tensor(sub_acc.shape, tRS_sC.element_type)
+                cute.autovec_copy(tRS_sC[(None, None, None, c_read.index)], rc)
+                # The slot is refilled by TMA (async proxy) after these generic-proxy reads.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                pipe.consumer_release(c_read)
+                c_read.advance()
+            elif cutlass.const_expr(self.has_c and s + 1 < num_subs):
                 rc_next = self._load_c(thr_r2s, cD_tile, gC_tile, sub_order.get_hier_coord(s + 1),
                                        mD, whole, sub_acc.shape)  # fmt: skip
             vals = sub_acc.load()
@@ -717,6 +798,38 @@ class Sm90GemmKernel:
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             epi_barrier.arrive_and_wait()
+        return c_read
+
+    @cute.jit
+    def _produce_c(self, c_pipe, sched_params, tma_c, mC_tma, sC):
+        """The staged-C producer (one warp): every tile of this CTA's schedule, in order (both
+        ping-pong groups' tiles, as they finish), its C sub-tiles in the epilogue's order."""
+        tm, tn, _ = self.tile_mnk
+        gC = cute.local_tile(mC_tma, (tm, tn), (None, None, None))
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Producer, self.epi_stages * self.epi_groups
+        )
+        while work.is_valid_tile:
+            tile = work.tile_idx
+            gC_tile = cute.zipped_divide(gC[(None, None, *tile)], self.epi_tile)
+            bGS_sC, bGS_gC = cpasync.tma_partition(
+                tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_tile
+            )
+            subs_mn = gC_tile.shape[1]
+            sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
+            for s in cutlass.range_constexpr(self.num_subs):
+                c_pipe.producer_acquire(state)
+                cute.copy(tma_c, bGS_gC[(None, sub_order.get_hier_coord(s))],
+                          bGS_sC[(None, state.index)],
+                          tma_bar_ptr=c_pipe.producer_get_barrier(state))  # fmt: skip
+                state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        c_pipe.producer_tail(state)
 
     # ---------------------------------------------------------------- stream-K
 
