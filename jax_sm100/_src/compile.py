@@ -265,18 +265,9 @@ def _splitk_fake_operands(plan, spec: KernelSpec, partials: bool):
 def _splitk_plan(plan):
     """The plan re-derived for float32 partials (a larger epilogue buffer), fewer A/B stages
     when the planner's count no longer fits in shared memory."""
-    from jax_sm100._src import constraints  # noqa: PLC0415
+    from jax_sm100._src import planning  # noqa: PLC0415
 
-    stages = plan.num_ab_stages
-    while True:
-        try:
-            return dataclasses.replace(
-                plan, out_dtype="float32", c_dtype=None, num_ab_stages=stages, preact_out=False
-            )
-        except constraints.PlanError:
-            if stages <= constraints.MIN_AB_STAGES:
-                raise
-            stages -= 1
+    return planning.replace_fitting(plan, out_dtype="float32", c_dtype=None, preact_out=False)
 
 
 def workspace_shapes(plan) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -102,11 +102,9 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     """The primitive's math on a CUDA device through our kernels (see the module docstring)."""
     del unused
     out_dtype = np.dtype(out_dtype)
-    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
-              activation=activation, out_dtype=out_dtype, save_preact=save_preact,
-              act_grad=act_grad)  # fmt: skip
     epi = dict(alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype,
                save_preact=save_preact, act_grad=act_grad)  # fmt: skip
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, **epi)
     arch, num_sms = device_info()
     if arch is None and plan is not None:
         # No SM90/SM100 device here (e.g. jax.export(platforms=["cuda"]) on a CPU machine): a

@@ -800,10 +800,16 @@ def with_preact(plan: GemmPlan) -> GemmPlan:
     `preact_out` and choose their stages for it.)"""
     if plan.preact_out:
         return plan
+    return replace_fitting(plan, preact_out=True)
+
+
+def replace_fitting(plan: GemmPlan, **fields) -> GemmPlan:
+    """`dataclasses.replace(plan, **fields)` with the A/B stages lowered, one at a time, until
+    the edited plan fits (its epilogue may need more shared memory); PlanError when none does."""
     stages = plan.num_ab_stages
     while True:
         try:
-            return dataclasses.replace(plan, preact_out=True, num_ab_stages=stages)
+            return dataclasses.replace(plan, num_ab_stages=stages, **fields)
         except C.PlanError:
             if stages <= C.MIN_AB_STAGES:
                 raise

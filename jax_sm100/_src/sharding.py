@@ -84,7 +84,7 @@ def partition(fn, ctx, **params):
     wrapped = custom_partitioning(lambda *operands: P.matmul_p.bind(*operands, **params))
     wrapped.def_partition(
         partition=lambda mesh, args, result: _partition(roles, params, mesh, args, result),
-        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, params, mesh, args),
+        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
         sharding_rule=roles.sharding_rule(),
     )
     return wrapped
@@ -264,7 +264,7 @@ def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
 # --- callbacks ---------------------------------------------------------------------------------
 
 
-def _infer(roles: _Roles, params, mesh, arg_shapes):
+def _infer(roles: _Roles, mesh, arg_shapes):
     """GSPMD: the result shardings implied by the operands'."""
     decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], None)
     return [NamedSharding(mesh, decision.spec(roles.result, final=True))] * roles.num_results
