@@ -3,9 +3,10 @@
     python benchmarks/epilogue_probe.py [--shape 8192x14336x4096] [--b-major k]
 
 Times, by `jax_sm100.bench`'s device method (interleaved rounds), our kernel with: no epilogue;
-C added (beta * C); each backward epilogue `act'(C) * acc`; bias + gelu; bias + gelu writing the
-pre-activation too (the forward under `grad`); and the act' epilogue on the cooperative plan,
-beside `lax.dot_general` with and without XLA's elementwise gelu' pass. Prints TFLOP/s and the
+C added (beta * C), as the planner stages it and loaded from global memory; each backward
+epilogue `act'(C) * acc`; bias + gelu; bias + gelu writing the pre-activation too (the forward
+under `grad`); and the act' epilogue on the cooperative plan, beside `lax.dot_general` with and
+without XLA's elementwise gelu' pass. Prints TFLOP/s and the
 ratio to XLA's plain product.
 """
 
@@ -52,11 +53,8 @@ def main() -> None:
     p = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16",
                       arch="sm_90a", b_major=args.b_major)  # fmt: skip
     coop = planning.cooperative(p)
-    wide = planning.sm90_variant(p, epi_n=p.cta_tile_mnk[1] // 2)
-    staged = planning.sm90_variant(p, stage_c=True, stream_k=False)
-    fwd = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
-                        b_major=args.b_major, preact_out=True)  # fmt: skip
-    fwd_2 = planning.sm90_variant(fwd, num_epi_stages=2)
+    direct = planning.sm90_variant(p, stage_c=False, num_epi_stages=4)
+    deep = planning.sm90_variant(p, num_epi_stages=4)
     gelu_grad = lambda y: (  # noqa: E731
         y.astype(jnp.float32) * P.activation_grad(z.astype(jnp.float32), "gelu")
     ).astype(jnp.bfloat16)
@@ -64,31 +62,34 @@ def main() -> None:
         "XLA dot": lambda a, b: lax.dot_general(a, b, dn),
         "XLA dot, then gelu'(z) *": lambda a, b: gelu_grad(lax.dot_general(a, b, dn)),
         "ours, no epilogue": lambda a, b: _bind(a, b, tb=tb),
-        "ours, + C": lambda a, b: _bind(a, b, z, tb=tb, c=True),
-        "ours, relu'(C) * acc": lambda a, b: _bind(a, b, z, tb=tb, c=True, act_grad="relu"),
-        "ours, gelu'(C) * acc": lambda a, b: _bind(a, b, z, tb=tb, c=True, act_grad="gelu"),
+        "ours, + C from global memory": lambda a, b: _bind(a, b, z, tb=tb, c=True, plan=direct),
+        "ours, + C (planner)": lambda a, b: _bind(a, b, z, tb=tb, c=True),
+        "ours, relu'(C) * acc (planner)": lambda a, b: _bind(
+            a, b, z, tb=tb, c=True, act_grad="relu"
+        ),
+        "ours, gelu'(C) * acc, C from global": lambda a, b: _bind(
+            a, b, z, tb=tb, c=True, act_grad="gelu", plan=direct
+        ),
+        "ours, gelu'(C) * acc (planner)": lambda a, b: _bind(
+            a, b, z, tb=tb, c=True, act_grad="gelu"
+        ),
+        f"ours, gelu'(C) * acc, {deep.num_ab_stages}/4 stages": lambda a, b: _bind(
+            a, b, z, tb=tb, c=True, act_grad="gelu", plan=deep
+        ),
         "ours, gelu'(C) * acc, cooperative": lambda a, b: _bind(
             a, b, z, tb=tb, c=True, act_grad="gelu", plan=coop
-        ),
-        "ours, + C staged by TMA": lambda a, b: _bind(a, b, z, tb=tb, c=True, plan=staged),
-        "ours, gelu'(C) * acc, C staged by TMA": lambda a, b: _bind(
-            a, b, z, tb=tb, c=True, act_grad="gelu", plan=staged
-        ),
-        f"ours, gelu'(C) * acc, epi_n {wide.epi_n}": lambda a, b: _bind(
-            a, b, z, tb=tb, c=True, act_grad="gelu", plan=wide
         ),
         "ours, gelu(acc + bias)": lambda a, b: _bind(
             a, b, bias, tb=tb, bias=True, activation="gelu"
         ),
-        f"ours, gelu(acc + bias) and z ({fwd.num_ab_stages}/{fwd.num_epi_stages} st.)": (
-            lambda a, b: _bind(a, b, bias, tb=tb, bias=True, activation="gelu", preact=True)
-        ),
-        f"ours, gelu(acc + bias) and z ({fwd_2.num_ab_stages}/2 st.)": lambda a, b: _bind(
-            a, b, bias, tb=tb, bias=True, activation="gelu", preact=True, plan=fwd_2
+        "ours, gelu(acc + bias) and z": lambda a, b: _bind(
+            a, b, bias, tb=tb, bias=True, activation="gelu", preact=True
         ),
     }
     print(f"{m}x{n}x{k}, B {args.b_major}-major; planner: {p.cta_tile_mnk[:2]} "
-          f"pingpong={p.pingpong}; cooperative: {coop.cta_tile_mnk[:2]} "
+          f"pingpong={p.pingpong} stage_c={p.stage_c} stages {p.num_ab_stages}/"
+          f"{p.num_epi_stages}; global C {direct.num_ab_stages}/{direct.num_epi_stages}; "
+          f"cooperative: {coop.cta_tile_mnk[:2]} "
           f"stream_k={coop.stream_k}")  # fmt: skip
     timings = bench.time_device(list(variants.values()), a, b, min_seconds=0.05)
     base = timings[0].seconds

@@ -51,7 +51,8 @@ class Sm90PtxTest(parameterized.TestCase):
     )
     def test_training_epilogues(self, shape):
         # The forward under grad writes D and the pre-activation Z (a fourth TMA descriptor);
-        # the backward's act'(C) * acc reads C as 32-bit vectors inside the matrix.
+        # the backward's act'(C) * acc stages C by TMA on the ping-pong plan (a fourth
+        # descriptor, no global loads) and reads it as 32-bit vectors on the cooperative one.
         fwd = _plan(*shape, preact_out=True)
         spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", bias_dtype="bfloat16",
                           activation="gelu", preact_out=True)  # fmt: skip
@@ -62,11 +63,12 @@ class Sm90PtxTest(parameterized.TestCase):
         spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", b_major="k", c_dtype="bfloat16",
                           act_grad="gelu")  # fmt: skip
         ptx = compile_mod.compile_plan(bwd, spec).ptx
-        self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 3)  # C is no TMA
-        self.assertIn("ld.global.b32", ptx)
+        self.assertEqual(bwd.stage_c, bwd.pingpong)
+        self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 3 + bwd.stage_c)
+        self.assertEqual("ld.global.b32" in ptx, not bwd.stage_c)
         self.assertIn("tanh.approx.f32", ptx)
         with self.assertRaisesRegex(ValueError, "preact_out"):
-            sm90_gemm.Sm90GemmKernel(bwd, dataclasses.replace(
+            sm90_gemm.Sm90GemmKernel(planning.sm90_variant(bwd, stage_c=False), dataclasses.replace(
                 spec, act_grad=None, c_dtype=None, activation="relu", preact_out=True))  # fmt: skip
 
     @parameterized.parameters(False, True)
@@ -84,6 +86,9 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 4)
         self.assertNotIn("ld.global", ptx)
         self.assertRegex(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global")
+        # C leaves shared memory by ldmatrix, the inverse of D's stmatrix (the element a thread
+        # reads is the one whose accumulator it holds).
+        self.assertRegex(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4(\.trans)?\.shared\.b16")
         for bad in (
             dict(stage_c=True, c_dtype=None),
             dict(

@@ -641,9 +641,13 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
     """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
     where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`) with
     the measured 4-deep epilogue store ring, or None where it does not fit (the caller then
-    plans the cooperative tile)."""
+    plans the cooperative tile). A C of D's 16-bit dtype (the backward's saved pre-activation,
+    a residual) is staged by TMA (`GemmPlan.stage_c`), with a shallower store ring (measured
+    below)."""
     rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
     swizzle = 8 if rows % 8 == 0 else 1
+    c_dtype = common["c_dtype"]
+    stage_c = c_dtype == common["out_dtype"] and c_dtype is not None and C.DTYPE_BITS[c_dtype] == 16
     try:
         plan = GemmPlan(
             **common, kernel=KERNEL_SM90,
@@ -652,19 +656,24 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
                     f"{common['num_sms']} SMs; raster along N"),
             mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
             num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
-            swizzle_size=swizzle, pingpong=True,
+            swizzle_size=swizzle, pingpong=True, stage_c=stage_c,
         )  # fmt: skip
-        depth = SM90_PINGPONG_PREACT_EPI_STAGES if plan.preact_out else SM90_PINGPONG_EPI_STAGES
+        shallow = plan.preact_out or plan.stage_c
+        depth = SM90_PINGPONG_SHALLOW_EPI_STAGES if shallow else SM90_PINGPONG_EPI_STAGES
         return _fill_sm90_smem(plan, depth)
     except C.PlanError:
         return None
 
 
 SM90_PINGPONG_EPI_STAGES = 4
-# With the pre-activation also staged (the forward under `grad`), 4 store stages leave room for
-# 4 A/B stages, 2 leave 5: 655 against 631 TF/s at 8192x14336x4096 with bias + gelu, 128x160
-# ping-pong (H200, benchmarks/epilogue_probe.py, interleaved rounds, 2026-12-01).
-SM90_PINGPONG_PREACT_EPI_STAGES = 2
+# Epilogues that stage a second tile in shared memory take 2 store stages, leaving room for one
+# more A/B stage (H200, benchmarks/epilogue_probe.py, interleaved rounds, 2026-12-01,
+# 8192x14336x4096 bf16, 128x160 ping-pong):
+# - with the pre-activation Z also stored (the forward under `grad`, bias + gelu), 4 store
+#   stages leave 4 A/B stages, 2 leave 5: 631 against 655 TF/s;
+# - with C staged by TMA (`GemmPlan.stage_c`; gelu'(C) * acc): 617 TF/s with 4/4 stages, 627
+#   with 5/2, against 608 with C loaded from global memory (5/4).
+SM90_PINGPONG_SHALLOW_EPI_STAGES = 2
 
 
 def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:

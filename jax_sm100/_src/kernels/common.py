@@ -198,35 +198,48 @@ def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=No
 
 
 def _activate(x, activation):
+    f32 = cutlass.Float32
     if activation == "relu":
-        x = cute.where(x > cutlass.Float32(0.0), x, cute.full_like(x, 0.0))
+        x = cute.where(x > f32(0.0), x, cute.full_like(x, 0.0))
     elif activation == "gelu":
-        inner = x * (cutlass.Float32(GELU_K0) + cutlass.Float32(GELU_K0 * GELU_K1) * x * x)
-        x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.tanh(inner, fastmath=True))
+        # 0.5 x (1 + tanh(k0 (x + k1 x^3))), as x (0.5 + 0.5 t). Scalar constants: a
+        # `full_like` constant is a register vector the size of the fragment.
+        t = cute.math.tanh(x * (f32(GELU_K0) + f32(GELU_K0 * GELU_K1) * (x * x)), fastmath=True)
+        x = x * (f32(0.5) + f32(0.5) * t)
     elif activation == "silu":
-        x = x / (cutlass.Float32(1.0) + cute.math.exp(-x, fastmath=True))
+        # x / (1 + exp(-x)); not 0.5 x (1 + tanh(x / 2)), whose 1 + t cancels for x << 0.
+        x = x / (f32(1.0) + cute.math.exp(-x, fastmath=True))
     elif activation is not None:
         raise ValueError(f"{activation=} is not one of None, 'relu', 'gelu', 'silu'")
     return x
 
 
+def _clamp(x, bound):
+    """x clamped to [-bound, bound] by two min/max instructions per element (a TensorSSA
+    clamp lowers to NaN-aware compares and selects)."""
+    r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
+    r.store(x)
+    for i in range(cute.size(r)):  # plain Python: unrolled at trace time
+        r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -bound), bound)
+    return r.load()
+
+
 def activation_derivative(z, activation):
     """d activation / dz at the float32 values z (primitive.activation_grad's formulas, z
-    clamped to +-ACT_GRAD_CLAMP as there, so an overflowed saved pre-activation gives 0 or 1)."""
-    one, half = cutlass.Float32(1.0), cutlass.Float32(0.5)
-    bound = cutlass.Float32(ACT_GRAD_CLAMP)
-    z = cute.where(z > bound, cute.full_like(z, ACT_GRAD_CLAMP), z)
-    z = cute.where(z < -bound, cute.full_like(z, -ACT_GRAD_CLAMP), z)
+    clamped to +-ACT_GRAD_CLAMP as there, so an overflowed saved pre-activation gives 0 or 1).
+    Written as fused multiply-adds around one tanh: this runs on every element of a backward
+    product's output, beside the other warp group's main loop."""
+    f32, one = cutlass.Float32, cutlass.Float32(1.0)
+    z = _clamp(z, ACT_GRAD_CLAMP)
     if activation == "relu":
-        return cute.where(z > cutlass.Float32(0.0), cute.full_like(z, 1.0), cute.full_like(z, 0.0))
+        return cute.where(z > f32(0.0), cute.full_like(z, 1.0), cute.full_like(z, 0.0))
     if activation == "gelu":
+        # t = tanh(k0 (z + k1 z^3)); 0.5 (1 + t) + (1 - t^2) z (0.5 k0 + 1.5 k0 k1 z^2): each
+        # step one (fused) multiply-add.
         z2 = z * z
-        t = cute.math.tanh(
-            z * (cutlass.Float32(GELU_K0) + cutlass.Float32(GELU_K0 * GELU_K1) * z2),
-            fastmath=True,
-        )
-        slope = cutlass.Float32(GELU_K0) + cutlass.Float32(3 * GELU_K0 * GELU_K1) * z2
-        return half * (one + t) + half * z * (one - t * t) * slope
+        t = cute.math.tanh(z * (f32(GELU_K0) + f32(GELU_K0 * GELU_K1) * z2), fastmath=True)
+        slope = z * (f32(0.5 * GELU_K0) + f32(1.5 * GELU_K0 * GELU_K1) * z2)
+        return (f32(0.5) + f32(0.5) * t) + (one - t * t) * slope
     if activation == "silu":
         s = one / (one + cute.math.exp(-z, fastmath=True))
         return s * (one + z * (one - s))

@@ -130,8 +130,9 @@ class Sm90GemmKernel:
         self.has_bias = spec.has_bias
         # The epilogue also stores the pre-activation Z, through its own staging buffers.
         self.preact = bool(spec.preact_out)
-        # C through a shared-memory ring filled by TMA (a producer warp walks the CTA's tiles)
-        # rather than global loads into registers; the ring has a slot per store stage.
+        # C through shared-memory rings filled by TMA rather than global loads into registers:
+        # one ring per epilogue group (a slot per store stage), each filled by its own producer
+        # warp walking that group's tiles, so each ring has one consumer that reads it in order.
         self.stage_c = bool(plan.stage_c) and self.has_c
         self.num_subs = (self.tile_mnk[0] // self.epi_tile[0]) * (
             self.tile_mnk[1] // self.epi_tile[1]
@@ -430,8 +431,9 @@ class Sm90GemmKernel:
                     for i in cutlass.range_constexpr(2):
                         cute.arch.mbarrier_init(red_bars + i, self.split)
                 cute.arch.mbarrier_init_fence()
-        # The staged-C ring: one producer thread fills each slot by TMA; every warp of the
-        # epilogue group that reads the slot releases it.
+        # The staged-C rings, as one pipeline over all slots: epilogue group g owns slots
+        # [g * epi_stages, (g + 1) * epi_stages) (`_ring_slot`). One producer thread fills each
+        # slot by TMA; every warp of the group that reads it releases it.
         c_pipe, sC = None, None
         if cutlass.const_expr(self.stage_c):
             c_pipe = pipeline.PipelineTmaAsync.create(
@@ -491,8 +493,9 @@ class Sm90GemmKernel:
         if wg == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if cutlass.const_expr(self.stage_c):
-                if warp == 1:
-                    self._produce_c(c_pipe, sched_params, tma_c, mC_tma, sC)
+                for g in cutlass.range_constexpr(self.epi_groups):
+                    if warp == 1 + g:
+                        self._produce_c(c_pipe, sched_params, tma_c, mC_tma, sC, g)
             if warp == 0:
                 if cutlass.const_expr(self.stream_k):
                     self._produce_sk(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b,
@@ -610,10 +613,18 @@ class Sm90GemmKernel:
         c_pipe, sC = cstage
         c_read = None
         if cutlass.const_expr(self.stage_c):
-            # This thread's elements of each C slot, as the register->shared copy writes D.
-            c_pipe = (c_pipe, thr_r2s.partition_D(sC))
+            # Shared -> register copy of a C slot (ldmatrix), the inverse of D's stmatrix: it
+            # lands each C element in the register that holds the same output's accumulator.
+            # (The stmatrix copy's own destination partition names the rows each thread
+            # addresses, not the elements it holds.)
+            s2r = cute.make_tiled_copy_S(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), sC.element_type),
+                r2s,
+            )
+            thr_s2r = s2r.get_slice(etidx)
+            c_pipe = (c_pipe, s2r, thr_s2r, thr_s2r.partition_S(sC))
             c_read = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.epi_stages * self.epi_groups
+                pipeline.PipelineUserType.Consumer, self.epi_stages
             )
         store_pipe = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
@@ -665,9 +676,6 @@ class Sm90GemmKernel:
                 for _ in range(k_tiles * consumer_wg):
                     read.advance()
                     release.advance()
-                if cutlass.const_expr(self.stage_c):
-                    for _ in range(self.num_subs * consumer_wg):
-                        c_read.advance()
             tiles_done = cutlass.Int32(0)
             while work.is_valid_tile:
                 tile = work.tile_idx
@@ -695,9 +703,6 @@ class Sm90GemmKernel:
                                           mZ)  # fmt: skip
                 elif cutlass.const_expr(self.stage_c):
                     c_read = self._store_tile(tile, tiles_done, epi, warp, c_pipe, c_read)
-                    if cutlass.const_expr(self.pingpong):
-                        for _ in range(self.num_subs):  # the other group's tile's slots
-                            c_read.advance()
                 else:
                     self._store_tile(tile, tiles_done, epi, warp)
                 tiles_done += 1
@@ -766,13 +771,14 @@ class Sm90GemmKernel:
             sub_crd = sub_order.get_hier_coord(s)
             rc = rc_next
             if cutlass.const_expr(self.stage_c):
-                pipe, tRS_sC = c_pipe
-                pipe.consumer_wait(c_read)
-                rc = cute.make_rmem_tensor(sub_acc.shape, tRS_sC.element_type)
-                cute.autovec_copy(tRS_sC[(None, None, None, c_read.index)], rc)
+                pipe, s2r, thr_s2r, tSR_sC = c_pipe
+                slot = self._ring_slot(c_read, epi_group)
+                pipe.consumer_wait(slot)
+                rc = cute.make_rmem_tensor(sub_acc.shape, tSR_sC.element_type)
+                cute.copy(s2r, tSR_sC[(None, None, None, slot.index)], thr_s2r.retile(rc))
                 # The slot is refilled by TMA (async proxy) after these generic-proxy reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
-                pipe.consumer_release(c_read)
+                pipe.consumer_release(slot)
                 c_read.advance()
             elif cutlass.const_expr(self.has_c and s + 1 < num_subs):
                 rc_next = self._load_c(thr_r2s, cD_tile, gC_tile, sub_order.get_hier_coord(s + 1),
@@ -800,19 +806,28 @@ class Sm90GemmKernel:
             epi_barrier.arrive_and_wait()
         return c_read
 
+    def _ring_slot(self, state, group):
+        """`state` (a position in one epilogue group's C ring of `epi_stages` slots) as the
+        position of the shared pipeline's slot it names."""
+        return pipeline.PipelineState(
+            self.epi_stages * self.epi_groups, state.count,
+            state.index + group * self.epi_stages, state.phase,
+        )  # fmt: skip
+
     @cute.jit
-    def _produce_c(self, c_pipe, sched_params, tma_c, mC_tma, sC):
-        """The staged-C producer (one warp): every tile of this CTA's schedule, in order (both
-        ping-pong groups' tiles, as they finish), its C sub-tiles in the epilogue's order."""
+    def _produce_c(self, c_pipe, sched_params, tma_c, mC_tma, sC, group):
+        """The staged-C producer of epilogue group `group` (one warp): that group's tiles of
+        this CTA's schedule, in order (every tile, or every other one in ping-pong), each tile's
+        C sub-tiles in the epilogue's order, into the group's ring."""
         tm, tn, _ = self.tile_mnk
         gC = cute.local_tile(mC_tma, (tm, tn), (None, None, None))
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
         )
-        work = sched.initial_work_tile_info()
-        state = pipeline.make_pipeline_state(
-            pipeline.PipelineUserType.Producer, self.epi_stages * self.epi_groups
-        )
+        if cutlass.const_expr(group > 0):
+            sched.advance_to_next_work(advance_count=group)
+        work = sched.get_current_work()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.epi_stages)
         while work.is_valid_tile:
             tile = work.tile_idx
             gC_tile = cute.zipped_divide(gC[(None, None, *tile)], self.epi_tile)
@@ -822,14 +837,18 @@ class Sm90GemmKernel:
             subs_mn = gC_tile.shape[1]
             sub_order = cute.make_layout(subs_mn, stride=(subs_mn[1], 1))
             for s in cutlass.range_constexpr(self.num_subs):
-                c_pipe.producer_acquire(state)
+                slot = self._ring_slot(state, group)
+                c_pipe.producer_acquire(slot)
                 cute.copy(tma_c, bGS_gC[(None, sub_order.get_hier_coord(s))],
-                          bGS_sC[(None, state.index)],
-                          tma_bar_ptr=c_pipe.producer_get_barrier(state))  # fmt: skip
+                          bGS_sC[(None, slot.index)],
+                          tma_bar_ptr=c_pipe.producer_get_barrier(slot))  # fmt: skip
                 state.advance()
-            sched.advance_to_next_work()
+            sched.advance_to_next_work(advance_count=self.epi_groups)
             work = sched.get_current_work()
-        c_pipe.producer_tail(state)
+        # Wait until the group has released every slot before this warp exits.
+        for _ in cutlass.range_constexpr(self.epi_stages):
+            c_pipe.producer_acquire(self._ring_slot(state, group))
+            state.advance()
 
     # ---------------------------------------------------------------- stream-K
 
