@@ -5,22 +5,31 @@
 >>> print(jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16"))
 """
 
+from jax_sm100 import tuning
 from jax_sm100._src.api import matmul, plan_for
 from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.constraints import PlanError
+from jax_sm100._src.dispatch import Lowered, last_lowering, lowerings
+from jax_sm100._src.ffi import export_safety_checks as export_disabled_checks
 from jax_sm100._src.kernels.spec import KernelSpec
-from jax_sm100._src.planning import GemmPlan, plan
+from jax_sm100._src.planning import GemmPlan, GemmProblem, plan
 from jax_sm100._src.precompile import precompile
 
 __all__ = [
     "GemmPlan",
+    "GemmProblem",
     "KernelSpec",
+    "Lowered",
     "PlanError",
     "compile_plan",
+    "export_disabled_checks",
+    "last_lowering",
+    "lowerings",
     "matmul",
     "plan",
     "plan_for",
     "precompile",
+    "tuning",
 ]
 __version__ = "0.1.0"
 

@@ -63,7 +63,7 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import gpu_lowering
+from jax_sm100._src import dispatch
 from jax_sm100._src.kernels.spec import KernelSpec
 
 SHAPES = (
@@ -464,7 +464,7 @@ def run(
             _progress(len(rows), total, f"{dtype} {m}x{n}x{k}")
             a, b = _operands(m, n, k, dtype)
             ours(a, b).block_until_ready()
-            how = gpu_lowering.explain()
+            how = dispatch.last_lowering()
             kernel = how.plan.kernel if how is not None and how.plan is not None else "xla"
             row = Row(dtype, (m, n, k), kernel)
             if "wall" in methods:
@@ -486,16 +486,14 @@ def cold_compile_times(shapes, dtypes) -> list[tuple[str, float]]:
     """Seconds of `compile_plan` for each distinct binary, bypassing both caches."""
     from jax_sm100._src import planning  # noqa: PLC0415
 
-    arch, num_sms = gpu_lowering.device_info()
-    arch = arch or "sm_90a"
+    target = dispatch.device_target() or dispatch.Target("sm_90a")
     seen, out = set(), []
     for dtype in dtypes:
         for m, n, k in shapes:
-            p = planning.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, arch=arch)
+            problem = planning.make_problem(m, n, k, a_dtype=dtype, b_dtype=dtype)
+            p = dispatch.plan_call(problem, target).plan
             if p.kernel == planning.KERNEL_XLA:
                 continue
-            if num_sms:
-                p = dataclasses.replace(p, num_sms=num_sms)
             key = compile_mod.binary_key(p, KernelSpec.for_plan(p))
             if key in seen:
                 continue
@@ -615,7 +613,7 @@ def main(argv=None) -> int:
     methods = METHODS if args.method == "both" else (args.method,)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-          f"target {gpu_lowering.device_info()}, methods {'+'.join(methods)}, "
+          f"target {dispatch.device_target()}, methods {'+'.join(methods)}, "
           f"device-method unroll {args.unroll}")  # fmt: skip
     rows = run(shapes, dtypes, methods, device_seconds=args.device_ms / 1e3, unroll=args.unroll)
     report(rows, methods)

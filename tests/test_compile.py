@@ -10,7 +10,7 @@ from absl.testing import absltest
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import ffi, gpu_lowering, planning
+from jax_sm100._src import dispatch, ffi, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
@@ -18,7 +18,7 @@ _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
 
 def _export_for_h200(f, *args) -> str:
     """The StableHLO of `f` exported for CUDA as if on an H200 (sm_90a, 132 SMs), on any machine."""
-    with mock.patch.object(gpu_lowering, "device_info", lambda: ("sm_90a", 132)):
+    with mock.patch.object(dispatch, "device_target", lambda: dispatch.Target("sm_90a", 132, True)):
         exp = jax.export.export(
             f, platforms=["cuda"],
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(ffi.TARGET)],
@@ -99,7 +99,7 @@ class CompileTest(absltest.TestCase):
             else:
                 self.assertIn("-> tensor<1x64x4096xbf16>", calls[0])
                 self.assertNotIn("stablehlo.reduce", text)
-            self.assertEqual(gpu_lowering.explain().plan.split_reduce, reduce)
+            self.assertEqual(dispatch.last_lowering().plan.split_reduce, reduce)
 
     def test_xla_plan_is_refused(self):
         p = dataclasses.replace(_plan(256, 256, 256), kernel="xla_dot")
@@ -123,7 +123,7 @@ class CompileTest(absltest.TestCase):
         text = _export_for_h200(f, *args)
         self.assertIn(f"custom_call @{ffi.TARGET}", text)
         self.assertRegex(text, r"prefix = \"jax_sm100_gemm\"")
-        how = gpu_lowering.explain()
+        how = dispatch.last_lowering()
         self.assertEqual(how.plan.m, 3072)  # the batch of 3 is folded into m (B is shared)
         self.assertEqual(how.plan.kernel, planning.KERNEL_SM90)
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import ffi, planning
+from jax_sm100._src import dispatch, ffi, planning
 
 
 def _export(fn, *args):
@@ -99,15 +99,15 @@ class ExportForSm100Test(parameterized.TestCase):
     def test_sm100_grid_from_the_drivers_occupancy(self):
         # On an sm_100a device the lowering asks the driver how many clusters fit (whole GPCs);
         # where that is fewer than the plan's resources allow, the grid launches that many.
-        from jax_sm100._src import gpu_lowering
-
         a = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
         with (
-            mock.patch.object(gpu_lowering, "device_info", return_value=("sm_100a", 148)),
-            mock.patch.object(gpu_lowering, "driver_max_clusters", return_value=70) as query,
+            mock.patch.object(
+                dispatch, "device_target", return_value=dispatch.Target("sm_100a", 148, True)
+            ),
+            mock.patch.object(dispatch, "driver_max_clusters", return_value=70) as query,
         ):
             _export(lambda a, b: jax_sm100.matmul(a, b), a, a)
-        how = gpu_lowering.explain()
+        how = dispatch.last_lowering()
         size = how.plan.cluster_shape_mn[0] * how.plan.cluster_shape_mn[1]
         query.assert_called_once_with(size)
         self.assertEqual(how.plan.max_clusters, 70)
@@ -116,12 +116,14 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertGreater(planning.resident_clusters(how.plan), 70)
 
     def test_sm100_plan_on_other_device_raises(self):
-        from jax_sm100._src import gpu_lowering
-
         p = jax_sm100.plan(128, 64, 64, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_100a")
         a = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)
-        with mock.patch.object(gpu_lowering, "device_info", return_value=("sm_90a", 132)):
-            with self.assertRaisesRegex(jax_sm100.PlanError, "is for sm_100a, but this device"):
+        with mock.patch.object(
+            dispatch, "device_target", return_value=dispatch.Target("sm_90a", 132, True)
+        ):
+            with self.assertRaisesRegex(
+                jax_sm100.PlanError, "is for sm_100a, but this call runs on sm_90a"
+            ):
                 _export(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, a.update(shape=(64, 64)))
 
 

@@ -6,12 +6,12 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import gpu_lowering, planning
+from jax_sm100._src import dispatch, planning
 
 
 def _arch():
     try:
-        return gpu_lowering.device_info()[0]
+        return getattr(dispatch.device_target(), "arch", None)
     except Exception:
         return None
 
@@ -43,7 +43,7 @@ class GpuTest(parameterized.TestCase):
             ref = jax.nn.gelu(ref, approximate=True)
         err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
         self.assertLess(err, 2e-2 if dtype == "bfloat16" else 5e-3)
-        self.assertNotEqual(gpu_lowering.explain().plan.kernel, "xla_dot")
+        self.assertNotEqual(dispatch.last_lowering().plan.kernel, "xla_dot")
 
     _ALONG_N = dict(
         tile_mn=(128, 192), pingpong=True, cluster_mn=(2, 1), raster_along_m=False, swizzle_size=2
@@ -88,7 +88,7 @@ class GpuTest(parameterized.TestCase):
         )
         err = np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref)
         self.assertLess(err, 2e-2)
-        self.assertEqual(gpu_lowering.explain().plan, plan)
+        self.assertEqual(dispatch.last_lowering().plan, plan)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import gpu_lowering
+from jax_sm100._src import dispatch
 from jax_sm100._src import primitive as P
 
 ACTS = (None, "relu", "gelu", "silu")
@@ -24,7 +24,7 @@ ACTS = (None, "relu", "gelu", "silu")
 
 def _arch():
     try:
-        return gpu_lowering.device_info()[0]
+        return getattr(dispatch.device_target(), "arch", None)
     except Exception:
         return None
 
@@ -192,7 +192,7 @@ class GradientTest(parameterized.TestCase):
             P.activation_grad(z.astype(jnp.float32), "gelu")
         )
         self.assertLess(_rel_err(got, want), 1e-2)
-        self.assertEqual(gpu_lowering.explain().plan, plan)
+        self.assertEqual(dispatch.last_lowering().plan, plan)
 
     def _mlp(self, t=512, d=256, f=1024):
         ks = jax.random.split(jax.random.key(7), 5)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-from jax_sm100._src import gpu_lowering, planning
+from jax_sm100._src import dispatch, gpu_lowering, planning
 from jax_sm100._src.precompile import precompile
 
 _COMPILE = "jax_sm100._src.compile"
@@ -46,7 +46,7 @@ def _binary_the_lowering_compiles(m, n, k, *, arch, num_sms):
                 jax.ShapeDtypeStruct((k, n), jnp.bfloat16))  # fmt: skip
     stand_in = types.SimpleNamespace(compile_plan=record)
     with (
-        mock.patch.object(gpu_lowering, "device_info", lambda: (arch, num_sms)),
+        mock.patch.object(dispatch, "device_target", lambda: dispatch.Target(arch, num_sms, True)),
         mock.patch.object(gpu_lowering.ffi, "register", lambda: None),
         mock.patch.object(gpu_lowering, "compile_mod", stand_in),
     ):
@@ -115,6 +115,16 @@ class PrecompileTest(parameterized.TestCase):
         self.assertEqual(results[0].plan.num_sms, 114)
         self.compile_plan.assert_called_once()
 
+    def test_plans_for_the_targets_sm_count(self):
+        # The planner plans for the device's SM count (not a default count swapped in after):
+        # 64x4096x4096 fills 132 SMs with 4 splits of its 32 tiles, 114 SMs with 2.
+        shape = (64, 4096, 4096)
+        for num_sms, split in ((132, 4), (114, 2)):
+            lowered = _binary_the_lowering_compiles(*shape, arch="sm_90a", num_sms=num_sms)
+            (result,) = precompile([shape], arch="sm_90a", num_sms=num_sms, progress=False)
+            self.assertEqual(lowered[0], result.plan)
+            self.assertEqual((result.plan.num_sms, result.plan.split_k), (num_sms, split))
+
     @parameterized.named_parameters(
         # The planner splits K by 4 for these skinny shapes; whether the call can depends on k.
         ("split_kept", 4096, 4, planning.KERNEL_SM90_SPLITK),
@@ -128,7 +138,7 @@ class PrecompileTest(parameterized.TestCase):
         ("split_dropped", 16392, 1, planning.KERNEL_SM90, 128),
     )
     def test_split_k_plan_is_the_one_the_lowering_compiles(self, k, split, kernel, m=64):
-        n, num_sms = 4096, 114
+        n, num_sms = 4096, 132
         planned = planning.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
         self.assertEqual(planned.kernel, planning.KERNEL_SM90_SPLITK)
 

@@ -154,9 +154,10 @@ def kernel_may_run(dtype) -> bool:
     """Whether a product with `dtype` operands may run on one of our GPU kernels in this run."""
     if _PLATFORM == "cpu":
         return False
-    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
+    from jax_sm100._src import dispatch  # noqa: PLC0415
 
-    arch, _ = gpu_lowering.device_info()
+    target = dispatch.device_target()
+    arch = None if target is None else target.arch
     return arch is not None and np.dtype(dtype).name in constraints.KERNEL_OPERAND_DTYPES[arch]
 
 

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import dtypes as D
 from jax_sm100._src import (
+    dispatch,
     lowering,  # noqa: F401  (registers the lowerings)
     planning,
 )
+from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import ACTIVATIONS
 
@@ -150,10 +151,10 @@ def matmul(
     if plan is not None:
         if not isinstance(plan, planning.GemmPlan):
             raise TypeError(f"plan must be a jax_sm100.GemmPlan, got {type(plan).__name__}")
-        expected = P.plan_for_operands(
-            *P._split(operands, params["has_bias"], params["has_c"]), arch=plan.arch, **params
+        problem = P.problem_for_operands(
+            *P._split(operands, params["has_bias"], params["has_c"]), **params
         )
-        planning.check_plan_fits(plan, expected)
+        planning.check_plan_fits(plan, problem, plan.arch)
     (out,) = P.matmul_p.bind(*operands, plan=plan, **params)
     return out.reshape(out_shape)
 
@@ -175,20 +176,16 @@ def plan_for(
 
     ops = jax.eval_shape(trace, a, b, bias, c)
     params = captured["params"]
-    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
-
-    device_arch, num_sms = gpu_lowering.device_info()
-    target = arch or device_arch
-    ops_abcd = P._split(ops, params["has_bias"], params["has_c"])
-    p = P.plan_for_operands(*ops_abcd, arch=target or "sm_100a", **params)
-    if target is None and p.kernel != planning.KERNEL_XLA:
+    problem = P.problem_for_operands(*P._split(ops, params["has_bias"], params["has_c"]), **params)
+    device = dispatch.device_target()
+    target = device if device is not None and arch in (None, device.arch) else None
+    if target is None:
+        target = dispatch.Target(arch or "sm_100a")
+    p = dispatch.plan_call(problem, target).plan
+    if arch is None and device is None and p.kernel != planning.KERNEL_XLA:
         reason = (
             f"{jax.default_backend()} backend: the primitive lowers to XLA's dot here (the "
             "kernels need an SM90 or SM100 GPU)"
         )
         return dataclasses.replace(p, kernel=planning.KERNEL_XLA, reason=reason, split_k=1)
-    if target == device_arch and num_sms:
-        # What the CUDA lowering runs: the device's SM count, split-K fitted to the call.
-        p = dataclasses.replace(p, num_sms=num_sms)
-        p, _ = gpu_lowering.adjust_plan_for_call(p, p.k, p.a_dtype, p.batch)
     return p

@@ -8,12 +8,13 @@ Entry point for lowering.py (wrapped with `mlir.lower_fun`):
 It runs at trace time on the operands' shapes (primitive.py's conventions: a [*Ba, m, k] or
 [*Ba, k, m], b [*Bb, k, n] or [*Bb, n, k], bias [*Bbias, n], c [*Bc, m, n], out [*B, m, n]):
 
-1. The device's arch (sm_90a for compute capability 9.x, sm_100a for 10.x) and SM count.
+1. The target: the device's arch (sm_90a for compute capability 9.x, sm_100a for 10.x) and SM
+   count (`dispatch.lowering_target`).
 2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
    K-major, the batch folds into m (free reshape, one large GEMM; `primitive.folds_batch`);
    other broadcasts are materialised (a copy, noted in the plan's reason).
-3. The planner's plan for that problem (or the caller's), with the device's SM count and a
-   split-K factor that fits k (`adjust_plan_for_call`).
+3. The plan that runs that problem on the target (`dispatch.plan_call`: the planner's or the
+   caller's, split-K fitted to k).
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
    `jax_sm100_gemm` target, carrying the object file, its function name and the runtime extents
    and strides as attributes; the binary travels inside the HLO.
@@ -27,68 +28,23 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 
 Anything a kernel cannot take (unsupported dtype, misaligned contiguous dim, batched bias, an
 `xla_dot` plan) runs on XLA's dot with the same float32 epilogue (`primitive.reference_matmul`);
-`explain()` returns the plan and the reason for any given call.
+each lowering's plan and notes are recorded (`dispatch.record`; `jax_sm100.last_lowering()`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import constraints, ffi, planning
+from jax_sm100._src import dispatch, ffi, planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _KERNEL_OUT = ("bfloat16", "float16", "float32")
-
-
-@functools.cache
-def device_info() -> tuple[str | None, int]:
-    """(arch, SM count) of the first CUDA device; (None, 0) when there is none we target."""
-    try:
-        dev = jax.devices("gpu")[0]
-    except RuntimeError:
-        return None, 0
-    cc = str(getattr(dev, "compute_capability", "") or "")
-    major = int(cc.split(".")[0]) if cc else 0
-    arch = {9: "sm_90a", 10: "sm_100a"}.get(major)
-    return arch, int(getattr(dev, "core_count", 0) or 0)
-
-
-@functools.cache
-def driver_max_clusters(cluster_size: int) -> int | None:
-    """How many clusters of `cluster_size` CTAs (each with all of an SM's shared memory) the
-    driver can keep resident on the first device (`cutlass.utils.HardwareInfo`), or None where
-    the query fails."""
-    try:
-        from cutlass.utils import HardwareInfo  # noqa: PLC0415
-
-        return int(HardwareInfo().get_max_active_clusters(cluster_size))
-    except Exception:  # noqa: BLE001  (no driver, no context: fall back to the plan's count)
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class Lowered:
-    """How one call lowers: its plan, and a note on batch handling."""
-
-    plan: planning.GemmPlan | None
-    note: str
-
-
-_last: list[Lowered] = []
-
-
-def explain() -> Lowered | None:
-    """The lowering decision of the most recent CUDA lowering in this process (for tests)."""
-    return _last[-1] if _last else None
 
 
 def _reference(a, b, bias, c, **kw):
@@ -105,16 +61,9 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     epi = dict(alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype,
                save_preact=save_preact, act_grad=act_grad)  # fmt: skip
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b, **epi)
-    arch, num_sms = device_info()
-    if arch is None and plan is not None:
-        # No SM90/SM100 device here (e.g. jax.export(platforms=["cuda"]) on a CPU machine): a
-        # plan given for an arch cross-lowers that arch's kernel.
-        arch = plan.arch
-    if arch is None and os.environ.get("JAX_SM100_TARGET_ARCH"):
-        arch = os.environ["JAX_SM100_TARGET_ARCH"]
-        constraints.check_arch(arch)
-    if arch is None:
-        _last.append(Lowered(None, "no sm_90a/sm_100a device: XLA dot"))
+    target = dispatch.lowering_target(plan)
+    if target is None:
+        dispatch.record(dispatch.Lowered(None, "no sm_90a/sm_100a device: XLA dot"))
         return _reference(a, b, bias, c, **kw)
 
     out_shape = P.shape_rule(
@@ -132,7 +81,7 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         return all(d == 1 for d in x.shape[: len(batch_shape)])
 
     if bias is not None and L > 1 and not unbatched(bias):
-        _last.append(Lowered(None, "bias with batch dims: XLA dot"))
+        dispatch.record(dispatch.Lowered(None, "bias with batch dims: XLA dot"))
         return _reference(a, b, bias, c, **kw)
 
     notes = []
@@ -171,39 +120,21 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     names = [np.dtype(x.dtype).name for x in (a, b)]
     c_name = None if c is None else np.dtype(c.dtype).name
     try:
-        p = plan or planning.plan(
-            mm, n, k, a_dtype=a.dtype, b_dtype=b.dtype, out_dtype=out_dtype,
-            c_dtype=None if c is None else c.dtype, batch=LL, arch=arch,
-            a_major=a_major, b_major=b_major, preact_out=save_preact,
-        )  # fmt: skip
-        if save_preact:
-            p = planning.with_preact(p)
+        problem = P.problem_for_operands(a, b, bias, c, **kw)
+        decision = dispatch.plan_call(problem, target, plan)
     except (TypeError, ValueError) as e:
-        _last.append(Lowered(None, f"no plan ({e}): XLA dot"))
+        if plan is not None:
+            raise  # a caller's plan that does not fit: the error names the fix
+        dispatch.record(dispatch.Lowered(None, f"no plan ({e}): XLA dot"))
         return _reference(a, b, bias, c, **kw)
-    if p.arch != arch:
-        raise constraints.PlanError(
-            f"the plan passed to matmul(plan=...) is for {p.arch}, but this device is {arch}: "
-            f"{p.arch} kernels cannot run on it. Make the plan with jax_sm100.plan(..., "
-            f"arch={arch!r}) or leave plan=None"
-        )
-    if num_sms and p.num_sms != num_sms:
-        p = dataclasses.replace(p, num_sms=num_sms)
-    if num_sms and p.kernel == planning.KERNEL_SM100 and not p.max_clusters:
-        # A device is present: its occupancy query knows how clusters fit its GPCs.
-        size = p.cluster_shape_mn[0] * p.cluster_shape_mn[1]
-        fit = driver_max_clusters(size)
-        if fit and fit < planning.resident_clusters(p):
-            p = dataclasses.replace(p, max_clusters=fit)
-            notes.append(f"grid: {fit} clusters of {size} (the driver's occupancy)")
-    p, split_notes = adjust_plan_for_call(p, k, names[0], LL, planned=plan is None)
-    notes.extend(split_notes)
+    p = decision.plan
+    notes.extend(decision.notes)
     if p.kernel == planning.KERNEL_XLA or out_dtype.name not in _KERNEL_OUT:
-        _last.append(Lowered(p, "; ".join(notes + [f"XLA dot: {p.reason}"])))
+        dispatch.record(dispatch.Lowered(p, "; ".join(notes + [f"XLA dot: {p.reason}"])))
         return _reference(a, b, bias, c, **kw)
     bias_name = None if bias is None else np.dtype(bias.dtype).name
     if bias_name is not None and bias_name not in _KERNEL_OUT:
-        _last.append(Lowered(p, f"bias dtype {bias_name}: XLA dot"))
+        dispatch.record(dispatch.Lowered(p, f"bias dtype {bias_name}: XLA dot"))
         return _reference(a, b, bias, c, **kw)
     spec = KernelSpec(
         a_dtype=names[0], b_dtype=names[1], out_dtype=out_dtype.name, a_major=a_major,
@@ -211,7 +142,7 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         alpha=alpha, beta=1.0 if act_grad else beta, preact_out=save_preact, act_grad=act_grad,
     )  # fmt: skip
 
-    _last.append(Lowered(p, "; ".join(notes) or "kernel"))
+    dispatch.record(dispatch.Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()
     compiled = compile_mod.compile_plan(p, spec)
     if p.split_k > 1 and p.split_reduce == "xla":
@@ -221,63 +152,6 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         return [x.reshape(out_shape) for x in outs]
     outs = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
     return [x.reshape(out_shape) for x in outs]
-
-
-def adjust_plan_for_call(
-    plan: planning.GemmPlan, k: int, a_dtype: str, batch: int, planned: bool = True
-) -> tuple[planning.GemmPlan, tuple[str, ...]]:
-    """The plan a kernel call compiles: `plan` with its split-K factor made to fit the call.
-
-    The planner picks a split factor from tile counts alone. A call runs split-K only on one
-    GEMM (the kernel's batch mode holds the splits) and only with K/split whole and 16-byte
-    aligned, so the factor drops to the largest usable one (`_usable_split`), and to the unsplit
-    SM90 kernel when none is. A different factor is a different binary: precompile.py calls
-    this too, so that it warms the binaries calls will ask for.
-
-    Args:
-      plan: the call's plan, after the device's SM count is put in.
-      k: the contraction size.
-      a_dtype: the name of A's dtype.
-      batch: the call's batch after folding (1 for a single GEMM).
-      planned: the plan is the planner's own (not the caller's): an unsplit fallback that is
-        small enough for the planner's XLA rule (`planning.SM90_MIN_FLOPS`) then goes to XLA's
-        dot, as the planner would have sent it there unsplit (unless
-        `JAX_SM100_SMALL_PROBLEMS=kernel` puts small problems on the kernels).
-
-    Returns:
-      The plan to compile, and notes on what was changed (for `Lowered.note`).
-    """
-    if plan.split_k == 1:
-        return plan, ()
-    split = _usable_split(plan, k, a_dtype) if batch == 1 else 1
-    if split == 1:
-        small = None
-        if planned and not planning.small_problems_on_kernels():
-            small = planning.sm90_too_small(plan.m, plan.n, plan.k, plan.batch, 1)
-        if small is not None:
-            plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
-            return plan, ("split-K not applicable (k not divisible) and too small unsplit",)
-        note = ("split-K not applicable (k not divisible): unsplit kernel",)
-        if plan.split_reduce == "cluster":
-            return planning.with_split(plan, 1), note
-        # An XLA-reduced plan keeps its stages, schedule and cluster (the binary verified).
-        return dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1), note
-    if split != plan.split_k:
-        if plan.split_reduce == "cluster":
-            return planning.with_split(plan, split), ()  # its (1, split) cluster
-        return dataclasses.replace(plan, split_k=split), ()
-    return plan, ()
-
-
-def _usable_split(p, k, a_dtype) -> int:
-    """The largest split <= plan.split_k with K/split whole and 16-byte aligned."""
-    from jax_sm100._src.kernels import common  # noqa: PLC0415
-
-    s = p.split_k
-    align = common.elems_per_16b(a_dtype)
-    while s > 1 and (k % s or (k // s) % align):
-        s //= 2
-    return s
 
 
 def _ffi(compiled, out_type, operands, dims, order, aliases=None):

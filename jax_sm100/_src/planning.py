@@ -148,6 +148,30 @@ def _pow2_ceil(x: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """What one call computes, as the kernels see it: `batch` GEMMs of [m, k] @ [k, n] (the
+    batch folded into m where B is shared), the dtypes by name, the operand layouts, and whether
+    the epilogue also writes the pre-activation. A plan is made for a problem and a target
+    (`GemmPlan.problem`); everything else in the plan is a choice."""
+
+    m: int
+    n: int
+    k: int
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    c_dtype: str | None = None
+    batch: int = 1
+    a_major: str = "k"
+    b_major: str = "n"
+    preact_out: bool = False
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.batch
+
+
+@dataclasses.dataclass(frozen=True)
 class GemmPlan:
     """How one GEMM problem runs: which kernel, its tiles, cluster, TMEM and pipeline depths.
 
@@ -295,6 +319,12 @@ class GemmPlan:
                 raise C.PlanError(f"kernel={self.kernel!r} cannot run this problem: {why}")
 
     @property
+    def problem(self) -> GemmProblem:
+        """The problem this plan was made for (its other fields are choices and their
+        consequences)."""
+        return GemmProblem(**{f.name: getattr(self, f.name) for f in _PROBLEM_FIELDS})
+
+    @property
     def ab_stage_bytes(self) -> int:
         return (self.smem_bytes - C.SMEM_RESERVED_BYTES - self._epi_bytes) // self.num_ab_stages
 
@@ -355,6 +385,9 @@ class GemmPlan:
         ]  # fmt: skip
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+_PROBLEM_FIELDS = dataclasses.fields(GemmProblem)
 
 
 def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
@@ -553,10 +586,10 @@ def sm90_too_small(m, n, k, batch, split) -> str | None:
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(
     m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
-    allow_pingpong=True, preact_out=False,
+    allow_pingpong=True, preact_out=False, num_sms=0,
 ):  # fmt: skip
     C.check_arch(arch)
-    num_sms = DEFAULT_NUM_SMS[arch]
+    num_sms = num_sms or DEFAULT_NUM_SMS[arch]
     why_not = C.kernel_support(
         arch, m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major
     )
@@ -750,6 +783,7 @@ def plan(
     b_major: str = "n",
     force_kernel: bool = False,
     preact_out: bool = False,
+    num_sms: int | None = None,
 ) -> GemmPlan:
     """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
 
@@ -768,6 +802,9 @@ def plan(
         the environment sets it for every plan of the process.
       preact_out: the epilogue also writes the pre-activation (what `matmul` under `grad`
         saves for the activation's derivative): its staging takes shared memory too.
+      num_sms: the target device's SM count, which tile and split choices depend on; None
+        plans for the arch's usual part (`DEFAULT_NUM_SMS`: 132 for sm_90a as on the H100 and
+        H200, 148 for sm_100a as on the B200).
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -775,6 +812,30 @@ def plan(
     Raises:
       PlanError: for an unknown arch or non-positive sizes.
       TypeError: for dtypes the primitive does not take.
+    """
+    p = make_problem(
+        m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+        batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
+    )  # fmt: skip
+    if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
+        raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
+    return _plan_cached(
+        p.m, p.n, p.k, p.a_dtype, p.b_dtype, p.out_dtype, p.c_dtype, p.batch, arch,
+        p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
+        preact_out=p.preact_out, num_sms=int(num_sms or 0),
+    )  # fmt: skip
+
+
+def make_problem(
+    m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
+    b_major="n", preact_out=False,
+) -> GemmProblem:  # fmt: skip
+    """A `GemmProblem` from `plan`'s arguments: dtypes by name (the output's defaulted as
+    `plan` says), sizes checked positive.
+
+    Raises:
+      PlanError: non-positive sizes or unknown layouts.
+      TypeError: dtypes the primitive does not take.
     """
     from jax_sm100._src import dtypes as D  # noqa: PLC0415
 
@@ -784,9 +845,11 @@ def plan(
     for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise C.PlanError(f"{name}={v!r} must be a positive int")
-    return _plan_cached(
-        int(m), int(n), int(k), a_name, b_name, out_name, c_name, int(batch), arch,
-        a_major, b_major, bool(force_kernel) or small_problems_on_kernels(),
+    if a_major not in ("k", "m") or b_major not in ("k", "n"):
+        raise C.PlanError(f"{a_major=} must be 'k' or 'm'; {b_major=}: 'k' or 'n'")
+    return GemmProblem(
+        m=int(m), n=int(n), k=int(k), a_dtype=a_name, b_dtype=b_name, out_dtype=out_name,
+        c_dtype=c_name, batch=int(batch), a_major=a_major, b_major=b_major,
         preact_out=bool(preact_out),
     )  # fmt: skip
 
@@ -798,7 +861,7 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
         plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
-        allow_pingpong=False, preact_out=plan.preact_out,
+        allow_pingpong=False, preact_out=plan.preact_out, num_sms=plan.num_sms,
     )  # fmt: skip
 
 
@@ -838,18 +901,25 @@ def small_problems_on_kernels() -> bool:
     return value == "kernel"
 
 
-def check_plan_fits(plan: GemmPlan, expected: GemmPlan) -> None:
-    """Raises PlanError unless a user's plan was made for the problem it is used on."""
-    for f in ("arch", "m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
-        got, want = getattr(plan, f), getattr(expected, f)
+def check_plan_fits(plan: GemmPlan, problem: GemmProblem, arch: str) -> None:
+    """Raises PlanError unless a caller's plan was made for `problem` on `arch` (a plan without
+    the pre-activation output fits a problem that needs it: `with_preact` adds it)."""
+    if plan.arch != arch:
+        raise C.PlanError(
+            f"the plan passed to matmul(plan=...) is for {plan.arch}, but this call runs on "
+            f"{arch}: {plan.arch} kernels cannot run there. Make the plan with "
+            f"jax_sm100.plan(..., arch={arch!r}) or leave plan=None"
+        )
+    for f in ("m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
+        got, want = getattr(plan, f), getattr(problem, f)
         if got != want:
             raise C.PlanError(
                 f"the plan passed to matmul(plan=...) was made for {f}={got!r}, but this call "
                 f"has {f}={want!r}; make it with jax_sm100.plan(...) for this problem"
             )
     for f in ("a_major", "b_major"):
-        if getattr(plan, f) != getattr(expected, f):
+        if getattr(plan, f) != getattr(problem, f):
             raise C.PlanError(
                 f"the plan has {f}={getattr(plan, f)!r} but the operand is "
-                f"{getattr(expected, f)}-major here"
+                f"{getattr(problem, f)}-major here"
             )

@@ -6,9 +6,9 @@ cache directory (`JAX_SM100_CACHE_DIR`) that GPU processes later start from.
 
 Shapes are given as the CUDA lowering plans them (gpu_lowering.py): `(m, n, k)` for one GEMM
 and `(batch, m, n, k)` for a batch whose operands are all batched. A batch whose B is shared
-(a weight) folds into m there, so precompile it as `(batch * m, n, k)`. Each plan then gets the
-lowering's own adjustment (`gpu_lowering.adjust_plan_for_call`: the split-K factor a call can
-use), so the binaries compiled here are the ones calls ask for.
+(a weight) folds into m there, so precompile it as `(batch * m, n, k)`. Each shape is planned
+by the lowering's own function (`dispatch.plan_call`, split-K fitted as for a call), so the
+binaries compiled here are the ones calls ask for.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
-from jax_sm100._src import gpu_lowering, planning
+from jax_sm100._src import dispatch, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _BAR_WIDTH = 24
@@ -145,13 +145,12 @@ def precompile(
         label = "x".join(map(str, shape)) + f" {arch}"
         bar.update(i, label)
         try:
-            plan = planning.plan(
+            problem = planning.make_problem(
                 m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
-                c_dtype=c_dtype, batch=batch, arch=arch, a_major=a_major, b_major=b_major,
+                c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
             )  # fmt: skip
-            if num_sms is not None and plan.num_sms != num_sms:
-                plan = dataclasses.replace(plan, num_sms=num_sms)
-            plan, plan_notes = gpu_lowering.adjust_plan_for_call(plan, k, plan.a_dtype, batch)
+            decision = dispatch.plan_call(problem, dispatch.Target(arch, num_sms or 0))
+            plan, plan_notes = decision.plan, decision.notes
             spec = dataclasses.replace(
                 KernelSpec.for_plan(plan), bias_dtype=bias_name, activation=activation,
                 alpha=alpha, beta=beta,

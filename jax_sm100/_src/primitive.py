@@ -351,10 +351,11 @@ batching.primitive_batchers[matmul_p] = lambda args, dims, **params: batch_rule(
 )
 
 
-def plan_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype, arch,
-                      save_preact=False, **_):  # fmt: skip
-    """The planner's plan for one bind of the primitive (operands given as avals or arrays),
-    for the GEMM the kernels run (the batch folded into m where `folds_batch` says so)."""
+def problem_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype,
+                         save_preact=False, **_):  # fmt: skip
+    """The GEMM the kernels run for one bind of the primitive (operands given as avals or
+    arrays): the batch folded into m where `folds_batch` says so."""
+    from jax_sm100._src import dtypes as D  # noqa: PLC0415
     from jax_sm100._src import planning  # noqa: PLC0415
 
     out_shape = shape_rule(
@@ -365,11 +366,11 @@ def plan_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype, arc
     batch = math.prod(out_shape[:-2])
     if folds_batch(a.shape, b.shape, transpose_a, out_shape):
         m, batch = m * batch, 1
-    return planning.plan(
-        m, n, k,
-        a_dtype=a.dtype, b_dtype=b.dtype, out_dtype=out_dtype,
-        c_dtype=None if c is None else c.dtype,
-        batch=batch, arch=arch,
+    return planning.GemmProblem(
+        m=m, n=n, k=k, batch=batch,
+        a_dtype=D.operand_dtype_name(a.dtype, "a"), b_dtype=D.operand_dtype_name(b.dtype, "b"),
+        out_dtype=D.name(out_dtype),
+        c_dtype=None if c is None else D.operand_dtype_name(c.dtype, "c"),
         a_major="m" if transpose_a else "k", b_major="k" if transpose_b else "n",
-        preact_out=save_preact,
+        preact_out=bool(save_preact),
     )  # fmt: skip

@@ -1,0 +1,216 @@
+"""From a call to the plan that runs: the one place that decides it.
+
+    plan_call(problem, target, plan=None) -> Decision(plan, notes)
+
+`problem` is the GEMM the kernels run (`planning.GemmProblem`: the batch already folded where
+the lowering folds it, `primitive.problem_for_operands`); `target` is the arch and SM count to
+run on (`Target`; `device_target()` for this process's GPU). The result is the plan the kernel
+is compiled for: the planner's for that target (or the caller's, checked against the problem
+and the target), the driver's cluster occupancy put in on a present SM100 device, and the
+split-K factor fitted to k. The CUDA lowering, `jax_sm100.plan_for`, `jax_sm100.precompile`
+and the benchmark call it; nothing else plans a call.
+
+Lowerings record what they chose (`record`); `last_lowering()` and the `lowerings()` context
+manager read those records back (bounded: the last `HISTORY` only).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import os
+from collections.abc import Iterator
+
+import jax
+
+from jax_sm100._src import constraints, planning
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a plan runs: `arch` ("sm_90a" or "sm_100a") and the device's SM count (0: the
+    arch's usual part, `planning.DEFAULT_NUM_SMS`). `on_device` is True for this process's
+    own GPU, whose driver can be asked how clusters fit it."""
+
+    arch: str
+    num_sms: int = 0
+    on_device: bool = False
+
+    def __post_init__(self):
+        constraints.check_arch(self.arch)
+
+
+@functools.cache
+def device_target() -> Target | None:
+    """The first CUDA device's target (sm_90a for compute capability 9.x, sm_100a for 10.x),
+    or None when there is no device the kernels run on."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+    cc = str(getattr(dev, "compute_capability", "") or "")
+    major = int(cc.split(".")[0]) if cc else 0
+    arch = {9: "sm_90a", 10: "sm_100a"}.get(major)
+    if arch is None:
+        return None
+    return Target(arch, int(getattr(dev, "core_count", 0) or 0), on_device=True)
+
+
+def lowering_target(plan: planning.GemmPlan | None = None) -> Target | None:
+    """The target a CUDA lowering compiles for: the local device; without one, a caller's plan's
+    arch (cross-lowering, e.g. `jax.export(platforms=["cuda"])` on a CPU machine), else
+    `JAX_SM100_TARGET_ARCH`; None when there is none (the call runs on XLA's dot)."""
+    target = device_target()
+    if target is not None:
+        return target
+    if plan is not None:
+        return Target(plan.arch, plan.num_sms)
+    arch = os.environ.get("JAX_SM100_TARGET_ARCH")
+    return Target(arch) if arch else None
+
+
+@functools.cache
+def driver_max_clusters(cluster_size: int) -> int | None:
+    """How many clusters of `cluster_size` CTAs (each with all of an SM's shared memory) the
+    driver can keep resident on the first device (`cutlass.utils.HardwareInfo`), or None where
+    the query fails."""
+    try:
+        from cutlass.utils import HardwareInfo  # noqa: PLC0415
+
+        return int(HardwareInfo().get_max_active_clusters(cluster_size))
+    except Exception:  # noqa: BLE001  (no driver, no context: fall back to the plan's count)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The plan a call compiles, and notes on how it was arrived at (for `Lowered.note`)."""
+
+    plan: planning.GemmPlan
+    notes: tuple[str, ...] = ()
+
+
+def plan_call(
+    problem: planning.GemmProblem,
+    target: Target,
+    plan: planning.GemmPlan | None = None,
+) -> Decision:
+    """The plan that runs `problem` on `target` (see the module docstring).
+
+    Args:
+      problem: the GEMM the kernels run.
+      target: where it runs.
+      plan: a caller's plan (`matmul(plan=...)`), or None for the planner's.
+
+    Raises:
+      PlanError: a caller's plan made for another problem or arch.
+    """
+    notes = []
+    if plan is None:
+        p = planning.plan(
+            **dataclasses.asdict(problem), arch=target.arch, num_sms=target.num_sms or None
+        )
+    else:
+        planning.check_plan_fits(plan, problem, target.arch)
+        p = planning.with_preact(plan) if problem.preact_out else plan
+        if target.num_sms and p.num_sms != target.num_sms:
+            p = dataclasses.replace(p, num_sms=target.num_sms)
+    if target.on_device and p.kernel == planning.KERNEL_SM100 and not p.max_clusters:
+        # A device is present: its occupancy query knows how clusters fit its GPCs.
+        size = p.cluster_shape_mn[0] * p.cluster_shape_mn[1]
+        fit = driver_max_clusters(size)
+        if fit and fit < planning.resident_clusters(p):
+            p = dataclasses.replace(p, max_clusters=fit)
+            notes.append(f"grid: {fit} clusters of {size} (the driver's occupancy)")
+    p, split_notes = _fit_split(p, planned=plan is None)
+    return Decision(p, tuple(notes) + split_notes)
+
+
+def _fit_split(plan: planning.GemmPlan, planned: bool) -> tuple[planning.GemmPlan, tuple]:
+    """`plan` with its split-K factor made to fit the call.
+
+    The planner picks a split factor from tile counts alone. A call runs split-K only on one
+    GEMM (the kernel's batch mode holds the splits) and only with K/split whole and 16-byte
+    aligned, so the factor drops to the largest usable one (`_usable_split`), and to the unsplit
+    SM90 kernel when none is. `planned`: the plan is the planner's own (not the caller's), so an
+    unsplit fallback small enough for the planner's XLA rule (`planning.SM90_MIN_FLOPS`) goes
+    to XLA's dot, as the planner would have sent it there unsplit (unless
+    `JAX_SM100_SMALL_PROBLEMS=kernel` puts small problems on the kernels).
+    """
+    if plan.split_k == 1:
+        return plan, ()
+    split = _usable_split(plan) if plan.batch == 1 else 1
+    if split == 1:
+        small = None
+        if planned and not planning.small_problems_on_kernels():
+            small = planning.sm90_too_small(plan.m, plan.n, plan.k, plan.batch, 1)
+        if small is not None:
+            plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
+            return plan, ("split-K not applicable (k not divisible) and too small unsplit",)
+        note = ("split-K not applicable (k not divisible): unsplit kernel",)
+        if plan.split_reduce == "cluster":
+            return planning.with_split(plan, 1), note
+        # An XLA-reduced plan keeps its stages, schedule and cluster (the binary verified).
+        return dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1), note
+    if split != plan.split_k:
+        if plan.split_reduce == "cluster":
+            return planning.with_split(plan, split), ()  # its (1, split) cluster
+        return dataclasses.replace(plan, split_k=split), ()
+    return plan, ()
+
+
+def _usable_split(p: planning.GemmPlan) -> int:
+    """The largest split <= plan.split_k with K/split whole and 16-byte aligned."""
+    s = p.split_k
+    align = 16 * 8 // constraints.DTYPE_BITS[p.a_dtype]
+    while s > 1 and (p.k % s or (p.k // s) % align):
+        s //= 2
+    return s
+
+
+# ---------------------------------------------------------------- what lowerings chose
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """How one CUDA lowering of `matmul` went: its plan (None where no plan was made) and a
+    note (batch handling, split-K fitting, or why it runs on XLA's dot)."""
+
+    plan: planning.GemmPlan | None
+    note: str
+
+
+HISTORY = 64
+_history: collections.deque[Lowered] = collections.deque(maxlen=HISTORY)
+_listeners: list[list[Lowered]] = []
+
+
+def record(lowered: Lowered) -> None:
+    _history.append(lowered)
+    for listener in _listeners:
+        listener.append(lowered)
+
+
+def last_lowering() -> Lowered | None:
+    """How the most recent CUDA lowering of `matmul` in this process went, or None."""
+    return _history[-1] if _history else None
+
+
+@contextlib.contextmanager
+def lowerings() -> Iterator[list[Lowered]]:
+    """Collects how every CUDA lowering of `matmul` inside the block went, in order:
+
+        with jax_sm100.lowerings() as seen:
+            jax.jit(step).lower(params, batch)
+        print([x.plan.kernel for x in seen])
+
+    Only lowerings count: a jitted function already compiled lowers nothing again.
+    """
+    seen: list[Lowered] = []
+    _listeners.append(seen)
+    try:
+        yield seen
+    finally:
+        _listeners.remove(seen)
