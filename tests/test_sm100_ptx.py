@@ -29,7 +29,7 @@ from absl.testing import absltest, parameterized
 
 from jax_sm100._src import constraints, planning
 from jax_sm100._src.compile import compile_plan
-from jax_sm100._src.kernels import sm100_gemm
+from jax_sm100._src.kernels import family, sm100_gemm
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _MMA_KIND = {
@@ -267,13 +267,25 @@ class Sm100PtxTest(parameterized.TestCase):
         if spills is not None:
             self.assertEqual(spills, 0, "ptxas reports register spills")
 
-    def test_compile_sm100_gives_a_loadable_object(self):
+    def test_compile_plan_gives_a_loadable_object(self):
         plan = planning.plan(512, 512, 512, a_dtype="bfloat16", b_dtype="bfloat16")
-        compiled = sm100_gemm.compile_sm100(plan)
+        compiled = compile_plan(plan)
         # The host object the FFI handler loads: an x86-64 ELF carrying the sm_100a cubin.
-        obj = bytes(compiled.dump_to_object("sm100_test"))
-        self.assertEqual(obj[:4], b"\x7fELF")
-        self.assertIn(b"sm_100a", obj)
+        self.assertEqual(compiled.object_bytes[:4], b"\x7fELF")
+        self.assertIn(b"sm_100a", compiled.object_bytes)
+        self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d"])
+
+    def test_family_registry(self):
+        # compile.py finds each plan's family by its kernel name; XLA's dot has none.
+        for kernel in planning.KERNELS:
+            if kernel == planning.KERNEL_XLA:
+                with self.assertRaisesRegex(ValueError, "no kernel family"):
+                    family.family(kernel)
+                continue
+            cls = family.family(kernel)
+            self.assertIn(kernel, cls.KERNELS)
+            self.assertTrue(issubclass(cls, family.KernelFamily))
+        self.assertEqual(set(family.FAMILIES), set(planning.KERNELS) - {planning.KERNEL_XLA})
 
     def test_rejects_other_plans(self):
         sm90 = planning.plan(

@@ -164,11 +164,11 @@ class Sm90PtxTest(parameterized.TestCase):
         # a 128-row sub-tile would mix its two MMA blocks (seen wrong on the H200).
         p = planning.sm90_variant(_plan(4096, 4096, 4096), tile_mn=(128, 128), pingpong=True)
         spec = KernelSpec.for_plan(p)
-        self.assertIsNone(sm90_gemm.Sm90GemmKernel.can_implement(p, spec))
+        self.assertIsNone(sm90_gemm.Sm90GemmKernel.why_not(p, spec))
         fake = types.SimpleNamespace(**{f.name: getattr(p, f.name)
                                         for f in dataclasses.fields(p)})  # fmt: skip
         fake.epi_tile = (128, 32)
-        why = sm90_gemm.Sm90GemmKernel.can_implement(fake, spec)
+        why = sm90_gemm.Sm90GemmKernel.why_not(fake, spec)
         self.assertIn("warp-group split", why)
 
     def test_stream_k(self):

@@ -94,17 +94,6 @@ def binary_key(plan, spec: KernelSpec) -> tuple:
     return (fields, spec)
 
 
-def splitk_spec(spec: KernelSpec) -> KernelSpec:
-    """The spec of a split-K partial product: float32 out, no epilogue, every operand batched."""
-    return KernelSpec(
-        a_dtype=spec.a_dtype,
-        b_dtype=spec.b_dtype,
-        out_dtype="float32",
-        a_major=spec.a_major,
-        b_major=spec.b_major,
-    )
-
-
 def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     """Compiles the kernel `plan` selects, for `plan.arch`, once per process.
 
@@ -226,50 +215,6 @@ def cache_stats() -> dict[str, int]:
     return dict(_stats, entries=len(_cache))
 
 
-def _splitk_fake_operands(plan, spec: KernelSpec, partials: bool):
-    """(a, b, d, c, bias[, z]) for split-K: A and B as (rows, K/split, split) views of the
-    row-major buffers (any leading dimension and split stride); D float32 partials
-    (M, N, split) when `partials`, else D, C, bias and Z as for one GEMM."""
-    from cutlass import cute  # noqa: PLC0415
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: PLC0415
-
-    from jax_sm100._src.kernels import common  # noqa: PLC0415
-
-    s = cute.sym_int()
-    kc = cute.sym_int()
-
-    def view(dtype, rows, contiguous_k):
-        div = common.elems_per_16b(dtype)
-        ld, split_stride = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
-        stride = (ld, 1, split_stride) if contiguous_k else (1, ld, split_stride)
-        return make_fake_tensor(
-            common.cutlass_dtype(dtype), (rows, kc, s), stride,
-            assumed_align=common.TMA_ALIGN_BYTES,
-        )  # fmt: skip
-
-    a_k, b_n = spec.a_major == "k", spec.b_major == "n"
-    m = cute.sym_int(divisibility=1 if a_k else common.elems_per_16b(spec.a_dtype))
-    n = cute.sym_int(divisibility=common.elems_per_16b(spec.b_dtype) if b_n else 1)
-    a, b = view(spec.a_dtype, m, a_k), view(spec.b_dtype, n, not b_n)
-    if partials:
-        n_d = cute.sym_int(divisibility=common.elems_per_16b("float32"))
-        d = make_fake_compact_tensor(
-            common.cutlass_dtype("float32"), (m, n_d, s), stride_order=(1, 0, 2),
-            assumed_align=common.TMA_ALIGN_BYTES,
-        )  # fmt: skip
-        return a, b, d, None, None
-    _, _, d, c, bias, z = common.make_fake_operands(plan, spec)
-    return a, b, d, c, bias, z
-
-
-def _splitk_plan(plan):
-    """The plan re-derived for float32 partials (a larger epilogue buffer), fewer A/B stages
-    when the planner's count no longer fits in shared memory."""
-    from jax_sm100._src import planning  # noqa: PLC0415
-
-    return planning.replace_fitting(plan, out_dtype="float32", c_dtype=None, preact_out=False)
-
-
 def workspace_shapes(plan) -> dict[str, tuple[tuple[int, ...], str]]:
     """The extra buffers a plan's kernel takes, by name: (shape, dtype).
 
@@ -286,27 +231,11 @@ def workspace_shapes(plan) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
-def _fake_workspace(plan):
-    """(ws, flags) fake tensors of static shape for a stream-K plan, else (None, None)."""
-    import cutlass  # noqa: PLC0415
-    from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: PLC0415
-
-    shapes = workspace_shapes(plan)
-    if not shapes:
-        return None, None
-    types = {"float32": cutlass.Float32, "int32": cutlass.Int32}
-    return tuple(
-        make_fake_compact_tensor(types[dtype], shape, assumed_align=16)
-        for shape, dtype in shapes.values()
-    )
-
-
-def _tensor_args(operands) -> tuple[TensorArg, ...]:
+def _tensor_args(names, operands) -> tuple[TensorArg, ...]:
     from cutlass.cute.typing import SymInt  # noqa: PLC0415
 
-    names = ("a", "b", "d", "c", "bias", "z", "ws", "flags")
     out = []
-    for name, t in zip(names[: len(operands)], operands, strict=True):
+    for name, t in zip(names, operands, strict=True):
         if t is None:
             continue
         shape_modes = tuple(i for i, x in enumerate(t.shape) if isinstance(x, SymInt))
@@ -320,33 +249,14 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
     from cutlass.cute.runtime import make_fake_stream  # noqa: PLC0415
     from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: PLC0415
 
-    from jax_sm100._src.kernels import common  # noqa: PLC0415
+    from jax_sm100._src.kernels import common, family  # noqa: PLC0415
 
     if plan.kernel == "xla_dot":
         raise ValueError(f"the plan runs on XLA's dot, not a kernel: {plan.reason}")
-    if plan.kernel in ("sm90_wgmma", "sm90_wgmma_splitk"):
-        from jax_sm100._src.kernels import sm90_gemm  # noqa: PLC0415
-
-        if plan.split_k > 1 and plan.split_reduce == "xla":
-            plan = _splitk_plan(plan)
-            spec = splitk_spec(spec)
-            operands = (*_splitk_fake_operands(plan, spec, partials=True), None)
-        elif plan.split_k > 1:
-            operands = _splitk_fake_operands(plan, spec, partials=False)
-        else:
-            operands = tuple(common.make_fake_operands(plan, spec))
-        operands = (*operands, *_fake_workspace(plan))
-        kernel = sm90_gemm.Sm90GemmKernel(plan, spec)
-    elif plan.kernel == "sm100_tcgen05":
-        from jax_sm100._src.kernels import sm100_gemm  # noqa: PLC0415
-
-        why = sm100_gemm.why_not(plan, spec)
-        if why is not None:
-            raise ValueError(f"Sm100GemmKernel cannot run this plan: {why}")
-        operands = tuple(common.make_fake_operands(plan, spec))
-        kernel = sm100_gemm.Sm100GemmKernel(plan, spec)
-    else:
-        raise ValueError(f"{plan.kernel=} has no kernel family")
+    kernel_family = family.family(plan.kernel)
+    inputs = kernel_family.compile_inputs(plan, spec)
+    plan, spec, operands = inputs.plan, inputs.spec, inputs.operands
+    kernel = kernel_family(plan, spec)
 
     prefix = "jax_sm100_gemm"
     envar = CuTeDSL._get_dsl().envar
@@ -372,7 +282,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
         object_bytes=bytes(obj),
         ptx=ptx or "",
         cubin=bytes(cubin or b""),
-        tensor_args=_tensor_args(operands),
+        tensor_args=_tensor_args(kernel_family.HOST_OPERANDS, operands),
         split_k=plan.split_k,
         compile_seconds=time.perf_counter() - t0,
     )

@@ -40,11 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import dispatch, ffi, planning
+from jax_sm100._src import constraints, dispatch, ffi, planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
-
-_KERNEL_OUT = ("bfloat16", "float16", "float32")
 
 
 def _reference(a, b, bias, c, **kw):
@@ -129,11 +127,11 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         return _reference(a, b, bias, c, **kw)
     p = decision.plan
     notes.extend(decision.notes)
-    if p.kernel == planning.KERNEL_XLA or out_dtype.name not in _KERNEL_OUT:
+    if p.kernel == planning.KERNEL_XLA or out_dtype.name not in constraints.KERNEL_OUT_DTYPES:
         dispatch.record(dispatch.Lowered(p, "; ".join(notes + [f"XLA dot: {p.reason}"])))
         return _reference(a, b, bias, c, **kw)
     bias_name = None if bias is None else np.dtype(bias.dtype).name
-    if bias_name is not None and bias_name not in _KERNEL_OUT:
+    if bias_name is not None and bias_name not in constraints.KERNEL_OUT_DTYPES:
         dispatch.record(dispatch.Lowered(p, f"bias dtype {bias_name}: XLA dot"))
         return _reference(a, b, bias, c, **kw)
     spec = KernelSpec(
@@ -154,7 +152,16 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     return [x.reshape(out_shape) for x in outs]
 
 
-def _ffi(compiled, out_type, operands, dims, order, aliases=None):
+def _ffi(compiled, out_type, operands, layouts, order, aliases=None):
+    from jax_sm100._src import ffi_checks  # noqa: PLC0415
+
+    # The attributes the handler reads (ffi/gemm_ffi.cc; ffi_checks.py states the format).
+    dims, names = ffi_checks.encode(layouts)
+    # The handler's own checks, at trace time: a lowering bug fails here, with a traceback into
+    # this file, rather than as a refused launch.
+    ins = [(x.shape, x.dtype) for x in operands]
+    outs = [(o.shape, o.dtype) for o in (out_type if isinstance(out_type, tuple) else (out_type,))]
+    ffi_checks.check_call(dims, order, names, ins, outs)
     call = jax.ffi.ffi_call(ffi.TARGET, out_type, input_output_aliases=aliases)
     return call(
         *operands,
@@ -163,6 +170,7 @@ def _ffi(compiled, out_type, operands, dims, order, aliases=None):
         prefix=compiled.function_prefix,
         dims=np.asarray(dims, dtype=np.int64),
         order=np.asarray(order, dtype=np.int64),
+        names=names,
     )
 
 
@@ -220,10 +228,30 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         else:
             index[name] = -1 - len(out_types)
         out_types.append(jax.ShapeDtypeStruct(shape, dtype))
-    dims, order = [], []
-    for arg in compiled.tensor_args:
-        dims += arg.dims(*modes[arg.name])
-        order.append(index[arg.name])
+    layouts = _layouts(compiled, modes)
+    order = [index[arg.name] for arg in compiled.tensor_args]
     if len(out_types) == 1:
-        return [_ffi(compiled, out_types[0], operands, dims, order)]
-    return list(_ffi(compiled, tuple(out_types), operands, dims, order, aliases)[:results])
+        return [_ffi(compiled, out_types[0], operands, layouts, order)]
+    return list(_ffi(compiled, tuple(out_types), operands, layouts, order, aliases)[:results])
+
+
+def _layouts(compiled, modes):
+    """Each tensor argument of `compiled`, in its order, as the handler checks it: the dtype
+    its binary reads or writes, and `modes[name]` (every mode's extent and stride)."""
+    from jax_sm100._src import ffi_checks  # noqa: PLC0415
+
+    spec = compiled.spec
+    dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "z": spec.out_dtype,
+              "c": spec.c_dtype, "bias": spec.bias_dtype}  # fmt: skip
+    for name, (_, dtype) in compile_mod.workspace_shapes(compiled.plan).items():
+        dtypes[name] = dtype
+    return [
+        ffi_checks.TensorLayout(
+            arg.name,
+            dtypes[arg.name],
+            *modes[arg.name],
+            arg.dynamic_shape_modes,
+            arg.dynamic_stride_modes,
+        )  # fmt: skip
+        for arg in compiled.tensor_args
+    ]

@@ -22,6 +22,7 @@ import cutlass
 from cutlass import cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
+from jax_sm100._src import constraints
 from jax_sm100._src.kernels.spec import ACT_GRAD_CLAMP, GELU_K0, GELU_K1, KernelSpec
 
 # numpy dtype names (what GemmPlan and KernelSpec carry) -> CuTe DSL element types.
@@ -33,11 +34,10 @@ CUTLASS_DTYPES: dict[str, type[cutlass.Numeric]] = {
     "float8_e5m2": cutlass.Float8E5M2,
 }
 
-# TMA moves whole 16-byte units along the contiguous dimension and needs 16-byte aligned bases.
-TMA_ALIGN_BYTES = 16
-
-# The architectures this package compiles for, as the DSL spells them.
-ARCHS = ("sm_90a", "sm_100a")
+# TMA moves whole 16-byte units along the contiguous dimension and needs 16-byte aligned bases;
+# the architectures this package compiles for, as the DSL spells them (both: constraints.py).
+TMA_ALIGN_BYTES = constraints.TMA_ALIGN_BYTES
+ARCHS = constraints.ARCHS
 
 
 def cutlass_dtype(name: str) -> type[cutlass.Numeric]:

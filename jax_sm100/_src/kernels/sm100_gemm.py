@@ -3,7 +3,7 @@
 One kernel class, `Sm100GemmKernel`, compiled from a `GemmPlan` (planning.py) and a `KernelSpec`
 (spec.py). The plan fixes every tiling and pipelining number; this module only turns those numbers
 into CuTe layouts, TMA atoms and a warp-specialised device program, and refuses (in
-`can_implement`) a plan it cannot honour rather than re-deciding it. The epilogue warps' device
+`why_not`) a plan it cannot honour rather than re-deciding it. The epilogue warps' device
 code (TMEM -> registers -> fused math -> TMA store of D) is in sm100_epilogue.py; everything
 else, host and device, is here.
 
@@ -28,7 +28,6 @@ Verified only by compiling for sm_100a on a CPU machine (tests/test_sm100_ptx.py
 no SM100 GPU has run this code.
 """
 
-import tempfile
 from typing import Any
 
 import cutlass
@@ -37,14 +36,11 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.cutlass_dsl.cutlass import CuTeDSL
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src import constraints, planning
-from jax_sm100._src.kernels import common, sm100_epilogue
+from jax_sm100._src.kernels import common, family, sm100_epilogue
 from jax_sm100._src.kernels.spec import KernelSpec
-
-_FP8 = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 # Warp roles (the module docstring); the epilogue warps are sm100_epilogue's.
 _WARP = sm100_epilogue.WARP
@@ -73,7 +69,7 @@ def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:
     return cute.size(atom.thr_id) * values * atom.value_type.width // 8
 
 
-class Sm100GemmKernel:
+class Sm100GemmKernel(family.KernelFamily):
     """`d = act(alpha * (a @ b) + beta * c + bias)` on SM100 with tcgen05.mma, one plan at a time
     (and the pre-activation z with `spec.preact_out`, or `act_grad'(c) * alpha * (a @ b)` with
     `spec.act_grad`: spec.py).
@@ -85,13 +81,11 @@ class Sm100GemmKernel:
         compiled = cute.compile(kernel, a, b, d, None, None, None, stream)
     """
 
+    ARCH = "sm_100a"
+    KERNELS = ("sm100_tcgen05",)
+
     def __init__(self, plan: Any, spec: KernelSpec):
-        if not self.can_implement(plan, spec):
-            raise ValueError(
-                f"Sm100GemmKernel cannot implement {plan=} with {spec=}: {why_not(plan, spec)}"
-            )
-        self.plan = plan
-        self.spec = spec
+        super().__init__(plan, spec)
         self.a_dtype = common.cutlass_dtype(spec.a_dtype)
         self.b_dtype = common.cutlass_dtype(spec.b_dtype)
         self.d_dtype = common.cutlass_dtype(spec.out_dtype)
@@ -617,87 +611,49 @@ class Sm100GemmKernel:
 
     # ----------------------------------------------------------------------------- legality
 
-    @staticmethod
-    def can_implement(plan: Any, spec: KernelSpec) -> bool:
-        """Whether this kernel compiles `plan` for `spec` as given (it never adjusts a plan)."""
-        return why_not(plan, spec) is None
+    @classmethod
+    def why_not(cls, plan: Any, spec: KernelSpec) -> str | None:
+        """The first reason `Sm100GemmKernel` cannot take (plan, spec), or None.
 
-
-def why_not(plan: Any, spec: KernelSpec) -> str | None:
-    """The first reason `Sm100GemmKernel` cannot take (plan, spec), or None.
-
-    The hardware rules (MMA shape, cluster, TMEM, SMEM) live in constraints.py and are re-run
-    here on the plan as given, since `dataclasses.replace` on a plan is how tests force shapes;
-    what is checked locally is only what this kernel adds: an sm100 plan whose dtypes and
-    layouts agree with the spec, and the epilogue dtypes it can read and write.
-    """
-    if plan.arch != "sm_100a" or plan.kernel != "sm100_tcgen05":
-        return f"{plan.arch=}, {plan.kernel=}: not an sm100_tcgen05 plan"
-    for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
-        if getattr(plan, field) != getattr(spec, field):
-            return (
-                f"plan.{field}={getattr(plan, field)!r} but spec.{field}={getattr(spec, field)!r}"
-            )
-    if spec.preact_out and not plan.preact_out:
-        return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
-    ops = constraints.KERNEL_OPERAND_DTYPES["sm_100a"]
-    if spec.a_dtype not in ops or spec.b_dtype not in ops:
-        return f"{spec.a_dtype=}, {spec.b_dtype=}: operands must be in {ops}"
-    if spec.a_dtype != spec.b_dtype and not {spec.a_dtype, spec.b_dtype} <= _FP8:
-        return f"{spec.a_dtype=} != {spec.b_dtype=}: only fp8 operands may mix"
-    outs = constraints.KERNEL_OUT_DTYPES
-    for field in ("out_dtype", "c_dtype", "bias_dtype"):
-        value = getattr(spec, field)
-        if value is not None and value not in outs:
-            return f"spec.{field}={value!r} must be one of {outs}"
-    if plan.split_k != 1:
-        return f"{plan.split_k=}: the SM100 family has no split-K"
-    try:
-        constraints.check_mma_tiler("sm_100a", plan.mma_tiler_mnk, plan.use_2cta, spec.a_dtype)
-        constraints.check_cluster("sm_100a", plan.cluster_shape_mn, plan.use_2cta)
-        constraints.check_tmem(plan.tmem_alloc_cols)
-        constraints.check_ab_stages(plan.num_ab_stages)
-    except constraints.PlanError as e:
-        return str(e)
-    if plan.acc_tmem_cols_per_stage * plan.num_acc_stages > plan.tmem_alloc_cols:
-        return (
-            f"{plan.num_acc_stages=} x {plan.acc_tmem_cols_per_stage=} exceed "
-            f"{plan.tmem_alloc_cols=}"
-        )
-    if plan.num_epi_stages < 1 or plan.num_acc_stages < 1:
-        return f"{plan.num_epi_stages=} and {plan.num_acc_stages=} must be at least 1"
-    return None
-
-
-def compile_sm100(plan: Any, spec: KernelSpec | None = None):
-    """Compile the SM100 GEMM a plan selects, for sm_100a, with symbolic problem sizes.
-
-    Runs on a machine without a GPU. The PTX and cubin are on the returned object's `__ptx__`
-    and `__cubin__` only when the DSL was told to keep them (`CUTE_DSL_KEEP=ptx,cubin` at
-    import, or the DSL's `envar.keep_ptx`/`keep_cubin`, as compile.py sets).
-
-    Args:
-      plan: a `GemmPlan` with `arch == "sm_100a"` and `kernel == "sm100_tcgen05"`.
-      spec: layouts and epilogue; defaults to `KernelSpec.for_plan(plan)`.
-
-    Returns:
-      The DSL's compiled kernel object (`cute.compile`'s result).
-
-    Raises:
-      ValueError: the kernel cannot implement this plan and spec (the message says why).
-    """
-    from cutlass.cute.runtime import make_fake_stream
-
-    spec = spec or KernelSpec.for_plan(plan)
-    kernel = Sm100GemmKernel(plan, spec)
-    operands = common.make_fake_operands(plan, spec)
-    # Whatever the DSL keeps (PTX, cubin) goes to a scratch folder, never the caller's cwd.
-    envar = CuTeDSL._get_dsl().envar
-    saved = envar.dump_dir
-    with tempfile.TemporaryDirectory(prefix="jax_sm100_") as scratch:
-        envar.dump_dir = scratch
+        The hardware rules (MMA shape, cluster, TMEM, SMEM) live in constraints.py and are re-run
+        here on the plan as given, since `dataclasses.replace` on a plan is how tests force shapes;
+        what is checked locally is only what this kernel adds: an sm100 plan whose dtypes and
+        layouts agree with the spec, and the epilogue dtypes it can read and write.
+        """
+        if plan.arch != "sm_100a" or plan.kernel != "sm100_tcgen05":
+            return f"{plan.arch=}, {plan.kernel=}: not an sm100_tcgen05 plan"
+        for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
+            got, want = getattr(plan, field), getattr(spec, field)
+            if got != want:
+                return f"plan.{field}={got!r} but spec.{field}={want!r}"
+        if spec.preact_out and not plan.preact_out:
+            return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
+        ops = constraints.KERNEL_OPERAND_DTYPES["sm_100a"]
+        if spec.a_dtype not in ops or spec.b_dtype not in ops:
+            return f"{spec.a_dtype=}, {spec.b_dtype=}: operands must be in {ops}"
+        if spec.a_dtype != spec.b_dtype and not {spec.a_dtype, spec.b_dtype} <= set(
+            constraints.FP8_DTYPES
+        ):
+            return f"{spec.a_dtype=} != {spec.b_dtype=}: only fp8 operands may mix"
+        outs = constraints.KERNEL_OUT_DTYPES
+        for field in ("out_dtype", "c_dtype", "bias_dtype"):
+            value = getattr(spec, field)
+            if value is not None and value not in outs:
+                return f"spec.{field}={value!r} must be one of {outs}"
+        if plan.split_k != 1:
+            return f"{plan.split_k=}: the SM100 family has no split-K"
         try:
-            with common.target_arch("sm_100a"):
-                return cute.compile(kernel, *operands, make_fake_stream())
-        finally:
-            envar.dump_dir = saved
+            constraints.check_mma_tiler("sm_100a", plan.mma_tiler_mnk, plan.use_2cta, spec.a_dtype)
+            constraints.check_cluster("sm_100a", plan.cluster_shape_mn, plan.use_2cta)
+            constraints.check_tmem(plan.tmem_alloc_cols)
+            constraints.check_ab_stages(plan.num_ab_stages)
+        except constraints.PlanError as e:
+            return str(e)
+        if plan.acc_tmem_cols_per_stage * plan.num_acc_stages > plan.tmem_alloc_cols:
+            return (
+                f"{plan.num_acc_stages=} x {plan.acc_tmem_cols_per_stage=} exceed "
+                f"{plan.tmem_alloc_cols=}"
+            )
+        if plan.num_epi_stages < 1 or plan.num_acc_stages < 1:
+            return f"{plan.num_epi_stages=} and {plan.num_acc_stages=} must be at least 1"
+        return None

@@ -60,7 +60,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src import constraints
-from jax_sm100._src.kernels import common
+from jax_sm100._src.kernels import common, family
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _THREADS_PER_WG = 128
@@ -88,7 +88,7 @@ SUPPORTED_TILE_M = (64, 128, 256)
 SUPPORTED_TILE_N = (64, 128, 160, 192, 256)
 
 
-class Sm90GemmKernel:
+class Sm90GemmKernel(family.KernelFamily):
     """A persistent warp-specialised wgmma GEMM for one (GemmPlan, KernelSpec).
 
     Host entry point: `__call__(a, b, d, c, bias, z, ws, flags, stream)` with the modes of
@@ -96,12 +96,12 @@ class Sm90GemmKernel:
     for an absent c, bias, z or workspace.
     """
 
+    ARCH = "sm_90a"
+    KERNELS = ("sm90_wgmma", "sm90_wgmma_splitk")
+    HOST_OPERANDS = ("a", "b", "d", "c", "bias", "z", "ws", "flags")
+
     def __init__(self, plan, spec: KernelSpec):
-        why = self.can_implement(plan, spec)
-        if why is not None:
-            raise ValueError(f"Sm90GemmKernel cannot run this plan: {why}")
-        self.plan = plan
-        self.spec = spec
+        super().__init__(plan, spec)
         self.tile_mnk = tuple(plan.cta_tile_mnk)
         self.cluster_mn = tuple(plan.cluster_shape_mn)
         self.ab_stages = plan.num_ab_stages
@@ -141,8 +141,22 @@ class Sm90GemmKernel:
         # Stream-K workspace: one float32 tile and one flag per CTA of the persistent grid.
         self.ws_slots = plan.num_sms
 
-    @staticmethod
-    def can_implement(plan, spec: KernelSpec) -> str | None:
+    @classmethod
+    def compile_inputs(cls, plan, spec: KernelSpec) -> family.CompileInputs:
+        """A split-K plan compiles with A and B as (rows, K/split, split) views; reduced by
+        XLA, as the float32 partial product (`_splitk_plan`, `_splitk_spec`). A stream-K plan
+        takes its workspace too."""
+        if plan.split_k > 1 and plan.split_reduce == "xla":
+            plan, spec = _splitk_plan(plan), _splitk_spec(spec)
+            operands = (*_splitk_fake_operands(plan, spec, partials=True), None)
+        elif plan.split_k > 1:
+            operands = _splitk_fake_operands(plan, spec, partials=False)
+        else:
+            operands = tuple(common.make_fake_operands(plan, spec))
+        return family.CompileInputs(plan, spec, (*operands, *_fake_workspace(plan)))
+
+    @classmethod
+    def why_not(cls, plan, spec: KernelSpec) -> str | None:
         """None when this family can run (plan, spec); else the reason it cannot."""
         tm, tn, tk = plan.cta_tile_mnk
         if plan.arch != "sm_90a":
@@ -1138,3 +1152,74 @@ class Sm90GemmKernel:
             act_grad=self.spec.act_grad,
             preact=preact,
         )
+
+
+# ---------------------------------------------------------------- compile inputs
+
+
+def _splitk_spec(spec: KernelSpec) -> KernelSpec:
+    """The spec of a split-K partial product: float32 out, no epilogue, every operand batched."""
+    return KernelSpec(
+        a_dtype=spec.a_dtype,
+        b_dtype=spec.b_dtype,
+        out_dtype="float32",
+        a_major=spec.a_major,
+        b_major=spec.b_major,
+    )
+
+
+def _splitk_fake_operands(plan, spec: KernelSpec, partials: bool):
+    """(a, b, d, c, bias[, z]) for split-K: A and B as (rows, K/split, split) views of the
+    row-major buffers (any leading dimension and split stride); D float32 partials
+    (M, N, split) when `partials`, else D, C, bias and Z as for one GEMM."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: PLC0415
+
+    s = cute.sym_int()
+    kc = cute.sym_int()
+
+    def view(dtype, rows, contiguous_k):
+        div = common.elems_per_16b(dtype)
+        ld, split_stride = cute.sym_int64(divisibility=div), cute.sym_int64(divisibility=div)
+        stride = (ld, 1, split_stride) if contiguous_k else (1, ld, split_stride)
+        return make_fake_tensor(
+            common.cutlass_dtype(dtype), (rows, kc, s), stride,
+            assumed_align=common.TMA_ALIGN_BYTES,
+        )  # fmt: skip
+
+    a_k, b_n = spec.a_major == "k", spec.b_major == "n"
+    m = cute.sym_int(divisibility=1 if a_k else common.elems_per_16b(spec.a_dtype))
+    n = cute.sym_int(divisibility=common.elems_per_16b(spec.b_dtype) if b_n else 1)
+    a, b = view(spec.a_dtype, m, a_k), view(spec.b_dtype, n, not b_n)
+    if partials:
+        n_d = cute.sym_int(divisibility=common.elems_per_16b("float32"))
+        d = make_fake_compact_tensor(
+            common.cutlass_dtype("float32"), (m, n_d, s), stride_order=(1, 0, 2),
+            assumed_align=common.TMA_ALIGN_BYTES,
+        )  # fmt: skip
+        return a, b, d, None, None
+    _, _, d, c, bias, z = common.make_fake_operands(plan, spec)
+    return a, b, d, c, bias, z
+
+
+def _splitk_plan(plan):
+    """The plan re-derived for float32 partials (a larger epilogue buffer), fewer A/B stages
+    when the planner's count no longer fits in shared memory."""
+    from jax_sm100._src import planning  # noqa: PLC0415
+
+    return planning.replace_fitting(plan, out_dtype="float32", c_dtype=None, preact_out=False)
+
+
+def _fake_workspace(plan):
+    """(ws, flags) fake tensors of static shape for a stream-K plan, else (None, None)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: PLC0415
+
+    from jax_sm100._src.compile import workspace_shapes  # noqa: PLC0415
+
+    shapes = workspace_shapes(plan)
+    if not shapes:
+        return None, None
+    types = {"float32": cutlass.Float32, "int32": cutlass.Int32}
+    return tuple(
+        make_fake_compact_tensor(types[dtype], shape, assumed_align=16)
+        for shape, dtype in shapes.values()
+    )
