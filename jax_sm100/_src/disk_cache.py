@@ -33,6 +33,18 @@ The digest covers the header, so a flipped bit anywhere, a truncation, an entry 
 another key or written by another format version is detected on read. Such an entry is logged,
 deleted and reported as a miss; it is never returned.
 
+Trust
+-----
+An entry's payload is a kernel object whose host launch wrapper is native x86-64 code that runs
+in the loading process (ffi/gemm_ffi.cc), so whoever can write the directory can run code as
+every user of it. Like ssh with its keys, the cache refuses (`UntrustedCacheError`) to read an
+entry from a directory that another user owns or that is writable by group or others, from any
+ancestor directory writable by others (a world-writable sticky one such as /tmp is fine), or
+from an entry file owned by another user or writable by group or others. It creates its
+directory 0700. A cache shared on purpose (one folder for a team's jobs) is listed in
+`$JAX_SM100_TRUSTED_CACHE_DIRS` (os.pathsep-separated): those folders and everything below them
+are trusted as they are. The checks need POSIX permissions; elsewhere they are skipped.
+
 Concurrency
 -----------
 Writers write a temporary file in the cache directory, fsync it and `os.replace` it over the
@@ -52,6 +64,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -68,6 +81,7 @@ except ImportError:  # Not POSIX: builds across processes are not deduplicated.
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "JAX_SM100_CACHE_DIR"
+TRUSTED_DIRS_ENV = "JAX_SM100_TRUSTED_CACHE_DIRS"
 MAX_BYTES_ENV = "JAX_SM100_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 << 30
 
@@ -200,6 +214,11 @@ def cache_dir_from_env() -> Path | None:
         return None
     if value:
         return Path(value).expanduser()
+    return default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/jax_sm100`, else `~/.cache/jax_sm100`."""
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "jax_sm100"
@@ -243,6 +262,98 @@ def _unlink(path: Path) -> bool:
         logger.warning("jax_sm100 kernel cache: cannot delete %s: %s", path, e)
         return False
     return True
+
+
+class UntrustedCacheError(PermissionError):
+    """A cache folder or entry others could have written; the message says how to fix it."""
+
+
+def trusted_dirs_from_env() -> tuple[Path, ...]:
+    """The folders `JAX_SM100_TRUSTED_CACHE_DIRS` lists (os.pathsep-separated), resolved."""
+    value = os.environ.get(TRUSTED_DIRS_ENV, "")
+    return tuple(
+        Path(os.path.realpath(Path(p.strip()).expanduser()))
+        for p in value.split(os.pathsep)
+        if p.strip()
+    )
+
+
+def _is_trusted(path: Path) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == t or t in real.parents for t in trusted_dirs_from_env())
+
+
+def _untrusted(path: Path, why: str, fix: str) -> UntrustedCacheError:
+    return UntrustedCacheError(
+        f"jax_sm100: refusing to load compiled kernels from {path}: {why}. A kernel-cache entry "
+        "holds native host code that runs in this process, so only you may be able to write "
+        f"it (as ssh requires of ~/.ssh). Fix: {fix}; or, for a folder shared on purpose, "
+        f"list it in {TRUSTED_DIRS_ENV} (os.pathsep-separated)"
+    )
+
+
+def _owner_ok(st: os.stat_result) -> bool:
+    return st.st_uid in (os.getuid(), 0)
+
+
+def check_private_dir(directory: str | os.PathLike) -> None:
+    """Refuses a folder others could write, unless `JAX_SM100_TRUSTED_CACHE_DIRS` lists it.
+
+    The folder must be owned by this user (or root) and not writable by group or others; each
+    ancestor (of the path as given and of its resolved form) must be owned by this user or
+    root and not writable by group or others unless it is sticky (like /tmp).
+
+    Raises:
+      UntrustedCacheError: naming the offending folder and the fix.
+      FileNotFoundError: the folder does not exist.
+    """
+    directory = Path(os.path.abspath(os.fspath(directory)))
+    if not hasattr(os, "getuid") or _is_trusted(directory):
+        return
+    st = os.stat(directory)
+    if not _owner_ok(st):
+        raise _untrusted(
+            directory, f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()})",
+            f"use a folder of your own ({CACHE_DIR_ENV}=...)",
+        )  # fmt: skip
+    if st.st_mode & 0o022:
+        raise _untrusted(
+            directory, f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
+            f"chmod go-w {directory}",
+        )  # fmt: skip
+    real = Path(os.path.realpath(directory))
+    for parent in dict.fromkeys([*directory.parents, *real.parents]):
+        pst = os.stat(parent)
+        # In a sticky folder others may add names but not rename or delete this one.
+        sticky = pst.st_mode & stat.S_ISVTX
+        if not _owner_ok(pst) or (pst.st_mode & 0o022 and not sticky):
+            raise _untrusted(
+                directory,
+                f"its ancestor {parent} (uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):04o}) "
+                "lets others replace it",
+                f"chmod go-w {parent}, or a cache folder elsewhere ({CACHE_DIR_ENV}=...)",
+            )
+
+
+def check_private_file(path: str | os.PathLike, st: os.stat_result) -> None:
+    """Refuses a file (stat `st`, from the open descriptor) that another user owns or that
+    group or others can write, unless `JAX_SM100_TRUSTED_CACHE_DIRS` lists its folder.
+
+    Raises:
+      UntrustedCacheError: naming the file and the fix.
+    """
+    if not hasattr(os, "getuid") or _is_trusted(Path(path).parent):
+        return
+    if not _owner_ok(st):
+        raise _untrusted(
+            Path(path), f"it is owned by uid {st.st_uid}, not by you (uid {os.getuid()})",
+            f"delete it (rm {path})",
+        )  # fmt: skip
+    if st.st_mode & 0o022:
+        raise _untrusted(
+            Path(path), f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
+            f"chmod go-w {path}",
+        )  # fmt: skip
 
 
 class KernelCache:
@@ -324,11 +435,15 @@ class KernelCache:
         if path is None:
             return None
         try:
+            check_private_dir(self._dir)
             with open(path, "rb") as f:
                 read_stat = os.fstat(f.fileno())
+                check_private_file(path, read_stat)
                 data = f.read()
         except FileNotFoundError:
             return None
+        except UntrustedCacheError:
+            raise
         except OSError as e:
             logger.warning("jax_sm100 kernel cache: cannot read %s: %s", path, e)
             return None
@@ -359,6 +474,8 @@ class KernelCache:
 
         Raises:
           ValueError: when `key` is not 64 lowercase hex digits.
+          UntrustedCacheError: the directory or the entry could have been written by another
+            user (module docstring, "Trust").
         """
         _check_key(key)
         entry = self._get_memory(key) or self._get_disk(key)
@@ -406,7 +523,9 @@ class KernelCache:
         if directory is None:
             return False
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            # Private: entries are code (see "Trust"); an existing folder keeps its mode.
+            directory.parent.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, exist_ok=True)
         except OSError as e:
             logger.warning(
                 "jax_sm100 kernel cache: cannot create %s (%s); caching in memory only",
@@ -555,6 +674,7 @@ class KernelCache:
         Raises:
           ValueError: when `key` is not 64 lowercase hex digits.
           TypeError: when `build_fn` returns something other than a `CacheEntry`.
+          UntrustedCacheError: as for `get`.
         """
         _check_key(key)
         entry = self._get_memory(key)

@@ -7,6 +7,12 @@ the first CUDA lowering in a process, with the system C++ compiler into a per-us
 directory keyed by a hash of its source and of the FFI headers, so importing jax_sm100 needs
 no compiler, no GPU and no CUDA toolkit, and CPU-only installs never build it. BUILD.md says
 how to prebuild it (`python -m jax_sm100._src.ffi`) and which variables steer it.
+
+A library found in the cache folder is loaded only when that folder is private to the user
+(`disk_cache.check_private_dir`): loading it runs its code, as loading a kernel does.
+
+`check_call` runs the handler's layout checks on described buffers, without a GPU (tests
+compare it with `ffi_checks.check_call`, and time it).
 """
 
 from __future__ import annotations
@@ -22,8 +28,13 @@ import tempfile
 import threading
 
 import jax
+import numpy as np
+
+from jax_sm100._src import disk_cache
 
 TARGET = "jax_sm100_gemm"
+# The handler's per-instance state type (GemmState in gemm_ffi.cc).
+STATE_TYPE = "jax_sm100_gemm_state"
 _LIB_NAME = "libjax_sm100_ffi.so"
 # A wheel carries the source inside the package (setup.py); an editable install reads the
 # repository's ffi/ folder.
@@ -43,10 +54,15 @@ def source_path() -> pathlib.Path:
 
 
 def _cache_dir() -> pathlib.Path:
-    root = os.environ.get("JAX_SM100_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jax_sm100"
-    )
-    return pathlib.Path(root)
+    # The kernel cache's folder; with that cache off, its default location.
+    return disk_cache.cache_dir_from_env() or disk_cache.default_cache_dir()
+
+
+def compile_command(cxx: str, src: os.PathLike, include_dir: str, out: os.PathLike) -> list[str]:
+    """The command that builds the handler: warnings on (it builds without any), the XLA FFI
+    headers as system headers (their own warnings are not ours to fix)."""
+    return [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-Wextra",
+            "-isystem", include_dir, str(src), "-o", str(out), "-ldl"]  # fmt: skip
 
 
 def _build_key(src: bytes, include_dir: str) -> str:
@@ -62,6 +78,8 @@ def build(out_dir: pathlib.Path | None = None) -> pathlib.Path:
 
     Raises:
       FfiBuildError: no C++ compiler, or the compile failed (its output is in the message).
+      UntrustedCacheError: the library in the cache folder could have been written by another
+        user (disk_cache.py, "Trust").
     """
     prebuilt = os.environ.get("JAX_SM100_FFI_LIB")
     if prebuilt:
@@ -76,6 +94,9 @@ def build(out_dir: pathlib.Path | None = None) -> pathlib.Path:
     key = _build_key(src_path.read_bytes(), include_dir)
     target = (out_dir or _cache_dir() / f"ffi-{key}") / _LIB_NAME
     if target.exists():
+        if out_dir is None:
+            disk_cache.check_private_dir(target.parent)
+            disk_cache.check_private_file(target, os.stat(target))
         return target
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
@@ -83,17 +104,24 @@ def build(out_dir: pathlib.Path | None = None) -> pathlib.Path:
             "jax_sm100: building the FFI handler needs a C++17 compiler (g++ or clang++) on PATH, "
             "or CXX set; or set JAX_SM100_FFI_LIB to a library built elsewhere (BUILD.md)"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir is None:
+        # Private folders, as the kernel cache makes them (existing ones keep their modes).
+        root = target.parent.parent
+        root.parent.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, exist_ok=True)
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         tmp_path = tmp.name
-    cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-w", f"-I{include_dir}",
-           str(src_path), "-o", tmp_path, "-ldl"]  # fmt: skip
+    cmd = compile_command(cxx, src_path, include_dir, tmp_path)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp_path)
         raise FfiBuildError(
             f"jax_sm100: building the FFI handler failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
         )
+    os.chmod(tmp_path, 0o755)  # the linker's mode follows the umask; nobody else may write it
     os.replace(tmp_path, target)  # atomic: concurrent builders agree on the result
     return target
 
@@ -113,11 +141,51 @@ def runtime_library() -> str:
 
 
 @functools.cache
-def _load() -> ctypes.CDLL:
+def library() -> ctypes.CDLL:
+    """The handler's library, built if needed and loaded (once per process)."""
     lib = ctypes.CDLL(str(build()))
+    for name in ("JaxSm100_GemmStateTypeId", "JaxSm100_GemmStateTypeInfo"):
+        getattr(lib, name).restype = ctypes.c_void_p
     lib.JaxSm100_SetRuntimePath.argtypes = [ctypes.c_char_p]
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    lib.JaxSm100_CheckCall.argtypes = [
+        i64p, ctypes.c_size_t, i64p, ctypes.c_size_t, ctypes.c_char_p, i64p, ctypes.c_size_t,
+        i64p, ctypes.c_size_t, ctypes.c_int64, ctypes.POINTER(ctypes.c_double),
+        ctypes.c_char_p, ctypes.c_size_t,
+    ]  # fmt: skip
+    lib.JaxSm100_Sha256Hex.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p]
+    return lib
+
+
+def _load() -> ctypes.CDLL:
+    lib = library()
     lib.JaxSm100_SetRuntimePath(runtime_library().encode())
     return lib
+
+
+def check_call(dims, order, names: str, inputs, results, repeats: int = 1):
+    """The handler's own checks of a call, on buffers described as (XLA_FFI_DataType code,
+    element count) pairs: its instantiate stage's parse of the attributes, then its execute
+    stage's buffer checks, `repeats` times.
+
+    Returns:
+      (error code, message, nanoseconds per execute-stage check): code 0 and "" when the call
+      would launch, else the XLA_FFI_Error_Code (3: INVALID_ARGUMENT) and the handler's message.
+    """
+    lib = library()
+
+    def arr(values):
+        a = np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
+        return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+
+    (d, dp), (o, op), (i, ip), (r, rp) = map(arr, (dims, order, inputs, results))
+    ns = ctypes.c_double(0.0)
+    msg = ctypes.create_string_buffer(4096)
+    code = lib.JaxSm100_CheckCall(
+        dp, d.size, op, o.size, names.encode(), ip, i.size // 2, rp, r.size // 2, repeats,
+        ctypes.byref(ns), msg, len(msg),
+    )  # fmt: skip
+    return code, msg.value.decode(), ns.value
 
 
 def register() -> None:
@@ -129,6 +197,15 @@ def register() -> None:
 @functools.cache
 def _register_locked() -> None:
     lib = _load()
+    # The state Instantiate makes and Execute reads: XLA assigns its type id.
+    jax.ffi.register_ffi_type(
+        STATE_TYPE,
+        {
+            "type_id": jax.ffi.pycapsule(lib.JaxSm100_GemmStateTypeId()),
+            "type_info": jax.ffi.pycapsule(lib.JaxSm100_GemmStateTypeInfo()),
+        },
+        platform="CUDA",
+    )
     jax.ffi.register_ffi_target(
         TARGET,
         {

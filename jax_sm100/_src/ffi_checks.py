@@ -1,0 +1,253 @@
+"""The FFI handler's contract with the lowering, in Python: layouts, their encoding, the checks.
+
+The CUDA lowering describes every tensor argument of a kernel (its dtype, and the extent and
+stride of each mode in elements) in the custom call's `dims` attribute; the handler
+(`ffi/gemm_ffi.cc`) checks each description against the buffer XLA passes before it launches,
+and refuses the call with `InvalidArgument` naming the tensor when the kernel would read or
+write past that buffer. This module is the Python statement of the same rules:
+
+- `check_extents`: whether a problem's extents stay in the kernels' index range (int32). The
+  planner asks it, so that a problem past the range runs on XLA's dot with the reason in the
+  plan; the handler refuses such extents again.
+- `TensorLayout`, `encode`: the attribute format (`DIMS_FORMAT`), written by gpu_lowering.py.
+- `check_call`: the handler's checks (instantiate: the attribute; execute: each buffer's dtype
+  and element count), run by the lowering at trace time and by the tests against the handler's
+  own code (`JaxSm100_CheckCall`).
+
+Attribute format (int64 values): `DIMS_FORMAT`, then per tensor in the kernel's argument order
+`dtype, rank, shape_mask, stride_mask, shape[rank], strides[rank]`, where dtype is the
+XLA_FFI_DataType code (xla/ffi/api/c_api.h), bit i of a mask says that mode i is a runtime
+value of the kernel (passed in its argument struct; the other modes are compile-time constants
+of the binary, included so the whole layout is checked), and extents and strides are in
+elements. `order` names each tensor's buffer (input i >= 0, result -1 - j) and `names` its name.
+
+A tensor spans `1 + sum((extent - 1) * stride)` elements (0 when an extent is 0): the offset one
+past its last element. That must not exceed the element count of its buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+DIMS_FORMAT = 2
+MAX_TENSORS = 8
+MAX_RANK = 4
+# The kernels hold extents as int32 (the argument struct of an exported CuTe DSL function).
+MAX_EXTENT = 2**31 - 1
+
+# XLA_FFI_DataType codes (xla/ffi/api/c_api.h) of the dtypes a kernel argument may have.
+FFI_DTYPES = {
+    "bool": 1,
+    "int8": 2,
+    "int16": 3,
+    "int32": 4,
+    "int64": 5,
+    "uint8": 6,
+    "uint16": 7,
+    "uint32": 8,
+    "uint64": 9,
+    "float16": 10,
+    "float32": 11,
+    "float64": 12,
+    "bfloat16": 16,
+    "float8_e5m2": 19,
+    "float8_e4m3fn": 20,
+}
+
+
+class LayoutError(ValueError):
+    """A kernel call whose tensor layouts do not fit its buffers; the message names the tensor."""
+
+
+def check_extents(m: int, n: int, k: int, batch: int = 1) -> str | None:
+    """Whether the kernels can index a GEMM of these extents.
+
+    Every extent a kernel sees (m, n, k, the batch; split-K and workspace extents are smaller)
+    is an int32 in its argument struct, so each must be at most 2**31 - 1. A problem past that
+    (a folded batch of short rows can reach it in an H200's memory) must run on XLA's dot.
+
+    Args:
+      m, n, k: the GEMM the kernel runs (m with any folded batch in it).
+      batch: the kernel's batch (1 when folded).
+
+    Returns:
+      None when the kernels can take it, else the reason they cannot (for a plan's reason).
+    """
+    for name, value in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        if int(value) > MAX_EXTENT:
+            return (
+                f"{name}={int(value)} exceeds the kernels' int32 extent range (2**31 - 1 = "
+                f"{MAX_EXTENT}): XLA's dot"
+            )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorLayout:
+    """One tensor argument of a kernel call.
+
+    Attributes:
+      name: "a", "b", "d", "c", "bias", "z", "ws" or "flags".
+      dtype: the element type the kernel reads or writes, by numpy name.
+      shape, strides: every mode's extent and stride in elements.
+      dynamic_shape_modes, dynamic_stride_modes: the modes that are runtime values of the
+        kernel (`compile.TensorArg`); the others are constants of its binary.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dynamic_shape_modes: tuple[int, ...] = ()
+    dynamic_stride_modes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
+        object.__setattr__(self, "strides", tuple(int(x) for x in self.strides))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype).name)
+        if not self.name or "," in self.name:
+            raise ValueError(f"{self.name=} must be a non-empty name without commas")
+        if self.dtype not in FFI_DTYPES:
+            raise ValueError(f"{self.dtype=} is not a kernel argument dtype ({sorted(FFI_DTYPES)})")
+        if len(self.shape) != len(self.strides) or len(self.shape) > MAX_RANK:
+            raise ValueError(f"{self.shape=} and {self.strides=} must have one rank <= {MAX_RANK}")
+        if any(x < 0 for x in self.shape + self.strides):
+            raise ValueError(f"{self.shape=} and {self.strides=} must be non-negative")
+        for modes in (self.dynamic_shape_modes, self.dynamic_stride_modes):
+            if any(not 0 <= i < len(self.shape) for i in modes):
+                raise ValueError(f"dynamic modes {modes} outside rank {len(self.shape)}")
+
+    @property
+    def span(self) -> int:
+        """Elements from the first to one past the last element the kernel may touch."""
+        if any(x == 0 for x in self.shape):
+            return 0
+        return 1 + sum((e - 1) * s for e, s in zip(self.shape, self.strides, strict=True))
+
+    def modes_text(self) -> str:
+        return f"shape {list(self.shape)}, strides {list(self.strides)}"
+
+
+def _mask(modes: Sequence[int]) -> int:
+    return sum(1 << i for i in set(modes))
+
+
+def encode(layouts: Sequence[TensorLayout]) -> tuple[list[int], str]:
+    """The `dims` and `names` attributes of a kernel call.
+
+    Raises:
+      LayoutError: an extent past the kernels' index range (the planner sends such problems to
+        XLA's dot: `check_extents`), or more tensors than the handler takes.
+    """
+    if not 0 < len(layouts) <= MAX_TENSORS:
+        raise LayoutError(f"{len(layouts)} tensors; the handler takes 1 to {MAX_TENSORS}")
+    dims = [DIMS_FORMAT]
+    for t in layouts:
+        for i, e in enumerate(t.shape):
+            if e > MAX_EXTENT:
+                raise LayoutError(_extent_message(t.name, e, i))
+        dims += [FFI_DTYPES[t.dtype], len(t.shape), _mask(t.dynamic_shape_modes),
+                 _mask(t.dynamic_stride_modes), *t.shape, *t.strides]  # fmt: skip
+    return dims, ",".join(t.name for t in layouts)
+
+
+def _extent_message(name: str, extent: int, mode: int) -> str:
+    return (
+        f"jax_sm100: tensor '{name}' has extent {extent} in mode {mode}, past the kernels' int32 "
+        "index range (2^31 - 1). Such a call runs on XLA's dot: lower it with plan=None (the "
+        "planner routes it there); this module was lowered with a hand-made plan or edited"
+    )
+
+
+def decode(dims: Sequence[int], names: str, count: int) -> list[TensorLayout]:
+    """The layouts `encode` wrote, checked as the handler's instantiate stage checks them.
+
+    Raises:
+      LayoutError: a malformed attribute, or an extent past the kernels' index range.
+    """
+    dims = [int(x) for x in dims]
+    if not 0 < count <= MAX_TENSORS:
+        raise LayoutError(f"jax_sm100: {count} tensors, expected 1 to {MAX_TENSORS}")
+    if not dims or dims[0] != DIMS_FORMAT:
+        raise LayoutError(f"jax_sm100: the dims attribute has format {dims[:1]}, not {DIMS_FORMAT}")
+    codes = {v: k for k, v in FFI_DTYPES.items()}
+    name_list = names.split(",") if names else []
+    if len(name_list) != count or not all(name_list):
+        raise LayoutError(f"jax_sm100: names {names!r} does not list {count} tensors")
+    out, at = [], 1
+    for name in name_list:
+        if at + 4 > len(dims):
+            raise LayoutError(f"jax_sm100: the dims attribute is too short for tensor '{name}'")
+        code, rank, shape_mask, stride_mask = dims[at : at + 4]
+        at += 4
+        if code not in codes or not 0 <= rank <= MAX_RANK or at + 2 * rank > len(dims):
+            raise LayoutError(f"jax_sm100: tensor '{name}' has dtype code {code}, rank {rank}")
+        if shape_mask < 0 or stride_mask < 0 or (shape_mask | stride_mask) >> rank:
+            raise LayoutError(f"jax_sm100: tensor '{name}' has dynamic-mode masks outside its rank")
+        shape, strides = dims[at : at + rank], dims[at + rank : at + 2 * rank]
+        at += 2 * rank
+        for i, e in enumerate(shape):
+            if e > MAX_EXTENT:
+                raise LayoutError(_extent_message(name, e, i))
+        if any(x < 0 for x in shape + strides):
+            raise LayoutError(f"jax_sm100: tensor '{name}' has a negative extent or stride")
+        out.append(TensorLayout(
+            name, codes[code], tuple(shape), tuple(strides),
+            tuple(i for i in range(rank) if shape_mask >> i & 1),
+            tuple(i for i in range(rank) if stride_mask >> i & 1),
+        ))  # fmt: skip
+    if at != len(dims):
+        raise LayoutError("jax_sm100: the dims attribute has trailing entries")
+    return out
+
+
+def _buffer_name(which: int) -> str:
+    return f"input {which}" if which >= 0 else f"result {-1 - which}"
+
+
+def check_call(
+    dims: Sequence[int],
+    order: Sequence[int],
+    names: str,
+    inputs: Sequence[tuple[Sequence[int], object]],
+    results: Sequence[tuple[Sequence[int], object]],
+) -> list[TensorLayout]:
+    """The handler's checks of one kernel call, before it launches.
+
+    Args:
+      dims, order, names: the custom call's attributes.
+      inputs, results: (shape, dtype) of each operand and result buffer.
+
+    Returns:
+      The decoded layouts.
+
+    Raises:
+      LayoutError: the message the handler would return (it names the tensor).
+    """
+    layouts = decode(dims, names, len(order))
+    for t, which in zip(layouts, order, strict=True):
+        which = int(which)
+        pool = inputs if which >= 0 else results
+        index = which if which >= 0 else -1 - which
+        if index >= len(pool):
+            raise LayoutError(
+                f"jax_sm100: tensor '{t.name}' is {_buffer_name(which)} but the call has "
+                f"{len(inputs)} inputs and {len(results)} results"
+            )
+        shape, dtype = pool[index]
+        dtype = np.dtype(dtype).name
+        if dtype != t.dtype:
+            raise LayoutError(
+                f"jax_sm100: tensor '{t.name}' ({_buffer_name(which)}) is {dtype} but the kernel "
+                f"reads {t.dtype}"
+            )
+        count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+        if count < t.span:
+            raise LayoutError(
+                f"jax_sm100: tensor '{t.name}' ({_buffer_name(which)}) spans {t.span} elements "
+                f"({t.modes_text()}) but its buffer holds {count}"
+            )
+    return layouts
