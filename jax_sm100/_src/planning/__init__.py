@@ -1,0 +1,257 @@
+"""The trace-time GEMM planner: problem sizes and dtypes in, a frozen `GemmPlan` out.
+
+Pure Python over ints and dtype widths; it imports nvidia-cutlass-dsl only for its planning
+helpers (`compute_epilogue_tile_size`, `compute_acc_tmem_cols_per_stage`, the SMEM capacity
+table), which need no GPU. Legality is decided by `constraints.py`; this package chooses:
+gemm_plan.py holds the plan's types and resource arithmetic, sm90.py and sm100.py each arch's
+heuristics, and this module the entry points (`plan`, `make_problem`, the generic edits).
+
+Tile choice (both arches)
+-------------------------
+Every candidate tile is scored with a wave model: a persistent kernel runs
+`ceil(tiles / ctas_per_wave)` waves, and each wave costs the time of one tile, which is the tile's
+area divided by how efficiently that tile shape feeds the tensor cores. The efficiencies are the
+usual ranking of CUTLASS's own defaults (its persistent examples default to the largest tile, and
+smaller tiles lose to operand re-loads from L2): on SM100 a 2-CTA 256x256 MMA (one 128x256 tile
+per SM) is best, a 1-CTA 128x256 close, then 128-wide N tiles, with 64-row tiles last; on SM90
+128x256 with two consumer warp groups, then 128x128 and 64-row tiles. Big problems so
+land on the biggest tiles, and problems with few tiles trade tile size for filled SMs.
+
+Skinny problems (m <= 256 with large k and few output tiles) on sm_90a get a split-K plan, which
+spreads K over idle SMs; the partial products are reduced in float32 before the epilogue, by XLA
+(`split_reduce="xla"`, the planner's choice) or inside the kernel by a (1, split_k) cluster
+(`split_reduce="cluster"`, `with_split(plan, s, reduce="cluster")`; correct on the H200 but
+slower there so far: benchmarks/RESULTS.md).
+
+Small sm_90a problems (under `SM90_MIN_FLOPS`, or `SM90_SPLITK_MIN_FLOPS` for split-K) are planned
+onto XLA's dot, which the H200 measurements put ahead there; `force_kernel=True` overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import numpy as np
+
+from jax_sm100._src import constraints as C
+from jax_sm100._src.planning import sm90, sm100
+from jax_sm100._src.planning.gemm_plan import (
+    DEFAULT_NUM_SMS,
+    KERNEL_SM90,
+    KERNEL_SM90_SPLITK,
+    KERNEL_SM100,
+    KERNEL_XLA,
+    KERNELS,
+    GemmPlan,
+    GemmProblem,
+    epi_smem_bytes,
+    grid_clusters,
+    resident_clusters,
+    smem_capacity,
+)
+from jax_sm100._src.planning.sm90 import (
+    SM90_MAX_EPI_STAGES,
+    SM90_MIN_FLOPS,
+    SM90_PINGPONG_EPI_STAGES,
+    SM90_SPLITK_MIN_FLOPS,
+    SM90_STREAM_K_MIN_WAVES,
+    sm90_too_small,
+    sm90_variant,
+    swizzle_pads,
+    with_split,
+)
+
+__all__ = [
+    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM90", "KERNEL_SM90_SPLITK",
+    "KERNEL_XLA", "SM90_MAX_EPI_STAGES", "SM90_MIN_FLOPS", "SM90_PINGPONG_EPI_STAGES",
+    "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan", "GemmProblem",
+    "check_plan_fits", "cooperative", "epi_smem_bytes", "grid_clusters", "make_problem", "plan",
+    "replace_fitting", "resident_clusters", "sm90_too_small", "sm90_variant",
+    "small_problems_on_kernels", "smem_capacity", "swizzle_pads", "with_preact", "with_split",
+]  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(
+    m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
+    allow_pingpong=True, preact_out=False, num_sms=0,
+):  # fmt: skip
+    C.check_arch(arch)
+    num_sms = num_sms or DEFAULT_NUM_SMS[arch]
+    why_not = C.kernel_support(
+        arch, m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major
+    )
+    ab = a_dtype if a_dtype in C.KERNEL_OPERAND_DTYPES[arch] and a_dtype == b_dtype else "bfloat16"
+    ab_bits = C.DTYPE_BITS[ab]
+    ktile = 1024 // ab_bits
+    out_bits = C.DTYPE_BITS[out_dtype]
+    c_bits = C.DTYPE_BITS[c_dtype] if c_dtype else 0
+    common = dict(
+        arch=arch, m=m, n=n, k=k, batch=batch, a_dtype=a_dtype, b_dtype=b_dtype,
+        out_dtype=out_dtype, c_dtype=c_dtype, a_major=a_major, b_major=b_major, num_sms=num_sms,
+        preact_out=preact_out,
+    )  # fmt: skip
+    if arch == "sm_100a":
+        return sm100.plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits)
+    return sm90.plan_sm90(
+        common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_kernel
+    )  # fmt: skip
+
+
+def plan(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    a_dtype,
+    b_dtype,
+    out_dtype=None,
+    c_dtype=None,
+    batch: int = 1,
+    arch: str = "sm_100a",
+    a_major: str = "k",
+    b_major: str = "n",
+    force_kernel: bool = False,
+    preact_out: bool = False,
+    num_sms: int | None = None,
+) -> GemmPlan:
+    """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
+
+    Args:
+      m, n, k: problem sizes (positive ints).
+      a_dtype, b_dtype: operand dtypes (anything `np.dtype` takes, e.g. `jnp.bfloat16`).
+      out_dtype: output dtype; defaults to the operands' result type (bfloat16 for fp8 pairs).
+      c_dtype: dtype of the source matrix C when the epilogue reads one, else None.
+      batch: number of GEMMs in the batch (L) mode.
+      arch: "sm_100a" (tcgen05 kernels) or "sm_90a" (wgmma kernels).
+      a_major, b_major: which dim of A ("k" for a row-major [m, k]) and B ("n" for a row-major
+        [k, n]) is contiguous in memory.
+      force_kernel: plan the arch's kernel even for a problem small enough that XLA's dot is
+        measured faster (sm_90a below `SM90_MIN_FLOPS`); for tests and benchmarks. Problems a
+        kernel cannot take at all still go to XLA's dot. `JAX_SM100_SMALL_PROBLEMS=kernel` in
+        the environment sets it for every plan of the process.
+      preact_out: the epilogue also writes the pre-activation (what `matmul` under `grad`
+        saves for the activation's derivative): its staging takes shared memory too.
+      num_sms: the target device's SM count, which tile and split choices depend on; None
+        plans for the arch's usual part (`DEFAULT_NUM_SMS`: 132 for sm_90a as on the H100 and
+        H200, 148 for sm_100a as on the B200).
+
+    Returns:
+      A frozen `GemmPlan`; `str(plan)` prints it as a table.
+
+    Raises:
+      PlanError: for an unknown arch or non-positive sizes.
+      TypeError: for dtypes the primitive does not take.
+    """
+    p = make_problem(
+        m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+        batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
+    )  # fmt: skip
+    if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
+        raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
+    return _plan_cached(
+        p.m, p.n, p.k, p.a_dtype, p.b_dtype, p.out_dtype, p.c_dtype, p.batch, arch,
+        p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
+        preact_out=p.preact_out, num_sms=int(num_sms or 0),
+    )  # fmt: skip
+
+
+def make_problem(
+    m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
+    b_major="n", preact_out=False,
+) -> GemmProblem:  # fmt: skip
+    """A `GemmProblem` from `plan`'s arguments: dtypes by name (the output's defaulted as
+    `plan` says), sizes checked positive.
+
+    Raises:
+      PlanError: non-positive sizes or unknown layouts.
+      TypeError: dtypes the primitive does not take.
+    """
+    from jax_sm100._src import dtypes as D  # noqa: PLC0415
+
+    a_name, b_name = D.operand_dtype_name(a_dtype, "a"), D.operand_dtype_name(b_dtype, "b")
+    out_name = D.default_out_dtype(a_name, b_name) if out_dtype is None else D.name(out_dtype)
+    c_name = None if c_dtype is None else D.operand_dtype_name(c_dtype, "c")
+    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise C.PlanError(f"{name}={v!r} must be a positive int")
+    if a_major not in ("k", "m") or b_major not in ("k", "n"):
+        raise C.PlanError(f"{a_major=} must be 'k' or 'm'; {b_major=}: 'k' or 'n'")
+    return GemmProblem(
+        m=int(m), n=int(n), k=int(k), a_dtype=a_name, b_dtype=b_name, out_dtype=out_name,
+        c_dtype=c_name, batch=int(batch), a_major=a_major, b_major=b_major,
+        preact_out=bool(preact_out),
+    )  # fmt: skip
+
+
+def cooperative(plan: GemmPlan) -> GemmPlan:
+    """The planner's plan for `plan`'s problem with the ping-pong schedule ruled out: the
+    cooperative tile, cluster and raster it picks for fewer waves or 32-bit outputs, with
+    stream-K where the last wave is partial. For tests and tuning."""
+    return _plan_cached(
+        plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
+        plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
+        allow_pingpong=False, preact_out=plan.preact_out, num_sms=plan.num_sms,
+    )  # fmt: skip
+
+
+def with_preact(plan: GemmPlan) -> GemmPlan:
+    """`plan` (a caller's) with the pre-activation output (`preact_out=True`) added to its
+    epilogue: the same tiles, schedule and store stages, A/B stages reduced where the Z staging
+    leaves fewer in SMEM. (The planner's own plans for the forward under `grad` are made with
+    `preact_out` and choose their stages for it.)"""
+    if plan.preact_out:
+        return plan
+    return replace_fitting(plan, preact_out=True)
+
+
+def replace_fitting(plan: GemmPlan, **fields) -> GemmPlan:
+    """`dataclasses.replace(plan, **fields)` with the A/B stages lowered, one at a time, until
+    the edited plan fits (its epilogue may need more shared memory); PlanError when none does."""
+    stages = plan.num_ab_stages
+    while True:
+        try:
+            return dataclasses.replace(plan, num_ab_stages=stages, **fields)
+        except C.PlanError:
+            if stages <= C.MIN_AB_STAGES:
+                raise
+            stages -= 1
+
+
+def small_problems_on_kernels() -> bool:
+    """True when `JAX_SM100_SMALL_PROBLEMS=kernel`: every plan behaves as `force_kernel=True`.
+
+    For programs that want our kernels on small problems too (the measured ~1.5 us start-up cost
+    accepted), without passing plans: e.g. where XLA's own GEMM for small shapes misbehaves
+    (benchmarks/RESULTS.md: XLA's Triton GEMM gave inf in a small bf16 model on the H200).
+    """
+    value = os.environ.get("JAX_SM100_SMALL_PROBLEMS", "xla")
+    if value not in ("xla", "kernel"):
+        raise C.PlanError(f"JAX_SM100_SMALL_PROBLEMS={value!r} must be 'xla' or 'kernel'")
+    return value == "kernel"
+
+
+def check_plan_fits(plan: GemmPlan, problem: GemmProblem, arch: str) -> None:
+    """Raises PlanError unless a caller's plan was made for `problem` on `arch` (a plan without
+    the pre-activation output fits a problem that needs it: `with_preact` adds it)."""
+    if plan.arch != arch:
+        raise C.PlanError(
+            f"the plan passed to matmul(plan=...) is for {plan.arch}, but this call runs on "
+            f"{arch}: {plan.arch} kernels cannot run there. Make the plan with "
+            f"jax_sm100.plan(..., arch={arch!r}) or leave plan=None"
+        )
+    for f in ("m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
+        got, want = getattr(plan, f), getattr(problem, f)
+        if got != want:
+            raise C.PlanError(
+                f"the plan passed to matmul(plan=...) was made for {f}={got!r}, but this call "
+                f"has {f}={want!r}; make it with jax_sm100.plan(...) for this problem"
+            )
+    for f in ("a_major", "b_major"):
+        if getattr(plan, f) != getattr(problem, f):
+            raise C.PlanError(
+                f"the plan has {f}={getattr(plan, f)!r} but the operand is "
+                f"{getattr(problem, f)}-major here"
+            )

@@ -1,0 +1,370 @@
+"""The plan's types: what a call computes (`GemmProblem`) and how it runs (`GemmPlan`), with the
+resource arithmetic every plan is checked against (shared memory, TMEM, epilogue tiles, grid).
+
+A `GemmPlan`'s init fields are choices; `__post_init__` derives the rest and checks every rule in
+constraints.py, so an edit made with `dataclasses.replace` either holds or raises `PlanError`.
+The planners that choose (sm90.py, sm100.py) and the entry points (`plan`, in __init__.py) are
+beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from jax_sm100._src import constraints as C
+
+KERNEL_SM100 = "sm100_tcgen05"
+KERNEL_SM90 = "sm90_wgmma"
+KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
+KERNEL_XLA = "xla_dot"
+KERNELS = (KERNEL_SM100, KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_XLA)
+
+# SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
+# Calls plan for their device's own count (dispatch.Target).
+DEFAULT_NUM_SMS = {"sm_100a": 148, "sm_90a": 132}
+
+
+def _dsl():
+    """nvidia-cutlass-dsl's planning helpers (imported lazily: importing the DSL takes ~1 s)."""
+    import cutlass.utils  # noqa: PLC0415
+
+    return cutlass.utils
+
+
+@functools.cache
+def smem_capacity(arch: str) -> int:
+    """Shared memory per CTA, from the DSL's capacity table."""
+    from cutlass.cutlass_dsl.cutlass import SMEM_CAPACITY_MAP  # noqa: PLC0415
+
+    return SMEM_CAPACITY_MAP[arch.rstrip("a")]
+
+
+@functools.cache
+def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = False, epi_n: int = 0):
+    """The rule of the DSL's `sm90.compute_tile_shape_or_override`, restated in plain ints.
+
+    Calling the helper itself needs an MLIR context (it sizes tuples with cute.size); a context
+    created outside the DSL's own compile corrupts the heap once the DSL later compiles in the
+    same process (seen 2026-11-29: "malloc(): unaligned tcache chunk detected" in the next
+    compile's context creation), so the planner must not create one.
+
+    A ping-pong warp group holds all rows of its tile, in 64-row MMA blocks; its epilogue
+    sub-tiles are 64 rows, one MMA block each (the kernel walks sub-tiles in register order, which
+    for a 128-row tile in one warp group goes block by block).
+    """
+    bits = C.DTYPE_BITS.get(out_dtype, 32)
+    if cta_m > 64 and not pingpong:  # cooperative: two consumer warp groups share the M extent
+        rows, cols = min(128, cta_m), min(32, cta_n)
+    else:
+        rows, cols = 64, min(64 if bits == 8 else 32, cta_n)
+    if epi_n:
+        if epi_n % 16 or epi_n > cta_n or cta_n % epi_n:
+            raise C.PlanError(
+                f"epi_n={epi_n} must be a multiple of 16 that divides the tile's N ({cta_n})"
+            )
+        cols = epi_n
+    return rows, cols
+
+
+def epi_smem_bytes(
+    arch, epi_tile, num_epi_stages, out_dtype, c_dtype, split_k, pingpong=False, cta_mn=None,
+    split_reduce="xla", preact_out=False, stage_c=False,
+) -> int:  # fmt: skip
+    """Shared memory of the epilogue's staging buffers.
+
+    D is staged through SMEM for its TMA store, in float32 for split-K partials; so is the
+    pre-activation Z when the epilogue also writes it (`preact_out`, D's dtype). SM100 kernels
+    also stage C through SMEM (a TMA load); SM90 kernels read C from global memory in registers,
+    or stage it too with `stage_c`.
+    A ping-pong SM90 kernel has one set of buffers per consumer warp group. An in-cluster split-K
+    kernel instead holds its whole float32 partial tile (`cta_mn`, rows padded by
+    `C.SPLITK_ROW_PAD`), which the cluster reads back (and writes D and Z from registers).
+    """
+    if split_k > 1 and split_reduce == "cluster":
+        return cta_mn[0] * (cta_mn[1] + C.SPLITK_ROW_PAD) * 4
+    d_bits = 32 if split_k > 1 else C.DTYPE_BITS[out_dtype] * (2 if preact_out else 1)
+    c_bits = C.DTYPE_BITS[c_dtype] if (c_dtype and (arch == "sm_100a" or stage_c)) else 0
+    groups = 2 if pingpong else 1
+    return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmProblem:
+    """What one call computes, as the kernels see it: `batch` GEMMs of [m, k] @ [k, n] (the
+    batch folded into m where B is shared), the dtypes by name, the operand layouts, and whether
+    the epilogue also writes the pre-activation. A plan is made for a problem and a target
+    (`GemmPlan.problem`); everything else in the plan is a choice."""
+
+    m: int
+    n: int
+    k: int
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    c_dtype: str | None = None
+    batch: int = 1
+    a_major: str = "k"
+    b_major: str = "n"
+    preact_out: bool = False
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.batch
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """How one GEMM problem runs: which kernel, its tiles, cluster, TMEM and pipeline depths.
+
+    The init fields are choices; `dataclasses.replace` may change them and `__post_init__`
+    re-derives the dependent fields (`cta_tile_mnk`, `epi_tile`, TMEM columns, `smem_bytes`) and
+    checks every constraint, so an illegal edit raises `PlanError` naming the rule it breaks.
+    """
+
+    arch: str
+    m: int
+    n: int
+    k: int
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    kernel: str
+    reason: str
+    mma_tiler_mnk: tuple[int, int, int]
+    cluster_shape_mn: tuple[int, int]
+    use_2cta: bool
+    num_ab_stages: int
+    num_acc_stages: int
+    num_epi_stages: int = 2
+    batch: int = 1
+    c_dtype: str | None = None
+    a_major: str = "k"
+    b_major: str = "n"
+    split_k: int = 1
+    split_reduce: str = "xla"
+    raster_along_m: bool = True
+    swizzle_size: int = 1
+    pingpong: bool = False
+    epi_n: int = 0
+    num_sms: int = 0
+    # sm_90a cooperative plans: when the output tiles do not fill the persistent clusters' last
+    # wave evenly, the final (tiles mod clusters) + clusters tiles are shared out by k-blocks,
+    # stream-K style, and the tiles split between two clusters meet in a float32 workspace.
+    stream_k: bool = False
+    # The epilogue also writes the pre-activation z = alpha * acc + beta * C + bias (a second
+    # output in out_dtype, the residual of the activation's derivative under `grad`).
+    preact_out: bool = False
+    # sm_100a: the clusters the persistent grid launches; 0 for all that fit by the plan's own
+    # resources (`resident_clusters`). The CUDA lowering sets the driver's occupancy count
+    # where that is lower (clusters must fit whole GPCs).
+    max_clusters: int = 0
+    # sm_90a: the epilogue's C comes through a shared-memory ring that a producer warp fills by
+    # TMA ahead of the epilogue (as on sm_100a), instead of global loads into registers. A plan
+    # option, off in the planner: compiled and PTX-checked, not yet run on a GPU (2026-12-01).
+    stage_c: bool = False
+    cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
+    epi_tile: tuple[int, int] = dataclasses.field(init=False)
+    acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
+    tmem_alloc_cols: int = dataclasses.field(init=False)
+    smem_bytes: int = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        setf = functools.partial(object.__setattr__, self)
+        C.check_arch(self.arch)
+        for name in ("m", "n", "k", "batch"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise C.PlanError(f"{name}={v!r} must be a positive int")
+        for name in ("a_dtype", "b_dtype", "out_dtype", "c_dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in C.DTYPE_BITS:
+                raise C.PlanError(f"{name}={v!r} must be one of {tuple(C.DTYPE_BITS)}")
+        if not isinstance(self.max_clusters, (int, np.integer)) or self.max_clusters < 0:
+            raise C.PlanError(f"max_clusters={self.max_clusters!r} must be an int >= 0")
+        if self.max_clusters and self.arch != "sm_100a":
+            raise C.PlanError(f"max_clusters={self.max_clusters} is an sm_100a choice; leave 0")
+        if self.kernel not in KERNELS:
+            raise C.PlanError(f"kernel={self.kernel!r} must be one of {KERNELS}")
+        if self.a_major not in ("k", "m") or self.b_major not in ("k", "n"):
+            raise C.PlanError(f"{self.a_major=} must be 'k' or 'm'; {self.b_major=}: 'k' or 'n'")
+        setf("mma_tiler_mnk", tuple(int(x) for x in self.mma_tiler_mnk))
+        setf("cluster_shape_mn", tuple(int(x) for x in self.cluster_shape_mn))
+        if self.num_sms <= 0:
+            setf("num_sms", DEFAULT_NUM_SMS[self.arch])
+        if self.kernel == KERNEL_SM100 and self.arch != "sm_100a":
+            raise C.PlanError(f"kernel={self.kernel!r} runs on sm_100a only, plan is {self.arch}")
+        if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK) and self.arch != "sm_90a":
+            raise C.PlanError(f"kernel={self.kernel!r} runs on sm_90a only, plan is {self.arch}")
+        if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
+            raise C.PlanError(
+                f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
+            )
+        C.check_split_k(self.split_k, self.cluster_shape_mn, self.pingpong, self.split_reduce)
+        ab = self.a_dtype if self.a_dtype in C.KERNEL_OPERAND_DTYPES[self.arch] else "bfloat16"
+        C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab, self.b_major)
+        C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
+        C.check_pingpong(self.arch, self.pingpong, self.mma_tiler_mnk)
+        C.check_stream_k(
+            self.arch, self.stream_k, self.pingpong, self.split_k, self.cluster_shape_mn
+        )
+        C.check_stage_c(self.arch, self.stage_c, self.c_dtype, self.out_dtype, self.stream_k,
+                        self.split_k)  # fmt: skip
+        mm, mn, mk = self.mma_tiler_mnk
+        cta = (mm // 2 if self.use_2cta else mm, mn, mk)
+        setf("cta_tile_mnk", cta)
+        out_bits = C.DTYPE_BITS[self.out_dtype]
+        c_bits = None if self.c_dtype is None else C.DTYPE_BITS[self.c_dtype]
+        if self.arch == "sm_100a":
+            # JAX's outputs are row-major: D and C are N-major.
+            epi = _dsl().sm100.compute_epilogue_tile_size(
+                cta[0], cta[1], self.use_2cta, out_bits, c_bits, False, False
+            )
+            cols = _dsl().sm100.compute_acc_tmem_cols_per_stage(
+                cta[0], cta[1], self.use_2cta, mn, False
+            )
+            if self.num_acc_stages < 1:
+                raise C.PlanError(f"{self.num_acc_stages=} must be >= 1")
+            alloc = _pow2_ceil(max(C.TMEM_MIN_COLS, cols * self.num_acc_stages))
+            C.check_tmem(alloc)
+            b_rows = mn // 2 if self.use_2cta else mn
+            if self.epi_n:
+                raise C.PlanError(
+                    f"epi_n={self.epi_n} is an sm_90a choice; sm_100a plans take the DSL's "
+                    "epilogue tile (leave epi_n=0)"
+                )
+        else:
+            epi = _sm90_epi_tile(cta[0], cta[1], self.out_dtype, self.pingpong, self.epi_n)
+            cols, alloc = 0, 0
+            if self.num_acc_stages != 1:
+                raise C.PlanError(f"sm_90a accumulates in registers: {self.num_acc_stages=} != 1")
+            b_rows = mn
+        setf("epi_tile", (int(epi[0]), int(epi[1])))
+        setf("acc_tmem_cols_per_stage", int(cols))
+        setf("tmem_alloc_cols", int(alloc))
+        C.check_epi_tile(self.epi_tile, cta)
+        ab_bits = C.DTYPE_BITS[ab]
+        stage_bytes = _ab_stage_bytes(cta, b_rows, ab_bits)
+        epi_bytes = self._epi_bytes
+        setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
+        C.check_ab_stages(self.num_ab_stages)
+        C.check_smem(self.arch, self.smem_bytes, smem_capacity(self.arch))
+        if self.arch == "sm_100a":
+            threads = C.sm100_threads_per_cta(self.c_dtype is not None)
+            C.check_tmem_residency(self.tmem_alloc_cols, self.smem_bytes, threads)
+        if self.kernel != KERNEL_XLA:
+            why = C.kernel_support(
+                self.arch, self.m, self.n, self.k, self.a_dtype, self.b_dtype, self.out_dtype,
+                self.c_dtype, self.a_major, self.b_major,
+            )  # fmt: skip
+            if why is not None:
+                raise C.PlanError(f"kernel={self.kernel!r} cannot run this problem: {why}")
+
+    @property
+    def problem(self) -> GemmProblem:
+        """The problem this plan was made for (its other fields are choices and their
+        consequences)."""
+        return GemmProblem(**{f.name: getattr(self, f.name) for f in _PROBLEM_FIELDS})
+
+    @property
+    def ab_stage_bytes(self) -> int:
+        return (self.smem_bytes - C.SMEM_RESERVED_BYTES - self._epi_bytes) // self.num_ab_stages
+
+    @property
+    def _epi_bytes(self) -> int:
+        return epi_smem_bytes(
+            self.arch, self.epi_tile, self.num_epi_stages, self.out_dtype, self.c_dtype,
+            self.split_k, self.pingpong, self.cta_tile_mnk[:2], self.split_reduce,
+            self.preact_out, self.stage_c,
+        )  # fmt: skip
+
+    def _grid_text(self) -> str:
+        size = self.cluster_shape_mn[0] * self.cluster_shape_mn[1]
+        if self.arch == "sm_90a":
+            return f"auto ({max(1, self.num_sms // size)} clusters of {size})"
+        how = "the driver's occupancy" if self.max_clusters else "from the plan's resources"
+        return f"{grid_clusters(self)} clusters of {size} ({how})"
+
+    @property
+    def num_tiles(self) -> int:
+        """Output tiles of the whole problem (per split), counting the batch."""
+        cm, cn, _ = self.cta_tile_mnk
+        return math.ceil(self.m / cm) * math.ceil(self.n / cn) * self.batch
+
+    def __str__(self) -> str:
+        rows = [("problem", f"{self.batch} x [{self.m} x {self.k}] @ [{self.k} x {self.n}]")]
+        dt = f"{self.a_dtype} x {self.b_dtype} -> {self.out_dtype}"
+        if self.c_dtype:
+            dt += f" (C: {self.c_dtype})"
+        rows += [
+            ("dtypes", dt),
+            ("layouts", f"A {self.a_major}-major, B {self.b_major}-major, D n-major"),
+            ("arch", f"{self.arch} ({self.num_sms} SMs)"),
+            ("kernel", self.kernel),
+            ("reason", self.reason),
+            ("mma_tiler_mnk", self.mma_tiler_mnk),
+            ("cta_tile_mnk", self.cta_tile_mnk),
+            ("cluster_shape_mn", self.cluster_shape_mn),
+            ("use_2cta", self.use_2cta),
+            ("epi_tile", self.epi_tile),
+            ("acc_tmem_cols_per_stage", self.acc_tmem_cols_per_stage),
+            ("num_acc_stages", self.num_acc_stages),
+            ("tmem_alloc_cols", self.tmem_alloc_cols),
+            ("num_ab_stages", self.num_ab_stages),
+            ("num_epi_stages", self.num_epi_stages),
+            ("smem_bytes", f"{self.smem_bytes} of {smem_capacity(self.arch)}"),
+            ("split_k", self.split_k),
+            ("split_reduce", self.split_reduce),
+            ("pingpong", self.pingpong),
+            ("stream_k", self.stream_k),
+            ("preact_out", self.preact_out),
+            ("stage_c", self.stage_c),
+            ("max_clusters", self._grid_text()),
+            ("epi_n", self.epi_n or "auto"),
+            ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
+                       f"swizzle {self.swizzle_size}"),
+            ("tiles", self.num_tiles),
+        ]  # fmt: skip
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+
+
+_PROBLEM_FIELDS = dataclasses.fields(GemmProblem)
+
+
+def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
+    """Shared memory of one A/B pipeline stage: the CTA's A tile and its (share of the) B tile."""
+    return (cta[0] + b_rows) * cta[2] * ab_bits // 8
+
+
+def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:
+    stage = _ab_stage_bytes(cta, b_rows, ab_bits)
+    return (smem_capacity(arch) - C.SMEM_RESERVED_BYTES - epi_bytes) // stage
+
+
+def resident_clusters(plan: GemmPlan) -> int:
+    """Clusters of `plan` that can be resident at once, from its resources alone: the SMs' CTA
+    slots (`constraints.max_resident_ctas`, one per SM for every plan the planner makes, which
+    fill shared memory) divided into clusters. sm_100a only (SM90 grids are `num_sms // size`)."""
+    size = plan.cluster_shape_mn[0] * plan.cluster_shape_mn[1]
+    threads = C.sm100_threads_per_cta(plan.c_dtype is not None)
+    per_sm = C.max_resident_ctas(plan.smem_bytes, threads)
+    return max(1, plan.num_sms * per_sm // size)
+
+
+def grid_clusters(plan: GemmPlan) -> int:
+    """The clusters an sm_100a plan's persistent grid launches."""
+    return plan.max_clusters or resident_clusters(plan)
+
+
+def _wave_cost(tiles: int, ctas_per_tile: int, num_sms: int, area: int, eff: float) -> float:
+    # A 2-CTA tile is computed by two SMs: each wave costs half its area per SM.
+    slots = max(1, num_sms // ctas_per_tile)
+    return math.ceil(tiles / slots) * (area / ctas_per_tile) / eff

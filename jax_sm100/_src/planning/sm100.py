@@ -1,0 +1,84 @@
+"""The SM100 (tcgen05) planner: the tile, 1- or 2-CTA MMA, cluster, accumulator and pipeline
+stages of a problem (the wave model of the package docstring), from the DSL's own planning
+helpers."""
+
+from __future__ import annotations
+
+import math
+
+from jax_sm100._src import constraints as C
+from jax_sm100._src.planning.gemm_plan import (
+    KERNEL_SM100,
+    KERNEL_XLA,
+    GemmPlan,
+    _dsl,
+    _max_ab_stages,
+    _pow2_ceil,
+    _wave_cost,
+    epi_smem_bytes,
+)
+
+# Relative tensor-core efficiency of each tile (see the module docstring).
+_SM100_CANDIDATES = (
+    # (use_2cta, mma_m, mma_n, efficiency)
+    (True, 256, 256, 1.00),
+    (False, 128, 256, 0.96),
+    (True, 256, 128, 0.92),
+    (False, 128, 128, 0.86),
+    (True, 128, 256, 0.80),
+    (False, 64, 256, 0.70),
+    (False, 64, 128, 0.62),
+)
+
+
+def _choose_sm100(m, n, k, batch, num_sms):
+    best = None
+    for use_2cta, mm, mn, eff in _SM100_CANDIDATES:
+        cta_m = mm // 2 if use_2cta else mm
+        if use_2cta and m <= 128 and mm > m:
+            continue  # a 2-CTA pair would be mostly padding
+        tiles = math.ceil(m / mm) * math.ceil(n / mn) * batch
+        cost = _wave_cost(tiles, 2 if use_2cta else 1, num_sms, mm * mn, eff)
+        cost *= (math.ceil(m / cta_m) * cta_m) / max(m, 1) if m < cta_m else 1.0
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, use_2cta, mm, mn)
+    _, use_2cta, mm, mn = best
+    tiles_m = math.ceil(m / mm)
+    cluster = (2, 1) if use_2cta else ((2, 1) if tiles_m >= 2 else (1, 1))
+    return use_2cta, mm, mn, cluster
+
+
+def _sm100_reason(use_2cta, mm, mn, num_sms) -> str:
+    kind = "2-CTA" if use_2cta else "1-CTA"
+    return f"tcgen05 {kind} {mm}x{mn} MMA: fewest weighted waves on {num_sms} SMs"
+
+
+def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
+    """The planner's sm_100a plan for the problem in `common` (GemmPlan's problem fields, arch
+    and num_sms); `why_not` (a reason or None) sends it to XLA's dot."""
+    m, n, k, batch = common["m"], common["n"], common["k"], common["batch"]
+    arch, num_sms = common["arch"], common["num_sms"]
+    out_dtype, c_dtype = common["out_dtype"], common["c_dtype"]
+    preact_out = common["preact_out"]
+    use_2cta, mm, mn, cluster = _choose_sm100(m, n, k, batch, num_sms)
+    cta = (mm // 2 if use_2cta else mm, mn, ktile)
+    cols = _dsl().sm100.compute_acc_tmem_cols_per_stage(cta[0], mn, use_2cta, mn, False)
+    # Two accumulator stages let the epilogue of one tile overlap the MMAs of the next;
+    # fall back to one when two do not fit in TMEM.
+    acc_stages = 2 if _pow2_ceil(2 * cols) <= C.TMEM_MAX_COLS else 1
+    epi = _dsl().sm100.compute_epilogue_tile_size(
+        cta[0], mn, use_2cta, out_bits, c_dtype and c_bits, False, False
+    )
+    epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, 1, preact_out=preact_out)
+    stages = _max_ab_stages(arch, cta, mn // 2 if use_2cta else mn, ab_bits, epi_bytes)
+    plan = GemmPlan(
+        **common,
+        kernel=KERNEL_SM100 if why_not is None else KERNEL_XLA,
+        reason=why_not or _sm100_reason(use_2cta, mm, mn, num_sms),
+        mma_tiler_mnk=(mm, mn, ktile),
+        cluster_shape_mn=cluster,
+        use_2cta=use_2cta,
+        num_ab_stages=stages,
+        num_acc_stages=acc_stages,
+    )
+    return plan

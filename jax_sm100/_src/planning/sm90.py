@@ -1,0 +1,327 @@
+"""The SM90 (wgmma) planner: tile, cluster, ping-pong or cooperative schedule, split-K,
+stream-K, raster and swizzle, A/B and store stages; and the edits that keep an SM90 plan
+consistent (`sm90_variant`, `with_split`). The measurements behind each rule are beside it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jax_sm100._src import constraints as C
+from jax_sm100._src.planning.gemm_plan import (
+    KERNEL_SM90,
+    KERNEL_SM90_SPLITK,
+    KERNEL_XLA,
+    GemmPlan,
+    _wave_cost,
+    smem_capacity,
+)
+
+_SM90_CANDIDATES = (
+    # (tile_m, tile_n, efficiency), cooperative. 256x128 and a cooperative 128x160 run
+    # correctly on the H200 but were not faster than 128x256 there (benchmarks/RESULTS.md,
+    # third session): plan options only.
+    (128, 256, 1.00),
+    (128, 128, 0.85),
+    (64, 256, 0.72),
+    (64, 128, 0.62),
+)
+# Ping-pong tiles (one warp group per tile, so its epilogue hides under the other group's main
+# loop), walked along N in bands of 8 cluster rows. H200, device method, sixth session
+# (benchmarks/RESULTS.md): 128x160 / 128x192 ping-pong with clusters of 2x1 beat the best
+# cooperative 128x256 plan by 1-4 % at 16384x4096x4096, 8192^3 and 4096x14336x4096, the one of
+# the two that wastes the least last wave winning each time; the efficiency below puts that
+# per-tile gain into the wave model. Taken only for many waves of 16-bit tiles (measured there).
+_SM90_PINGPONG_CANDIDATES = (
+    (128, 160, 1.03),
+    (128, 192, 1.03),
+)
+SM90_PINGPONG_MIN_WAVES = 8
+
+
+def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None, **changes):
+    """`plan` with another SM90 tile, cluster or schedule, its A/B stages refilled to the SMEM left.
+
+    For tuning and tests: `dataclasses.replace` keeps `num_ab_stages`, which is rarely right for
+    another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
+    Asking for ping-pong, or clusters of more than 2 CTAs, turns stream-K off unless `stream_k`
+    is given. A new tile or cluster keeps the plan's swizzle only where it still divides the
+    cluster columns (rows for a raster along N; see `_sm90_swizzle`), unless `swizzle_size` is
+    given.
+    Raises PlanError for an illegal combination, like any plan edit.
+    """
+    if plan.arch != "sm_90a":
+        raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
+    tm, tn = tile_mn or plan.cta_tile_mnk[:2]
+    epi_stages = changes.pop("num_epi_stages", None)
+    cluster = tuple(cluster_mn or plan.cluster_shape_mn)
+    if pingpong or cluster[0] * cluster[1] > 2:
+        changes.setdefault("stream_k", False)
+    along_m = changes.get("raster_along_m", plan.raster_along_m)
+    if _swizzled_extent(plan.m, plan.n, (tm, tn), cluster, along_m) % plan.swizzle_size:
+        changes.setdefault("swizzle_size", 1)
+    edited = dataclasses.replace(
+        plan,
+        mma_tiler_mnk=(tm, tn, plan.mma_tiler_mnk[2]),
+        cluster_shape_mn=cluster,
+        pingpong=plan.pingpong if pingpong is None else bool(pingpong),
+        num_ab_stages=C.MIN_AB_STAGES,
+        **changes,
+    )
+    # The edited plan has derived its epilogue and stage sizes; fill the SMEM that is left.
+    return _fill_sm90_smem(edited, epi_stages)
+
+
+def _fill_sm90_smem(plan: GemmPlan, epi_stages: int | None = None) -> GemmPlan:
+    """`plan` with its shared memory refilled: with `epi_stages` given, that epilogue depth and
+    as many A/B stages as fit beside it; else as many A/B stages as fit beside a 2-deep epilogue
+    ring, then, for a swizzled raster, the epilogue ring deepened with what is left (up to
+    `SM90_MAX_EPI_STAGES`)."""
+    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES
+    base = dataclasses.replace(plan, num_epi_stages=epi_stages or 2, num_ab_stages=C.MIN_AB_STAGES)
+    stages = (free - base._epi_bytes) // base.ab_stage_bytes
+    depth = base.num_epi_stages
+    in_cluster = plan.split_k > 1 and plan.split_reduce == "cluster"
+    if epi_stages is None and plan.swizzle_size > 1 and not in_cluster:
+        # (An in-cluster split stages its whole partial tile, whatever the depth.)
+        left = free - base._epi_bytes - stages * base.ab_stage_bytes
+        depth = min(SM90_MAX_EPI_STAGES, depth + left // (base._epi_bytes // depth))
+    return dataclasses.replace(base, num_ab_stages=stages, num_epi_stages=depth)
+
+
+def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False):
+    """(tile_m, tile_n, cluster, pingpong): the tile with the fewest weighted waves; ping-pong
+    tiles compete only with `pingpong_ok` and when 128x256 tiles fill at least
+    `SM90_PINGPONG_MIN_WAVES` waves."""
+    candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
+    if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
+        SM90_PINGPONG_MIN_WAVES * num_sms
+    ):
+        candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_PINGPONG_CANDIDATES]
+    best = None
+    for tm, tn, pingpong, eff in candidates:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+        cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff)
+        if m < tm:
+            cost *= tm / m  # rows of padding still cost MMA time
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, tm, tn, pingpong)
+    _, tm, tn, pingpong = best
+    if pingpong:
+        # Measured best with CTAs paired along M (B multicast) in all three sweeps but one.
+        return tm, tn, (2, 1), True
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    # Multicast the operand that more CTAs share: pair CTAs along the longer tile dimension.
+    cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
+    if tiles_n >= 2 and tiles_m >= 4 * tiles_n:
+        # Very tall grids: A (m x k) is the big operand that does not stay in L2; pairing CTAs
+        # along N multicasts it. Three H200 sweeps of 16384x4096x4096 (benchmarks/RESULTS.md)
+        # put 1x2 ahead of 2x1 by 3-4% each time (0.96-1.0x against 0.95-0.96x jnp.dot).
+        cluster = (1, 2)
+    return tm, tn, cluster, False
+
+
+def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
+    """Split factor for skinny shapes whose output tiles leave most SMs idle."""
+    tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+    if m > 256 or tiles * 2 > num_sms:
+        return 1
+    k_tiles = math.ceil(k / ktile)
+    split = 1
+    # Keep at least 4 K tiles per split so each CTA still pipelines.
+    while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPlan:
+    """`plan` (sm_90a) with split factor `split` (1: the unsplit SM90 kernel) and partials summed
+    by `reduce` ("xla" or "cluster"; default: the plan's), A/B stages refilled to the shared
+    memory its epilogue leaves. An in-cluster split takes the (1, split) cluster it reduces in.
+    Raises PlanError if the combination is illegal or no stages fit."""
+    reduce = reduce or plan.split_reduce
+    kernel = KERNEL_SM90_SPLITK if split > 1 else KERNEL_SM90
+    cluster = plan.cluster_shape_mn
+    if reduce == "cluster":
+        cluster = (1, split)
+    edited = dataclasses.replace(
+        plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
+        pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
+        num_epi_stages=2, stream_k=plan.stream_k and split == 1,
+        stage_c=plan.stage_c and split == 1,
+    )  # fmt: skip
+    return _fill_sm90_smem(edited)
+
+
+# Below these sizes (FLOPs of the whole batched problem) XLA's dot beats the SM90 kernels on
+# the H200: the persistent kernel's start-up (barrier init, cluster sync, pipeline fill) costs
+# ~1-1.6 us more than cuBLAS's kernels, measured by `python -m jax_sm100.bench --method device`
+# on 2026-11-29 (benchmarks/RESULTS.md): 0.62-0.83x at 128^3, 256^3, 1024^3, 1024x1024x128 and
+# 512x2048x512; 0.90x at 1024x4096x1024 (2^33 FLOPs) and 0.92-0.96x at 2048^3. Split-K plans
+# win at 64x4096x4096 (1.2x, 2^31.0 FLOPs), tie at 256x256x4096 and 128x1024x1024 and lose at
+# 64x64x4096 (0.72x).
+# Epilogue store stages the SM90 planner gives from the shared memory the A/B ring leaves over,
+# for swizzled rasters: with 4 (not 2) sub-tiles in flight the 128x256 tile's epilogue stalls
+# less on its TMA stores. H200, device method, two sweeps: +0.2-7 % in all 16 swizzle-8 pairs
+# (8192^3, 16384x4096x4096, 4096^3, 4096x14336x4096; both clusters), -5 to +2 % (mean -1 %)
+# with swizzle 1, where the planner keeps 2 (benchmarks/RESULTS.md, fourth session).
+SM90_MAX_EPI_STAGES = 4
+SM90_MIN_FLOPS = 2**33
+SM90_SPLITK_MIN_FLOPS = 2**30
+
+
+def sm90_too_small(m, n, k, batch, split) -> str | None:
+    """The planner's reason to send a small sm_90a problem to XLA's dot, or None."""
+    flops = 2 * m * n * k * batch
+    floor = SM90_SPLITK_MIN_FLOPS if split > 1 else SM90_MIN_FLOPS
+    if flops >= floor:
+        return None
+    kind = f"split-K x{split}" if split > 1 else "wgmma"
+    return (
+        f"XLA dot: a small problem ({flops / 1e9:.3g} GFLOP < {floor / 1e9:.3g}), where the "
+        f"persistent {kind} kernel's ~1.5 us start-up makes it slower than XLA's dot on the "
+        "H200 (benchmarks/RESULTS.md); plan(..., force_kernel=True) plans the kernel anyway"
+    )
+
+
+def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
+    """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
+    where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`) with
+    the measured 4-deep epilogue store ring, or None where it does not fit (the caller then
+    plans the cooperative tile). A C of D's 16-bit dtype (the backward's saved pre-activation,
+    a residual) is staged by TMA (`GemmPlan.stage_c`), with a shallower store ring (measured
+    below)."""
+    rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
+    swizzle = 8 if rows % 8 == 0 else 1
+    c_dtype = common["c_dtype"]
+    stage_c = c_dtype == common["out_dtype"] and c_dtype is not None and C.DTYPE_BITS[c_dtype] == 16
+    try:
+        plan = GemmPlan(
+            **common, kernel=KERNEL_SM90,
+            reason=(f"wgmma {tile[0]}x{tile[1]} ping-pong tile (each warp group's epilogue "
+                    "hidden under the other's main loop): fewest weighted waves on "
+                    f"{common['num_sms']} SMs; raster along N"),
+            mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
+            num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
+            swizzle_size=swizzle, pingpong=True, stage_c=stage_c,
+        )  # fmt: skip
+        shallow = plan.preact_out or plan.stage_c
+        depth = SM90_PINGPONG_SHALLOW_EPI_STAGES if shallow else SM90_PINGPONG_EPI_STAGES
+        return _fill_sm90_smem(plan, depth)
+    except C.PlanError:
+        return None
+
+
+SM90_PINGPONG_EPI_STAGES = 4
+# Epilogues that stage a second tile in shared memory take 2 store stages, leaving room for one
+# more A/B stage (H200, benchmarks/epilogue_probe.py, interleaved rounds, 2026-12-01,
+# 8192x14336x4096 bf16, 128x160 ping-pong):
+# - with the pre-activation Z also stored (the forward under `grad`, bias + gelu), 4 store
+#   stages leave 4 A/B stages, 2 leave 5: 631 against 655 TF/s;
+# - with C staged by TMA (`GemmPlan.stage_c`; gelu'(C) * acc): 617 TF/s with 4/4 stages, 627
+#   with 5/2, against 608 with C loaded from global memory (5/4).
+SM90_PINGPONG_SHALLOW_EPI_STAGES = 2
+
+
+def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
+    """Whether an SM90 plan shares its last waves out by k-blocks (`GemmPlan.stream_k`).
+
+    When the persistent clusters' waves do not divide the tiles, the last wave leaves clusters
+    idle (2048 tiles on 132 SMs: 15.5 waves, 3 % of the time). Stream-K costs each cluster one
+    partial tile written and read back; on the H200 (benchmarks/RESULTS.md, fifth session) it
+    gained 0.5-4.4 % at 15.5 waves, was even at 13.6 and lost 3 % at 3.9, so it is taken from
+    `SM90_STREAM_K_MIN_WAVES` full waves on.
+    """
+    cm, cn = cluster
+    cluster_tiles = math.ceil(math.ceil(m / tm) / cm) * math.ceil(math.ceil(n / tn) / cn) * batch
+    clusters = max(1, num_sms // (cm * cn))
+    return cluster_tiles // clusters >= SM90_STREAM_K_MIN_WAVES and cluster_tiles % clusters != 0
+
+
+SM90_STREAM_K_MIN_WAVES = 8
+
+
+def _sm90_swizzle(m, n, batch, tm, tn, cluster) -> int:
+    """Raster swizzle for SM90 grids with many more tile rows than columns (and >= 8 of each).
+
+    Rastering along M in 8-tile bands keeps the B tiles of the CTAs running at the same time in
+    L2. Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29, bf16 vs jnp.dot): 16384x4096x4096
+    0.86-0.87x -> 0.93-0.95x, 8192^3 0.95-0.97x -> 0.98-1.0x, 4096^3 unchanged; on
+    4096x14336x4096 (more tile columns than rows) it measured 0.83-0.94x against 0.97-1.1x
+    without, so wide grids keep 1.
+
+    The DSL's tile scheduler rounds the number of cluster columns up to a multiple of the
+    swizzle, and the clusters it adds lie wholly outside the matrix yet run their main loops (on
+    zero-filled tiles): 10 columns of clusters would run as 16. So the swizzle is taken only
+    where it divides the cluster columns.
+    """
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    cluster_cols = _swizzled_extent(m, n, (tm, tn), cluster, along_m=True)
+    tall = tiles_n >= 8 and tiles_m >= 2 * tiles_n
+    return 8 if tall and cluster_cols % 8 == 0 else 1
+
+
+def _swizzled_extent(m, n, tile_mn, cluster, along_m) -> int:
+    """The cluster count the DSL's tile scheduler rounds up to a multiple of the swizzle: the
+    cluster columns for a raster along M, the cluster rows along N."""
+    if along_m:
+        return math.ceil(math.ceil(n / tile_mn[1]) / cluster[1])
+    return math.ceil(math.ceil(m / tile_mn[0]) / cluster[0])
+
+
+def swizzle_pads(plan: GemmPlan) -> bool:
+    """Whether `plan`'s swizzle makes the scheduler run clusters outside the matrix (correct,
+    but each runs a full main loop on zero-filled tiles); the planner never plans one."""
+    extent = _swizzled_extent(plan.m, plan.n, plan.cta_tile_mnk[:2], plan.cluster_shape_mn,
+                              plan.raster_along_m)  # fmt: skip
+    return extent % plan.swizzle_size != 0
+
+
+def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_kernel) -> GemmPlan:
+    """The planner's sm_90a plan for the problem in `common` (GemmPlan's problem fields, arch
+    and num_sms); `why_not` (a reason or None) sends it to XLA's dot."""
+    m, n, k, batch = common["m"], common["n"], common["k"], common["batch"]
+    num_sms = common["num_sms"]
+    a_dtype, b_dtype = common["a_dtype"], common["b_dtype"]
+    pingpong_ok = allow_pingpong and why_not is None and a_dtype == b_dtype
+    pingpong_ok = pingpong_ok and ab_bits == 16 and out_bits == 16
+    tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok)
+    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
+    if why_not is None and not force_kernel:
+        why_not = sm90_too_small(m, n, k, batch, split)
+        split = 1 if why_not else split
+    if why_not is not None:
+        kernel = KERNEL_XLA
+        reason = why_not
+    elif split > 1:
+        kernel = KERNEL_SM90_SPLITK
+        reason = (
+            f"split-K x{split}: only {math.ceil(m / tm) * math.ceil(n / tn) * batch} output "
+            f"tiles for {num_sms} SMs, so K is spread over idle SMs"
+        )
+    else:
+        kernel = KERNEL_SM90
+        if pingpong:
+            plan = _sm90_pingpong_plan(common, (tm, tn, ktile), cluster)
+            if plan is not None:
+                return plan
+            tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
+        reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
+    stream_k = kernel == KERNEL_SM90 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms)
+    if stream_k:
+        reason += "; stream-K over the last waves (they do not divide evenly)"
+    plan = GemmPlan(
+        **common,
+        kernel=kernel,
+        reason=reason,
+        mma_tiler_mnk=(tm, tn, ktile),
+        cluster_shape_mn=cluster,
+        use_2cta=False,
+        num_ab_stages=C.MIN_AB_STAGES,
+        num_acc_stages=1,
+        split_k=split,
+        swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
+        stream_k=stream_k,
+    )
+    # A/B stages as many as fit, then the SMEM left deepens the epilogue's TMA-store ring.
+    return _fill_sm90_smem(plan)
