@@ -335,6 +335,19 @@ def check_private_dir(directory: str | os.PathLike) -> None:
             )
 
 
+def make_private_dir(directory: str | os.PathLike) -> None:
+    """Creates `directory` and any missing ancestors 0700 (entries are code: see "Trust");
+    folders that exist keep their modes.
+
+    Raises:
+      OSError: a folder cannot be created.
+    """
+    directory = Path(os.path.abspath(os.fspath(directory)))
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    for p in reversed(missing):
+        p.mkdir(mode=0o700, exist_ok=True)
+
+
 def check_private_file(path: str | os.PathLike, st: os.stat_result) -> None:
     """Refuses a file (stat `st`, from the open descriptor) that another user owns or that
     group or others can write, unless `JAX_SM100_TRUSTED_CACHE_DIRS` lists its folder.
@@ -523,9 +536,7 @@ class KernelCache:
         if directory is None:
             return False
         try:
-            # Private: entries are code (see "Trust"); an existing folder keeps its mode.
-            directory.parent.mkdir(parents=True, exist_ok=True)
-            directory.mkdir(mode=0o700, exist_ok=True)
+            make_private_dir(directory)
         except OSError as e:
             logger.warning(
                 "jax_sm100 kernel cache: cannot create %s (%s); caching in memory only",

@@ -105,11 +105,7 @@ def build(out_dir: pathlib.Path | None = None) -> pathlib.Path:
             "or CXX set; or set JAX_SM100_FFI_LIB to a library built elsewhere (BUILD.md)"
         )
     if out_dir is None:
-        # Private folders, as the kernel cache makes them (existing ones keep their modes).
-        root = target.parent.parent
-        root.parent.mkdir(parents=True, exist_ok=True)
-        root.mkdir(mode=0o700, exist_ok=True)
-        target.parent.mkdir(mode=0o700, exist_ok=True)
+        disk_cache.make_private_dir(target.parent)  # as the kernel cache makes its folder
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:

@@ -1,0 +1,493 @@
+"""The FFI handler's contract on a CPU machine: the lowering's attributes, the checks, trust.
+
+- `LayoutTest`: ffi_checks' format and rules (spans, the int32 extent range, malformed dims).
+- `LoweringDimsTest`: every custom call the CUDA lowering emits for a matrix of shapes, batch
+  forms, layouts, epilogues and schedules (exported for sm_90a and sm_100a, no GPU needed) is
+  accepted by the Python mirror and by the handler's own check code (`ffi.check_call`, the
+  C++ that Execute runs), and each tensor's buffer made one element short, or of another
+  dtype, is refused by both, naming that tensor. The handler's per-call check is timed.
+- `NativeTest`: the handler builds without a warning; its SHA-256 agrees with hashlib.
+- `TrustTest`: the kernel cache and the cached FFI library refuse folders and files that other
+  users could write, and `JAX_SM100_TRUSTED_CACHE_DIRS` opts a shared folder in.
+
+The handler's behaviour on a GPU (refused launches, the key check, CUDA graphs) is in
+tests/test_gpu_ffi.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+
+import jax_sm100
+from jax_sm100._src import disk_cache, dispatch, ffi, ffi_checks
+from jax_sm100._src import primitive as P
+
+_HAS_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
+_NEEDS_CXX = "the handler's own checks need its library built: needs g++ or c++ on PATH"
+_INVALID_ARGUMENT = 3  # XLA_FFI_Error_Code_INVALID_ARGUMENT
+
+_MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32",
+                "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2"}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- the format
+
+
+class LayoutTest(parameterized.TestCase):
+    def test_span_is_one_past_the_last_element(self):
+        # A K-major A of 3 batches, a split-K view of it, a broadcast operand, an empty one.
+        t = ffi_checks.TensorLayout("a", "bfloat16", (5, 64, 3), (64, 1, 320), (0, 1, 2), (0, 2))
+        self.assertEqual(t.span, 5 * 64 * 3)
+        split = ffi_checks.TensorLayout("a", "bfloat16", (5, 16, 4), (64, 1, 16))
+        self.assertEqual(split.span, 5 * 64)
+        broadcast = ffi_checks.TensorLayout("b", "float16", (8, 16, 4), (16, 1, 0))
+        self.assertEqual(broadcast.span, 8 * 16)
+        self.assertEqual(ffi_checks.TensorLayout("c", "float32", (0, 7), (7, 1)).span, 0)
+
+    def test_encode_decode_round_trip(self):
+        layouts = [
+            ffi_checks.TensorLayout("a", "float8_e4m3fn", (7, 32, 2), (1, 7, 224), (0, 1, 2), (1,)),
+            ffi_checks.TensorLayout("bias", "float32", (9,), (1,), (0,), ()),
+            ffi_checks.TensorLayout("flags", "int32", (132,), (1,)),
+        ]
+        dims, names = ffi_checks.encode(layouts)
+        self.assertEqual(dims[0], ffi_checks.DIMS_FORMAT)
+        self.assertEqual(names, "a,bias,flags")
+        # dtype code, rank, shape mask, stride mask, shape, strides
+        self.assertEqual(dims[1:11], [20, 3, 0b111, 0b010, 7, 32, 2, 1, 7, 224])
+        self.assertEqual(ffi_checks.decode(dims, names, 3), layouts)
+
+    def test_extent_range(self):
+        top = ffi_checks.MAX_EXTENT
+        self.assertEqual(top, 2**31 - 1)
+        self.assertIsNone(ffi_checks.check_extents(top, top, top, top))
+        # A folded batch of short rows: 2^31 rows of 16 (64 GiB of bf16, an H200 holds it).
+        why = ffi_checks.check_extents(2**31, 16, 16)
+        self.assertRegex(why, r"m=2147483648 exceeds the kernels' int32 extent range.*XLA's dot")
+        self.assertRegex(ffi_checks.check_extents(8, 8, 8, 2**31), "batch=2147483648")
+        big = ffi_checks.TensorLayout("a", "bfloat16", (2**31, 16, 1), (16, 1, 2**35), (0, 1, 2))
+        with self.assertRaisesRegex(ffi_checks.LayoutError, r"tensor 'a' has extent 2147483648"):
+            ffi_checks.encode([big])
+
+    @parameterized.named_parameters(
+        ("format", lambda d: [1] + d[1:], "format"),
+        ("short", lambda d: d[:-1], "too short|rank"),
+        ("trailing", lambda d: d + [0], "trailing"),
+        ("dtype", lambda d: d[:1] + [13] + d[2:], "dtype code 13"),
+        ("mask", lambda d: d[:3] + [0b1000] + d[4:], "masks"),
+        ("negative", lambda d: d[:5] + [-1] + d[6:], "negative"),
+        ("extent", lambda d: d[:5] + [2**31] + d[6:], "int32 index range"),
+    )
+    def test_malformed_dims_are_refused(self, edit, message):
+        layouts = [ffi_checks.TensorLayout("d", "bfloat16", (4, 8, 1), (8, 1, 32), (0, 1, 2))]
+        dims, names = ffi_checks.encode(layouts)
+        bad = edit(list(dims))
+        with self.assertRaisesRegex(ffi_checks.LayoutError, message):
+            ffi_checks.check_call(bad, [-1], names, [], [((1, 4, 8), "bfloat16")])
+        if _HAS_CXX:
+            code, text, _ = ffi.check_call(bad, [-1], names, [], [(16, 32)])
+            self.assertEqual(code, _INVALID_ARGUMENT)
+            self.assertRegex(text, message)
+
+    def test_dtype_codes_are_the_ffi_headers(self):
+        header = Path(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h").read_text()
+        codes = dict(re.findall(r"XLA_FFI_DataType_(\w+) = (\d+)", header))
+        ffi_names = {"bool": "PRED", "bfloat16": "BF16", "float8_e5m2": "F8E5M2",
+                     "float8_e4m3fn": "F8E4M3FN"}  # fmt: skip
+        for name, code in ffi_checks.FFI_DTYPES.items():
+            dt = np.dtype(name)
+            default = (
+                f"{'F' if dt.kind == 'f' else 'S' if dt.kind == 'i' else 'U'}{dt.itemsize * 8}"
+            )
+            self.assertEqual(int(codes[ffi_names.get(name, default)]), code, name)
+
+
+# ------------------------------------------------------------- the lowering's attributes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One `jax_sm100_gemm` custom call of an exported module."""
+
+    dims: list[int]
+    order: list[int]
+    names: str
+    inputs: list[tuple[tuple[int, ...], str]]
+    results: list[tuple[tuple[int, ...], str]]
+
+
+def _custom_calls(text: str) -> list[_Call]:
+    calls = []
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+
+        def walk(op):
+            for region in op.regions:
+                for block in region.blocks:
+                    for o in block.operations:
+                        target = o.attributes["call_target_name"] if (
+                            o.operation.name == "stablehlo.custom_call") else None  # fmt: skip
+                        if target is not None and ir.StringAttr(target).value == ffi.TARGET:
+                            calls.append(_parse(o))
+                        walk(o.operation)
+
+        walk(module.operation)
+    return calls
+
+
+def _parse(op) -> _Call:
+    name = "backend_config" if "backend_config" in op.attributes else "mhlo.backend_config"
+    cfg = ir.DictAttr(op.attributes[name])
+
+    def avals(values):
+        out = []
+        for v in values:
+            t = ir.RankedTensorType(v.type)
+            out.append((tuple(t.shape), _MLIR_DTYPES[str(t.element_type)]))
+        return out
+
+    return _Call(
+        dims=[int(x) for x in ir.DenseIntElementsAttr(cfg["dims"])],
+        order=[int(x) for x in ir.DenseIntElementsAttr(cfg["order"])],
+        names=ir.StringAttr(cfg["names"]).value,
+        inputs=avals(op.operands),
+        results=avals(op.results),
+    )
+
+
+def _bind(a, b, bias=None, c=None, *, transpose_a=False, transpose_b=False, **kw):
+    """The primitive bound directly (the one way to pass a transposed operand)."""
+    args = [a, b] + [x for x in (bias, c) if x is not None]
+    kw = dict(alpha=1.0, beta=1.0, activation=None, out_dtype=np.dtype(jnp.bfloat16), plan=None,
+              save_preact=False, act_grad=None) | kw  # fmt: skip
+    (out,) = P.matmul_p.bind(*args, transpose_a=transpose_a, transpose_b=transpose_b,
+                             has_bias=bias is not None, has_c=c is not None, **kw)  # fmt: skip
+    return out
+
+
+def _s(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _sm90_plan_edit(m, n, k, edit):
+    from jax_sm100 import tuning  # noqa: PLC0415
+
+    p = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+                       force_kernel=True)  # fmt: skip
+    return edit(tuning, p)
+
+
+def _matmul_case(m, n, k, **kw):
+    return (lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias, activation="gelu", **kw),
+            (_s(m, k), _s(k, n), _s(n, dtype=jnp.float32)))  # fmt: skip
+
+
+def _grad_case(m, n, k):
+    # Under grad: the forward writes the pre-activation (z); the backward products take
+    # transposed operands and the activation's derivative epilogue.
+    def loss(x, w):
+        return jnp.sum(jax_sm100.matmul(x, w, activation="gelu").astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1)), (_s(m, k), _s(k, n))
+
+
+# (name, arch, lambda: (fn, args)); shapes of tests/test_gpu.py, test_export_cuda.py and
+# test_compile.py, every batch form, layout and optional tensor, and each schedule with its own
+# tensors (split-K partials and in-cluster sums, stream-K's workspace and flags).
+_CASES = [
+    *[(f"sm90_{m}x{n}x{k}", "sm_90a", lambda m=m, n=n, k=k: _matmul_case(m, n, k))
+      for m, n, k in [(128, 256, 64), (200, 136, 520), (1, 8, 16), (1024, 1024, 1024),
+                      (64, 4096, 4096)]],  # fmt: skip
+    ("sm90_folded_batch", "sm_90a",
+     lambda: (lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias, activation="relu"),
+              (_s(3, 1024, 1024), _s(1024, 2048), _s(2048, dtype=jnp.float32)))),
+    ("sm90_batched_c", "sm_90a",
+     lambda: (lambda a, b, c: jax_sm100.matmul(a, b, c=c, beta=0.5),
+              (_s(4, 136, 72), _s(4, 72, 200), _s(4, 136, 200)))),
+    ("sm90_broadcast_b", "sm_90a",
+     lambda: (lambda a, b: jax_sm100.matmul(a, b), (_s(2, 3, 64, 128), _s(3, 128, 64)))),
+    ("sm90_transposed", "sm_90a",
+     lambda: (lambda a, b: _bind(a, b, transpose_a=True, transpose_b=True),
+              (_s(320, 96), _s(256, 320)))),
+    ("sm90_fp8_float32_out", "sm_90a",
+     lambda: (lambda a, b: _bind(a, b, transpose_b=True, out_dtype=np.dtype(jnp.float32)),
+              (_s(256, 128, dtype=jnp.float8_e4m3fn), _s(512, 128, dtype=jnp.float8_e4m3fn)))),
+    ("sm90_grad", "sm_90a", lambda: _grad_case(256, 512, 128)),
+    ("sm90_split_in_cluster", "sm_90a",
+     lambda: _matmul_case(100, 520, 2048, plan=_sm90_plan_edit(
+         100, 520, 2048, lambda t, p: t.with_split(t.sm90_variant(p, tile_mn=(64, 128)), 4,
+                                                   reduce="cluster")))),
+    ("sm90_stream_k", "sm_90a",
+     lambda: (lambda a, b: jax_sm100.matmul(a, b, plan=_sm90_plan_edit(
+         16384, 4096, 4096, lambda t, p: t.cooperative(p))), (_s(16384, 4096), _s(4096, 4096)))),
+    ("sm100_one_cta", "sm_100a", lambda: _matmul_case(512, 1024, 256)),
+    ("sm100_batched", "sm_100a",
+     lambda: (lambda a, b: jax_sm100.matmul(a, b), (_s(2, 256, 128), _s(2, 128, 384)))),
+    ("sm100_grad", "sm_100a", lambda: _grad_case(256, 256, 128)),
+]  # fmt: skip
+
+
+def _exported_calls(arch: str, make) -> list[_Call]:
+    fn, args = make()
+    target = dispatch.Target(arch, 132 if arch == "sm_90a" else 148)
+    with (
+        mock.patch.object(dispatch, "device_target", lambda: target),
+        mock.patch.dict(os.environ, {"JAX_SM100_SMALL_PROBLEMS": "kernel"}),
+    ):
+        exp = jax.export.export(
+            jax.jit(fn), platforms=["cuda"], disabled_checks=ffi.export_safety_checks()
+        )(*args)
+    return _custom_calls(exp.mlir_module())
+
+
+def _counts(avals):
+    return [(ffi_checks.FFI_DTYPES[dtype], int(np.prod(shape, dtype=np.int64)))
+            for shape, dtype in avals]  # fmt: skip
+
+
+@absltest.skipUnless(_HAS_CXX, "the CUDA lowering registers the FFI handler: needs g++/c++")
+class LoweringDimsTest(parameterized.TestCase):
+    """The lowering's dims against the handler's checks, Python and C++ alike."""
+
+    def _native(self, call: _Call, inputs, results, repeats=1):
+        return ffi.check_call(call.dims, call.order, call.names, _counts(inputs), _counts(results),
+                              repeats=repeats)  # fmt: skip
+
+    @parameterized.named_parameters(*_CASES)
+    def test_every_call_passes_and_every_short_buffer_is_refused(self, arch, make):
+        calls = _exported_calls(arch, make)
+        self.assertNotEmpty(calls)
+        for call in calls:
+            layouts = ffi_checks.check_call(
+                call.dims, call.order, call.names, call.inputs, call.results
+            )
+            code, message, _ = self._native(call, call.inputs, call.results)
+            self.assertEqual((code, message), (0, ""))
+            for t, which in zip(layouts, call.order, strict=True):
+                self.assertLessEqual(t.span, _buffer_count(call, which))
+                # One element short: the kernel would touch one element past the buffer.
+                short = _replace_buffer(call, which, lambda shape, dtype: ((_count(shape) - 1,),
+                                                                           dtype))  # fmt: skip
+                if t.span == _buffer_count(call, which):
+                    self._assert_refused(
+                        call, short, rf"tensor '{t.name}' \(\w+ \d+\) spans {t.span} elements"
+                    )
+                # Another dtype: the kernel would misread it.
+                other = "float32" if t.dtype != "float32" else "bfloat16"
+                retyped = _replace_buffer(call, which, lambda shape, dtype, o=other: (shape, o))
+                self._assert_refused(
+                    call, retyped, rf"tensor '{t.name}' \(\w+ \d+\) is .* but the kernel reads"
+                )
+
+    def _assert_refused(self, call, buffers, pattern):
+        inputs, results = buffers
+        with self.assertRaisesRegex(ffi_checks.LayoutError, pattern):
+            ffi_checks.check_call(call.dims, call.order, call.names, inputs, results)
+        code, message, _ = self._native(call, inputs, results)
+        self.assertEqual(code, _INVALID_ARGUMENT, message)
+        self.assertRegex(message, pattern)
+
+    def test_checks_cost_under_a_microsecond(self):
+        # The execute stage's checks of the call with the most tensors (stream-K: a, b, d, ws,
+        # flags), the fastest of 20 rounds so that other processes on the machine do not count.
+        (call,) = _exported_calls("sm_90a", dict((n, m) for n, _, m in _CASES)["sm90_stream_k"])
+        rounds = [self._native(call, call.inputs, call.results, repeats=10_000)[2]
+                  for _ in range(20)]  # fmt: skip
+        self.assertLess(min(rounds), 1000.0, f"the handler's per-call checks took {rounds} ns")
+
+    def test_order_naming_a_missing_buffer_is_refused(self):
+        (call,) = _exported_calls("sm_90a", lambda: _matmul_case(128, 256, 64))
+        order = [*call.order[:-1], len(call.inputs)]
+        with self.assertRaisesRegex(ffi_checks.LayoutError, "but the call has 3 inputs"):
+            ffi_checks.check_call(call.dims, order, call.names, call.inputs, call.results)
+        code, message, _ = ffi.check_call(call.dims, order, call.names, _counts(call.inputs),
+                                          _counts(call.results))  # fmt: skip
+        self.assertEqual(code, _INVALID_ARGUMENT)
+        self.assertIn("but the call has 3 inputs and 1 results", message)
+
+
+def _count(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _buffer_count(call: _Call, which: int) -> int:
+    shape, _ = call.inputs[which] if which >= 0 else call.results[-1 - which]
+    return _count(shape)
+
+
+def _replace_buffer(call: _Call, which: int, edit):
+    inputs, results = list(call.inputs), list(call.results)
+    pool, i = (inputs, which) if which >= 0 else (results, -1 - which)
+    pool[i] = edit(*pool[i])
+    return inputs, results
+
+
+# ------------------------------------------------------------------------ the native library
+
+
+@absltest.skipUnless(_HAS_CXX, _NEEDS_CXX)
+class NativeTest(parameterized.TestCase):
+    def test_builds_without_warnings(self):
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = ffi.compile_command(
+                cxx, ffi.source_path(), jax.ffi.include_dir(), Path(tmp, "lib.so")
+            )
+            proc = subprocess.run([*cmd, "-Werror"], capture_output=True, text=True)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stderr, "")
+
+    @parameterized.parameters(0, 1, 55, 56, 63, 64, 65, 119, 1000, 200_003)
+    def test_sha256_matches_hashlib(self, size):
+        data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+        out = bytes(65)
+        ffi.library().JaxSm100_Sha256Hex(data, size, out)
+        self.assertEqual(out[:64].decode(), hashlib.sha256(data).hexdigest())
+
+
+# ---------------------------------------------------------------------------------- trust
+
+
+class TrustTest(absltest.TestCase):
+    def setUp(self):
+        super().setUp()
+        tmp = Path(self.enterContext(tempfile.TemporaryDirectory()))
+        self.dir = tmp / "cache"
+        self.dir.mkdir(mode=0o700)
+        self.enterContext(mock.patch.dict(os.environ))
+        os.environ.pop(disk_cache.TRUSTED_DIRS_ENV, None)
+        self.key = "ab" * 32
+        self.entry = disk_cache.CacheEntry(b"\x7fELF object", {"prefix": "k"})
+
+    def _cache(self, directory=None):
+        return disk_cache.KernelCache(directory or self.dir)
+
+    def test_private_folder_is_used(self):
+        self._cache().put(self.key, self.entry)
+        cache = self._cache()
+        self.assertEqual(cache.get(self.key), self.entry)
+        self.assertEqual(cache.stats().disk_hits, 1)
+
+    def test_group_writable_folder_is_refused(self):
+        self._cache().put(self.key, self.entry)
+        os.chmod(self.dir, 0o775)
+        cache = self._cache()
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError,
+                                    r"writable by group or others \(mode 0775\).*chmod go-w "
+                                    + re.escape(str(self.dir))) as cm:  # fmt: skip
+            cache.get(self.key)
+        self.assertIn(disk_cache.TRUSTED_DIRS_ENV, str(cm.exception))
+        self.assertIn("native host code", str(cm.exception))
+        build = mock.Mock()
+        with self.assertRaises(disk_cache.UntrustedCacheError):
+            cache.get_or_create(self.key, build)
+        build.assert_not_called()
+
+    def test_trusted_dirs_opt_a_shared_folder_in(self):
+        self._cache().put(self.key, self.entry)
+        os.chmod(self.dir, 0o775)
+        os.environ[disk_cache.TRUSTED_DIRS_ENV] = os.pathsep.join(["/nonexistent", str(self.dir)])
+        self.assertEqual(self._cache().get(self.key), self.entry)
+        # A folder below a trusted one is trusted too.
+        os.environ[disk_cache.TRUSTED_DIRS_ENV] = str(self.dir.parent)
+        self.assertEqual(self._cache().get(self.key), self.entry)
+
+    def test_writable_entry_is_refused(self):
+        self._cache().put(self.key, self.entry)
+        path = self._cache().entry_path(self.key)
+        os.chmod(path, 0o666)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError,
+                                    "(?s)writable by group or others.*chmod go-w"):  # fmt: skip
+            self._cache().get(self.key)
+
+    def test_ancestor_writable_by_others_is_refused_unless_sticky(self):
+        shared = self.dir.parent / "shared"
+        shared.mkdir()
+        inner = shared / "cache"
+        self._cache(inner).put(self.key, self.entry)
+        os.chmod(shared, 0o777)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError,
+                                    f"its ancestor {re.escape(str(shared))} .*0777"):  # fmt: skip
+            self._cache(inner).get(self.key)
+        os.chmod(shared, 0o1777)  # sticky, like /tmp: others cannot rename our folder
+        self.assertEqual(self._cache(inner).get(self.key), self.entry)
+
+    @absltest.skipUnless(hasattr(os, "geteuid") and os.geteuid() == 0, "chown needs root")
+    def test_folder_of_another_user_is_refused(self):
+        self._cache().put(self.key, self.entry)
+        os.chown(self.dir, 12345, -1)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "owned by uid 12345"):
+            self._cache().get(self.key)
+        os.chown(self.dir, 0, -1)
+        os.chown(self._cache().entry_path(self.key), 12345, -1)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "owned by uid 12345"):
+            self._cache().get(self.key)
+
+    def test_new_folder_is_private_under_a_permissive_umask(self):
+        new = self.dir / "sub" / "cache"
+        old = os.umask(0o002)
+        try:
+            self._cache(new).put(self.key, self.entry)
+        finally:
+            os.umask(old)
+        self.assertEqual(stat.S_IMODE(os.stat(new).st_mode), 0o700)
+        self.assertEqual(stat.S_IMODE(os.stat(new.parent).st_mode), 0o700)
+        self.assertEqual(stat.S_IMODE(os.stat(self._cache(new).entry_path(self.key)).st_mode),
+                         0o644)  # fmt: skip
+        self.assertEqual(self._cache(new).get(self.key), self.entry)
+
+    @absltest.skipUnless(_HAS_CXX, _NEEDS_CXX)
+    def test_cached_ffi_library_in_a_group_writable_folder_is_refused(self):
+        key = ffi._build_key(ffi.source_path().read_bytes(), jax.ffi.include_dir())
+        planted = self.dir / f"ffi-{key}" / "libjax_sm100_ffi.so"
+        planted.parent.mkdir(mode=0o700)
+        planted.write_bytes(b"not a library")
+        os.environ["JAX_SM100_CACHE_DIR"] = str(self.dir)
+        os.environ.pop("JAX_SM100_FFI_LIB", None)
+        os.chmod(planted.parent, 0o775)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
+            ffi.build()
+        os.chmod(planted.parent, 0o700)
+        self.assertEqual(ffi.build(), planted)
+
+    @absltest.skipUnless(_HAS_CXX, "the CUDA lowering registers the FFI handler: needs g++/c++")
+    def test_lowering_with_a_group_writable_cache_fails_with_the_fix(self):
+        # End to end in a fresh process: the kernel cache it reads at its first compile.
+        os.chmod(self.dir, 0o770)
+        code = (
+            "import jax, jax.numpy as jnp, jax_sm100\n"
+            "a = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)\n"
+            "b = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)\n"
+            "jax.export.export(jax.jit(jax_sm100.matmul), platforms=['cuda'],\n"
+            "                  disabled_checks=jax_sm100.export_disabled_checks())(a, b)\n"
+        )
+        # The handler library from the default location, built before the folder is set.
+        lib = str(ffi.build())
+        env = dict(os.environ, JAX_SM100_CACHE_DIR=str(self.dir), JAX_SM100_TARGET_ARCH="sm_90a",
+                   JAX_PLATFORMS="cpu", JAX_SM100_FFI_LIB=lib)  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=600)  # fmt: skip
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("UntrustedCacheError", proc.stderr)
+        self.assertIn(f"chmod go-w {self.dir}", proc.stderr)
+
+
+if __name__ == "__main__":
+    absltest.main()
