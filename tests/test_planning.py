@@ -12,8 +12,10 @@ import cutlass.utils as cu
 from absl.testing import absltest, parameterized
 
 import jax_sm100
+from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import constraints as C
 from jax_sm100._src import planning
+from jax_sm100._src.kernels.spec import KernelSpec
 
 SHAPES = [
     (1, 1, 1),
@@ -581,6 +583,23 @@ class Sm90ScheduleTest(parameterized.TestCase):
                              out_dtype="float32", arch="sm_90a")  # fmt: skip
         self.assertEqual(tall.cluster_shape_mn, (1, 2))
         self.assertEqual(self.p.cluster_shape_mn, (2, 1))
+
+
+class ProblemAndChoicesTest(absltest.TestCase):
+    def test_plan_keeps_its_problem_apart(self):
+        kw = dict(a_dtype="bfloat16", b_dtype="bfloat16", c_dtype="bfloat16", b_major="k")
+        p = planning.plan(8192, 14336, 4096, arch="sm_90a", **kw)
+        self.assertEqual(p.problem, planning.make_problem(8192, 14336, 4096, **kw))
+        # The same choices for a device's share of the problem: one binary for both.
+        half = dataclasses.replace(p.problem, m=4096)
+        q = p.for_problem(half)
+        self.assertEqual((q.m, q.n, q.k), (4096, 14336, 4096))
+        self.assertEqual(q.binary_fields(), p.binary_fields())
+        self.assertEqual(compile_mod.binary_key(q, KernelSpec.for_plan(q)),
+                         compile_mod.binary_key(p, KernelSpec.for_plan(p)))  # fmt: skip
+        # A problem the choices cannot serve is refused, naming the rule.
+        with self.assertRaises(planning.C.PlanError):
+            p.for_problem(dataclasses.replace(p.problem, c_dtype="float32"))
 
 
 if __name__ == "__main__":

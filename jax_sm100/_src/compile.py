@@ -28,9 +28,6 @@ import time
 
 from jax_sm100._src.kernels.spec import KernelSpec
 
-# Fields of a GemmPlan that do not change the compiled binary (shapes stay symbolic).
-_SIZE_FIELDS = ("m", "n", "k", "batch", "reason")
-
 
 @dataclasses.dataclass(frozen=True)
 class TensorArg:
@@ -86,12 +83,7 @@ _stats = {"compiles": 0, "hits": 0, "disk_hits": 0}
 
 def binary_key(plan, spec: KernelSpec) -> tuple:
     """What determines the compiled binary: the plan without its sizes, and the spec."""
-    fields = tuple(
-        (f.name, getattr(plan, f.name))
-        for f in dataclasses.fields(plan)
-        if f.name not in _SIZE_FIELDS
-    )
-    return (fields, spec)
+    return (plan.binary_fields(), spec)
 
 
 def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
@@ -143,7 +135,7 @@ def _from_disk_or_compile(plan, spec: KernelSpec) -> CompiledGemm:
     cache = disk_cache.default_cache()
     if cache.directory is None:
         return _build(plan, spec)
-    key = kernel_key.cache_key(plan, spec, arch=plan.arch, ignore_plan_fields=_SIZE_FIELDS)
+    key = kernel_key.cache_key(plan, spec, arch=plan.arch, ignore_plan_fields=plan.RUNTIME_FIELDS)
     built: list[CompiledGemm] = []
 
     def build_entry():

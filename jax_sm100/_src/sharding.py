@@ -348,10 +348,11 @@ def _local_params(params, roles: _Roles, decision: _Decision, mesh_shape):
     if "k" in decision.local:
         acc = P.acc_dtype(plan.a_dtype, plan.b_dtype, params["out_dtype"])
         fields.update(out_dtype=acc.name, c_dtype=None, preact_out=False)
-    if all(getattr(plan, f) == v for f, v in fields.items()):
+    problem = dataclasses.replace(plan.problem, **fields)
+    if problem == plan.problem:
         return params
     try:
-        plan = dataclasses.replace(plan, **fields)
+        plan = plan.for_problem(problem)
     except C.PlanError:
         # The user's tiles do not fit the per-device problem; the planner chooses for it.
         plan = None

@@ -39,6 +39,12 @@ CUTLASS_DTYPES: dict[str, type[cutlass.Numeric]] = {
 TMA_ALIGN_BYTES = constraints.TMA_ALIGN_BYTES
 ARCHS = constraints.ARCHS
 
+# Named-barrier ids of both families (0 is __syncthreads), in one table so they never collide.
+SM90_EPI_BARRIER = 1  # + the epilogue group: 1 (and 2 in ping-pong)
+SM90_TURN_BARRIER = 3  # + the consumer warp group: 3 and 4, the ping-pong turns
+SM100_EPI_BARRIER = 1  # the four epilogue warps
+SM100_TMEM_PTR_BARRIER = 2  # the epilogue warps and the MMA warp: the TMEM allocation's address
+
 
 def cutlass_dtype(name: str) -> type[cutlass.Numeric]:
     """Returns the CuTe DSL element type for a numpy dtype name such as "bfloat16"."""

@@ -40,9 +40,8 @@ if TYPE_CHECKING:
 
 WARP = 32
 EPI_WARPS = (0, 1, 2, 3)
-# Named barrier the epilogue warps meet at around each TMA store (0 is __syncthreads; the
-# kernel's other ids are in sm100_gemm.py).
-EPI_BARRIER = 1
+# Named barrier the epilogue warps meet at around each TMA store (common.py's table).
+EPI_BARRIER = common.SM100_EPI_BARRIER
 
 
 def group_mma_modes(t: cute.Tensor) -> cute.Tensor:

@@ -49,8 +49,8 @@ _MMA_WARP = 4
 _AB_LOAD_WARP = 5
 _C_LOAD_WARP = 6
 
-# Named-barrier ids; 0 is __syncthreads, 1 the epilogue's (sm100_epilogue.EPI_BARRIER).
-_TMEM_PTR_BARRIER = 2
+# Named-barrier ids: common.py's table.
+_TMEM_PTR_BARRIER = common.SM100_TMEM_PTR_BARRIER
 
 
 def _tma_copy_bytes(atom: cute.CopyAtom, smem_dst: cute.Tensor) -> int:

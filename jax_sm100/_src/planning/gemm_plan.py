@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import numpy as np
 
@@ -267,11 +268,29 @@ class GemmPlan:
             if why is not None:
                 raise C.PlanError(f"kernel={self.kernel!r} cannot run this problem: {why}")
 
+    # What a compiled binary does not depend on: the problem's sizes (the kernels take them at
+    # run time) and the prose reason. Plans that differ only in these share a binary.
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("m", "n", "k", "batch", "reason")
+
     @property
     def problem(self) -> GemmProblem:
         """The problem this plan was made for (its other fields are choices and their
         consequences)."""
         return GemmProblem(**{f.name: getattr(self, f.name) for f in _PROBLEM_FIELDS})
+
+    def for_problem(self, problem: GemmProblem) -> GemmPlan:
+        """The same choices for another problem (e.g. one device's share of a sharded call),
+        re-checked: PlanError where they do not fit it."""
+        return dataclasses.replace(self, **dataclasses.asdict(problem))
+
+    def binary_fields(self) -> tuple[tuple[str, object], ...]:
+        """(name, value) of every field a compiled binary depends on (all but
+        `RUNTIME_FIELDS`), for cache keys."""
+        return tuple(
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.name not in self.RUNTIME_FIELDS
+        )
 
     @property
     def ab_stage_bytes(self) -> int:
