@@ -252,6 +252,6 @@ def _layouts(compiled, modes):
             *modes[arg.name],
             arg.dynamic_shape_modes,
             arg.dynamic_stride_modes,
-        )  # fmt: skip
+        )
         for arg in compiled.tensor_args
     ]
