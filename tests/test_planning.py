@@ -601,6 +601,16 @@ class ProblemAndChoicesTest(absltest.TestCase):
         with self.assertRaises(planning.C.PlanError):
             p.for_problem(dataclasses.replace(p.problem, c_dtype="float32"))
 
+    def test_extents_past_int32_run_on_xla(self):
+        # A folded batch of short rows: 2^31 rows of 16. The kernels index int32 extents.
+        kw = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a", force_kernel=True)
+        p = planning.plan(2**31, 16, 16, **kw)
+        self.assertEqual(p.kernel, planning.KERNEL_XLA)
+        self.assertIn("int32 extent range", p.reason)
+        kernel_plan = planning.plan(2**20, 16, 16, **kw)
+        with self.assertRaisesRegex(planning.C.PlanError, "int32 extent range"):
+            kernel_plan.for_problem(dataclasses.replace(kernel_plan.problem, m=2**31))
+
 
 if __name__ == "__main__":
     absltest.main()

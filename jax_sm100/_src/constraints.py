@@ -33,6 +33,9 @@ KERNEL_OUT_DTYPES = ("bfloat16", "float16", "float32")
 
 # TMA moves rows whose contiguous extent is a multiple of 16 bytes.
 TMA_ALIGN_BYTES = 16
+
+# The largest extent (m, n, k, batch) a kernel indexes: its argument structs hold int32s.
+MAX_EXTENT = 2**31 - 1
 # Hardware TMEM: 512 columns of 128 lanes per SM; allocations are powers of two >= 32.
 TMEM_MAX_COLS = 512
 TMEM_MIN_COLS = 32
@@ -277,6 +280,20 @@ def contiguous_extent(m: int, n: int, k: int, major: str) -> int:
     return {"m": m, "n": n, "k": k}[major]
 
 
+def extent_support(m: int, n: int, k: int, batch: int = 1) -> str | None:
+    """Why the kernels cannot index a GEMM of these extents, or None: every extent a kernel
+    sees (m with any folded batch in it, n, k, the batch) is an int32 of its argument struct,
+    so at most `MAX_EXTENT` (a folded batch of short rows can pass that in an H200's memory).
+    The FFI handler refuses such extents again."""
+    for name, value in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        if int(value) > MAX_EXTENT:
+            return (
+                f"{name}={int(value)} exceeds the kernels' int32 extent range (2**31 - 1 = "
+                f"{MAX_EXTENT}): XLA's dot"
+            )
+    return None
+
+
 def kernel_support(
     arch: str,
     m: int,
@@ -288,11 +305,15 @@ def kernel_support(
     c_dtype: str | None,
     a_major: str,
     b_major: str,
+    batch: int = 1,
 ) -> str | None:
     """Why our kernels cannot run this problem, or None when they can.
 
     The reason is a sentence for the plan's `reason` field: the problem then runs on XLA's dot.
     """
+    why = extent_support(m, n, k, batch)
+    if why is not None:
+        return why
     if a_dtype != b_dtype:
         return f"XLA dot: mixed operand dtypes {a_dtype} x {b_dtype} (kernels take one dtype)"
     if a_dtype not in KERNEL_OPERAND_DTYPES[arch]:

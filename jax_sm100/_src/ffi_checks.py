@@ -32,11 +32,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_sm100._src import constraints
+
 DIMS_FORMAT = 2
 MAX_TENSORS = 8
 MAX_RANK = 4
 # The kernels hold extents as int32 (the argument struct of an exported CuTe DSL function).
-MAX_EXTENT = 2**31 - 1
+MAX_EXTENT = constraints.MAX_EXTENT
 
 # XLA_FFI_DataType codes (xla/ffi/api/c_api.h) of the dtypes a kernel argument may have.
 FFI_DTYPES = {
@@ -62,27 +64,9 @@ class LayoutError(ValueError):
     """A kernel call whose tensor layouts do not fit its buffers; the message names the tensor."""
 
 
-def check_extents(m: int, n: int, k: int, batch: int = 1) -> str | None:
-    """Whether the kernels can index a GEMM of these extents.
-
-    Every extent a kernel sees (m, n, k, the batch; split-K and workspace extents are smaller)
-    is an int32 in its argument struct, so each must be at most 2**31 - 1. A problem past that
-    (a folded batch of short rows can reach it in an H200's memory) must run on XLA's dot.
-
-    Args:
-      m, n, k: the GEMM the kernel runs (m with any folded batch in it).
-      batch: the kernel's batch (1 when folded).
-
-    Returns:
-      None when the kernels can take it, else the reason they cannot (for a plan's reason).
-    """
-    for name, value in (("m", m), ("n", n), ("k", k), ("batch", batch)):
-        if int(value) > MAX_EXTENT:
-            return (
-                f"{name}={int(value)} exceeds the kernels' int32 extent range (2**31 - 1 = "
-                f"{MAX_EXTENT}): XLA's dot"
-            )
-    return None
+# The planner's extent rule (`constraints.extent_support`): a problem past the kernels' int32
+# index range runs on XLA's dot with this reason in its plan.
+check_extents = constraints.extent_support
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,7 @@ def _plan_cached(
     C.check_arch(arch)
     num_sms = num_sms or DEFAULT_NUM_SMS[arch]
     why_not = C.kernel_support(
-        arch, m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major
+        arch, m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major, batch
     )
     ab = a_dtype if a_dtype in C.KERNEL_OPERAND_DTYPES[arch] and a_dtype == b_dtype else "bfloat16"
     ab_bits = C.DTYPE_BITS[ab]

@@ -263,7 +263,7 @@ class GemmPlan:
         if self.kernel != KERNEL_XLA:
             why = C.kernel_support(
                 self.arch, self.m, self.n, self.k, self.a_dtype, self.b_dtype, self.out_dtype,
-                self.c_dtype, self.a_major, self.b_major,
+                self.c_dtype, self.a_major, self.b_major, self.batch,
             )  # fmt: skip
             if why is not None:
                 raise C.PlanError(f"kernel={self.kernel!r} cannot run this problem: {why}")
