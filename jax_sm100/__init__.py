@@ -10,6 +10,7 @@ from jax_sm100._src.api import matmul, plan_for
 from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.constraints import PlanError
 from jax_sm100._src.dispatch import Lowered, last_lowering, lowerings
+from jax_sm100._src.dot_general import dot_general, einsum
 from jax_sm100._src.ffi import export_safety_checks as export_disabled_checks
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import GemmPlan, GemmProblem, plan
@@ -22,6 +23,8 @@ __all__ = [
     "Lowered",
     "PlanError",
     "compile_plan",
+    "dot_general",
+    "einsum",
     "export_disabled_checks",
     "last_lowering",
     "lowerings",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,21 +14,67 @@ from jax_sm100._src import (
     lowering,  # noqa: F401  (registers the lowerings)
     planning,
 )
+from jax_sm100._src import dot_general as DG
 from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
+from jax_sm100._src.constraints import FP8_DTYPES
 from jax_sm100._src.kernels.spec import ACTIVATIONS
+
+
+def _weak(x) -> bool:
+    return bool(getattr(jax.typeof(x), "weak_type", False))
+
+
+def _requested_dtype(dtype) -> np.dtype:
+    """A caller's result dtype, as jnp takes it: a 64-bit one without `jax_enable_x64` is
+    truncated to 32 bits with jnp's UserWarning; non-floating dtypes raise TypeError."""
+    want = np.dtype(D.name(dtype))
+    got = np.dtype(jax.dtypes.canonicalize_dtype(want))
+    if got != want:
+        warnings.warn(
+            f"Explicitly requested dtype {want} requested in matmul is not available, and will "
+            f"be truncated to dtype {got}. To enable more dtypes, set the jax_enable_x64 "
+            "configuration option or the JAX_ENABLE_X64 shell environment variable. See "
+            "https://github.com/jax-ml/jax#current-gotchas for more.",
+            UserWarning,
+            stacklevel=5,
+        )
+    D.operand_dtype_name(got, "out_dtype")
+    return got
+
+
+def result_type(a, b, out_dtype):
+    """(a, b, result dtype, weak): `jnp.matmul`'s result type for `a @ b`, and the operands.
+
+    As jnp: weak types have no say (`weak float32 @ bfloat16` is bfloat16) and the result is
+    weakly typed when both operands are. A weakly typed operand is converted to the result
+    dtype, as jnp's elementwise ops do, so that the product has one operand dtype and can run
+    on the kernels. fp8 operands, which jnp does not promote, follow `dtypes.default_out_dtype`.
+    """
+    a_name = D.operand_dtype_name(a.dtype, "a")
+    b_name = D.operand_dtype_name(b.dtype, "b")
+    if out_dtype is not None:
+        return a, b, _requested_dtype(out_dtype), False
+    if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
+        return a, b, np.dtype(D.default_out_dtype(a_name, b_name)), False
+    weak_a, weak_b = _weak(a), _weak(b)
+    out = np.dtype(jnp.result_type(a, b))
+    if weak_a and not weak_b and a.dtype != out:
+        a = a.astype(out)
+    if weak_b and not weak_a and b.dtype != out:
+        b = b.astype(out)
+    return a, b, out, weak_a and weak_b
 
 
 def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
     """Validates user inputs and brings them to the primitive's operand form.
 
-    Returns the operands, the primitive params (without `plan`), and the shape of the result.
+    Returns the operands, the primitive params (without `plan`), the shape of the result and
+    whether the result is weakly typed.
     """
     # jax arrays and tracers pass through as they are (see the batch comment below).
     a = a if isinstance(a, jax.Array) else jnp.asarray(a)
     b = b if isinstance(b, jax.Array) else jnp.asarray(b)
-    a_name = D.operand_dtype_name(a.dtype, "a")
-    b_name = D.operand_dtype_name(b.dtype, "b")
     if activation not in ACTIVATIONS:
         raise ValueError(
             f"jax_sm100.matmul: unknown {activation=}; use one of {ACTIVATIONS} "
@@ -37,34 +84,48 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool):
             raise TypeError(
                 f"jax_sm100.matmul: {name} must be a Python float (it is compiled into the "
-                f"kernel's epilogue), got {type(v).__name__}; pass a traced scale through c"
+                f"kernel's epilogue), got {type(v).__name__}; for a traced scale s, scale an "
+                "operand (matmul(s * a, b)) or the result"
             )
-    if a.ndim < 2 or b.ndim < 2:
-        P.shape_rule(a.shape, b.shape, None, None, transpose_a=False, transpose_b=False)
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(
+            f"jax_sm100.matmul: operands must have rank >= 1, as for jnp.matmul; got "
+            f"a.shape={a.shape} and b.shape={b.shape}"
+        )
+    a, b, out_dt, weak = result_type(a, b, out_dtype)
+    # 1-D operands as jnp.matmul takes them: a vector a is one row [1, k], a vector b one
+    # K-major column (the same memory read as [n=1, k], so k stays the contiguous dim); the
+    # unit dim leaves the result.
+    a_vec, b_vec = a.ndim == 1, b.ndim == 1
+    if a_vec:
+        a = a.reshape(1, a.shape[0])
+    if b_vec:
+        b = b.reshape(1, b.shape[0])
     m, k = a.shape[-2:]
-    kb, n = b.shape[-2:]
+    kb, n = (b.shape[-1], 1) if b_vec else b.shape[-2:]
+    a_shape, b_shape = a.shape[a_vec:], b.shape[b_vec:]
+    shapes = f"a.shape={a_shape} and b.shape={b_shape}"
     if k != kb:
         raise ValueError(
-            f"jax_sm100.matmul: contracting dims differ: a.shape={a.shape} has k={k} but "
-            f"b.shape={b.shape} has k={kb}; a is [..., m, k] and b is [..., k, n]"
+            f"jax_sm100.matmul: contracting dims differ: a.shape={a_shape} has k={k} but "
+            f"b.shape={b_shape} has k={kb}; a is [..., m, k] or [k], b is [..., k, n] or [k]"
         )
     try:
         batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except ValueError:
         raise ValueError(
-            f"jax_sm100.matmul: batch dims of a.shape={a.shape} and b.shape={b.shape} do not "
-            "broadcast (numpy rules, as jnp.matmul)"
+            f"jax_sm100.matmul: batch dims of {shapes} do not broadcast (numpy rules, as "
+            "jnp.matmul)"
         ) from None
-    out_shape = (*batch, m, n)
-    out_name = D.default_out_dtype(a_name, b_name) if out_dtype is None else D.name(out_dtype)
-    D.operand_dtype_name(out_name, "out_dtype")
+    out_shape = (*batch, *((m,) if not a_vec else ()), *((n,) if not b_vec else ()))
     if bias is not None:
         bias = jnp.asarray(bias)
         D.operand_dtype_name(bias.dtype, "bias")
         if bias.shape != (n,):
             raise ValueError(
-                f"jax_sm100.matmul: bias must have shape [n] = ({n},), got bias.shape="
-                f"{bias.shape}; for a per-row or full-shape addend use c"
+                f"jax_sm100.matmul: bias must have shape [n] = ({n},)"
+                f"{' (b is a vector: n = 1)' if b_vec else ''}, got bias.shape={bias.shape}; "
+                "for a per-row or full-shape addend use c"
             )
     if c is not None:
         c = jnp.asarray(c)
@@ -76,8 +137,14 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
         if not ok:
             raise ValueError(
                 f"jax_sm100.matmul: c.shape={c.shape} does not broadcast to the output shape "
-                f"{out_shape} (a.shape={a.shape}, b.shape={b.shape})"
+                f"{out_shape} ({shapes})"
             )
+        # To the result's rank, then the vectors' unit dims back in.
+        c = c.reshape((1,) * (len(out_shape) - c.ndim) + c.shape)
+        if b_vec:
+            c = c[..., None]
+        if a_vec:
+            c = c[..., None, :]
 
     # Every operand to the primitive's rank: `a` as it is when it already has every batch dim
     # (it then reaches the primitive as the very value given, which autodiff.py relies on to
@@ -100,11 +167,11 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
     if c_op is not None:
         operands.append(c_op)
     params = dict(
-        transpose_a=False, transpose_b=False, alpha=float(alpha), beta=float(beta),
-        activation=activation, out_dtype=np.dtype(out_name), has_bias=bias is not None,
+        transpose_a=False, transpose_b=b_vec, alpha=float(alpha), beta=float(beta),
+        activation=activation, out_dtype=out_dt, has_bias=bias is not None,
         has_c=c is not None, save_preact=False, act_grad=None,
     )  # fmt: skip
-    return operands, params, out_shape
+    return operands, params, out_shape, weak
 
 
 def matmul(
@@ -118,45 +185,70 @@ def matmul(
     activation: str | None = None,
     out_dtype=None,
     plan: planning.GemmPlan | None = None,
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
 ) -> jax.Array:
     """`activation(alpha * (a @ b) + beta * c + bias)` on CuTe DSL GEMM kernels.
 
-    Operands follow `jnp.matmul`: leading batch dims broadcast. Products accumulate in float32
-    and the epilogue runs in float32 before converting to `out_dtype`. Works under `jit`,
-    `vmap`, `grad` (to any order), `jax.export` and sharding.
+    Operands follow `jnp.matmul`: 1-D operands are a row or a column whose unit dim leaves the
+    result, leading batch dims broadcast, and the result dtype is jnp's (weak types included).
+    Products accumulate in float32 and the epilogue runs in float32 before converting to
+    `out_dtype`. Works under `jit`, `vmap`, `grad` (to any order), `jax.export` and sharding.
 
     Args:
-      a: [..., m, k] array of bfloat16, float16, float32, float8_e4m3fn or float8_e5m2.
-      b: [..., k, n] array, same dtypes.
+      a: [..., m, k] or [k] array of bfloat16, float16, float32, float8_e4m3fn or float8_e5m2
+        (float64 too, on XLA's dot).
+      b: [..., k, n] or [k] array, same dtypes.
       bias: optional [n] array, added to every row.
-      c: optional array broadcastable to the output [..., m, n], scaled by `beta`.
+      c: optional array broadcastable to the output, scaled by `beta`.
       alpha: Python float scaling the product.
       beta: Python float scaling `c`.
       activation: None, "relu", "gelu" (tanh form) or "silu".
-      out_dtype: result dtype; defaults to the operands' result type (bfloat16 for two fp8s).
+      out_dtype: result dtype; defaults to jnp.matmul's result type (bfloat16 for two fp8s,
+        the other operand's dtype for one fp8). A 64-bit dtype without `jax_enable_x64` is
+        truncated with jnp's warning.
       plan: optional `GemmPlan` (from `jax_sm100.plan`, possibly edited with
         `dataclasses.replace`) to run instead of the planner's choice; it must be for this
         problem's sizes, dtypes and layouts.
+      precision: as `jnp.matmul`. The kernels meet every value for 16-bit and fp8 operands;
+        `HIGHEST` (or an explicit dot algorithm) with float32 operands runs on XLA's dot.
+      preferred_element_type: `jnp.matmul`'s name for `out_dtype`.
+      out_sharding: as `jnp.matmul`; the result is resharded to it.
 
     Returns:
-      The [..., m, n] result.
+      The [..., m, n] result ([..., m] for a vector b, [..., n] for a vector a).
 
     Raises:
-      ValueError: rank < 2, mismatched k, non-broadcasting batch dims, a bias or c of the wrong
-        shape, an unknown activation.
+      ValueError: a scalar operand, mismatched k, non-broadcasting batch dims, a bias or c of
+        the wrong shape, an unknown activation, two different out_dtype and
+        preferred_element_type.
       TypeError: integer, complex or other unsupported dtypes; non-float alpha/beta.
       PlanError: a plan that does not fit the problem (a ValueError).
     """
-    operands, params, out_shape = _prepare(a, b, bias, c, activation, out_dtype, alpha, beta)
+    if preferred_element_type is not None:
+        if out_dtype is not None and D.name(out_dtype) != D.name(preferred_element_type):
+            raise ValueError(
+                f"jax_sm100.matmul: {out_dtype=} and {preferred_element_type=} differ; pass one"
+            )
+        out_dtype = preferred_element_type
+    operands, params, out_shape, weak = _prepare(a, b, bias, c, activation, out_dtype, alpha, beta)
+    split = P._split(operands, params["has_bias"], params["has_c"])
+    reason = DG.fallback_reason(split[0].dtype, split[1].dtype, params["out_dtype"], precision)
+    if reason is not None:
+        if plan is not None:
+            raise ValueError(f"jax_sm100.matmul: plan= runs our kernels, but {reason}")
+        DG.record_fallback("jax_sm100.matmul", reason, runs="XLA's dot and epilogue")
+        kw = {k: v for k, v in params.items() if k not in ("has_bias", "has_c")}
+        (out,) = P.reference_matmul(*split, upcast=False, **kw)
+        return DG.with_result_type(out.reshape(out_shape), weak, out_sharding)
     if plan is not None:
         if not isinstance(plan, planning.GemmPlan):
             raise TypeError(f"plan must be a jax_sm100.GemmPlan, got {type(plan).__name__}")
-        problem = P.problem_for_operands(
-            *P._split(operands, params["has_bias"], params["has_c"]), **params
-        )
+        problem = P.problem_for_operands(*split, **params)
         planning.check_plan_fits(plan, problem, plan.arch)
     (out,) = P.matmul_p.bind(*operands, plan=plan, **params)
-    return out.reshape(out_shape)
+    return DG.with_result_type(out.reshape(out_shape), weak, out_sharding)
 
 
 def plan_for(
@@ -171,7 +263,7 @@ def plan_for(
     captured = {}
 
     def trace(a, b, bias, c):
-        ops, captured["params"], _ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)
+        ops, captured["params"], *_ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)
         return ops
 
     ops = jax.eval_shape(trace, a, b, bias, c)

@@ -1,0 +1,113 @@
+"""Flax layers whose bias and activation run inside the GEMM's epilogue.
+
+Any Flax layer takes `jax_sm100.dot_general` as its `dot_general=` (or `jax_sm100.einsum` as
+`nnx.Einsum`'s `einsum_op=`); Flax then adds the bias, and the model applies its activation,
+as separate XLA ops. The layers here are the same layers with both fused into the kernel's
+epilogue, and, under `jax.grad`, the activation's derivative fused into the backward products
+(see the README's Training section):
+
+    from jax_sm100 import flax as sm100_flax
+
+    self.up = sm100_flax.Linear(d, 4 * d, activation="gelu", rngs=rngs)   # nnx
+    h = self.up(x)                                         # was nnx.gelu(nnx.Linear(...)(x))
+
+    y = sm100_flax.Dense(features=4 * d, activation="gelu")(x)            # linen
+
+Each is a subclass of the Flax layer with the same parameters, names, shapes and initializers,
+so checkpoints and optimizer state carry over both ways. `activation` is None, "relu", "gelu"
+(tanh form, `jax.nn.gelu`'s default) or "silu". Differences from the unfused layer: the bias and
+activation are applied to the float32 accumulator and rounded once (Flax adds the bias in the
+product's dtype), and the result keeps the product's dtype where Flax's `y + bias` would promote
+it to a wider bias dtype (only with a `preferred_element_type` narrower than the parameters).
+
+This module imports Flax, which jax_sm100 itself does not depend on (`pip install flax`).
+"""
+
+from __future__ import annotations
+
+try:
+    from flax import linen, nnx
+except ImportError as e:  # pragma: no cover  (flax is in the test extra)
+    raise ImportError(
+        "jax_sm100.flax needs Flax (pip install flax); jax_sm100.dot_general works without it"
+    ) from e
+
+import jax.numpy as jnp
+
+from jax_sm100._src.api import matmul
+from jax_sm100._src.dot_general import dot_general
+from jax_sm100._src.kernels.spec import ACTIVATIONS
+
+__all__ = ["Dense", "Linear"]
+
+
+def _check_activation(activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"jax_sm100.flax: unknown {activation=}; use one of {ACTIVATIONS} (fused into the "
+            "GEMM's epilogue; 'gelu' is the tanh form)"
+        )
+
+
+class Linear(nnx.Linear):
+    """`flax.nnx.Linear` computing `activation(inputs @ kernel + bias)` in one fused GEMM.
+
+    Args:
+      in_features: as `nnx.Linear`.
+      out_features: as `nnx.Linear`.
+      activation: None, "relu", "gelu" (tanh form) or "silu", applied in the epilogue.
+      **kwargs: every other `nnx.Linear` argument (`use_bias`, `dtype`, `param_dtype`,
+        `precision`, initializers, `preferred_element_type`, `rngs`, ...) but `dot_general`:
+        the product is `jax_sm100.matmul`'s.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, activation=None, **kwargs):
+        _check_activation(activation)
+        if "dot_general" in kwargs:
+            raise TypeError(
+                "jax_sm100.flax.Linear takes no dot_general: its product, bias and activation "
+                "are one jax_sm100.matmul; use flax.nnx.Linear for another dot_general"
+            )
+        super().__init__(in_features, out_features, dot_general=dot_general, **kwargs)
+        self.activation = activation
+
+    def __call__(self, inputs, out_sharding=None):
+        """`activation(inputs @ kernel + bias)` for inputs [..., in_features]."""
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        return matmul(
+            inputs, kernel, bias=bias, activation=self.activation, precision=self.precision,
+            preferred_element_type=self.preferred_element_type, out_sharding=out_sharding,
+        )  # fmt: skip
+
+
+class Dense(linen.Dense):
+    """`flax.linen.Dense` computing `activation(inputs @ kernel + bias)` in one fused GEMM.
+
+    Attributes:
+      activation: None, "relu", "gelu" (tanh form) or "silu", applied in the epilogue.
+      (every other attribute as `linen.Dense`; `dot_general` and `dot_general_cls` must stay
+      None: the product is `jax_sm100.matmul`'s.)
+    """
+
+    activation: str | None = None
+
+    @linen.compact
+    def __call__(self, inputs):
+        """`activation(inputs @ kernel + bias)` for inputs [..., k]."""
+        _check_activation(self.activation)
+        if self.dot_general is not None or self.dot_general_cls is not None:
+            raise TypeError(
+                "jax_sm100.flax.Dense takes no dot_general: its product, bias and activation "
+                "are one jax_sm100.matmul; use flax.linen.Dense for another dot_general"
+            )
+        kernel = self.param(
+            "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
+        )
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return matmul(inputs, kernel, bias=bias, activation=self.activation,
+                      precision=self.precision)  # fmt: skip
