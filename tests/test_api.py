@@ -1,0 +1,215 @@
+"""`jax_sm100.matmul`'s user-facing semantics against `jnp.matmul` (api.py).
+
+1-D operands, weak types and dtype promotion as jnp's; jnp's keyword arguments (precision,
+preferred_element_type, out_sharding); and each deliberate difference the README lists.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jax_sm100
+from tests import test_util as tu
+
+
+def _rand(shape, dtype="float32", seed=0):
+    return tu.rand(np.random.default_rng(seed), shape, dtype)
+
+
+def _names(fn, *args):
+    return [e.primitive.name for e in jax.make_jaxpr(fn)(*args).eqns]
+
+
+class VectorTest(parameterized.TestCase):
+    @parameterized.parameters(
+        ((40,), (40,)),
+        ((40,), (40, 16)),
+        ((24, 40), (40,)),
+        ((3, 24, 40), (40,)),
+        ((40,), (3, 40, 16)),
+        ((2, 1, 24, 40), (3, 40, 16)),
+    )
+    def test_as_jnp_matmul(self, a_shape, b_shape):
+        a, b = _rand(a_shape), _rand(b_shape, seed=1)
+        got = jax.jit(jax_sm100.matmul)(a, b)
+        want = jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+        self.assertEqual(jax.typeof(got), jax.typeof(want))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        self.assertIn("jax_sm100_matmul", _names(jax_sm100.matmul, a, b))
+
+    def test_vector_b_with_epilogue(self):
+        a, b, c = _rand((3, 24, 40)), _rand((40,), seed=1), _rand((24,), seed=2)
+        bias = _rand((1,), seed=3)
+        got = jax_sm100.matmul(a, b, bias=bias, c=c, beta=0.5, activation="gelu")
+        want = tu.reference(a, b[:, None], bias=bias, c=c[:, None], beta=0.5, activation="gelu")
+        self.assertEqual(got.shape, (3, 24))
+        tu.assert_close(self, got, want[..., 0], "float32", 4)
+
+    def test_vector_b_reads_k_contiguous(self):
+        # b [k] is the K-major column [1, k]: no copy, k stays the contiguous dim.
+        jaxpr = jax.make_jaxpr(jax_sm100.matmul)(_rand((24, 40)), _rand((40,)))
+        (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"]
+        self.assertTrue(eqn.params["transpose_b"])
+        self.assertNotIn("transpose", [e.primitive.name for e in jaxpr.eqns])
+
+    def test_vector_gradients(self):
+        a, b = _rand((24, 40)), _rand((40,), seed=1)
+
+        def loss(mm):
+            return lambda a, b: jnp.sum(jnp.sin(mm(a, b)))
+
+        got = jax.grad(loss(jax_sm100.matmul), (0, 1))(a, b)
+        want = jax.grad(loss(lambda a, b: jnp.matmul(a, b, precision="highest")), (0, 1))(a, b)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+    def test_scalar_rejected_as_jnp(self):
+        with self.assertRaisesRegex(ValueError, "rank >= 1"):
+            jax_sm100.matmul(jnp.float32(2.0), _rand((4, 3)))
+
+    def test_vector_bias_shape(self):
+        with self.assertRaisesRegex(ValueError, r"b is a vector: n = 1"):
+            jax_sm100.matmul(_rand((4, 8)), _rand((8,)), bias=jnp.ones(4))
+
+
+class DtypeTest(parameterized.TestCase):
+    @parameterized.parameters(
+        ("bfloat16", "bfloat16"),
+        ("bfloat16", "float32"),
+        ("float16", "bfloat16"),
+        ("float16", "float32"),
+        ("float32", "float32"),
+    )
+    def test_promotion_as_jnp(self, a_dtype, b_dtype):
+        a, b = _rand((24, 40), a_dtype), _rand((40, 16), b_dtype, seed=1)
+        self.assertEqual(jax_sm100.matmul(a, b).dtype, jnp.matmul(a, b).dtype)
+
+    @parameterized.parameters("bfloat16", "float16")
+    def test_weak_operand_has_no_say(self, dtype):
+        a = _rand((24, 40), dtype)
+
+        def f(a, s):
+            w = jnp.broadcast_to(s, (40, 16))  # weakly typed float
+            return jax_sm100.matmul(a, w), jnp.matmul(a, w), jax_sm100.matmul(w.T, a.T)
+
+        ours, ref, ours_t = jax.jit(f)(a, 0.75)
+        self.assertEqual(jax.typeof(ours), jax.typeof(ref))
+        self.assertEqual(ours_t.dtype, np.dtype(dtype))
+        tu.assert_close(self, ours, np.asarray(ref, np.float32), dtype, 2)
+        # The weak operand takes the other's dtype, so both operands of the product match.
+        jaxpr = jax.make_jaxpr(f)(a, 0.75)
+        eqn = next(e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul")
+        self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(dtype)})
+
+    def test_both_weak_gives_weak(self):
+        def f(s, t):
+            a, b = jnp.broadcast_to(s, (4, 8)), jnp.broadcast_to(t, (8, 3))
+            return jax_sm100.matmul(a, b), jnp.matmul(a, b)
+
+        ours, ref = jax.jit(f)(0.5, 2.0)
+        self.assertTrue(jax.typeof(ours).weak_type)
+        self.assertEqual(jax.typeof(ours), jax.typeof(ref))
+        np.testing.assert_allclose(ours, ref)
+
+    @parameterized.parameters(("float8_e4m3fn", "float8_e5m2"), ("float8_e4m3fn", "bfloat16"))
+    def test_fp8_results_where_jnp_refuses(self, a_dtype, b_dtype):
+        # Documented difference: jnp.matmul does not promote fp8; matmul returns bfloat16.
+        a, b = _rand((24, 64), a_dtype), _rand((64, 16), b_dtype, seed=1)
+        with self.assertRaises(jax.dtypes.TypePromotionError):
+            jnp.matmul(a, b)
+        self.assertEqual(jax_sm100.matmul(a, b).dtype, jnp.bfloat16)
+
+    def test_float64_without_x64_as_jnp(self):
+        a, b = _rand((24, 40), "bfloat16"), _rand((40, 16), "bfloat16", seed=1)
+        with jax.enable_x64(False):
+            for ours, fn in (
+                (True, lambda: jax_sm100.matmul(a, b, out_dtype=jnp.float64)),
+                (True, lambda: jax_sm100.matmul(a, b, preferred_element_type=jnp.float64)),
+                (False, lambda: jnp.matmul(a, b, preferred_element_type=jnp.float64)),
+            ):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    got = fn()
+                self.assertEqual(got.dtype, jnp.float32)
+                (w,) = caught
+                self.assertIs(w.category, UserWarning)
+                self.assertIn("jax_enable_x64", str(w.message))
+                if ours:
+                    self.assertEqual(w.filename, __file__)  # points at the caller
+
+    def test_float64_with_x64(self):
+        a, b = _rand((24, 40)), _rand((40, 16), seed=1)
+        with jax.enable_x64(True):
+            got = jax_sm100.matmul(a, b, out_dtype=jnp.float64)
+        self.assertEqual(got.dtype, jnp.float64)
+
+    def test_preferred_element_type_is_out_dtype(self):
+        a, b = _rand((24, 40), "bfloat16"), _rand((40, 16), "bfloat16", seed=1)
+        got = jax_sm100.matmul(a, b, preferred_element_type=jnp.float32)
+        self.assertEqual(got.dtype, jnp.float32)
+        with self.assertRaisesRegex(ValueError, "differ"):
+            jax_sm100.matmul(a, b, out_dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
+
+
+class PrecisionTest(parameterized.TestCase):
+    def test_highest_float32_runs_on_xla_and_says_so(self):
+        a, b = _rand((24, 40)), _rand((40, 16), seed=1)
+        bias = _rand((16,), seed=2)
+        fn = lambda a, b: jax_sm100.matmul(a, b, bias=bias, activation="relu", precision="highest")  # noqa: E731
+        with jax_sm100.lowerings() as seen:
+            names = _names(fn, a, b)
+        self.assertNotIn("jax_sm100_matmul", names)
+        (note,) = [x.note for x in seen]
+        self.assertIn("HIGHEST", note)
+        want = tu.reference(a, b, bias=bias, activation="relu")
+        tu.assert_close(self, fn(a, b), want, "float32")
+
+    def test_bfloat16_meets_every_precision(self):
+        a, b = _rand((24, 40), "bfloat16"), _rand((40, 16), "bfloat16", seed=1)
+        names = _names(lambda a, b: jax_sm100.matmul(a, b, precision="highest"), a, b)
+        self.assertIn("jax_sm100_matmul", names)
+
+    def test_plan_with_unmet_precision_raises(self):
+        a, b = _rand((256, 256)), _rand((256, 256), seed=1)
+        p = jax_sm100.plan(256, 256, 256, a_dtype="float32", b_dtype="float32", arch="sm_100a")
+        with self.assertRaisesRegex(ValueError, "plan= runs our kernels"):
+            jax_sm100.matmul(a, b, plan=p, precision=lax.Precision.HIGHEST)
+
+
+class ArgumentsTest(parameterized.TestCase):
+    def test_traced_alpha_names_a_working_fix(self):
+        a, b = _rand((24, 40)), _rand((40, 16), seed=1)
+
+        def f(s):
+            return jax_sm100.matmul(a, b, alpha=s)
+
+        with self.assertRaisesRegex(TypeError, r"scale an operand \(matmul\(s \* a, b\)\)"):
+            jax.jit(f)(2.0)
+        # ...and the fix it names does what alpha would.
+        got = jax.jit(lambda s: jax_sm100.matmul(s * a, b))(2.0)
+        np.testing.assert_allclose(got, jax_sm100.matmul(a, b, alpha=2.0), rtol=1e-6)
+
+    def test_out_sharding(self):
+        mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            a = jax.device_put(_rand((8, 16)), P("x", None))
+            b = _rand((16, 4), seed=1)
+            got = jax.jit(lambda a, b: jax_sm100.matmul(a, b, out_sharding=P(None, "x")))(a, b)
+            want = jnp.matmul(a, b, out_sharding=P(None, "x"))
+            self.assertEqual(jax.typeof(got), jax.typeof(want))
+            dn = (((1,), (0,)), ((), ()))
+            got = jax_sm100.dot_general(a, b, dn, out_sharding=P(None, "x"))
+            want = lax.dot_general(a, b, dn, out_sharding=P(None, "x"))
+            self.assertEqual(jax.typeof(got), jax.typeof(want))
+
+
+if __name__ == "__main__":
+    absltest.main()
