@@ -27,9 +27,10 @@ first by `--jobs` CPU workers. Prints one line per variant, then the best per sh
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
+import multiprocessing
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +38,31 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100 import bench
+from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_check  # noqa: E402  (its parallel precompile)
-
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 4096, 4096), (4096, 14336, 4096))
+
+
+def _compile_one(pair):
+    compile_mod.compile_plan(*pair)
+
+
+def precompile_parallel(pairs, jobs: int) -> None:
+    """Fills the on-disk kernel cache with the (plan, spec) `pairs`, by `jobs` CPU-only worker
+    processes (spawned, so they do not inherit this process's GPU client)."""
+    saved = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the workers must not take the GPU
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            list(pool.map(_compile_one, pairs))
+    finally:
+        if saved is None:
+            os.environ.pop("JAX_PLATFORMS")
+        else:
+            os.environ["JAX_PLATFORMS"] = saved
 
 
 def variants(base, schedules, clusters, swizzles, epi_ns, stages=(0,), epi_stages=(2,),
@@ -160,7 +179,7 @@ def main():
         plans[m, n, k] = (base, vs)
     if args.jobs > 1:
         pairs = [(p, KernelSpec.for_plan(p)) for _, vs in plans.values() for p in vs]
-        gpu_check.precompile_parallel(pairs, args.jobs)
+        precompile_parallel(pairs, args.jobs)
         print(f"precompiled {len(pairs)} variants", flush=True)
     best = {}
     for (m, n, k), (base, vs) in plans.items():
