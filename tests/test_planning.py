@@ -601,6 +601,14 @@ class ProblemAndChoicesTest(absltest.TestCase):
         with self.assertRaises(planning.C.PlanError):
             p.for_problem(dataclasses.replace(p.problem, c_dtype="float32"))
 
+    def test_mixed_fp8_plans_onto_xla(self):
+        # e4m3 x e5m2: the kernels take one operand dtype, so XLA's dot, the plan saying why.
+        for arch in ("sm_90a", "sm_100a"):
+            p = planning.plan(4096, 4096, 4096, a_dtype="float8_e4m3fn", b_dtype="float8_e5m2",
+                              arch=arch, b_major="k")  # fmt: skip
+            self.assertEqual(p.kernel, planning.KERNEL_XLA)
+            self.assertIn("mixed operand dtypes", p.reason)
+
     def test_extents_past_int32_run_on_xla(self):
         # A folded batch of short rows: 2^31 rows of 16. The kernels index int32 extents.
         kw = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a", force_kernel=True)

@@ -188,6 +188,17 @@ class TransformationsTest(parameterized.TestCase):
         )
         tu.assert_close(self, out, want, "float64", 7)
 
+    def test_vmap_over_the_row_axis(self):
+        # vmap over a's rows (in_axes=1 of a 3-D array mapped to a 2-D operand): the mapped axis
+        # becomes a batch dim, never the m dim (a 2-D `a` has no batch dims to place it among).
+        rng = np.random.default_rng(13)
+        a = tu.rand(rng, (8, 5, 16), "float64")
+        w = tu.rand(rng, (16, 4), "float64")
+        for axis in (0, 1):
+            out = jax.vmap(lambda x: jax_sm100.matmul(x, w), in_axes=axis)(a)
+            want = np.matmul(np.moveaxis(np.asarray(a), axis, 0), np.asarray(w))
+            tu.assert_close(self, out, want, "float64", 7)
+
     def test_vmap_inside_batch_dims(self):
         # a is mapped on one of its batch dims: the batch dim is folded in place, no transpose.
         rng = np.random.default_rng(12)

@@ -320,7 +320,7 @@ def batch_rule(prim, args, dims, **params):
     move theirs there, and unmapped ones get a unit dim, which the kernels read with batch
     stride 0, so a shared weight is never copied per batch.
     """
-    nb = args[0].ndim - 2
+    nb = args[0].ndim - 2 - (dims[0] is not None)  # the primitive's batch dims (a's, unmapped)
     first = next(d for d in dims if d is not None)
     at = first if first <= nb else 0
     moved = []

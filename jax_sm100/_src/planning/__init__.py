@@ -48,6 +48,7 @@ from jax_sm100._src.planning.gemm_plan import (
     GemmProblem,
     epi_smem_bytes,
     grid_clusters,
+    mma_operand_dtype,
     resident_clusters,
     smem_capacity,
 )
@@ -83,7 +84,7 @@ def _plan_cached(
     why_not = C.kernel_support(
         arch, m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major, batch
     )
-    ab = a_dtype if a_dtype in C.KERNEL_OPERAND_DTYPES[arch] and a_dtype == b_dtype else "bfloat16"
+    ab = mma_operand_dtype(arch, a_dtype, b_dtype)
     ab_bits = C.DTYPE_BITS[ab]
     ktile = 1024 // ab_bits
     out_bits = C.DTYPE_BITS[out_dtype]

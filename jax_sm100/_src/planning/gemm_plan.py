@@ -93,6 +93,16 @@ def epi_smem_bytes(
     return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
 
 
+def mma_operand_dtype(arch: str, a_dtype: str, b_dtype: str) -> str:
+    """The operand dtype a plan's MMA tile is sized for: the operands' when the arch's kernels
+    take them at one width (two fp8 formats included), else bfloat16 (the problem then runs on
+    XLA's dot and the tile only fills the plan's fields)."""
+    ops = C.KERNEL_OPERAND_DTYPES[arch]
+    if a_dtype in ops and b_dtype in ops and C.DTYPE_BITS[a_dtype] == C.DTYPE_BITS[b_dtype]:
+        return a_dtype
+    return "bfloat16"
+
+
 def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -209,7 +219,7 @@ class GemmPlan:
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
             )
         C.check_split_k(self.split_k, self.cluster_shape_mn, self.pingpong, self.split_reduce)
-        ab = self.a_dtype if self.a_dtype in C.KERNEL_OPERAND_DTYPES[self.arch] else "bfloat16"
+        ab = mma_operand_dtype(self.arch, self.a_dtype, self.b_dtype)
         C.check_mma_tiler(self.arch, self.mma_tiler_mnk, self.use_2cta, ab, self.b_major)
         C.check_cluster(self.arch, self.cluster_shape_mn, self.use_2cta)
         C.check_pingpong(self.arch, self.pingpong, self.mma_tiler_mnk)
