@@ -19,6 +19,9 @@ so checkpoints and optimizer state carry over both ways. `activation` is None, "
 activation are applied to the float32 accumulator and rounded once (Flax adds the bias in the
 product's dtype), and the result keeps the product's dtype where Flax's `y + bias` would promote
 it to a wider bias dtype (only with a `preferred_element_type` narrower than the parameters).
+Where the layer's `precision` (or `jax.default_matmul_precision`) asks for more than the kernels
+give (HIGHEST with float32: they multiply float32 as tf32), the layer computes as the Flax layer
+on `jax_sm100.dot_general` does: lax's dot, then bias and activation in XLA.
 
 This module imports Flax, which jax_sm100 itself does not depend on (`pip install flax`).
 """
@@ -35,8 +38,9 @@ except ImportError as e:  # pragma: no cover  (flax is in the test extra)
 import jax.numpy as jnp
 
 from jax_sm100._src.api import matmul
-from jax_sm100._src.dot_general import dot_general
+from jax_sm100._src.dot_general import dot_general, precision_reason
 from jax_sm100._src.kernels.spec import ACTIVATIONS
+from jax_sm100._src.primitive import apply_activation
 
 __all__ = ["Dense", "Linear"]
 
@@ -76,6 +80,10 @@ class Linear(nnx.Linear):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        if precision_reason(self.precision, inputs.dtype, kernel.dtype):
+            # A precision the kernels do not meet (`precision` or jax.default_matmul_precision):
+            # nnx.Linear on jax_sm100.dot_general, which runs lax.dot_general and says why.
+            return apply_activation(super().__call__(inputs, out_sharding), self.activation)
         return matmul(
             inputs, kernel, bias=bias, activation=self.activation, precision=self.precision,
             preferred_element_type=self.preferred_element_type, out_sharding=out_sharding,
@@ -109,5 +117,10 @@ class Dense(linen.Dense):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if precision_reason(self.precision, inputs.dtype, kernel.dtype):
+            # As in Linear: linen.Dense's math on jax_sm100.dot_general (lax.dot_general here).
+            dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+            y = dot_general(inputs, kernel, dims, precision=self.precision)
+            return apply_activation(y if bias is None else y + bias, self.activation)
         return matmul(inputs, kernel, bias=bias, activation=self.activation,
                       precision=self.precision)  # fmt: skip

@@ -172,6 +172,14 @@ class PrecisionTest(parameterized.TestCase):
         want = tu.reference(a, b, bias=bias, activation="relu")
         tu.assert_close(self, fn(a, b), want, "float32")
 
+    def test_default_matmul_precision_is_not_consulted(self):
+        # Documented: only precision= counts (the XLA path would lose the primitive's
+        # sharding rules); jax_sm100.dot_general consults the default, as lax does.
+        a, b = _rand((24, 40)), _rand((40, 16), seed=1)
+        with jax.default_matmul_precision("highest"):
+            names = _names(jax_sm100.matmul, a, b)
+        self.assertIn("jax_sm100_matmul", names)
+
     def test_bfloat16_meets_every_precision(self):
         a, b = _rand((24, 40), "bfloat16"), _rand((40, 16), "bfloat16", seed=1)
         names = _names(lambda a, b: jax_sm100.matmul(a, b, precision="highest"), a, b)

@@ -128,6 +128,22 @@ class NnxTest(parameterized.TestCase):
         self.assertEqual(_matmul_count(lambda x: fused(x), x), 1)
         self.assertNotIn("add", str(jax.make_jaxpr(lambda x: fused(x))(x)))
 
+    def test_fused_layers_meet_a_highest_precision_on_lax(self):
+        x = _data((3, 5, 48))[0]
+        plain = nnx.Linear(48, 40, precision="highest", rngs=nnx.Rngs(3))
+        fused = sm100_flax.Linear(48, 40, activation="silu", precision="highest",
+                                  rngs=nnx.Rngs(3))  # fmt: skip
+        self.assertEqual(_matmul_count(lambda x: fused(x), x), 0)
+        np.testing.assert_allclose(fused(x), nnx.silu(plain(x)), rtol=1e-6, atol=1e-6)
+        default = sm100_flax.Linear(48, 40, activation="silu", rngs=nnx.Rngs(3))
+        with jax.default_matmul_precision("highest"):
+            self.assertEqual(_matmul_count(lambda x: default(x), x), 0)
+        dense = sm100_flax.Dense(40, activation="relu", precision="highest")
+        params = dense.init(jax.random.key(0), x)
+        self.assertEqual(_matmul_count(lambda p: dense.apply(p, x), params), 0)
+        want = linen.relu(linen.Dense(40, precision="highest").apply(params, x))
+        np.testing.assert_allclose(dense.apply(params, x), want, rtol=1e-6, atol=1e-6)
+
     def test_fused_linear_rejects_dot_general_and_bad_activation(self):
         with self.assertRaisesRegex(TypeError, "takes no dot_general"):
             sm100_flax.Linear(4, 4, dot_general=lax.dot_general, rngs=nnx.Rngs(0))

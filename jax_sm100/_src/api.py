@@ -213,6 +213,7 @@ def matmul(
         problem's sizes, dtypes and layouts.
       precision: as `jnp.matmul`. The kernels meet every value for 16-bit and fp8 operands;
         `HIGHEST` (or an explicit dot algorithm) with float32 operands runs on XLA's dot.
+        `jax.default_matmul_precision` is not consulted (`jax_sm100.dot_general` does).
       preferred_element_type: `jnp.matmul`'s name for `out_dtype`.
       out_sharding: as `jnp.matmul`; the result is resharded to it.
 
@@ -234,7 +235,11 @@ def matmul(
         out_dtype = preferred_element_type
     operands, params, out_shape, weak = _prepare(a, b, bias, c, activation, out_dtype, alpha, beta)
     split = P._split(operands, params["has_bias"], params["has_c"])
-    reason = DG.fallback_reason(split[0].dtype, split[1].dtype, params["out_dtype"], precision)
+    # Only a precision passed here counts, not `jax.default_matmul_precision`: the XLA path
+    # below is jnp's math, without the primitive's sharding rules (see the README).
+    reason = None
+    if precision is not None:
+        reason = DG.precision_reason(precision, split[0].dtype, split[1].dtype)
     if reason is not None:
         if plan is not None:
             raise ValueError(f"jax_sm100.matmul: plan= runs our kernels, but {reason}")

@@ -145,8 +145,10 @@ def gemm_form(lhs_shape, rhs_shape, dimension_numbers) -> GemmForm | str:
     )
 
 
-def _precision_reason(precision, lhs_dtype, rhs_dtype) -> str | None:
+def precision_reason(precision, lhs_dtype, rhs_dtype) -> str | None:
     """Why the kernels would not meet `precision` for these operand dtypes, or None.
+
+    `precision=None` is `jax.default_matmul_precision`'s value, as for `lax.dot_general`.
 
     The kernels multiply 16-bit and fp8 operands exactly and accumulate in float32, which meets
     every `lax.Precision`; float32 operands run as tf32 on SM100 (DEFAULT and HIGH, as XLA's dot
@@ -178,7 +180,7 @@ def fallback_reason(lhs_dtype, rhs_dtype, out_dtype, precision) -> str | None:
     for what, dt in (("lhs", lhs_dtype), ("rhs", rhs_dtype), ("result", out_dtype)):
         if np.dtype(dt).name not in DTYPE_BITS:
             return f"{what} dtype {np.dtype(dt).name} (the kernels take floating dtypes)"
-    return _precision_reason(precision, lhs_dtype, rhs_dtype)
+    return precision_reason(precision, lhs_dtype, rhs_dtype)
 
 
 def record_fallback(what: str, reason: str, runs: str = "lax.dot_general") -> None:
