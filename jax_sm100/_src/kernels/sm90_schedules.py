@@ -152,12 +152,13 @@ class Sm90SplitSchedules:
         epi.store_pipe.producer_tail()
 
     def _sk_slot(self, mWs, slot, ctidx, acc):
-        """This thread's words of workspace slot `slot`: word v at v * threads + ctidx, so a
-        warp's access to one v is 128 contiguous bytes."""
+        """This thread's words of workspace slot `slot`, shaped as `acc`: its v-th element at
+        v * threads + ctidx, so a warp's access to one v is 128 contiguous bytes."""
         threads = self.num_consumer_threads
         base = slot * (threads * cute.size(acc)) + ctidx
+        flat = cute.make_layout(cute.size(acc), stride=threads)
         return cute.make_tensor(
-            mWs.iterator + base, cute.make_layout(cute.size(acc), stride=threads)
+            mWs.iterator + base, cute.composition(flat, cute.make_layout(acc.shape))
         )
 
     @cute.jit
@@ -165,8 +166,7 @@ class Sm90SplitSchedules:
         """Writes this CTA's partial tile to its slot, then releases the slot's flag (after a
         barrier over the consumer threads, so every thread's stores come before it)."""
         dst = self._sk_slot(mWs, slot, ctidx, acc)
-        for v in cutlass.range_constexpr(cute.size(acc)):
-            dst[v] = acc[v]
+        dst.store(acc.load())
         sync.arrive_and_wait()
         if ctidx == 0:
             cute.arch.atomic_add(mFlags.iterator + slot, cutlass.Int32(1), sem="release",
@@ -183,8 +183,7 @@ class Sm90SplitSchedules:
                                        scope="gpu")  # fmt: skip
         sync.arrive_and_wait()
         src = self._sk_slot(mWs, slot, ctidx, acc)
-        for v in cutlass.range_constexpr(cute.size(acc)):
-            acc[v] = acc[v] + src[v]
+        acc.store(acc.load() + src.load())
 
     @cute.jit
     def _splitk_epilogue(self, acc, thr_c, sRed, red_bars, rank, tile, tiles_done, ctidx, mD, mC,
@@ -206,8 +205,7 @@ class Sm90SplitSchedules:
         sync = pipeline.NamedBarrier(barrier_id=common.SM90_EPI_BARRIER, num_threads=threads)
         # 1. Publish this CTA's partial (the previous tile's readers are done: step 3).
         tCsRed = thr_c.partition_C(sRed)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            tCsRed[i] = acc[i]
+        tCsRed.store(acc.load())
         sync.arrive_and_wait()
         if ctidx == 0:
             for q in cutlass.range_constexpr(split):
