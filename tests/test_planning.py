@@ -9,12 +9,13 @@ import os
 from unittest import mock
 
 import cutlass.utils as cu
+import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import constraints as C
-from jax_sm100._src import planning
+from jax_sm100._src import dispatch, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 SHAPES = [
@@ -600,6 +601,16 @@ class ProblemAndChoicesTest(absltest.TestCase):
         # A problem the choices cannot serve is refused, naming the rule.
         with self.assertRaises(planning.C.PlanError):
             p.for_problem(dataclasses.replace(p.problem, c_dtype="float32"))
+
+    def test_an_xla_plan_prints_no_hardware(self):
+        # A plan that runs on XLA's dot (here: a CPU machine) shows the problem and the reason,
+        # not an arch's tiles, SMs and shared memory.
+        x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 1024), jnp.bfloat16)
+        with mock.patch.object(dispatch, "device_target", lambda: None):
+            text = str(jax_sm100.plan_for(x, w))
+        self.assertIn("xla_dot", text)
+        for hardware in ("SMs", "mma_tiler", "smem_bytes", "cluster"):
+            self.assertNotIn(hardware, text)
 
     def test_mixed_fp8_plans_onto_xla(self):
         # e4m3 x e5m2: the kernels take one operand dtype, so XLA's dot, the plan saying why.

@@ -338,6 +338,14 @@ class GemmPlan:
             ("arch", f"{self.arch} ({self.num_sms} SMs)"),
             ("kernel", self.kernel),
             ("reason", self.reason),
+        ]  # fmt: skip
+        if self.kernel == KERNEL_XLA:
+            # XLA's dot runs it: no arch's hardware is involved, and the tile fields are
+            # placeholders, not what runs.
+            rows = [r for r in rows if r[0] != "arch"]
+            width = max(len(r[0]) for r in rows)
+            return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
+        rows += [
             ("mma_tiler_mnk", self.mma_tiler_mnk),
             ("cta_tile_mnk", self.cta_tile_mnk),
             ("cluster_shape_mn", self.cluster_shape_mn),
