@@ -15,6 +15,7 @@ from jax_sm100._src.ffi import export_safety_checks as export_disabled_checks
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import GemmPlan, GemmProblem, plan
 from jax_sm100._src.precompile import precompile
+from jax_sm100._src.ragged import ragged_dot
 
 __all__ = [
     "GemmPlan",
@@ -32,6 +33,7 @@ __all__ = [
     "plan",
     "plan_for",
     "precompile",
+    "ragged_dot",
     "tuning",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,303 @@
+"""`jax_sm100.ragged_dot`: the grouped GEMM of mixture-of-experts layers, as two primitives.
+
+    ragged_dot_p       lhs [*B, m, k], rhs [*B, g, k, n] ([*B, g, n, k] with transpose_rhs),
+                       group_sizes [*B, g]          -> out [*B, m, n]
+                       rows [s_i, s_i + group_sizes[i]) of lhs times rhs[i], where s_i is the
+                       sum of the sizes before group i; rows past the last group are zero
+    ragged_outer_p     lhs [*B, m, k], rhs [*B, m, n], group_sizes [*B, g]
+                                                     -> out [*B, g, k, n]
+                       out[i] = lhs[rows of group i]^T @ rhs[rows of group i]: the weight
+                       gradient of ragged_dot (a contraction whose k-segments vary in length)
+
+Both accumulate in float32 (float64 for float64 operands) and round once to `out_dtype`. They are
+each other's transposes, so a training step differentiates into these two primitives only:
+
+    d lhs = ragged_dot(ct, rhs, transpose_rhs=not transpose_rhs)
+    d rhs = ragged_outer(lhs, ct)                  ([g, n, k] order under transpose_rhs)
+
+The batch dims `B` come from `vmap` (the batching rules move every mapped dim to the front and
+broadcast the unmapped operands). Each primitive lowers, on every platform, to XLA's
+`ragged_dot_general`; there is no grouped kernel yet (issue 18: the SM90/SM100 grouped GEMM
+families), and every CUDA lowering records that in `jax_sm100.lowerings()`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+from jax_sm100._src import dispatch
+from jax_sm100._src import dtypes as D
+from jax_sm100._src import primitive as P
+
+ragged_dot_p = jex_core.Primitive("jax_sm100_ragged_dot")
+ragged_outer_p = jex_core.Primitive("jax_sm100_ragged_outer")
+
+
+# --- the public function -------------------------------------------------------------------------
+
+
+def ragged_dot(
+    lhs,
+    rhs,
+    group_sizes,
+    precision=None,
+    preferred_element_type=None,
+    group_offset=None,
+) -> jax.Array:
+    """`jax.lax.ragged_dot`: lhs [m, k] rows in consecutive groups, group i (of `group_sizes[i]`
+    rows) multiplied by rhs[i] ([g, k, n]); rows past the last group give zeros.
+
+    Differences from `lax.ragged_dot`, as for `jax_sm100.matmul`: products accumulate in float32
+    and round once; float32 operands with `Precision.HIGHEST` run on XLA's `ragged_dot` (recorded
+    in `jax_sm100.lowerings()`); `group_offset` raises NotImplementedError (lax.ragged_dot
+    cannot take one either).
+
+    Raises:
+      ValueError: ranks or sizes that do not match (named in the message).
+      TypeError: non-floating operands, or group sizes that are not integers.
+      NotImplementedError: a `group_offset`.
+    """
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    a_name, b_name = D.operand_dtype_name(lhs.dtype, "lhs"), D.operand_dtype_name(rhs.dtype, "rhs")
+    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+        raise ValueError(
+            f"jax_sm100.ragged_dot: lhs must be [m, k], rhs [g, k, n] and group_sizes [g]; got "
+            f"lhs.shape={lhs.shape}, rhs.shape={rhs.shape}, group_sizes.shape={group_sizes.shape}"
+        )
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(
+            f"jax_sm100.ragged_dot: group_sizes must be integers, got {group_sizes.dtype}; "
+            "e.g. group_sizes.astype(jnp.int32)"
+        )
+    k, (g, kb, _) = lhs.shape[1], rhs.shape
+    if k != kb or group_sizes.shape[0] != g:
+        raise ValueError(
+            f"jax_sm100.ragged_dot: lhs.shape={lhs.shape} has k={k}, rhs.shape={rhs.shape} has "
+            f"k={kb} and g={g}, group_sizes.shape={group_sizes.shape}: k and g must agree"
+        )
+    if preferred_element_type is None:
+        out_dtype = np.dtype(D.default_out_dtype(a_name, b_name))
+    else:
+        out_dtype = np.dtype(D.operand_dtype_name(preferred_element_type, "preferred_element_type"))
+    if group_offset is not None:
+        raise NotImplementedError(
+            "jax_sm100.ragged_dot: group_offset is not supported (nor does lax.ragged_dot "
+            f"take one in JAX {jax.__version__}); for experts held locally, pass rhs and "
+            "group_sizes sliced to them and the rows routed to them"
+        )
+    fallback = None
+    if _highest(precision) and "float32" in (a_name, b_name):
+        fallback = "precision=HIGHEST with float32 operands"
+    if fallback is not None:
+        dispatch.record(
+            dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({fallback})")
+        )
+        return lax.ragged_dot(
+            lhs, rhs, group_sizes, precision=precision, preferred_element_type=out_dtype
+        )
+    return ragged_dot_p.bind(
+        lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=out_dtype
+    )
+
+
+def _highest(precision) -> bool:
+    if precision is None:
+        return False
+    values = precision if isinstance(precision, (tuple, list)) else (precision,)
+    return any(lax.Precision(p) == lax.Precision.HIGHEST for p in values if p is not None)
+
+
+# --- abstract evaluation --------------------------------------------------------------------------
+
+
+def _check_groups(group_sizes, batch, g):
+    if tuple(group_sizes.shape) != (*batch, g):
+        raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected {(*batch, g)}")
+
+
+def _ragged_dot_abstract(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    *batch, m, k = lhs.shape
+    *rbatch, g, r1, r2 = rhs.shape
+    kb, n = (r2, r1) if transpose_rhs else (r1, r2)
+    if tuple(rbatch) != tuple(batch) or kb != k:
+        raise ValueError(f"ragged_dot: lhs {lhs.shape} and rhs {rhs.shape} ({transpose_rhs=})")
+    _check_groups(group_sizes, batch, g)
+    return jax.core.ShapedArray((*batch, m, n), out_dtype)
+
+
+def _ragged_outer_abstract(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
+    *batch, m, k = lhs.shape
+    *rbatch, mr, n = rhs.shape
+    if tuple(rbatch) != tuple(batch) or mr != m:
+        raise ValueError(f"ragged_outer: lhs {lhs.shape} and rhs {rhs.shape} share [*B, m]")
+    g = group_sizes.shape[-1]
+    _check_groups(group_sizes, batch, g)
+    tail = (n, k) if transpose_out else (k, n)
+    return jax.core.ShapedArray((*batch, g, *tail), out_dtype)
+
+
+ragged_dot_p.def_abstract_eval(_ragged_dot_abstract)
+ragged_outer_p.def_abstract_eval(_ragged_outer_abstract)
+
+
+# --- the math in XLA ops (every platform, until the grouped kernels land) -----------------------
+
+
+def _flat(x, nb):
+    """x with its nb leading batch dims merged into one (a new unit one when nb == 0)."""
+    return x.reshape((-1, *x.shape[nb:])) if nb else x[None]
+
+
+def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    nb = lhs.ndim - 2
+    acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+    l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
+    if transpose_rhs:
+        r4 = jnp.swapaxes(r4, -1, -2)
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((2,), (2,)), ((0,), (0,))),
+        lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[1],
+    )
+    out = lax.ragged_dot_general(
+        l3.astype(acc), r4.astype(acc), gs, dn, precision=lax.Precision.HIGHEST,
+        preferred_element_type=acc,
+    )  # fmt: skip
+    return out.reshape((*lhs.shape[:-1], out.shape[-1])).astype(out_dtype)
+
+
+def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
+    nb = lhs.ndim - 2
+    acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+    l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
+    dn = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (1,)), ((0,), (0,))),
+        lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[],
+    )
+    out = lax.ragged_dot_general(
+        l3.astype(acc), r3.astype(acc), gs, dn, precision=lax.Precision.HIGHEST,
+        preferred_element_type=acc,
+    )  # fmt: skip
+    out = jnp.moveaxis(out, 0, 1)  # (g, B, k, n) -> (B, g, k, n)
+    if transpose_out:
+        out = jnp.swapaxes(out, -1, -2)
+    return out.reshape((*lhs.shape[:-2], *out.shape[1:])).astype(out_dtype)
+
+
+def _cuda(xla_fn, name):
+    def lower(*args, **params):
+        dispatch.record(
+            dispatch.Lowered(None, f"{name}: XLA's ragged_dot_general (no grouped kernel yet)")
+        )
+        return xla_fn(*args, **params)
+
+    return lower
+
+
+for _prim, _fn, _name in (
+    (ragged_dot_p, _ragged_dot_xla, "ragged_dot"),
+    (ragged_outer_p, _ragged_outer_xla, "ragged_outer"),
+):
+    _prim.def_impl(lambda *args, _fn=_fn, **params: _fn(*args, **params))
+    mlir.register_lowering(_prim, mlir.lower_fun(_fn, multiple_results=False), platform="cpu")
+    mlir.register_lowering(
+        _prim, mlir.lower_fun(_cuda(_fn, _name), multiple_results=False), platform="cuda"
+    )
+
+
+# --- batching: every mapped dim to the front, unmapped operands broadcast -----------------------
+
+
+def _batch(prim, args, dims, **params):
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    moved = [
+        jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    return prim.bind(*moved, **params), 0
+
+
+batching.primitive_batchers[ragged_dot_p] = lambda a, d, **p: _batch(ragged_dot_p, a, d, **p)
+batching.primitive_batchers[ragged_outer_p] = lambda a, d, **p: _batch(ragged_outer_p, a, d, **p)
+
+
+# --- differentiation: bilinear in (lhs, rhs); group sizes are integers -------------------------
+
+
+def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+    if type(ct) is ad.Zero:
+        return [_zero(lhs), _zero(rhs), None]
+    d_lhs = d_rhs = None
+    if ad.is_undefined_primal(lhs):
+        d_lhs = ragged_dot_p.bind(
+            ct.astype(_tangent_dtype(ct.dtype, rhs.dtype)), rhs, group_sizes,
+            transpose_rhs=not transpose_rhs, out_dtype=np.dtype(lhs.aval.dtype),
+        )  # fmt: skip
+    if ad.is_undefined_primal(rhs):
+        d_rhs = ragged_outer_p.bind(
+            lhs, ct.astype(_tangent_dtype(ct.dtype, lhs.dtype)), group_sizes,
+            out_dtype=np.dtype(rhs.aval.dtype), transpose_out=transpose_rhs,
+        )  # fmt: skip
+    return [d_lhs, d_rhs, None]
+
+
+def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out):
+    # out[i] = lhs_i^T rhs_i: d lhs_i = rhs_i ct[i]^T, d rhs_i = lhs_i ct[i] (per group's rows).
+    if type(ct) is ad.Zero:
+        return [_zero(lhs), _zero(rhs), None]
+    d_lhs = d_rhs = None
+    if ad.is_undefined_primal(lhs):
+        d_lhs = ragged_dot_p.bind(
+            rhs, ct.astype(_tangent_dtype(ct.dtype, rhs.dtype)), group_sizes,
+            transpose_rhs=not transpose_out, out_dtype=np.dtype(lhs.aval.dtype),
+        )  # fmt: skip
+    if ad.is_undefined_primal(rhs):
+        d_rhs = ragged_dot_p.bind(
+            lhs, ct.astype(_tangent_dtype(ct.dtype, lhs.dtype)), group_sizes,
+            transpose_rhs=transpose_out, out_dtype=np.dtype(rhs.aval.dtype),
+        )  # fmt: skip
+    return [d_lhs, d_rhs, None]
+
+
+def _zero(x):
+    return ad.Zero(x.aval.to_ct_aval()) if ad.is_undefined_primal(x) else None
+
+
+def _tangent_dtype(ct_dtype, operand_dtype):
+    """The cotangent in the operand's dtype, as XLA's own dot transpose takes it (16-bit
+    training: a float32 cotangent is rounded once); fp8 operands take bfloat16."""
+    operand = np.dtype(operand_dtype)
+    if operand.name in ("float8_e4m3fn", "float8_e5m2"):
+        return np.dtype(jnp.bfloat16)
+    return operand if operand.itemsize == 2 else np.dtype(ct_dtype)
+
+
+def _jvp(prim, primals, tangents, **params):
+    """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs)."""
+    lhs, rhs, group_sizes = primals
+    d_lhs, d_rhs, _ = tangents
+    out = prim.bind(lhs, rhs, group_sizes, **params)
+    terms = []
+    if type(d_lhs) is not ad.Zero:
+        terms.append(prim.bind(d_lhs, rhs, group_sizes, **params))
+    if type(d_rhs) is not ad.Zero:
+        terms.append(prim.bind(lhs, d_rhs, group_sizes, **params))
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+for _prim, _transpose in (
+    (ragged_dot_p, _ragged_dot_transpose),
+    (ragged_outer_p, _ragged_outer_transpose),
+):
+    ad.primitive_jvps[_prim] = lambda primals, tangents, _prim=_prim, **params: _jvp(
+        _prim, primals, tangents, **params
+    )
+    ad.primitive_transposes[_prim] = _transpose

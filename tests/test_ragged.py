@@ -1,0 +1,195 @@
+"""`jax_sm100.ragged_dot` on CPU: values against a float64 reference, every transformation, the
+backward's two primitives, the fallbacks and the errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax import lax
+
+import jax_sm100
+from jax_sm100._src import ragged
+from tests import test_util as tu
+
+
+def _groups(rng, m, g, fill=True):
+    """Random group sizes summing to m (or to less, leaving trailing rows in no group), with
+    empty groups among them."""
+    total = m if fill else int(rng.integers(0, m))
+    cuts = np.sort(rng.integers(0, total + 1, size=g - 1))
+    sizes = np.diff(np.concatenate([[0], cuts, [total]]))
+    return jnp.asarray(sizes.astype(np.int32))
+
+
+def _reference(lhs, rhs, group_sizes):
+    """float64 numpy: rows of group i times rhs[i]; rows past the last group are zero."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out = np.zeros((lhs.shape[0], rhs.shape[-1]))
+    start = 0
+    for i, size in enumerate(np.asarray(group_sizes)):
+        out[start : start + size] = lhs[start : start + size] @ rhs[i]
+        start += size
+    return out
+
+
+def _dense(lhs, rhs, group_sizes):
+    """The same math in differentiable jnp (any order, any transformation)."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(lhs.shape[0])[:, None]
+    member = ((rows >= (ends - group_sizes)[None]) & (rows < ends[None])).astype(lhs.dtype)
+    return jnp.einsum("mk,gkn,mg->mn", lhs, rhs, member)
+
+
+class RaggedDotTest(parameterized.TestCase):
+    @parameterized.product(
+        dtype=("bfloat16", "float16", "float32"),
+        shape=((64, 32, 48, 4), (100, 24, 40, 7), (1, 8, 8, 3), (37, 16, 1, 5)),
+        fill=(True, False),
+    )
+    def test_values(self, dtype, shape, fill):
+        m, k, n, g = shape
+        rng = np.random.default_rng(m * 7 + g)
+        lhs, rhs = tu.rand(rng, (m, k), dtype), tu.rand(rng, (g, k, n), dtype)
+        sizes = _groups(rng, m, g, fill)
+        out = jax.jit(jax_sm100.ragged_dot)(lhs, rhs, sizes)
+        self.assertEqual(out.dtype, jnp.dtype(dtype))
+        self.assertEqual(out.shape, (m, n))
+        tu.assert_close(self, out, _reference(lhs, rhs, sizes), dtype, k)
+
+    def test_matches_lax_ragged_dot(self):
+        rng = np.random.default_rng(3)
+        lhs, rhs = tu.rand(rng, (96, 40), "float32"), tu.rand(rng, (6, 40, 24), "float32")
+        sizes = _groups(rng, 96, 6)
+        ours = jax_sm100.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+        theirs = lax.ragged_dot(lhs, rhs, sizes, precision=lax.Precision.HIGHEST)
+        tu.assert_close(self, ours, theirs, "float32", 40)
+
+    def test_gradients_are_the_two_grouped_primitives(self):
+        rng = np.random.default_rng(4)
+        lhs, rhs = tu.rand(rng, (64, 32), "bfloat16"), tu.rand(rng, (4, 32, 16), "bfloat16")
+        sizes = _groups(rng, 64, 4)
+        loss = lambda a, b: jax_sm100.ragged_dot(a, b, sizes).astype(jnp.float32).sum()
+        jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(lhs, rhs).jaxpr
+        names = [e.primitive.name for e in jaxpr.eqns]
+        self.assertEqual(names.count("jax_sm100_ragged_dot"), 2)  # forward and d lhs
+        self.assertEqual(names.count("jax_sm100_ragged_outer"), 1)  # d rhs
+        self.assertNotIn("ragged_dot_general", names)
+        d_lhs, d_rhs = jax.grad(loss, (0, 1))(lhs, rhs)
+        self.assertEqual((d_lhs.dtype, d_rhs.dtype), (jnp.bfloat16, jnp.bfloat16))
+        want = jax.grad(
+            lambda a, b: _dense(a, b, sizes).sum(), (0, 1)
+        )(lhs.astype(jnp.float32), rhs.astype(jnp.float32))  # fmt: skip
+        tu.assert_close(self, d_lhs, want[0], "bfloat16", 16)
+        tu.assert_close(self, d_rhs, want[1], "bfloat16", 64)
+
+    @parameterized.named_parameters(
+        ("grad", lambda f: jax.grad(f, (0, 1))),
+        ("hessian_lhs", lambda f: jax.hessian(f, 0)),
+        ("hessian_rhs", lambda f: jax.hessian(f, 1)),
+        ("jacfwd_of_grad", lambda f: jax.jacfwd(jax.grad(f, 0), 1)),
+        ("jacrev_of_grad", lambda f: jax.jacrev(jax.grad(f, 1), 0)),
+    )
+    def test_differentiation_float64(self, transform):
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(5)
+            lhs, rhs = tu.rand(rng, (10, 4), "float64"), tu.rand(rng, (3, 4, 5), "float64")
+            sizes = jnp.asarray([4, 0, 5], jnp.int32)  # one empty group, one row in none
+            ours = transform(lambda a, b: jnp.sin(jax_sm100.ragged_dot(a, b, sizes)).sum())
+            want = transform(lambda a, b: jnp.sin(_dense(a, b, sizes)).sum())
+            for got, ref in zip(
+                jax.tree.leaves(ours(lhs, rhs)), jax.tree.leaves(want(lhs, rhs)), strict=True
+            ):
+                tu.assert_close(self, got, ref, "float64", 4)
+
+    @parameterized.named_parameters(
+        ("lhs_and_sizes", (0, None, 0)),
+        ("lhs_rows_axis", (1, None, None)),
+        ("rhs_only", (None, 0, None)),
+        ("all", (0, 2, 0)),
+    )
+    def test_vmap(self, in_axes):
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(6)
+            b, m, k, n, g = 3, 12, 5, 6, 4
+            lhs = tu.rand(rng, (m, k), "float64")
+            rhs = tu.rand(rng, (g, k, n), "float64")
+            sizes = jnp.asarray([3, 0, 5, 2], jnp.int32)
+            args = [lhs, rhs, sizes]
+            batched = [
+                jnp.stack([lhs * (i + 1) for i in range(b)], axis=in_axes[0] or 0),
+                jnp.stack([rhs * (i + 2) for i in range(b)], axis=in_axes[1] or 0),
+                jnp.asarray([[3, 0, 5, 2], [1, 1, 1, 1], [12, 0, 0, 0]], jnp.int32),
+            ]
+            args = [
+                bx if ax is not None else x
+                for x, bx, ax in zip(args, batched, in_axes, strict=True)
+            ]
+            got = jax.vmap(jax_sm100.ragged_dot, in_axes)(*args)
+            want = jax.vmap(_dense, in_axes)(*args)
+            tu.assert_close(self, got, want, "float64", k)
+            grads = jax.grad(
+                lambda x, y: jnp.sin(jax.vmap(jax_sm100.ragged_dot, in_axes)(x, y, args[2])).sum(),
+                (0, 1),
+            )(args[0], args[1])  # fmt: skip
+            want = jax.grad(
+                lambda x, y: jnp.sin(jax.vmap(_dense, in_axes)(x, y, args[2])).sum(), (0, 1)
+            )(args[0], args[1])  # fmt: skip
+            for got_g, ref in zip(grads, want, strict=True):
+                tu.assert_close(self, got_g, ref, "float64", k)
+
+    def test_ragged_outer_is_the_weight_gradient_form(self):
+        # out[i] = lhs[rows of i]^T @ rhs[rows of i], in both output orders.
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(7)
+            lhs, ct = tu.rand(rng, (20, 6), "float64"), tu.rand(rng, (20, 5), "float64")
+            sizes = jnp.asarray([7, 0, 9], jnp.int32)
+            for transpose_out in (False, True):
+                out = ragged.ragged_outer_p.bind(
+                    lhs, ct, sizes, out_dtype=np.dtype("float64"), transpose_out=transpose_out
+                )
+                starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+                for i, (s, size) in enumerate(zip(starts, np.asarray(sizes), strict=True)):
+                    want = np.asarray(lhs[s : s + size]).T @ np.asarray(ct[s : s + size])
+                    tu.assert_close(self, out[i], want.T if transpose_out else want, "float64")
+
+    def test_fallbacks_are_recorded(self):
+        rng = np.random.default_rng(8)
+        lhs, rhs = tu.rand(rng, (16, 8), "float32"), tu.rand(rng, (2, 8, 4), "float32")
+        sizes = jnp.asarray([8, 8], jnp.int32)
+        with jax_sm100.lowerings() as seen:
+            out = jax_sm100.ragged_dot(lhs, rhs, sizes, precision=lax.Precision.HIGHEST)
+        self.assertIn("precision=HIGHEST", seen[-1].note)
+        tu.assert_close(self, out, _reference(lhs, rhs, sizes), "float32", 8)
+        with self.assertRaisesRegex(NotImplementedError, "group_offset.*sliced"):
+            jax_sm100.ragged_dot(lhs, rhs, sizes, group_offset=jnp.zeros((1,), jnp.int32))
+
+    def test_cuda_lowering_says_which_path(self):
+        # Lowered for CUDA on this machine: XLA's ragged_dot_general until the grouped kernels
+        # land, and the lowering says so.
+        lhs = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((4, 32, 16), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+        with jax_sm100.lowerings() as seen:
+            jax.export.export(jax.jit(jax_sm100.ragged_dot), platforms=["cuda"])(lhs, rhs, sizes)
+        self.assertTrue(any("no grouped kernel yet" in x.note for x in seen), seen)
+
+    @parameterized.named_parameters(
+        ("rank", (8, 4, 2), (2, 4, 3), (2,), ValueError, "lhs must be"),
+        ("k", (8, 4), (2, 5, 3), (2,), ValueError, "k and g must agree"),
+        ("g", (8, 4), (2, 4, 3), (3,), ValueError, "k and g must agree"),
+        ("sizes_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "group_sizes must be integers"),
+        ("operand_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "integer dtype"),
+    )
+    def test_errors_name_the_fix(self, lhs_shape, rhs_shape, sizes_shape, error, message):
+        lhs_dtype = jnp.int32 if "operand" in message or message == "integer dtype" else jnp.float32
+        lhs = jnp.ones(lhs_shape, lhs_dtype)
+        rhs = jnp.ones(rhs_shape, jnp.float32)
+        sizes = jnp.ones(sizes_shape, jnp.float32 if "integers" in message else jnp.int32)
+        with self.assertRaisesRegex(error, message):
+            jax_sm100.ragged_dot(lhs, rhs, sizes)
+
+
+if __name__ == "__main__":
+    absltest.main()
