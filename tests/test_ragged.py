@@ -3,6 +3,10 @@ backward's two primitives, the fallbacks and the errors."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,6 +193,24 @@ class RaggedDotTest(parameterized.TestCase):
         sizes = jnp.ones(sizes_shape, jnp.float32 if "integers" in message else jnp.int32)
         with self.assertRaisesRegex(error, message):
             jax_sm100.ragged_dot(lhs, rhs, sizes)
+
+
+class MoeExampleTest(absltest.TestCase):
+    def test_trains_like_lax_ragged_dot(self):
+        # examples/train_moe.py: the student's loss falls, and its losses equal the same model's
+        # on lax.ragged_dot (float32; both run XLA's ragged_dot_general on a CPU).
+        def run(*flags):
+            proc = subprocess.run(
+                [sys.executable, str(tu.REPO_ROOT / "examples" / "train_moe.py"), "--steps", "12",
+                 "--tokens", "128", "--d-model", "32", "--d-ff", "64", *flags],
+                env=tu.subprocess_env(), capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+            return [float(x) for x in re.findall(r"loss (\d\.\d+)\n", proc.stdout)]
+
+        ours, reference = run(), run("--reference")
+        self.assertLess(ours[-1], 0.9 * ours[0])
+        np.testing.assert_allclose(ours, reference, rtol=1e-4)
 
 
 if __name__ == "__main__":
