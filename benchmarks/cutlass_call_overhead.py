@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_sm100
-from jax_sm100._src import gpu_lowering, planning
+from jax_sm100._src import dispatch, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100.bench import time_per_call
 
@@ -35,8 +35,9 @@ def main():
 
     from jax_sm100._src.kernels import sm90_gemm  # noqa: PLC0415
 
-    arch, sms = gpu_lowering.device_info()
-    p = planning.plan(m, n, k, a_dtype=args.dtype, b_dtype=args.dtype, arch=arch or "sm_90a")
+    target = dispatch.device_target() or dispatch.Target("sm_90a")
+    problem = planning.make_problem(m, n, k, a_dtype=args.dtype, b_dtype=args.dtype)
+    p = dispatch.plan_call(problem, target).plan
     kernel = sm90_gemm.Sm90GemmKernel(p, KernelSpec.for_plan(p))
 
     @cute.jit

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sm100
-from jax_sm100._src import gpu_lowering
 
 SHAPES = ((8192, 8192, 8192), (16384, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 4096))
 _FIELDS = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
@@ -116,7 +115,7 @@ def main():
             ref = np.asarray(fns["jnp.dot"](a, b).astype(jnp.float32))
             out = np.asarray(fns["ours"](a, b).astype(jnp.float32))
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-            how = gpu_lowering.explain()
+            how = jax_sm100.last_lowering()
             plan = how.plan if how is not None else None
             print(f"{m}x{n}x{k} {kind}: rel. err vs jnp.dot {err:.1e}; plan {plan}", flush=True)
             for _ in range(args.rounds):

@@ -6,7 +6,7 @@ The handler (`ffi/gemm_ffi.cc`) is plain C++ against the XLA FFI headers that ja
 the first CUDA lowering in a process, with the system C++ compiler into a per-user cache
 directory keyed by a hash of its source and of the FFI headers, so importing jax_sm100 needs
 no compiler, no GPU and no CUDA toolkit, and CPU-only installs never build it. BUILD.md says
-how to prebuild it (`python -m jax_sm100._src.ffi`) and which variables steer it.
+how to prebuild it (`python -m jax_sm100.build_ffi`) and which variables steer it.
 
 A library found in the cache folder is loaded only when that folder is private to the user
 (`disk_cache.check_private_dir`): loading it runs its code, as loading a kernel does.

@@ -6,8 +6,9 @@ stride of each mode in elements) in the custom call's `dims` attribute; the hand
 and refuses the call with `InvalidArgument` naming the tensor when the kernel would read or
 write past that buffer. This module is the Python statement of the same rules:
 
-- `check_extents`: whether a problem's extents stay in the kernels' index range (int32). The
-  planner asks it, so that a problem past the range runs on XLA's dot with the reason in the
+- `check_extents`: whether a problem's extents stay in the kernels' index range (int32); the
+  same function as `constraints.extent_support`, which the planner asks (through
+  `kernel_support`), so that a problem past the range runs on XLA's dot with the reason in the
   plan; the handler refuses such extents again.
 - `TensorLayout`, `encode`: the attribute format (`DIMS_FORMAT`), written by gpu_lowering.py.
 - `check_call`: the handler's checks (instantiate: the attribute; execute: each buffer's dtype

@@ -9,7 +9,8 @@ flavour from the DSL's own loaded module.
 
 Which sources count
 -------------------
-Every `.py` under `jax_sm100/_src/kernels/` and `compile.py`, whose text makes the binary.
+Every `.py` under `jax_sm100/_src/kernels/`, `compile.py` and `constraints.py`, whose text
+makes the binary.
 Neither this module nor disk_cache.py counts: they name and store a binary without changing
 it. A change to what the key's serialization means bumps `_KEY_FORMAT` instead; a change to
 the entry file layout bumps disk_cache's `_FORMAT_VERSION`.
@@ -102,7 +103,7 @@ def _hash_sources(root: Path) -> str:
 
 @functools.cache
 def kernel_sources_hash() -> str:
-    """sha256 of every `.py` under `jax_sm100/_src/kernels/` and of `compile.py`.
+    """sha256 of every `.py` under `jax_sm100/_src/kernels/`, of `compile.py` and `constraints.py`.
 
     Computed once per process: editing a kernel changes the key of every kernel in the next
     process.

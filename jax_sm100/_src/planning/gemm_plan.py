@@ -177,9 +177,10 @@ class GemmPlan:
     # resources (`resident_clusters`). The CUDA lowering sets the driver's occupancy count
     # where that is lower (clusters must fit whole GPCs).
     max_clusters: int = 0
-    # sm_90a: the epilogue's C comes through a shared-memory ring that a producer warp fills by
-    # TMA ahead of the epilogue (as on sm_100a), instead of global loads into registers. A plan
-    # option, off in the planner: compiled and PTX-checked, not yet run on a GPU (2026-12-01).
+    # sm_90a: the epilogue's C comes through a shared-memory ring per epilogue group that its
+    # own producer warp fills by TMA ahead of the epilogue (as on sm_100a), instead of global
+    # loads into registers. The planner takes it for ping-pong plans whose C has D's 16-bit
+    # dtype (planning/sm90.py, `_sm90_pingpong_plan`).
     stage_c: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
