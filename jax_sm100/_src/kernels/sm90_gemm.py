@@ -134,7 +134,9 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         # C through shared-memory rings filled by TMA rather than global loads into registers:
         # one ring per epilogue group (a slot per store stage), each filled by its own producer
         # warp walking that group's tiles, so each ring has one consumer that reads it in order.
-        self.stage_c = bool(plan.stage_c) and self.has_c
+        # (A C broadcast over the batch, stride 0, keeps the global loads: TMA is not asked to
+        # take a zero stride.)
+        self.stage_c = bool(plan.stage_c) and self.has_c and spec.c_batched
         self.num_subs = (self.tile_mnk[0] // self.epi_tile[0]) * (
             self.tile_mnk[1] // self.epi_tile[1]
         )
