@@ -115,6 +115,21 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertIn("grid: 70 clusters", how.note)
         self.assertGreater(planning.resident_clusters(how.plan), 70)
 
+    def test_plan_given_follows_vmap(self):
+        # A caller's plan, checked against the call's own problem by matmul, keeps its choices
+        # when vmap turns the call into a bigger one (here the batch folds into m).
+        p = jax_sm100.plan(2048, 2048, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
+                           arch="sm_100a")  # fmt: skip
+        a = jax.ShapeDtypeStruct((4, 2048, 2048), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+        with jax_sm100.lowerings() as seen:
+            _export(jax.vmap(lambda a, w: jax_sm100.matmul(a, w, plan=p), in_axes=(0, None)), a, w)
+        (how,) = seen
+        self.assertEqual((how.plan.m, how.plan.batch), (8192, 1))
+        self.assertEqual(how.plan.mma_tiler_mnk, p.mma_tiler_mnk)
+        self.assertEqual(how.plan.cluster_shape_mn, p.cluster_shape_mn)
+        self.assertIn("the plan given resized", how.note)
+
     def test_sm100_plan_on_other_device_raises(self):
         p = jax_sm100.plan(128, 64, 64, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_100a")
         a = jax.ShapeDtypeStruct((128, 64), jnp.bfloat16)

@@ -598,9 +598,14 @@ class ProblemAndChoicesTest(absltest.TestCase):
         self.assertEqual(q.binary_fields(), p.binary_fields())
         self.assertEqual(compile_mod.binary_key(q, KernelSpec.for_plan(q)),
                          compile_mod.binary_key(p, KernelSpec.for_plan(p)))  # fmt: skip
+        # A k-sharded partial product (float32 out, no C) keeps the tiles, drops the staged C.
+        self.assertTrue(p.stage_c)
+        partial = p.for_problem(dataclasses.replace(p.problem, out_dtype="float32", c_dtype=None))
+        self.assertFalse(partial.stage_c)
+        self.assertEqual(partial.mma_tiler_mnk, p.mma_tiler_mnk)
         # A problem the choices cannot serve is refused, naming the rule.
-        with self.assertRaises(planning.C.PlanError):
-            p.for_problem(dataclasses.replace(p.problem, c_dtype="float32"))
+        with self.assertRaisesRegex(planning.C.PlanError, "int32"):
+            p.for_problem(dataclasses.replace(p.problem, m=2**31))
 
     def test_an_xla_plan_prints_no_hardware(self):
         # A plan that runs on XLA's dot (here: a CPU machine) shows the problem and the reason,

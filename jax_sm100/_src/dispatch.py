@@ -105,7 +105,7 @@ def plan_call(
       plan: a caller's plan (`matmul(plan=...)`), or None for the planner's.
 
     Raises:
-      PlanError: a caller's plan made for another problem or arch.
+      PlanError: a caller's plan made for another arch, dtypes or layouts.
     """
     notes = []
     if plan is None:
@@ -113,8 +113,24 @@ def plan_call(
             **dataclasses.asdict(problem), arch=target.arch, num_sms=target.num_sms or None
         )
     else:
-        planning.check_plan_fits(plan, problem, target.arch)
-        p = planning.with_preact(plan) if problem.preact_out else plan
+        # The caller's plan was checked against the call's own problem by `matmul`; `vmap` or
+        # sharding may since have changed its sizes, and the plan's choices follow them.
+        planning.check_plan_fits(plan, problem, target.arch, sizes=False)
+        p = plan
+        resized = dataclasses.replace(problem, preact_out=plan.preact_out)
+        if plan.problem != resized:
+            try:
+                p = plan.for_problem(resized)
+                notes.append(f"the plan given resized to {resized.batch} x {resized.m}x"
+                             f"{resized.n}x{resized.k}")  # fmt: skip
+            except constraints.PlanError as e:
+                p = planning.plan(
+                    **dataclasses.asdict(problem), arch=target.arch,
+                    num_sms=target.num_sms or None,
+                )  # fmt: skip
+                notes.append(f"the plan given does not fit this call's problem ({e}): the "
+                             "planner's")  # fmt: skip
+        p = planning.with_preact(p) if problem.preact_out else p
         if target.num_sms and p.num_sms != target.num_sms:
             p = dataclasses.replace(p, num_sms=target.num_sms)
     if target.on_device and p.kernel == planning.KERNEL_SM100 and not p.max_clusters:

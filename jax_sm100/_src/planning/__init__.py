@@ -234,16 +234,19 @@ def small_problems_on_kernels() -> bool:
     return value == "kernel"
 
 
-def check_plan_fits(plan: GemmPlan, problem: GemmProblem, arch: str) -> None:
+def check_plan_fits(plan: GemmPlan, problem: GemmProblem, arch: str, sizes: bool = True) -> None:
     """Raises PlanError unless a caller's plan was made for `problem` on `arch` (a plan without
-    the pre-activation output fits a problem that needs it: `with_preact` adds it)."""
+    the pre-activation output fits a problem that needs it: `with_preact` adds it). With
+    `sizes=False` only the arch, dtypes and layouts must agree (the lowering resizes a plan to
+    the problem a transformation made of the call: `vmap` adds a batch, sharding divides it)."""
     if plan.arch != arch:
         raise C.PlanError(
             f"the plan passed to matmul(plan=...) is for {plan.arch}, but this call runs on "
             f"{arch}: {plan.arch} kernels cannot run there. Make the plan with "
             f"jax_sm100.plan(..., arch={arch!r}) or leave plan=None"
         )
-    for f in ("m", "n", "k", "batch", "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
+    fields = ("m", "n", "k", "batch") if sizes else ()
+    for f in (*fields, "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
         got, want = getattr(plan, f), getattr(problem, f)
         if got != want:
             raise C.PlanError(

@@ -291,8 +291,12 @@ class GemmPlan:
 
     def for_problem(self, problem: GemmProblem) -> GemmPlan:
         """The same choices for another problem (e.g. one device's share of a sharded call),
-        re-checked: PlanError where they do not fit it."""
-        return dataclasses.replace(self, **dataclasses.asdict(problem))
+        re-checked: PlanError where they do not fit it. A staged C (`stage_c`) is dropped where
+        the problem has no C of the output's dtype (a k-sharded partial product)."""
+        fields = dataclasses.asdict(problem)
+        if self.stage_c and (problem.c_dtype is None or problem.c_dtype != problem.out_dtype):
+            fields["stage_c"] = False
+        return dataclasses.replace(self, **fields)
 
     def binary_fields(self) -> tuple[tuple[str, object], ...]:
         """(name, value) of every field a compiled binary depends on (all but
