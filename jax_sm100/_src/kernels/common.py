@@ -1,6 +1,6 @@
 """Pieces every kernel family shares: dtypes, the compile target, fake operands, the epilogue.
 
-Nothing here decides a tiling: that is the plan's job (planning.py). This module turns a
+Nothing here decides a tiling: that is the plan's job (the planning package). This module turns a
 `GemmPlan` and a `KernelSpec` into what `cute.compile` needs on a machine without a GPU
 (symbolic operand descriptions and a target architecture), and holds the one statement of the
 epilogue arithmetic that the SM90 and SM100 kernels both apply to their float32 accumulators.

@@ -3,7 +3,6 @@
 A kernel family is one class in one module under kernels/: a CuTe DSL kernel that compiles a
 (GemmPlan, KernelSpec) for one arch. It subclasses `KernelFamily` and states:
 
-- `ARCH` and `KERNELS`: the arch it targets and the `GemmPlan.kernel` names it compiles;
 - `HOST_OPERANDS`: the names of its host entry point's tensor arguments, in order (the CUDA
   stream follows them). The lowering builds the handler's argument list by these names
   (spec.py gives each tensor's modes);
@@ -13,9 +12,9 @@ A kernel family is one class in one module under kernels/: a CuTe DSL kernel tha
   re-derive them, e.g. the float32 partial product of a split-K plan) and the fake operands
   `cute.compile` takes, one per `HOST_OPERANDS` name (None for an absent one).
 
-`FAMILIES` maps each kernel name to "module:Class" under kernels/ and imports the module only
-when asked (`family`), so planning and the lowering never import the DSL: a new family is one
-module and one line here.
+`FAMILIES` maps each `GemmPlan.kernel` name to the "module:Class" under kernels/ that compiles
+it, and imports the module only when asked (`family`), so planning and the lowering never
+import the DSL: a new family is one module and one line here.
 """
 
 from __future__ import annotations
@@ -60,8 +59,6 @@ class CompileInputs:
 class KernelFamily:
     """Base of the kernel families (see the module docstring)."""
 
-    ARCH: ClassVar[str]
-    KERNELS: ClassVar[tuple[str, ...]]
     HOST_OPERANDS: ClassVar[tuple[str, ...]] = ("a", "b", "d", "c", "bias", "z")
 
     def __init__(self, plan: Any, spec: KernelSpec):

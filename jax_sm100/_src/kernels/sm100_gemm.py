@@ -1,6 +1,6 @@
 """The SM100 (Blackwell, tcgen05) GEMM family: persistent, warp-specialised, TMEM accumulators.
 
-One kernel class, `Sm100GemmKernel`, compiled from a `GemmPlan` (planning.py) and a `KernelSpec`
+One kernel class, `Sm100GemmKernel`, compiled from a `GemmPlan` (planning/) and a `KernelSpec`
 (spec.py). The plan fixes every tiling and pipelining number; this module only turns those numbers
 into CuTe layouts, TMA atoms and a warp-specialised device program, and refuses (in
 `why_not`) a plan it cannot honour rather than re-deciding it. The epilogue warps' device
@@ -80,9 +80,6 @@ class Sm100GemmKernel(family.KernelFamily):
         kernel = Sm100GemmKernel(plan, spec)
         compiled = cute.compile(kernel, a, b, d, None, None, None, stream)
     """
-
-    ARCH = "sm_100a"
-    KERNELS = ("sm100_tcgen05",)
 
     def __init__(self, plan: Any, spec: KernelSpec):
         super().__init__(plan, spec)

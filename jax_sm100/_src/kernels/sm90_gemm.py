@@ -5,13 +5,17 @@ One CTA runs 1 + W warp groups (W = 2 for 128- and 256-row tiles, 1 for 64-row t
 * warp group 0 is the producer. It gives registers back (`setmaxnreg` down) and one of its
   warps walks the persistent tile schedule issuing TMA loads of A and B k-blocks into a ring of
   `num_ab_stages` shared-memory stages, multicast across the cluster where the cluster shares an
-  operand (CTAs in one cluster row share A tiles, in one cluster column B tiles).
+  operand (CTAs in one cluster row share A tiles, in one cluster column B tiles). With
+  `plan.stage_c`, one more warp per epilogue group fills that group's ring of C sub-tiles by
+  TMA (sm90_epilogue.py).
 * warp groups 1..W are consumers. They take registers (`setmaxnreg` up), run wgmma on each
   stage as it lands (one wgmma batch kept in flight before a stage is released), then run the
-  epilogue on the float32 accumulators: sub-tile by sub-tile (`plan.epi_tile`) they apply
-  `common.apply_epilogue` (alpha, beta * C, bias, activation; C and bias are read straight from
-  global memory at the coordinates each register lands on), convert to the output type, write
-  the sub-tile to shared memory with `stmatrix` and one thread stores it with TMA.
+  epilogue on the float32 accumulators (sm90_epilogue.py): sub-tile by sub-tile
+  (`plan.epi_tile`) they apply `common.apply_epilogue` (alpha, beta * C, bias, activation, or a
+  backward epilogue's act'(C) * acc; C comes from its shared-memory ring by ldmatrix, or from
+  global memory one sub-tile ahead of its use, bias from global memory at the coordinates each
+  register lands on), convert to the output type, write the sub-tile to shared memory with
+  `stmatrix` and one thread stores it with TMA (and the pre-activation Z beside it).
 
 Split-K (`plan.split_k = S > 1`) with `plan.split_reduce == "xla"` is this kernel as a batched
 GEMM over (rows, K/S, S) views writing float32 partials; the caller sums them. With "cluster", A
@@ -97,8 +101,6 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
     for an absent c, bias, z or workspace.
     """
 
-    ARCH = "sm_90a"
-    KERNELS = ("sm90_wgmma", "sm90_wgmma_splitk")
     HOST_OPERANDS = ("a", "b", "d", "c", "bias", "z", "ws", "flags")
 
     def __init__(self, plan, spec: KernelSpec):

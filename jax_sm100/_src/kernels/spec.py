@@ -1,6 +1,6 @@
 """What a kernel is specialised on, beyond its plan: operand layouts and the fused epilogue.
 
-A `GemmPlan` (planning.py) fixes the tiling and pipelining of a problem size; a `KernelSpec` fixes
+A `GemmPlan` (planning/) fixes the tiling and pipelining of a problem size; a `KernelSpec` fixes
 everything else that changes the compiled binary. Together they are the compile key.
 
 Tensor-mode contract shared by every kernel family (CUTLASS's convention), for JAX row-major
