@@ -131,6 +131,15 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         self.b_mcast = 1 if self.split > 1 else self.cluster_mn[0]
         self.has_c = spec.has_c and (spec.beta != 0.0 or spec.act_grad is not None)
         self.has_bias = spec.has_bias
+        # Operand and output types and layouts, from the spec (as the SM100 family takes them):
+        # A (M, K, L) and B (N, K, L) are "row major" when K is their contiguous mode.
+        self.a_dtype = common.cutlass_dtype(spec.a_dtype)
+        self.b_dtype = common.cutlass_dtype(spec.b_dtype)
+        self.d_dtype = common.cutlass_dtype(spec.out_dtype)
+        self._a_k_major = spec.a_major == "k"
+        self._b_k_major = spec.b_major == "k"
+        self._a_layout = LayoutEnum.ROW_MAJOR if self._a_k_major else LayoutEnum.COL_MAJOR
+        self._b_layout = LayoutEnum.ROW_MAJOR if self._b_k_major else LayoutEnum.COL_MAJOR
         # The epilogue also stores the pre-activation Z, through its own staging buffers.
         self.preact = bool(spec.preact_out)
         # C through shared-memory rings filled by TMA rather than global loads into registers:
@@ -256,13 +265,6 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         flags: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
-        self.a_dtype = a.element_type
-        self.b_dtype = b.element_type
-        self.d_dtype = d.element_type
-        self._a_layout = LayoutEnum.from_tensor(a)
-        self._b_layout = LayoutEnum.from_tensor(b)
-        self._a_k_major = self._a_layout.is_k_major_a()
-        self._b_k_major = self._b_layout.is_k_major_b()
         self._setup()
         tm, tn, tk = self.tile_mnk
 
