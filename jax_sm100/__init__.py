@@ -16,6 +16,7 @@ from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import GemmPlan, GemmProblem, plan
 from jax_sm100._src.precompile import precompile
 from jax_sm100._src.ragged import ragged_dot
+from jax_sm100._src.scaled import quantize, scaled_matmul
 
 __all__ = [
     "GemmPlan",
@@ -33,7 +34,9 @@ __all__ = [
     "plan",
     "plan_for",
     "precompile",
+    "quantize",
     "ragged_dot",
+    "scaled_matmul",
     "tuning",
 ]
 __version__ = "0.1.0"

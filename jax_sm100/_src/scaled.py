@@ -1,0 +1,202 @@
+"""`jax_sm100.scaled_matmul` and `jax_sm100.quantize`: block-scaled low-precision GEMMs.
+
+    scaled_matmul_p   lhs [B, m, k], rhs [B, n, k], lhs_scales [B, m, k / block_a],
+                      rhs_scales [B, n, k / block_b]                  -> out [B, m, n]
+
+with `jax.nn.scaled_matmul`'s meaning (both operands K-major; the block of each operand inferred
+from its scales):
+
+    out = einsum("bmk,bnk->bmn", lhs * repeat(lhs_scales, block_a), rhs * repeat(rhs_scales,
+                 block_b))
+
+accumulated in float32 and rounded once to `preferred_element_type`. Every platform computes
+that math in XLA ops for now (the scaled kernels, per-128 float32 scales in the SM90 main loop
+and tcgen05 block-scaled MMAs on SM100, are issue 19's open work); a CUDA lowering records
+that in `jax_sm100.lowerings()`. `jax.nn.scaled_matmul` itself has no CPU lowering in JAX 0.10.
+
+`quantize(x, recipe)` makes data and scales in exactly the layouts `scaled_matmul` reads, for
+three recipes (`RECIPES`): float8_e4m3fn with float32 scales per 128 along k (DeepSeek-V3's),
+mxfp8 (float8_e4m3fn data, float8_e8m0fnu power-of-two scales per 32) and nvfp4 (float4_e2m1fn
+data, float8_e4m3fn scales per 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+from jax_sm100._src import dispatch
+
+scaled_matmul_p = jex_core.Primitive("jax_sm100_scaled_matmul")
+
+DATA_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "bfloat16", "float16", "float32")
+SCALE_DTYPES = ("float32", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A quantization recipe: data dtype, scale dtype, and the block of k one scale covers."""
+
+    data_dtype: str
+    scale_dtype: str
+    block: int
+
+
+RECIPES = {
+    "fp8_block128": Recipe("float8_e4m3fn", "float32", 128),
+    "mxfp8": Recipe("float8_e4m3fn", "float8_e8m0fnu", 32),
+    "nvfp4": Recipe("float4_e2m1fn", "float8_e4m3fn", 16),
+}
+
+
+# --- the public functions ----------------------------------------------------------------------
+
+
+def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
+    """`jax.nn.scaled_matmul` (see the module docstring): lhs [B, m, k] and rhs [B, n, k], each
+    scaled per block of k by its scales ([B, m, k / block] and [B, n, k / block]).
+
+    Differentiable with respect to every operand (the backward runs in XLA ops), and under
+    `vmap`.
+
+    Raises:
+      ValueError: shapes that do not match, or a k that the scales' blocks do not divide.
+      TypeError: a data or scale dtype outside `DATA_DTYPES` / `SCALE_DTYPES`.
+    """
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs_scales, rhs_scales = jnp.asarray(lhs_scales), jnp.asarray(rhs_scales)
+    for name, x, allowed in (
+        ("lhs", lhs, DATA_DTYPES), ("rhs", rhs, DATA_DTYPES),
+        ("lhs_scales", lhs_scales, SCALE_DTYPES), ("rhs_scales", rhs_scales, SCALE_DTYPES),
+    ):  # fmt: skip
+        if np.dtype(x.dtype).name not in allowed:
+            raise TypeError(
+                f"jax_sm100.scaled_matmul: {name} has dtype {np.dtype(x.dtype).name}; use one of "
+                f"{allowed} (jax_sm100.quantize makes data and scales for the usual recipes)"
+            )
+    _check_shapes(lhs.shape, rhs.shape, lhs_scales.shape, rhs_scales.shape)
+    out_dtype = np.dtype(preferred_element_type)
+    return scaled_matmul_p.bind(lhs, rhs, lhs_scales, rhs_scales, out_dtype=out_dtype)
+
+
+def quantize(x, recipe: str, *, axis: int = -1):
+    """(data, scales) of `x` for `recipe` (one of `RECIPES`), blocks taken along `axis` (the
+    contracting dim: the last, as `scaled_matmul` reads it), so that `data * repeat(scales)`
+    approximates x. Each block's scale maps its largest magnitude onto the data format's largest
+    finite value (mxfp8: the power of two at or above that, as e8m0 holds only powers of two).
+
+    Raises:
+      ValueError: an unknown recipe, or an axis whose length the block does not divide.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"jax_sm100.quantize: {recipe=} is not one of {tuple(RECIPES)}")
+    r = RECIPES[recipe]
+    x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, -1)
+    if x.shape[-1] % r.block:
+        raise ValueError(
+            f"jax_sm100.quantize: the axis has {x.shape[-1]} elements, not a multiple of the "
+            f"{recipe} block of {r.block}"
+        )
+    blocks = x.reshape((*x.shape[:-1], x.shape[-1] // r.block, r.block))
+    top = float(jnp.finfo(r.data_dtype).max)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.where(amax > 0, amax / top, 1.0)
+    if r.scale_dtype == "float8_e8m0fnu":
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    scale = scale.astype(r.scale_dtype)
+    data = (blocks / scale.astype(jnp.float32)[..., None]).reshape(x.shape).astype(r.data_dtype)
+    return jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis)
+
+
+# --- shapes and math ----------------------------------------------------------------------------
+
+
+def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
+    if not (len(lhs) == len(rhs) == len(lhs_scales) == len(rhs_scales) == 3):
+        raise ValueError(
+            "jax_sm100.scaled_matmul: lhs [B, m, k], rhs [B, n, k] and their scales [B, m, k/b] "
+            f"and [B, n, k/b] are 3-D; got {lhs}, {rhs}, {lhs_scales}, {rhs_scales}"
+        )
+    if lhs[0] != rhs[0] or lhs[2] != rhs[2]:
+        raise ValueError(f"jax_sm100.scaled_matmul: lhs {lhs} and rhs {rhs} must share B and k")
+    for name, data, scales in (("lhs", lhs, lhs_scales), ("rhs", rhs, rhs_scales)):
+        if scales[:2] != data[:2] or scales[2] < 1 or data[2] % scales[2]:
+            raise ValueError(
+                f"jax_sm100.scaled_matmul: {name}_scales {scales} must be [B, rows, k / block] "
+                f"for {name} {data}, with the block dividing k={data[2]}"
+            )
+
+
+def _abstract(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+    _check_shapes(lhs.shape, rhs.shape, lhs_scales.shape, rhs_scales.shape)
+    return jax.core.ShapedArray((lhs.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
+
+
+def _dequantized(data, scales):
+    block = data.shape[-1] // scales.shape[-1]
+    return data.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), block, axis=-1)
+
+
+def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+    """The documented math in XLA ops, float32 throughout, rounded once."""
+    a, b = _dequantized(lhs, lhs_scales), _dequantized(rhs, rhs_scales)
+    out = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST)
+    return out.astype(out_dtype)
+
+
+def _cuda(*args, **params):
+    dispatch.record(
+        dispatch.Lowered(None, "scaled_matmul: XLA ops (no block-scaled kernel yet, issue 19)")
+    )
+    return reference(*args, **params)
+
+
+scaled_matmul_p.def_abstract_eval(_abstract)
+scaled_matmul_p.def_impl(reference)
+mlir.register_lowering(scaled_matmul_p, mlir.lower_fun(reference, multiple_results=False),
+                       platform="cpu")  # fmt: skip
+mlir.register_lowering(scaled_matmul_p, mlir.lower_fun(_cuda, multiple_results=False),
+                       platform="cuda")  # fmt: skip
+
+
+# --- vmap: the mapped dim merged into B ----------------------------------------------------------
+
+
+def _batch(args, dims, *, out_dtype):
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    merged = []
+    for x, d in zip(args, dims, strict=True):
+        x = jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        merged.append(x.reshape((size * x.shape[1], *x.shape[2:])))
+    out = scaled_matmul_p.bind(*merged, out_dtype=out_dtype)
+    return out.reshape((size, -1, *out.shape[1:])), 0
+
+
+batching.primitive_batchers[scaled_matmul_p] = _batch
+
+
+# --- differentiation: linear in each operand; tangents through the documented math --------------
+
+
+def _jvp(primals, tangents, *, out_dtype):
+    out = scaled_matmul_p.bind(*primals, out_dtype=out_dtype)
+    terms = []
+    for i, t in enumerate(tangents):
+        if type(t) is ad.Zero:
+            continue
+        args = list(primals)
+        args[i] = t
+        # The tangent is linear in `t` through XLA ops, which JAX transposes itself.
+        terms.append(reference(*args, out_dtype=np.dtype(np.float32)))
+    if not terms:
+        return out, ad.Zero.from_primal_value(out)
+    return out, sum(terms[1:], terms[0]).astype(out_dtype)
+
+
+ad.primitive_jvps[scaled_matmul_p] = _jvp

@@ -1,0 +1,117 @@
+"""`jax_sm100.scaled_matmul` and `jax_sm100.quantize` on CPU: the documented math against float64,
+the three recipes' layouts and accuracy, transformations, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import scaled
+from tests import test_util as tu
+
+
+def _reference64(lhs, rhs, lhs_scales, rhs_scales):
+    """jax.nn.scaled_matmul's documented math in float64 numpy."""
+
+    def dequantize(data, scales):
+        data, scales = np.asarray(data, np.float64), np.asarray(scales, np.float64)
+        return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
+
+    return np.einsum("bmk,bnk->bmn", dequantize(lhs, lhs_scales), dequantize(rhs, rhs_scales))
+
+
+def _normal(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+# Largest error of a dequantized element relative to its block's largest magnitude: half a unit
+# in the last place of the data format at its top binade (e4m3: 3 mantissa bits; e2m1: 1), and
+# for mxfp8 up to twice that (its power-of-two scale leaves the block's top below the format's).
+_QUANT_TOL = {"fp8_block128": 2**-4, "mxfp8": 2**-3, "nvfp4": 2**-1}
+
+
+class ScaledMatmulTest(parameterized.TestCase):
+    @parameterized.product(recipe=tuple(scaled.RECIPES), shape=((2, 64, 32, 256), (1, 5, 3, 128)))
+    def test_recipes_against_float64(self, recipe, shape):
+        b, m, n, k = shape
+        lhs, lhs_scales = jax_sm100.quantize(_normal(1, (b, m, k)), recipe)
+        rhs, rhs_scales = jax_sm100.quantize(_normal(2, (b, n, k)), recipe)
+        r = scaled.RECIPES[recipe]
+        self.assertEqual((lhs.dtype, lhs_scales.dtype), (jnp.dtype(r.data_dtype),
+                                                          jnp.dtype(r.scale_dtype)))  # fmt: skip
+        self.assertEqual(lhs_scales.shape, (b, m, k // r.block))
+        out = jax.jit(jax_sm100.scaled_matmul)(lhs, rhs, lhs_scales, rhs_scales)
+        self.assertEqual((out.shape, out.dtype), ((b, m, n), jnp.float32))
+        tu.assert_close(self, out, _reference64(lhs, rhs, lhs_scales, rhs_scales), "float32", k)
+        out16 = jax_sm100.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, jnp.bfloat16)
+        self.assertEqual(out16.dtype, jnp.bfloat16)
+        tu.assert_close(self, out16, _reference64(lhs, rhs, lhs_scales, rhs_scales), "bfloat16")
+
+    @parameterized.parameters(*scaled.RECIPES)
+    def test_quantize_round_trip(self, recipe):
+        x = _normal(3, (4, 8, 512)) * jnp.exp2(jnp.arange(8.0) - 4)[None, :, None]
+        data, scales = jax_sm100.quantize(x, recipe)
+        r = scaled.RECIPES[recipe]
+        back = np.asarray(scaled._dequantized(data, scales))
+        blocks = np.abs(np.asarray(x)).reshape(4, 8, -1, r.block).max(-1)
+        err = np.abs(back - np.asarray(x)).reshape(4, 8, -1, r.block).max(-1)
+        self.assertTrue(np.all(err <= _QUANT_TOL[recipe] * blocks), np.max(err / blocks))
+        if recipe == "mxfp8":  # e8m0 holds powers of two only
+            s = np.asarray(scales, np.float64)
+            np.testing.assert_array_equal(s, np.exp2(np.round(np.log2(s))))
+
+    def test_quantize_along_another_axis(self):
+        x = _normal(4, (256, 16))  # k first, as a [k, n] weight is stored
+        data, scales = jax_sm100.quantize(x, "fp8_block128", axis=0)
+        self.assertEqual((data.shape, scales.shape), ((256, 16), (2, 16)))
+
+    def test_gradients_and_vmap(self):
+        with jax.enable_x64(False):
+            lhs, rhs = _normal(5, (1, 8, 64)), _normal(6, (1, 4, 64))
+            ls, rs = jnp.abs(_normal(7, (1, 8, 2))) + 0.5, jnp.abs(_normal(8, (1, 4, 2))) + 0.5
+            ours = jax.grad(lambda *a: jnp.sin(jax_sm100.scaled_matmul(*a)).sum(), (0, 1, 2, 3))
+            ref = jax.grad(
+                lambda *a: jnp.sin(scaled.reference(*a, out_dtype=jnp.float32)).sum(), (0, 1, 2, 3)
+            )  # fmt: skip
+            for got, want in zip(ours(lhs, rhs, ls, rs), ref(lhs, rhs, ls, rs), strict=True):
+                tu.assert_close(self, got, want, "float32", 64)
+            batched = jnp.stack([lhs, 2 * lhs])
+            out = jax.vmap(jax_sm100.scaled_matmul, (0, None, None, None))(batched, rhs, ls, rs)
+            self.assertEqual(out.shape, (2, 1, 8, 4))
+            want = jnp.stack([scaled.reference(x, rhs, ls, rs, out_dtype=jnp.float32)
+                              for x in batched])  # fmt: skip
+            tu.assert_close(self, out, want, "float32", 64)
+
+    def test_cuda_lowering_says_which_path(self):
+        lhs = jax.ShapeDtypeStruct((1, 128, 256), jnp.float8_e4m3fn)
+        rhs = jax.ShapeDtypeStruct((1, 64, 256), jnp.float8_e4m3fn)
+        ls = jax.ShapeDtypeStruct((1, 128, 8), jnp.float8_e8m0fnu)
+        rs = jax.ShapeDtypeStruct((1, 64, 8), jnp.float8_e8m0fnu)
+        with jax_sm100.lowerings() as seen:
+            jax.export.export(jax.jit(jax_sm100.scaled_matmul), platforms=["cuda"])(
+                lhs, rhs, ls, rs
+            )
+        self.assertTrue(any("no block-scaled kernel yet" in x.note for x in seen), seen)
+
+    @parameterized.named_parameters(
+        ("rank", (64, 32), (16, 32), (64, 1), (16, 1), ValueError, "3-D"),
+        ("k", (1, 8, 32), (1, 4, 64), (1, 8, 1), (1, 4, 1), ValueError, "share B and k"),
+        ("block", (1, 8, 32), (1, 4, 32), (1, 8, 3), (1, 4, 1), ValueError, "block dividing"),
+        ("dtype", (1, 8, 32), (1, 4, 32), (1, 8, 1), (1, 4, 1), TypeError, "int32"),
+    )
+    def test_errors_name_the_fix(self, ls, rs, lss, rss, error, message):
+        dtype = jnp.int32 if message == "int32" else jnp.float32
+        args = (jnp.ones(ls, dtype), jnp.ones(rs), jnp.ones(lss), jnp.ones(rss))
+        with self.assertRaisesRegex(error, message):
+            jax_sm100.scaled_matmul(*args)
+        with self.assertRaisesRegex(ValueError, "not one of"):
+            jax_sm100.quantize(jnp.ones((4, 128)), "fp6")
+        with self.assertRaisesRegex(ValueError, "multiple of the mxfp8 block"):
+            jax_sm100.quantize(jnp.ones((4, 48)), "mxfp8")
+
+
+if __name__ == "__main__":
+    absltest.main()
