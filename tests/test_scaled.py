@@ -104,13 +104,14 @@ class ScaledMatmulTest(parameterized.TestCase):
     )
     def test_errors_name_the_fix(self, ls, rs, lss, rss, error, message):
         dtype = jnp.int32 if message == "int32" else jnp.float32
-        args = (jnp.ones(ls, dtype), jnp.ones(rs), jnp.ones(lss), jnp.ones(rss))
+        f32 = jnp.float32
+        args = (jnp.ones(ls, dtype), jnp.ones(rs, f32), jnp.ones(lss, f32), jnp.ones(rss, f32))
         with self.assertRaisesRegex(error, message):
             jax_sm100.scaled_matmul(*args)
         with self.assertRaisesRegex(ValueError, "not one of"):
-            jax_sm100.quantize(jnp.ones((4, 128)), "fp6")
+            jax_sm100.quantize(jnp.ones((4, 128), jnp.float32), "fp6")
         with self.assertRaisesRegex(ValueError, "multiple of the mxfp8 block"):
-            jax_sm100.quantize(jnp.ones((4, 48)), "mxfp8")
+            jax_sm100.quantize(jnp.ones((4, 48), jnp.float32), "mxfp8")
 
 
 if __name__ == "__main__":
