@@ -44,6 +44,7 @@ Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|d
          --device-ms 20  --unroll 16  --no-compile-times
          --train: a training step instead (jax_sm100/bench_train.py: value_and_grad of an MLP
          block and a transformer block beside jnp.dot, and the backward products alone)
+         --ragged: grouped GEMMs beside lax.ragged_dot (jax_sm100/bench_ragged.py)
 """
 
 from __future__ import annotations
@@ -591,6 +592,10 @@ def main(argv=None) -> int:
         from jax_sm100 import bench_train  # noqa: PLC0415
 
         return bench_train.main([a for a in argv if a != "--train"])
+    if "--ragged" in argv:
+        from jax_sm100 import bench_ragged  # noqa: PLC0415
+
+        return bench_ragged.main([a for a in argv if a != "--ragged"])
     ap = argparse.ArgumentParser(
         prog="python -m jax_sm100.bench",
         description=__doc__,

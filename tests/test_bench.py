@@ -223,5 +223,16 @@ class MainTest(absltest.TestCase):
         self.assertNotIn("check failed", text)
 
 
+class RaggedBenchTest(absltest.TestCase):
+    def test_small_problems_print_a_row_each(self):
+        # `python -m jax_sm100.bench --ragged --small`: the table, one row and a path per problem.
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(bench.main(["--ragged", "--small"]), 0)
+        text = out.getvalue()
+        self.assertEqual(text.count("path:"), 2, text)
+        self.assertIn("ours fwd", text)
+
+
 if __name__ == "__main__":
     absltest.main()
