@@ -153,6 +153,14 @@ def _flat(x, nb):
     return x.reshape((-1, *x.shape[nb:])) if nb else x[None]
 
 
+def _operands(x, y, acc):
+    """The operands XLA's ragged dot takes: as they are when both have one dtype of 16 or more
+    bits (it accumulates in `acc` itself), else both in `acc` (fp8, or mixed dtypes)."""
+    if x.dtype == y.dtype and np.dtype(x.dtype).itemsize >= 2:
+        return x, y
+    return x.astype(acc), y.astype(acc)
+
+
 def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
     nb = lhs.ndim - 2
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
@@ -164,10 +172,10 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
         lhs_ragged_dimensions=[1],
         rhs_group_dimensions=[1],
     )
+    l3, r4 = _operands(l3, r4, acc)
     out = lax.ragged_dot_general(
-        l3.astype(acc), r4.astype(acc), gs, dn, precision=lax.Precision.HIGHEST,
-        preferred_element_type=acc,
-    )  # fmt: skip
+        l3, r4, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
+    )
     return out.reshape((*lhs.shape[:-1], out.shape[-1])).astype(out_dtype)
 
 
@@ -180,10 +188,10 @@ def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
         lhs_ragged_dimensions=[1],
         rhs_group_dimensions=[],
     )
+    l3, r3 = _operands(l3, r3, acc)
     out = lax.ragged_dot_general(
-        l3.astype(acc), r3.astype(acc), gs, dn, precision=lax.Precision.HIGHEST,
-        preferred_element_type=acc,
-    )  # fmt: skip
+        l3, r3, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
+    )
     out = jnp.moveaxis(out, 0, 1)  # (g, B, k, n) -> (B, g, k, n)
     if transpose_out:
         out = jnp.swapaxes(out, -1, -2)
