@@ -30,7 +30,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from jax_sm100._src import dispatch
+from jax_sm100._src import autodiff, dispatch
 from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
 
@@ -242,15 +242,16 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype
     if type(ct) is ad.Zero:
         return [_zero(lhs), _zero(rhs), None]
     d_lhs = d_rhs = None
+    cd = _compute_dtype(lhs, rhs)
     if ad.is_undefined_primal(lhs):
         d_lhs = ragged_dot_p.bind(
-            ct.astype(_tangent_dtype(ct.dtype, rhs.dtype)), rhs, group_sizes,
-            transpose_rhs=not transpose_rhs, out_dtype=np.dtype(lhs.aval.dtype),
+            ct.astype(cd), rhs.astype(cd), group_sizes, transpose_rhs=not transpose_rhs,
+            out_dtype=np.dtype(lhs.aval.dtype),
         )  # fmt: skip
     if ad.is_undefined_primal(rhs):
         d_rhs = ragged_outer_p.bind(
-            lhs, ct.astype(_tangent_dtype(ct.dtype, lhs.dtype)), group_sizes,
-            out_dtype=np.dtype(rhs.aval.dtype), transpose_out=transpose_rhs,
+            lhs.astype(cd), ct.astype(cd), group_sizes, out_dtype=np.dtype(rhs.aval.dtype),
+            transpose_out=transpose_rhs,
         )  # fmt: skip
     return [d_lhs, d_rhs, None]
 
@@ -260,15 +261,16 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
     if type(ct) is ad.Zero:
         return [_zero(lhs), _zero(rhs), None]
     d_lhs = d_rhs = None
+    cd = _compute_dtype(lhs, rhs)
     if ad.is_undefined_primal(lhs):
         d_lhs = ragged_dot_p.bind(
-            rhs, ct.astype(_tangent_dtype(ct.dtype, rhs.dtype)), group_sizes,
-            transpose_rhs=not transpose_out, out_dtype=np.dtype(lhs.aval.dtype),
+            rhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=not transpose_out,
+            out_dtype=np.dtype(lhs.aval.dtype),
         )  # fmt: skip
     if ad.is_undefined_primal(rhs):
         d_rhs = ragged_dot_p.bind(
-            lhs, ct.astype(_tangent_dtype(ct.dtype, lhs.dtype)), group_sizes,
-            transpose_rhs=transpose_out, out_dtype=np.dtype(rhs.aval.dtype),
+            lhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=transpose_out,
+            out_dtype=np.dtype(rhs.aval.dtype),
         )  # fmt: skip
     return [d_lhs, d_rhs, None]
 
@@ -277,13 +279,10 @@ def _zero(x):
     return ad.Zero(x.aval.to_ct_aval()) if ad.is_undefined_primal(x) else None
 
 
-def _tangent_dtype(ct_dtype, operand_dtype):
-    """The cotangent in the operand's dtype, as XLA's own dot transpose takes it (16-bit
-    training: a float32 cotangent is rounded once); fp8 operands take bfloat16."""
-    operand = np.dtype(operand_dtype)
-    if operand.name in ("float8_e4m3fn", "float8_e5m2"):
-        return np.dtype(jnp.bfloat16)
-    return operand if operand.itemsize == 2 else np.dtype(ct_dtype)
+def _compute_dtype(x, y):
+    """The dtype a backward product takes its operands in: matmul's policy
+    (`autodiff.compute_dtype`: 16-bit kept, fp8 as bfloat16, a float32 cotangent rounded once)."""
+    return autodiff.compute_dtype(autodiff._aval_dtype(x), autodiff._aval_dtype(y))
 
 
 def _jvp(prim, primals, tangents, **params):
