@@ -280,6 +280,11 @@ def contiguous_extent(m: int, n: int, k: int, major: str) -> int:
     return {"m": m, "n": n, "k": k}[major]
 
 
+def tma_quantum(dtype: str) -> int:
+    """Elements of `dtype` in one 16-byte TMA unit: what a contiguous dim must be a multiple of."""
+    return TMA_ALIGN_BYTES * 8 // DTYPE_BITS[dtype]
+
+
 def extent_support(m: int, n: int, k: int, batch: int = 1) -> str | None:
     """Why the kernels cannot index a GEMM of these extents, or None: every extent a kernel
     sees (m with any folded batch in it, n, k, the batch) is an int32 of its argument struct,
@@ -338,7 +343,7 @@ def kernel_support(
         extent = contiguous_extent(m, n, k, major)
         nbytes = extent * DTYPE_BITS[dtype] // 8
         if (extent * DTYPE_BITS[dtype]) % (TMA_ALIGN_BYTES * 8):
-            quantum = TMA_ALIGN_BYTES * 8 // DTYPE_BITS[dtype]
+            quantum = tma_quantum(dtype)
             return (
                 f"XLA dot: {name}'s contiguous dim {major}={extent} ({nbytes} bytes of {dtype}) "
                 f"is not a multiple of {TMA_ALIGN_BYTES} bytes, which TMA needs; "

@@ -180,7 +180,7 @@ def _fit_split(plan: planning.GemmPlan, planned: bool) -> tuple[planning.GemmPla
 def _usable_split(p: planning.GemmPlan) -> int:
     """The largest split <= plan.split_k with K/split whole and 16-byte aligned."""
     s = p.split_k
-    align = constraints.TMA_ALIGN_BYTES * 8 // constraints.DTYPE_BITS[p.a_dtype]
+    align = constraints.tma_quantum(p.a_dtype)
     while s > 1 and (p.k % s or (p.k // s) % align):
         s //= 2
     return s

@@ -126,10 +126,6 @@ class GemmProblem:
     b_major: str = "n"
     preact_out: bool = False
 
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k * self.batch
-
 
 @dataclasses.dataclass(frozen=True)
 class GemmPlan:
