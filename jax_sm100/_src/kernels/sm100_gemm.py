@@ -36,6 +36,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
+from cutlass.experimental.cuda import TensorMap
 from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src import constraints, planning
@@ -114,15 +115,7 @@ class Sm100GemmKernel(family.KernelFamily):
 
     def _setup(self):
         """Derive every CuTe object the host and device code share (needs a trace)."""
-        self.tiled_mma = utils.sm100.make_trivial_tiled_mma(
-            self.a_dtype,
-            self.b_dtype,
-            self.a_major,
-            self.b_major,
-            self.acc_dtype,
-            self.cta_group,
-            self.mma_tiler[:2],
-        )
+        self.tiled_mma = self._make_tiled_mma()
         mma_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         if self.mma_tiler[2] % mma_k:
             raise ValueError(f"plan K tile {self.mma_tiler[2]} is not a multiple of {mma_k=}")
@@ -170,6 +163,7 @@ class Sm100GemmKernel(family.KernelFamily):
                 f"{self.num_acc_stages} accumulator stages of {self.mma_tiler[:2]} occupy"
             )
 
+        self._setup_operands()
         self.shared_storage = self._make_shared_storage()
         used, capacity = self.shared_storage.size_in_bytes(), planning.smem_capacity("sm_100a")
         if used > capacity:
@@ -178,8 +172,26 @@ class Sm100GemmKernel(family.KernelFamily):
                 f"CTA (the planner estimated {self.plan.smem_bytes=})"
             )
 
+    def _make_tiled_mma(self) -> cute.TiledMma:
+        return utils.sm100.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            self.a_major,
+            self.b_major,
+            self.acc_dtype,
+            self.cta_group,
+            self.mma_tiler[:2],
+        )
+
+    def _setup_operands(self):
+        """Layouts of operands beyond A and B (none here; a subclass's scale factors)."""
+
     def _make_shared_storage(self):
         """The CTA's SMEM: mbarriers and the TMEM base slot, then 1024-byte aligned tiles."""
+        return cute.struct(type("SharedStorage", (), {"__annotations__": self._smem_fields()}))
+
+    def _smem_fields(self) -> dict:
+        """The shared storage's fields, in order (a subclass appends its own)."""
 
         def tile(dtype, layout):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout.outer)], 1024]
@@ -200,7 +212,7 @@ class Sm100GemmKernel(family.KernelFamily):
             fields["sZ"] = tile(self.d_dtype, self.d_smem_staged)
         if self.spec.has_c:
             fields["sC"] = tile(self.c_dtype, self.c_smem_staged)
-        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        return fields
 
     # ------------------------------------------------------------------------------ host side
 
@@ -217,6 +229,14 @@ class Sm100GemmKernel(family.KernelFamily):
     ):
         """Build the TMA atoms and the tile schedule for these operands, then launch."""
         self._setup()
+        self._launch(a, b, d, c, bias, z, stream)
+
+    def _launch(self, a, b, d, c, bias, z, stream, scales=(None, None, None, None)):
+        """The host work of `__call__` after `_setup`: TMA atoms, schedule, launch.
+
+        `scales` is what a block-scaled subclass adds to the device kernel (its scale factors'
+        TMA descriptors and SMEM layouts: `device_kernel`'s last four arguments), else Nones.
+        """
         mma = self.tiled_mma
 
         # tf32 MMAs read fp32 operands; the TMA moves them as 32-bit values either way.
@@ -307,6 +327,7 @@ class Sm100GemmKernel(family.KernelFamily):
             self.d_smem_staged,
             self.c_smem_staged,
             self.epi_tile,
+            *scales,
         ).launch(
             grid=grid,
             block=[self.threads_per_cta, 1, 1],
@@ -339,7 +360,14 @@ class Sm100GemmKernel(family.KernelFamily):
         d_smem_staged: cute.ComposedLayout,
         c_smem_staged: cute.ComposedLayout | None,
         epi_tile: cute.Tile,
+        tma_sfa: cutlass.GridConstant[TensorMap],
+        tma_sfb: cutlass.GridConstant[TensorMap],
+        sfa_smem_staged: cute.Layout | None,
+        sfb_smem_staged: cute.Layout | None,
     ):
+        # tma_sfa .. sfb_smem_staged: a block-scaled subclass's scale factors (the hooks below
+        # read them; sm100_blockscaled.py); None in this dense family, which emits nothing
+        # for them.
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         pair = cute.size(mma.thr_id.shape)  # 2 with cta_group::2, else 1
@@ -347,6 +375,7 @@ class Sm100GemmKernel(family.KernelFamily):
         if warp == _AB_LOAD_WARP:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
+            self._prefetch_scales(tma_sfa, tma_sfb)
         if warp == _EPI_WARPS[0]:
             cpasync.prefetch_descriptor(tma_atom_d)
             if cutlass.const_expr(self.spec.preact_out):
@@ -366,6 +395,7 @@ class Sm100GemmKernel(family.KernelFamily):
 
         sA = storage.sA.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        scales = self._scale_smem(storage, tma_sfa, tma_sfb, sfa_smem_staged, sfb_smem_staged)
         sD = storage.sD.get_tensor(d_smem_staged.outer, swizzle=d_smem_staged.inner)
         zout = None  # the pre-activation's staging, TMA atom and tiles, when the spec writes it
         if cutlass.const_expr(self.spec.preact_out):
@@ -411,7 +441,8 @@ class Sm100GemmKernel(family.KernelFamily):
                 pipeline.Agent.Thread, self.mcast_ctas_a + self.mcast_ctas_b - 1
             ),
             tx_count=_tma_copy_bytes(tma_atom_a, tAsA[(None, 0)])
-            + _tma_copy_bytes(tma_atom_b, tBsB[(None, 0)]),
+            + _tma_copy_bytes(tma_atom_b, tBsB[(None, 0)])
+            + self._scale_tx_bytes(scales, pair),
             cta_layout_vmnk=cluster,
             defer_sync=True,
         ).make_participants()
@@ -509,6 +540,7 @@ class Sm100GemmKernel(family.KernelFamily):
                         tma_bar_ptr=slot.barrier,
                         mcast_mask=mask_b,
                     )
+                    self._load_scales(scales, slot, tile, d_in, pair)
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             ab_producer.tail()
@@ -518,7 +550,9 @@ class Sm100GemmKernel(family.KernelFamily):
             tCrA = mma.make_fragment_A(sA)
             tCrB = mma.make_fragment_B(sB)
             tmem.wait_for_alloc()
-            acc = cute.make_tensor(tmem.retrieve_ptr(self.acc_dtype), acc_layout)
+            acc_ptr = tmem.retrieve_ptr(self.acc_dtype)
+            acc = cute.make_tensor(acc_ptr, acc_layout)
+            scales_mma = self._scale_mma_setup(mma, scales, acc_ptr)
             acc_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Producer, self.num_acc_stages
             )
@@ -533,14 +567,10 @@ class Sm100GemmKernel(family.KernelFamily):
                     acc_pipe.producer_acquire(acc_state)
                     for _k in cutlass.range(k_tiles, unroll=1):
                         slot = ab_consumer.wait_and_advance()
+                        self._scales_to_tmem(scales_mma, slot.index)
                         for kb in cutlass.range(k_blocks, unroll_full=True):
-                            cute.gemm(
-                                mma,
-                                acc_stage,
-                                tCrA[(None, None, kb, slot.index)],
-                                tCrB[(None, None, kb, slot.index)],
-                                acc_stage,
-                            )
+                            a_op, b_op = self._mma_operands(tCrA, tCrB, scales_mma, kb, slot.index)
+                            cute.gemm(mma, acc_stage, a_op, b_op, acc_stage)
                             mma.set(tcgen05.Field.ACCUMULATE, True)
                         slot.release()
                     acc_pipe.producer_commit(acc_state)
@@ -605,6 +635,32 @@ class Sm100GemmKernel(family.KernelFamily):
             ).arrive_and_wait()
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
+
+    # ------------------------------------------------------- hooks of a block-scaled subclass
+    # Called from the device code above with `scales` None: the dense family emits nothing
+    # for them (sm100_blockscaled.py overrides each).
+
+    def _prefetch_scales(self, tma_sfa, tma_sfb):
+        pass
+
+    def _scale_smem(self, storage, tma_sfa, tma_sfb, sfa_smem_staged, sfb_smem_staged):
+        return None
+
+    def _scale_tx_bytes(self, scales, pair) -> int:
+        return 0
+
+    def _load_scales(self, scales, slot, tile, d_in, pair):
+        pass
+
+    def _scale_mma_setup(self, mma, scales, acc_ptr):
+        return None
+
+    def _scales_to_tmem(self, scales_mma, stage):
+        pass
+
+    def _mma_operands(self, tCrA, tCrB, scales_mma, kb, stage):
+        """The A and B operands of one MMA instruction: k block `kb` of SMEM stage `stage`."""
+        return tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)]
 
     # ----------------------------------------------------------------------------- legality
 
