@@ -1,0 +1,102 @@
+"""The CUDA lowering of ragged_dot's two primitives: plan for the device, compile, call the FFI.
+
+    ragged_dot_p   lhs [m, k], rhs [g, k, n] (or [g, n, k]), group_sizes [g] -> [m, n]
+                   the grouped kernel in ragged-rows mode ("m"): A = lhs, B = rhs as (N, K, G)
+    ragged_outer_p lhs [m, k], rhs [m, n], group_sizes [g] -> [g, k, n] (or [g, n, k])
+                   ragged-contraction mode ("k"): A = lhs^T (M-major), B = rhs^T (N-major),
+                   D (k, n, g); under transpose_out the operands swap roles
+
+Each call is one `GemmProblem` with `groups` and `ragged` (planning), the plan `dispatch.
+plan_call` decides, one compiled binary (`compile_plan`, the family `plan.kernel` names) and one
+call of the same FFI handler the dense kernels use, with the group sizes as a device buffer.
+Batched operands (vmap), mixed dtypes and anything the planner sends to XLA (`plan.reason`) run
+on XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_sm100._src import dispatch, ffi_checks, planning
+from jax_sm100._src.kernels.spec import KernelSpec
+
+
+def _kernel_problem(name, lhs, rhs, group_sizes, params):
+    """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot."""
+    if lhs.ndim != 2:
+        return f"{name}: batched operands (vmap) run on XLA's ragged dot"
+    if lhs.dtype != rhs.dtype:
+        return f"{name}: mixed operand dtypes {lhs.dtype} x {rhs.dtype} run on XLA's ragged dot"
+    g = group_sizes.shape[0]
+    out_dtype = np.dtype(params["out_dtype"])
+    dtypes = dict(a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype)
+    if name == "ragged_dot":
+        m, k = lhs.shape
+        t = params["transpose_rhs"]
+        n = rhs.shape[1] if t else rhs.shape[2]
+        problem = planning.make_problem(
+            m, n, k, **dtypes, a_major="k", b_major="k" if t else "n", groups=g, ragged="m"
+        )
+        b_mode = ((n, k, g), (k, 1, n * k)) if t else ((n, k, g), (1, n, n * k))
+        modes = {"a": ((m, k), (k, 1)), "b": b_mode, "d": ((m, n), (n, 1))}
+        operands, out_shape = (lhs, rhs), (m, n)
+    else:
+        rows, kd = lhs.shape
+        n = rhs.shape[1]
+        first, second = (rhs, lhs) if params["transpose_out"] else (lhs, rhs)
+        mm, nn = first.shape[1], second.shape[1]
+        problem = planning.make_problem(
+            mm, nn, rows, **dtypes, a_major="m", b_major="n", groups=g, ragged="k"
+        )
+        modes = {
+            "a": ((mm, rows), (1, mm)),
+            "b": ((nn, rows), (1, nn)),
+            "d": ((mm, nn, g), (nn, 1, mm * nn)),
+        }
+        operands, out_shape = (first, second), (g, mm, nn)
+        del kd, n
+    modes["group_sizes"] = ((g,), (1,))
+    return problem, operands, modes, out_shape
+
+
+def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
+    """The CUDA lowering of `name` ("ragged_dot" or "ragged_outer"): the grouped kernel where
+    the plan takes it, else `xla_fn` (XLA's ragged dot), recorded either way."""
+    target = dispatch.lowering_target()
+    if target is None:
+        dispatch.record(dispatch.Lowered(None, f"{name}: no sm_90a/sm_100a device: XLA"))
+        return xla_fn(lhs, rhs, group_sizes, **params)
+    made = _kernel_problem(name, lhs, rhs, group_sizes, params)
+    if isinstance(made, str):
+        dispatch.record(dispatch.Lowered(None, made))
+        return xla_fn(lhs, rhs, group_sizes, **params)
+    problem, operands, modes, out_shape = made
+    decision = dispatch.plan_call(problem, target)
+    plan = decision.plan
+    if plan.kernel == planning.KERNEL_XLA:
+        dispatch.record(dispatch.Lowered(plan, f"{name}: {plan.reason}"))
+        return xla_fn(lhs, rhs, group_sizes, **params)
+    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
+    from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
+
+    spec = KernelSpec(
+        a_dtype=plan.a_dtype, b_dtype=plan.b_dtype, out_dtype=plan.out_dtype,
+        a_major=plan.a_major, b_major=plan.b_major,
+    )  # fmt: skip
+    compiled = compile_plan(plan, spec)
+    dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32"}
+    layouts = [
+        ffi_checks.TensorLayout(
+            arg.name, dtypes[arg.name], *modes[arg.name], arg.dynamic_shape_modes,
+            arg.dynamic_stride_modes,
+        )  # fmt: skip
+        for arg in compiled.tensor_args
+    ]
+    index = {"a": 0, "b": 1, "group_sizes": 2, "d": -1}
+    order = [index[arg.name] for arg in compiled.tensor_args]
+    out_type = jax.ShapeDtypeStruct(out_shape, params["out_dtype"])
+    gs = group_sizes.astype(np.int32)
+    out = gpu_lowering._ffi(compiled, out_type, [*operands, gs], layouts, order)
+    dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(decision.notes or ("",))))
+    return out
