@@ -15,9 +15,11 @@ attention projections), and, unless `--no-fused`, the MLP's up-projection as
 
 Both models start from the same weights (a "pretrained" model) and are fine-tuned to match a
 fixed teacher of the same architecture on random inputs, so their losses agree step by step to
-bfloat16 rounding. Printed: each model's compile time and median step time (each step waited
-for), the ratio, which products ran on our kernels (the CUDA lowerings, `jax_sm100.lowerings()`),
-and the two loss curves.
+bfloat16 rounding. Printed: the device, date and versions; per model, the first step's time
+(tracing, kernel and XLA compiles, one step), the median step time (each step waited for, the
+first `--warmup` timed steps left out), the products of the compiled step on our kernels and on
+XLA's (counted in its HLO), and how the CUDA lowerings went (`jax_sm100.lowerings()`); then a
+summary table with the step-time ratio, and the two loss curves.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import collections
 import statistics
 import time
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +110,17 @@ def kernel_summary(seen) -> str:
     return "; ".join(parts) or "none through jax_sm100 (no GPU, or lax's dot)"
 
 
+def products(hlo: str) -> tuple[int, int]:
+    """(our kernels, XLA's products) among a compiled module's instructions: custom calls to
+    jax_sm100's FFI target; XLA's dots and cuBLAS calls."""
+    ours = hlo.count('custom_call_target="jax_sm100_gemm"')
+    xla = sum(
+        (" dot(" in line or 'custom_call_target="__cublas' in line) and "jax_sm100" not in line
+        for line in hlo.splitlines()
+    )
+    return ours, xla
+
+
 def run(name, args, dot_general, fused, data):
     x, y = data
     model = Model(args, dot_general=dot_general, fused=fused, seed=0)
@@ -120,10 +134,14 @@ def run(name, args, dot_general, fused, data):
         start = time.perf_counter()
         losses.append(float(jax.block_until_ready(train_step(model, optimizer, x, y))))
         times.append(time.perf_counter() - start)
-    step_ms = 1e3 * statistics.median(times[args.warmup :] or times)
+    timed = times[args.warmup :] or times
+    step_ms = 1e3 * statistics.median(timed)
+    ours, xla = products(train_step.lower(model, optimizer, x, y).compile().as_text())
     print(f"{name}: first step (compile) {compile_s:.1f} s; step {step_ms:.2f} ms (median of "
-          f"{len(times[args.warmup:] or times)}); products: {kernel_summary(seen)}")  # fmt: skip
-    return np.array(losses), step_ms
+          f"{len(timed)}); products in the compiled step: {ours} on our kernels, {xla} on XLA's; "
+          f"CUDA lowerings: {kernel_summary(seen)}")  # fmt: skip
+    return dict(losses=np.array(losses), compile_s=compile_s, step_ms=step_ms, timed=len(timed),
+                ours=ours, xla=xla)  # fmt: skip
 
 
 def main():
@@ -148,9 +166,11 @@ def main():
         args.layers, args.d_model, args.heads, args.d_ff = 2, 128, 4, 512
         args.batch, args.seq, args.steps, args.warmup, args.lr = 4, 64, 8, 1, 1e-3
 
-    print(f"{jax.devices()[0].device_kind}: {args.layers} blocks, d_model {args.d_model}, "
-          f"{args.heads} heads, d_ff {args.d_ff}, {args.batch} x {args.seq} tokens, "
-          f"{args.dtype} compute, float32 parameters, {args.steps} steps")  # fmt: skip
+    print(f"{jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, "
+          f"flax {flax.__version__}, optax {optax.__version__}: {args.layers} blocks, "
+          f"d_model {args.d_model}, {args.heads} heads, d_ff {args.d_ff}, "
+          f"{args.batch} x {args.seq} tokens, {args.dtype} compute, float32 parameters, AdamW, "
+          f"{args.steps} steps")  # fmt: skip
     key_x, _ = jax.random.split(jax.random.key(42))
     x = jax.random.normal(key_x, (args.batch, args.seq, args.d_model), jnp.float32)
     teacher = Model(args, dot_general=lax.dot_general, fused=False, seed=1)
@@ -161,19 +181,32 @@ def main():
     results = {}
     if args.only in (None, "ours"):
         label = "ours (jax_sm100.dot_general" + (", fused up-projection)" if args.fused else ")")
-        results["ours"] = run(label, args, jax_sm100.dot_general, args.fused, data)
+        results[label] = run(label, args, jax_sm100.dot_general, args.fused, data)
     if args.only in (None, "lax"):
-        results["lax"] = run("lax  (lax.dot_general)", args, lax.dot_general, False, data)
+        label = "lax (lax.dot_general)"
+        results[label] = run(label, args, lax.dot_general, False, data)
+
+    width = max(map(len, results))
+    timed = next(iter(results.values()))["timed"]
+    print(f"\nsummary: first step = trace + compiles + one step; step = median of {timed} "
+          f"steps, each waited for; products = in the compiled step's HLO")  # fmt: skip
+    print(f"{'model':<{width}}  {'first step s':>12}  {'step ms':>9}  products: ours / XLA's")
+    for label, r in results.items():
+        print(f"{label:<{width}}  {r['compile_s']:>12.1f}  {r['step_ms']:>9.2f}  "
+              f"{r['ours']} / {r['xla']}")  # fmt: skip
     if len(results) == 2:
-        (ours, ours_ms), (ref, ref_ms) = results["ours"], results["lax"]
-        print(f"step time lax / ours: {ref_ms / ours_ms:.3f}x")
-        print(f"{'step':>4}  {'loss ours':>12}  {'loss lax':>12}")
-        for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        ours, ref = results.values()
+        print(
+            f"step time lax / ours: {ref['step_ms'] / ours['step_ms']:.3f}x (above 1: ours faster)"
+        )
+        print(f"\n{'step':>4}  {'loss ours':>12}  {'loss lax':>12}")
+        for i, (a, b) in enumerate(zip(ours["losses"], ref["losses"], strict=True)):
             print(f"{i:>4}  {a:>12.6f}  {b:>12.6f}")
-        print(f"largest relative loss difference: {np.max(np.abs(ours - ref) / ref):.2e}")
+        diff = np.max(np.abs(ours["losses"] - ref["losses"]) / ref["losses"])
+        print(f"largest relative loss difference: {diff:.2e}")
     else:
-        ((losses, _),) = results.values()
-        print("losses:", " ".join(f"{v:.6f}" for v in losses))
+        (r,) = results.values()
+        print("losses:", " ".join(f"{v:.6f}" for v in r["losses"]))
 
 
 if __name__ == "__main__":
