@@ -353,6 +353,8 @@ bool IsArrayDtype(int64_t code) {
     case XLA_FFI_DataType_BF16:
     case XLA_FFI_DataType_F8E5M2:
     case XLA_FFI_DataType_F8E4M3FN:
+    case XLA_FFI_DataType_F4E2M1FN:   // block-scaled data (nvfp4), two to a byte
+    case XLA_FFI_DataType_F8E8M0FNU:  // block scales (mxfp8)
       return true;
     default:
       return false;

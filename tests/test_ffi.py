@@ -110,7 +110,8 @@ class LayoutTest(parameterized.TestCase):
         header = Path(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h").read_text()
         codes = dict(re.findall(r"XLA_FFI_DataType_(\w+) = (\d+)", header))
         ffi_names = {"bool": "PRED", "bfloat16": "BF16", "float8_e5m2": "F8E5M2",
-                     "float8_e4m3fn": "F8E4M3FN"}  # fmt: skip
+                     "float8_e4m3fn": "F8E4M3FN", "float4_e2m1fn": "F4E2M1FN",
+                     "float8_e8m0fnu": "F8E8M0FNU"}  # fmt: skip
         for name, code in ffi_checks.FFI_DTYPES.items():
             dt = np.dtype(name)
             default = (

@@ -58,6 +58,8 @@ FFI_DTYPES = {
     "bfloat16": 16,
     "float8_e5m2": 19,
     "float8_e4m3fn": 20,
+    "float4_e2m1fn": 32,
+    "float8_e8m0fnu": 33,
 }
 
 

@@ -32,6 +32,9 @@ CUTLASS_DTYPES: dict[str, type[cutlass.Numeric]] = {
     "float32": cutlass.Float32,
     "float8_e4m3fn": cutlass.Float8E4M3FN,
     "float8_e5m2": cutlass.Float8E5M2,
+    # Block-scaled data and scale factors (kernels/sm100_blockscaled.py).
+    "float4_e2m1fn": cutlass.Float4E2M1FN,
+    "float8_e8m0fnu": cutlass.Float8E8M0FNU,
 }
 
 # TMA moves whole 16-byte units along the contiguous dimension and needs 16-byte aligned bases;

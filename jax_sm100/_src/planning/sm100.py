@@ -31,9 +31,9 @@ _SM100_CANDIDATES = (
 )
 
 
-def _choose_sm100(m, n, k, batch, num_sms):
+def _choose_sm100(m, n, k, batch, num_sms, candidates=_SM100_CANDIDATES):
     best = None
-    for use_2cta, mm, mn, eff in _SM100_CANDIDATES:
+    for use_2cta, mm, mn, eff in candidates:
         cta_m = mm // 2 if use_2cta else mm
         if use_2cta and m <= 128 and mm > m:
             continue  # a 2-CTA pair would be mostly padding
