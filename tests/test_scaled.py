@@ -12,11 +12,27 @@ import jax_sm100
 from jax_sm100._src import scaled
 from tests import test_util as tu
 
+# The k elements one scale covers in the blocked layout, by scale dtype (mxfp8, nvfp4).
+_BLOCKED_BLOCK = {"float8_e8m0fnu": 32, "float8_e4m3fn": 16}
+
+
+def _unblock64(data, blocked):
+    """Blocked scales [B, rm, rk, 32, 4, 4] of data [B, rows, k] as plain float64 [B, rows,
+    k / block], read element by element from the layout's definition: scale (row, j) is at
+    [row // 128, j // 4, row % 32, (row % 128) // 32, j % 4]."""
+    b, rows, k = data.shape
+    blocks = k // _BLOCKED_BLOCK[np.dtype(blocked.dtype).name]
+    blocked = np.asarray(blocked, np.float64)
+    row, j = np.arange(rows)[:, None], np.arange(blocks)[None, :]
+    return blocked[:, row // 128, j // 4, row % 32, (row % 128) // 32, j % 4]
+
 
 def _reference64(lhs, rhs, lhs_scales, rhs_scales):
     """jax.nn.scaled_matmul's documented math in float64 numpy."""
 
     def dequantize(data, scales):
+        if scales.ndim == 6:
+            scales = _unblock64(data, scales)
         data, scales = np.asarray(data, np.float64), np.asarray(scales, np.float64)
         return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
 
@@ -42,7 +58,10 @@ class ScaledMatmulTest(parameterized.TestCase):
         r = scaled.RECIPES[recipe]
         self.assertEqual((lhs.dtype, lhs_scales.dtype), (jnp.dtype(r.data_dtype),
                                                           jnp.dtype(r.scale_dtype)))  # fmt: skip
-        self.assertEqual(lhs_scales.shape, (b, m, k // r.block))
+        plain = (b, m, k // r.block)
+        if r.layout == "blocked":  # 512-scale atoms: 128 rows by 4 blocks, padded
+            plain = (b, -(-m // 128), -(-(k // r.block) // 4), 32, 4, 4)
+        self.assertEqual(lhs_scales.shape, plain)
         out = jax.jit(jax_sm100.scaled_matmul)(lhs, rhs, lhs_scales, rhs_scales)
         self.assertEqual((out.shape, out.dtype), ((b, m, n), jnp.float32))
         tu.assert_close(self, out, _reference64(lhs, rhs, lhs_scales, rhs_scales), "float32", k)
@@ -62,6 +81,48 @@ class ScaledMatmulTest(parameterized.TestCase):
         if recipe == "mxfp8":  # e8m0 holds powers of two only
             s = np.asarray(scales, np.float64)
             np.testing.assert_array_equal(s, np.exp2(np.round(np.log2(s))))
+
+    @parameterized.parameters("mxfp8", "nvfp4")
+    def test_blocked_scales_are_the_mma_layout(self, recipe):
+        # 200 rows (two 128-row atoms, the second padded) by 6 blocks of k (two 4-block atoms,
+        # padded): each block's scale is where the SM100 MMA reads it, the padding is 1.0, and
+        # the product is the same as with the plain scales it encodes.
+        r = scaled.RECIPES[recipe]
+        x = _normal(9, (2, 200, 6 * r.block)) * jnp.exp2(jnp.arange(200.0) % 7)[None, :, None]
+        data, blocked = jax_sm100.quantize(x, recipe)
+        self.assertEqual(blocked.shape, (2, 2, 2, 32, 4, 4))
+        want = np.asarray(jnp.abs(x).reshape(2, 200, 6, r.block).max(-1), np.float64)
+        want = want / float(jnp.finfo(r.data_dtype).max)
+        if recipe == "mxfp8":
+            want = np.exp2(np.ceil(np.log2(want)))
+        got = _unblock64(data, blocked)
+        np.testing.assert_allclose(got, want, rtol=2**-3 if recipe == "nvfp4" else 0)
+        flat = np.asarray(blocked, np.float64).reshape(2, -1)
+        # Byte offset of row 130, block 5 in the second batch: atom (1, 1), lane 2, group 0.
+        self.assertEqual(flat[1, 3 * 512 + 2 * 16 + 0 * 4 + 1], got[1, 130, 5])
+        rm, rk, lane, group, j = np.ix_(*(np.arange(n) for n in (2, 2, 32, 4, 4)))
+        pad = ((128 * rm + 32 * group + lane >= 200) | (4 * rk + j >= 6))[None].repeat(2, 0)
+        self.assertEqual(pad.sum(), 2 * (256 * 8 - 200 * 6))
+        np.testing.assert_array_equal(np.asarray(blocked, np.float64)[pad], 1.0)
+        plain = jnp.asarray(got, r.scale_dtype)
+        rhs, rhs_blocked = jax_sm100.quantize(_normal(10, (2, 16, 6 * r.block)), recipe)
+        rhs_plain = jnp.asarray(_unblock64(rhs, rhs_blocked), r.scale_dtype)
+        a = jax_sm100.scaled_matmul(data, rhs, blocked, rhs_blocked)
+        b = jax_sm100.scaled_matmul(data, rhs, plain, rhs_plain)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # vmap over the blocked scales' batch, and a gradient through them.
+        out = jax.vmap(jax_sm100.scaled_matmul, (0, 0, 0, 0))(
+            data[:, None], rhs[:, None], blocked[:, None], rhs_blocked[:, None]
+        )
+        np.testing.assert_array_equal(np.asarray(out[:, 0]), np.asarray(a))
+
+        def loss(lhs, scales, rhs_scales):
+            return jnp.sin(jax_sm100.scaled_matmul(lhs, rhs, scales, rhs_scales)).sum()
+
+        lhs32 = data.astype(jnp.float32)
+        g_blocked = jax.grad(loss)(lhs32, blocked, rhs_blocked)
+        g_plain = jax.grad(loss)(lhs32, plain, rhs_plain)
+        np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_plain), rtol=1e-6)
 
     def test_quantize_along_another_axis(self):
         x = _normal(4, (256, 16))  # k first, as a [k, n] weight is stored

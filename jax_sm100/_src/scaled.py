@@ -17,7 +17,11 @@ that in `jax_sm100.lowerings()`. `jax.nn.scaled_matmul` itself has no CPU loweri
 `quantize(x, recipe)` makes data and scales in exactly the layouts `scaled_matmul` reads, for
 three recipes (`RECIPES`): float8_e4m3fn with float32 scales per 128 along k (DeepSeek-V3's),
 mxfp8 (float8_e4m3fn data, float8_e8m0fnu power-of-two scales per 32) and nvfp4 (float4_e2m1fn
-data, float8_e4m3fn scales per 16).
+data, float8_e4m3fn scales per 16). mxfp8's and nvfp4's scales come in the "blocked" layout
+the SM100 block-scaled MMA reads (scale_layout.py: [B, ceil(rows / 128), ceil(k / block / 4),
+32, 4, 4], each 512 scales one MMA tile's), which the sm_100a kernel
+(kernels/sm100_blockscaled.py) loads as they are; `scaled_matmul` takes scales in that layout
+or plain ([B, rows, k / block]) and means the same product either way.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from jax_sm100._src import dispatch
+from jax_sm100._src import dispatch, scale_layout
 
 scaled_matmul_p = jex_core.Primitive("jax_sm100_scaled_matmul")
 
@@ -41,17 +45,19 @@ SCALE_DTYPES = ("float32", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn")
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """A quantization recipe: data dtype, scale dtype, and the block of k one scale covers."""
+    """A quantization recipe: data dtype, scale dtype, the block of k one scale covers, and the
+    layout of the scales ("plain" [..., rows, k / block], or "blocked": scale_layout.py)."""
 
     data_dtype: str
     scale_dtype: str
     block: int
+    layout: str = "plain"
 
 
 RECIPES = {
     "fp8_block128": Recipe("float8_e4m3fn", "float32", 128),
-    "mxfp8": Recipe("float8_e4m3fn", "float8_e8m0fnu", 32),
-    "nvfp4": Recipe("float4_e2m1fn", "float8_e4m3fn", 16),
+    "mxfp8": Recipe("float8_e4m3fn", "float8_e8m0fnu", 32, "blocked"),
+    "nvfp4": Recipe("float4_e2m1fn", "float8_e4m3fn", 16, "blocked"),
 }
 
 
@@ -60,7 +66,8 @@ RECIPES = {
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
     """`jax.nn.scaled_matmul` (see the module docstring): lhs [B, m, k] and rhs [B, n, k], each
-    scaled per block of k by its scales ([B, m, k / block] and [B, n, k / block]).
+    scaled per block of k by its scales ([B, m, k / block] and [B, n, k / block], or those in
+    the blocked layout `quantize` makes for mxfp8 and nvfp4: scale_layout.py).
 
     Differentiable with respect to every operand (the backward runs in XLA ops), and under
     `vmap`.
@@ -80,7 +87,7 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
                 f"jax_sm100.scaled_matmul: {name} has dtype {np.dtype(x.dtype).name}; use one of "
                 f"{allowed} (jax_sm100.quantize makes data and scales for the usual recipes)"
             )
-    _check_shapes(lhs.shape, rhs.shape, lhs_scales.shape, rhs_scales.shape)
+    _check_shapes(lhs, rhs, lhs_scales, rhs_scales)
     out_dtype = np.dtype(preferred_element_type)
     return scaled_matmul_p.bind(lhs, rhs, lhs_scales, rhs_scales, out_dtype=out_dtype)
 
@@ -91,13 +98,21 @@ def quantize(x, recipe: str, *, axis: int = -1):
     approximates x. Each block's scale maps its largest magnitude onto the data format's largest
     finite value (mxfp8: the power of two at or above that, as e8m0 holds only powers of two).
 
+    The data keeps x's shape. fp8_block128's scales are x's shape with the axis divided by the
+    block; mxfp8's and nvfp4's are in the blocked layout of the SM100 MMA (scale_layout.py) for
+    x with the axis moved last, [..., rows, k]: [..., ceil(rows / 128), ceil(k / block / 4), 32,
+    4, 4], the padding 1.0.
+
     Raises:
-      ValueError: an unknown recipe, or an axis whose length the block does not divide.
+      ValueError: an unknown recipe, an axis whose length the block does not divide, or a 1-D x
+        for a blocked recipe.
     """
     if recipe not in RECIPES:
         raise ValueError(f"jax_sm100.quantize: {recipe=} is not one of {tuple(RECIPES)}")
     r = RECIPES[recipe]
     x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, -1)
+    if r.layout == "blocked" and x.ndim < 2:
+        raise ValueError(f"jax_sm100.quantize: {recipe} scales rows of a matrix; x is 1-D")
     if x.shape[-1] % r.block:
         raise ValueError(
             f"jax_sm100.quantize: the axis has {x.shape[-1]} elements, not a multiple of the "
@@ -111,6 +126,8 @@ def quantize(x, recipe: str, *, axis: int = -1):
         scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
     scale = scale.astype(r.scale_dtype)
     data = (blocks / scale.astype(jnp.float32)[..., None]).reshape(x.shape).astype(r.data_dtype)
+    if r.layout == "blocked":
+        return jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale)
     return jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis)
 
 
@@ -118,27 +135,36 @@ def quantize(x, recipe: str, *, axis: int = -1):
 
 
 def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
-    if not (len(lhs) == len(rhs) == len(lhs_scales) == len(rhs_scales) == 3):
+    """Raises ValueError unless the operands (arrays or avals) fit the module docstring."""
+    shapes = [tuple(x.shape) for x in (lhs, rhs, lhs_scales, rhs_scales)]
+    if not (len(shapes[0]) == len(shapes[1]) == 3 and all(len(s) in (3, 6) for s in shapes[2:])):
         raise ValueError(
             "jax_sm100.scaled_matmul: lhs [B, m, k], rhs [B, n, k] and their scales [B, m, k/b] "
-            f"and [B, n, k/b] are 3-D; got {lhs}, {rhs}, {lhs_scales}, {rhs_scales}"
+            f"and [B, n, k/b] are 3-D (scales in the blocked layout 6-D); got {shapes}"
         )
-    if lhs[0] != rhs[0] or lhs[2] != rhs[2]:
-        raise ValueError(f"jax_sm100.scaled_matmul: lhs {lhs} and rhs {rhs} must share B and k")
+    lhs_shape, rhs_shape = shapes[:2]
+    if lhs_shape[0] != rhs_shape[0] or lhs_shape[2] != rhs_shape[2]:
+        raise ValueError(
+            f"jax_sm100.scaled_matmul: lhs {lhs_shape} and rhs {rhs_shape} must share B and k"
+        )
     for name, data, scales in (("lhs", lhs, lhs_scales), ("rhs", rhs, rhs_scales)):
-        if scales[:2] != data[:2] or scales[2] < 1 or data[2] % scales[2]:
+        try:
+            scale_layout.scale_block(data.shape, scales.shape, scales.dtype)
+        except ValueError as e:
             raise ValueError(
-                f"jax_sm100.scaled_matmul: {name}_scales {scales} must be [B, rows, k / block] "
-                f"for {name} {data}, with the block dividing k={data[2]}"
-            )
+                f"jax_sm100.scaled_matmul: {name}_scales {tuple(scales.shape)} must be [B, rows, "
+                f"k / block] (or that in the blocked layout) for {name} {tuple(data.shape)}, "
+                f"with the block dividing k={data.shape[2]} ({e})"
+            ) from None
 
 
 def _abstract(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
-    _check_shapes(lhs.shape, rhs.shape, lhs_scales.shape, rhs_scales.shape)
+    _check_shapes(lhs, rhs, lhs_scales, rhs_scales)
     return jax.core.ShapedArray((lhs.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
 
 
 def _dequantized(data, scales):
+    scales = scale_layout.plain(data.shape, scales)
     block = data.shape[-1] // scales.shape[-1]
     return data.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), block, axis=-1)
 

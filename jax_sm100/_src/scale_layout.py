@@ -1,0 +1,107 @@
+"""The "blocked" layout of block scale factors: the one SM100's block-scaled MMA reads.
+
+`jax_sm100.quantize` writes mxfp8's and nvfp4's scales this way and `scaled_matmul` reads them
+either way (this layout or plain [..., rows, k / block]); the sm_100a kernel
+(kernels/sm100_blockscaled.py) loads them from global memory as they are.
+
+For a matrix of `rows` rows, each scaled per `block` elements of its k, the plain scales are
+[rows, blocks] with blocks = k / block. The blocked layout cuts them into atoms of 128 rows by
+4 blocks (512 scales: the tcgen05.mma scale-factor tile), padded to whole atoms, atoms ordered
+with k fastest, and lays each atom out as 32 lanes of 16 values:
+
+    blocked [ceil(rows / 128), ceil(blocks / 4), 32, 4, 4]
+    blocked[rm, rk, lane, group, j] = plain[128 rm + 32 group + lane, 4 rk + j]
+
+(a row-major array of that shape; leading batch dims go in front). This is cuBLAS's and
+CUTLASS's "128x4 swizzled" scale layout. The padding holds 1.0 (a finite value: padded
+blocks multiply data that is not there, and zero times a NaN scale would not be zero).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+ATOM_ROWS = 128
+ATOM_BLOCKS = 4
+LANES = 32
+GROUPS = ATOM_ROWS // LANES
+# The k elements one scale covers in a blocked layout, by scale dtype: the OCP MX formats'
+# e8m0 per 32 (mxfp8), NVFP4's e4m3 per 16. The blocked shape pads blocks to a multiple of 4,
+# so it cannot say the block itself.
+BLOCKED_SCALE_BLOCK = {"float8_e8m0fnu": 32, "float8_e4m3fn": 16}
+
+
+def blocked_shape(rows: int, blocks: int) -> tuple[int, ...]:
+    """The blocked layout's trailing shape for `rows` rows of `blocks` scales."""
+    return (-(-rows // ATOM_ROWS), -(-blocks // ATOM_BLOCKS), LANES, GROUPS, ATOM_BLOCKS)
+
+
+def is_blocked(data_ndim: int, scales_ndim: int) -> bool:
+    """Whether scales of this rank are in the blocked layout for data of `data_ndim` dims (the
+    plain layout has the data's rank)."""
+    return scales_ndim == data_ndim + 3
+
+
+def to_blocked(plain):
+    """[..., rows, blocks] -> [..., ceil(rows / 128), ceil(blocks / 4), 32, 4, 4], padded with
+    1.0 (the module docstring)."""
+    *lead, rows, blocks = plain.shape
+    rm, rk = blocked_shape(rows, blocks)[:2]
+    pad = [(0, 0)] * len(lead) + [(0, rm * ATOM_ROWS - rows), (0, rk * ATOM_BLOCKS - blocks)]
+    x = jnp.pad(plain, pad, constant_values=jnp.asarray(1, plain.dtype))
+    x = x.reshape((*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS))
+    n = len(lead)
+    return x.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
+
+
+def from_blocked(blocked, rows: int, blocks: int):
+    """The inverse of `to_blocked`: [..., rm, rk, 32, 4, 4] -> [..., rows, blocks]."""
+    *lead, rm, rk, lanes, groups, j = blocked.shape
+    if (lanes, groups, j) != (LANES, GROUPS, ATOM_BLOCKS) or (rm, rk) != blocked_shape(
+        rows, blocks
+    )[:2]:
+        raise ValueError(
+            f"blocked scales {tuple(blocked.shape)} do not hold {rows} rows of {blocks} blocks "
+            f"(their trailing shape is {blocked_shape(rows, blocks)})"
+        )
+    n = len(lead)
+    x = blocked.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
+    x = x.reshape((*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS))
+    return x[..., :rows, :blocks]
+
+
+def scale_block(data_shape, scales_shape, scales_dtype) -> int:
+    """The block along k one scale covers, for data [..., rows, k] and its scales, plain or
+    blocked (where the scale dtype says it: `BLOCKED_SCALE_BLOCK`).
+
+    Raises:
+      ValueError: scales that fit the data in neither layout.
+    """
+    data_shape, scales_shape = tuple(data_shape), tuple(scales_shape)
+    *lead, rows, k = data_shape
+    if is_blocked(len(data_shape), len(scales_shape)):
+        block = BLOCKED_SCALE_BLOCK.get(np.dtype(scales_dtype).name)
+        if block is None or k % block or scales_shape != (*lead, *blocked_shape(rows, k // block)):
+            raise ValueError(
+                f"blocked scales {scales_shape} of {np.dtype(scales_dtype).name} do not fit data "
+                f"{data_shape}: they are [*batch, ceil(rows / 128), ceil(k / block / 4), 32, 4, 4] "
+                f"with the block of their dtype ({BLOCKED_SCALE_BLOCK})"
+            )
+        return block
+    if (
+        len(scales_shape) != len(data_shape)
+        or scales_shape[:-1] != data_shape[:-1]
+        or scales_shape[-1] < 1
+        or k % scales_shape[-1]
+    ):
+        raise ValueError(f"scales {scales_shape} do not fit data {data_shape}")
+    return k // scales_shape[-1]
+
+
+def plain(data_shape, scales):
+    """`scales` of data [..., rows, k] in the plain layout [..., rows, k / block]."""
+    *_, rows, k = data_shape
+    if not is_blocked(len(data_shape), scales.ndim):
+        return scales
+    return from_blocked(scales, rows, k // scale_block(data_shape, scales.shape, scales.dtype))
