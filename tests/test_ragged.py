@@ -225,8 +225,8 @@ for name, specs in {"rows": (P("d", None), P(), P()),
 class ShardedTest(absltest.TestCase):
     def test_sharded_rows_and_experts(self):
         # Tokens sharded over rows, or experts (rhs and group sizes) over an axis, of an Auto
-        # mesh of 8 CPU devices: the values and gradients equal the unsharded ones. (XLA
-        # partitions the ragged products today; the Shardy rules come with the grouped kernels.)
+        # mesh of 8 CPU devices: the values and gradients equal the unsharded ones, in a fresh
+        # interpreter. The rules and their collectives: tests/test_ragged_sharding.py.
         proc = subprocess.run(
             [sys.executable, "-c", _SHARDED], env=tu.subprocess_env(), capture_output=True,
             text=True, timeout=300,

@@ -247,7 +247,8 @@ def _delegated(cls):
                 return _method(self, *args, **kwargs)
             if os.environ.get(_CHILD_ENV):
                 self.fail(f"the child process has {len(jax.devices('cpu'))} CPU devices")
-            outcome, message = _child_outcomes(type(self).__name__).get(
+            module_file = sys.modules[type(self).__module__].__file__
+            outcome, message = _child_outcomes(module_file, type(self).__name__).get(
                 self._testMethodName, ("missing", "the child process did not run this test")
             )
             if outcome == "skipped":
@@ -267,15 +268,16 @@ def _child_env() -> dict[str, str]:
 
 
 @functools.cache
-def _child_outcomes(class_name: str) -> dict[str, tuple[str, str]]:
-    """Runs one test class under pytest in a fresh process; {test name: (outcome, message)}."""
+def _child_outcomes(module_file: str, class_name: str) -> dict[str, tuple[str, str]]:
+    """Runs one test class of a module (this one, or another sharded suite that imports these
+    helpers) under pytest in a fresh process; {test name: (outcome, message)}."""
     env = dict(_child_env(), **{_CHILD_ENV: "1"})
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         proc = subprocess.run(
             [
                 sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                f"--junitxml={report}", f"{__file__}::{class_name}",
+                f"--junitxml={report}", f"{module_file}::{class_name}",
             ],
             env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
         )  # fmt: skip

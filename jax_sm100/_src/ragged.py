@@ -30,7 +30,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from jax_sm100._src import autodiff, dispatch
+from jax_sm100._src import autodiff, dispatch, ragged_sharding
 from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
 
@@ -141,8 +141,9 @@ def _ragged_outer_abstract(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
     return jax.core.ShapedArray((*batch, g, *tail), out_dtype)
 
 
-ragged_dot_p.def_abstract_eval(_ragged_dot_abstract)
-ragged_outer_p.def_abstract_eval(_ragged_outer_abstract)
+# Results typed under Explicit mesh axes as the partitioner shards them (ragged_sharding.py).
+ragged_dot_p.def_abstract_eval(ragged_sharding.typed(_ragged_dot_abstract, "ragged_dot"))
+ragged_outer_p.def_abstract_eval(ragged_sharding.typed(_ragged_outer_abstract, "ragged_outer"))
 
 
 # --- the math in XLA ops (every platform, until the grouped kernels land) -----------------------
@@ -213,9 +214,10 @@ for _prim, _fn, _name in (
     (ragged_outer_p, _ragged_outer_xla, "ragged_outer"),
 ):
     _prim.def_impl(lambda *args, _fn=_fn, **params: _fn(*args, **params))
-    mlir.register_lowering(_prim, mlir.lower_fun(_fn, multiple_results=False), platform="cpu")
+    # Sharded programs run the registered function per device (ragged_sharding.py).
+    mlir.register_lowering(_prim, ragged_sharding.lowering(_prim, _name, _fn), platform="cpu")
     mlir.register_lowering(
-        _prim, mlir.lower_fun(_cuda(_fn, _name), multiple_results=False), platform="cuda"
+        _prim, ragged_sharding.lowering(_prim, _name, _cuda(_fn, _name)), platform="cuda"
     )
 
 
@@ -248,11 +250,13 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype
             ct.astype(cd), rhs.astype(cd), group_sizes, transpose_rhs=not transpose_rhs,
             out_dtype=np.dtype(lhs.aval.dtype),
         )  # fmt: skip
+        d_lhs = ragged_sharding.cotangent_like(d_lhs, lhs)
     if ad.is_undefined_primal(rhs):
         d_rhs = ragged_outer_p.bind(
-            lhs.astype(cd), ct.astype(cd), group_sizes, out_dtype=np.dtype(rhs.aval.dtype),
-            transpose_out=transpose_rhs,
+            lhs.astype(cd), ct.astype(cd), ragged_sharding.group_sizes_like(group_sizes, rhs),
+            out_dtype=np.dtype(rhs.aval.dtype), transpose_out=transpose_rhs,
         )  # fmt: skip
+        d_rhs = ragged_sharding.cotangent_like(d_rhs, rhs)
     return [d_lhs, d_rhs, None]
 
 
@@ -267,11 +271,13 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
             rhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=not transpose_out,
             out_dtype=np.dtype(lhs.aval.dtype),
         )  # fmt: skip
+        d_lhs = ragged_sharding.cotangent_like(d_lhs, lhs)
     if ad.is_undefined_primal(rhs):
         d_rhs = ragged_dot_p.bind(
             lhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=transpose_out,
             out_dtype=np.dtype(rhs.aval.dtype),
         )  # fmt: skip
+        d_rhs = ragged_sharding.cotangent_like(d_rhs, rhs)
     return [d_lhs, d_rhs, None]
 
 

@@ -1,0 +1,443 @@
+"""Partitioning of the two ragged primitives (`ragged_dot_p`, `ragged_outer_p`) across devices.
+
+As for matmul (sharding.py): when a jitted program is sharded over more than one device, the
+lowering of each ragged primitive wraps its local computation (whatever function ragged.py
+registers for the platform) in `custom_partitioning` with a Shardy rule, so XLA never partitions
+the grouped product by itself, and the partition callback turns the shardings into per-device
+binds of the same primitive and the collectives the math needs.
+
+Background / Algorithm. Factors, by dim:
+
+    ragged_dot    lhs [*b, m, k]  rhs [*b, g, k, n] ([*b, g, n, k])  gs [*b, g]  -> [*b, m, n]
+    ragged_outer  lhs [*b, m, k]  rhs [*b, m, n]  gs [*b, g]  -> [*b, g, k, n] ([*b, g, n, k])
+
+ragged_dot's reduction factors are k and g (a row's result is the sum over experts of the row's
+product with each, all but one zero); ragged_outer's is m. Every device needs the global group
+sizes (the rows of group i start at the sum of the sizes before it), so the group sizes are
+always asked for whole along g (an all-gather of g int32 when they come split over an axis;
+nothing when they are replicated, as router outputs computed from replicated tokens are).
+
+  * batch b, and ragged_dot's n, ragged_outer's k and n: kept, no communication.
+  * rows m (data-parallel tokens): a device holding rows [r0, r1) binds the primitive on its
+    block with the local group sizes clip(end_i, r0, r1) - clip(start_i, r0, r1) (start, end:
+    the global cumulative sums). Exact: a row's group is the same as in the whole problem, rows
+    past the last group stay in none. ragged_dot needs nothing more (the experts are whole on
+    every device); ragged_outer's per-device results are partial sums over rows, reduced by one
+    `psum` (or a `psum_scatter` onto a result dim that the requested sharding splits over the
+    same axes), in the accumulator dtype, rounded once after.
+  * experts g (expert-parallel; the tokens already routed and whole over the expert axis): a
+    device holding experts [e0, e1) computes the rows of those experts only. The local primitive
+    takes groups starting at row 0, so the rows are rotated up by `lead`, the number of rows
+    before group e0 (in the device's row block), the local group sizes of its experts passed,
+    and the result rotated back: every row outside its experts' groups is in no group, so zero.
+    ragged_dot's results are then summed over the expert axis (one all-reduce; each row is
+    nonzero on one device only, so the sum is exact in the output dtype and is done in it);
+    ragged_outer's result is split along g as wanted, with no communication.
+  * k of ragged_dot (row-parallel weight): partial products in the accumulator dtype, one
+    reduction (all-reduce, or reduce-scatter as above), rounded once, as matmul's.
+  * a mesh axis serves one factor at most; a sharding that does not divide its dim evenly is
+    dropped, and whatever is not named above is gathered: replicated rather than wrong.
+
+Cost of the expert-parallel rule, and what a kernel-side group offset would save. The
+rotations are two dynamic copies per bind (lhs [m, k] in and the result [m, n] out; for
+ragged_outer both operands in). The local bind's groups hold its own experts' rows only, so a
+grouped kernel that skips rows in no group multiplies nothing twice; the other exact choice, a
+leading dummy group with a zero weight matrix, would multiply the `lead` rows by zeros (up to
+m * k * n more FLOPs on the device holding the last experts). A kernel taking a row offset (or
+a group offset with the global cumulative sizes, what `lax.ragged_dot_general`'s `group_offset`
+is meant for) would read and write the rows in place: it saves the two copies. It does not save
+the all-reduce of the [m, n] result (zeros outside each device's rows), which this layout
+needs: tokens whole over the expert axis and the output whole over it too. Sending each device
+only its experts' tokens (an all-to-all dispatch) is the caller's layout, not this rule's.
+
+The operand and result shardings the callback returns are those it computes with; XLA reshards
+to and from them where the surrounding program wants something else. Unsharded lowerings (one
+device, or every axis manual as inside `shard_map`) lower the local computation unchanged.
+
+Explicit mesh axes. Results are typed (`typed`, `out_sharding`): ragged_dot's batch and m as
+lhs has them, n as rhs has it; ragged_outer's batch as lhs, g as the group sizes, k as lhs, n
+as rhs; the callback reads the type as the requested result sharding. A transpose's operands are
+not its primal's, and JAX requires a cotangent typed as its primal: ragged.py's transposes
+retype each one (`cotangent_like`: a slice, or a gather where the primal is whole), and give the
+weight gradient's group sizes the experts' split (`group_sizes_like`), so that it is computed
+expert-parallel rather than whole on every device. On a mesh of one device with Explicit axes,
+the local function is traced untyped: XLA's ragged dot has no Explicit sharding rule (JAX 0.10
+raises for it even on replicated operands).
+
+Limits: a sharded program cannot be serialized with `jax.export` (custom_partitioning's
+callbacks live in this process), as for matmul. Under Auto axes nothing ties the weight
+gradient's g to the experts' split but Shardy's propagation from where the gradient is used (an
+update of the sharded weights in the same jit does); a bare `jax.grad` computes it whole on
+each device. Inside a `shard_map` that leaves some axes automatic, the product runs unpartitioned
+over those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import dispatch
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    SdyShardingRule,
+    custom_partitioning,
+)
+from jax.interpreters import ad, mlir
+from jax.sharding import NamedSharding
+
+from jax_sm100._src import primitive as P
+from jax_sm100._src import sharding
+
+# The two primitives' names as ragged.py registers them, and each one's reduction factors.
+_REDUCTIONS = {"ragged_dot": ("k", "g"), "ragged_outer": ("m",)}
+
+
+def lowering(prim, name: str, local_fn):
+    """The lowering rule of ragged primitive `prim` ("ragged_dot" or "ragged_outer").
+
+    Args:
+      prim: the primitive.
+      name: which of the two it is.
+      local_fn: the per-device computation, `local_fn(lhs, rhs, group_sizes, **params)`.
+
+    Returns:
+      A rule for `mlir.register_lowering`: `local_fn` itself when the program is not sharded;
+      else a `custom_partitioning` call whose per-device binds of `prim` lower to `local_fn`.
+    """
+    if name not in _REDUCTIONS:
+        raise ValueError(f"{name=}: want one of {sorted(_REDUCTIONS)}")
+    # custom_partitioning needs the device assignment while lowering; jit provides it only for
+    # programs holding a primitive of this registry.
+    dispatch.prim_requires_devices_during_lowering.add(prim)
+
+    def rule(ctx, lhs, rhs, group_sizes, **params):
+        def fn(*operands):
+            return local_fn(*operands, **params)
+
+        partitioned = _partition_call(prim, name, fn, ctx, params)
+        if partitioned is fn and _typed_over_explicit_axes(ctx):
+            ctx, partitioned = _untyped_context(ctx), _untyped(fn)
+        return mlir.lower_fun(partitioned, multiple_results=False)(ctx, lhs, rhs, group_sizes)
+
+    return rule
+
+
+def typed(abstract_eval, name: str):
+    """`abstract_eval` of ragged primitive `name`, its result typed by `out_sharding`."""
+
+    def typed_abstract_eval(lhs, rhs, group_sizes, **params):
+        out = abstract_eval(lhs, rhs, group_sizes, **params)
+        spec = out_sharding(name, lhs, rhs, group_sizes, params)
+        return out if spec is None else out.update(sharding=spec)
+
+    return typed_abstract_eval
+
+
+def out_sharding(name: str, lhs, rhs, group_sizes, params):
+    """The result's sharding type under Explicit mesh axes (None elsewhere).
+
+    ragged_dot: batch and m as lhs has them, n as rhs has it (a sharded k or g is reduced).
+    ragged_outer: batch as lhs, g as the group sizes have it, k as lhs, n as rhs (a sharded m is
+    reduced). An axis named twice keeps its first place, as a sharding must.
+    """
+    operands = (lhs, rhs, group_sizes)
+    meshes = {x.sharding.mesh for x in operands if getattr(x, "sharding", None) is not None
+              and not x.sharding.mesh.empty}  # fmt: skip
+    if len(meshes) > 1:
+        raise ValueError(f"jax_sm100.{name}: operands are sharded over different meshes {meshes}")
+    if not meshes or not next(iter(meshes))._any_axis_explicit:
+        return None
+    (mesh,) = meshes
+    nb = lhs.ndim - 2
+
+    def spec(x, i):
+        return sharding._axes(x.sharding.spec[i] if i < len(x.sharding.spec) else None)
+
+    parts = [spec(lhs, i) for i in range(nb)]
+    if name == "ragged_dot":
+        n_dim = nb + (1 if params["transpose_rhs"] else 2)  # rhs [*b, g, k, n] or [*b, g, n, k]
+        parts += [spec(lhs, nb), spec(rhs, n_dim)]
+    else:
+        k, n = spec(lhs, nb + 1), spec(rhs, nb + 1)
+        parts += [spec(group_sizes, nb), *((n, k) if params["transpose_out"] else (k, n))]
+    used = set()
+    for i, axes in enumerate(parts):
+        parts[i] = tuple(a for a in axes if a not in used)
+        used.update(parts[i])
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*map(sharding._entry, parts)))
+
+
+def cotangent_like(ct, primal):
+    """A transpose's cotangent `ct` typed as the undefined `primal` is, under Explicit axes.
+
+    `out_sharding` types a result from its operands, and a transpose's operands are not the
+    primal's: the input gradient takes its k's type from rhs, the weight gradient its k's from
+    lhs. JAX requires a cotangent of the primal's type, so a mismatch is resharded (a local
+    slice where the primal is split and the cotangent whole, else a gather).
+    """
+    want = _explicit_type(primal)
+    if want is None or jax.typeof(ct).sharding == want:
+        return ct
+    return jax.sharding.reshard(ct, want)
+
+
+def group_sizes_like(group_sizes, rhs):
+    """The group sizes typed with g split as `rhs`'s experts are, under Explicit axes.
+
+    ragged_outer's result takes its g's type from the group sizes: given the experts' split, the
+    weight gradient is computed expert-parallel (each device its own experts) rather than whole
+    on every device and sliced after. The partitioner gathers the sizes back (g int32).
+    """
+    want = _explicit_type(rhs)
+    if want is None:
+        return group_sizes
+    nb = group_sizes.ndim - 1
+    spec = tuple(jax.typeof(group_sizes).sharding.spec)
+    g_axes = sharding._axes(want.spec[nb] if nb < len(want.spec) else None)
+    batch = [tuple(a for a in sharding._axes(e) if a not in g_axes) for e in spec[:nb]]
+    parts = (*map(sharding._entry, batch), sharding._entry(g_axes))
+    target = want.update(spec=jax.sharding.PartitionSpec(*parts))
+    if jax.typeof(group_sizes).sharding == target:
+        return group_sizes
+    return jax.sharding.reshard(group_sizes, target)
+
+
+def _explicit_type(x):
+    """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
+    aval = x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
+    return aval.sharding if _explicit_mesh(aval) else None
+
+
+def _typed_over_explicit_axes(ctx) -> bool:
+    return any(_explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out))
+
+
+def _explicit_mesh(aval) -> bool:
+    sh = getattr(aval, "sharding", None)
+    return sh is not None and not sh.mesh.empty and sh.mesh._any_axis_explicit
+
+
+def _untyped_context(ctx):
+    """`ctx` with its avals untyped, for a lowering on one device of a mesh with Explicit axes.
+
+    There (axes of size 1) every aval still carries the mesh, and XLA's ragged dot asks for an
+    `out_sharding` it has no rule to infer, even for replicated operands (JAX 0.10); nothing is
+    partitioned, so the local function is traced on plain avals and outside the mesh.
+    """
+
+    def untyped(aval):
+        if not _explicit_mesh(aval):
+            return aval
+        return jax.core.ShapedArray(aval.shape, aval.dtype, aval.weak_type)
+
+    return ctx.replace(
+        avals_in=[untyped(a) for a in ctx.avals_in],
+        avals_out=[untyped(a) for a in ctx.avals_out],
+    )
+
+
+def _untyped(fn):
+    def outside_the_mesh(*operands):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return fn(*operands)
+
+    return outside_the_mesh
+
+
+def _partition_call(prim, name, fn, ctx, params):
+    if not sharding._is_sharded(ctx.module_context.axis_context):
+        return fn
+    roles = _Roles.of(name, ctx.avals_in, ctx.avals_out[0].shape, params)
+    # The body is the primitive itself, not `fn`: it is lowered only where every axis is manual,
+    # and there the primitive lowers to `fn` (tracing `fn` on the global avals would give XLA's
+    # ragged dot the avals' Explicit shardings, which it has no rule for).
+    wrapped = custom_partitioning(lambda *operands: prim.bind(*operands, **params))
+    wrapped.def_partition(
+        partition=lambda mesh, args, result: _partition(prim, roles, params, mesh, args, result),
+        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
+        sharding_rule=roles.sharding_rule(),
+    )
+    return wrapped
+
+
+# --- factors -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Roles:
+    """The factor of every dim of (lhs, rhs, group_sizes) and of the result, and their sizes."""
+
+    name: str
+    operands: tuple[tuple[str, ...], ...]
+    result: tuple[str, ...]
+    sizes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def of(cls, name, avals_in, out_shape, params) -> _Roles:
+        nb = len(avals_in[0].shape) - 2
+        b = tuple(f"b{i}" for i in range(nb))
+        if name == "ragged_dot":
+            w = ("g", "n", "k") if params["transpose_rhs"] else ("g", "k", "n")
+            operands = ((*b, "m", "k"), (*b, *w), (*b, "g"))
+            result = (*b, "m", "n")
+        else:
+            operands = ((*b, "m", "k"), (*b, "m", "n"), (*b, "g"))
+            result = (*b, "g", *(("n", "k") if params["transpose_out"] else ("k", "n")))
+        sizes = {}
+        shapes = (*(a.shape for a in avals_in), out_shape)
+        for dims, shape in zip((*operands, result), shapes, strict=True):
+            sizes.update(zip(dims, shape, strict=True))
+        return cls(name, operands, result, tuple(sorted(sizes.items())))
+
+    @property
+    def reductions(self) -> tuple[str, ...]:
+        return _REDUCTIONS[self.name]
+
+    def size(self, factor: str) -> int:
+        return dict(self.sizes)[factor]
+
+    def sharding_rule(self) -> SdyShardingRule:
+        return SdyShardingRule(
+            operand_mappings=tuple(ArrayMapping(*dims) for dims in self.operands),
+            result_mappings=(ArrayMapping(*self.result),),
+            reduction_factors=self.reductions,
+        )
+
+
+def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._Decision:
+    """The axes of every factor (module docstring): reductions first, from the operands; then
+    the result's dims, as requested or as the operands have them, and which reduction axes are
+    scattered onto them."""
+    mesh_shape = dict(mesh.shape)
+    operand_axes = [
+        sharding._spec_axes(s, len(dims))
+        for s, dims in zip(arg_shardings, roles.operands, strict=True)
+    ]
+
+    def from_operands(factor):
+        for dims, axes in zip(roles.operands, operand_axes, strict=True):
+            if factor in dims and axes[dims.index(factor)]:
+                return axes[dims.index(factor)]
+        return ()
+
+    local, used = {}, set()
+    for factor in roles.reductions:
+        wanted = [a for a in from_operands(factor) if a not in used]
+        got = sharding._even_prefix(wanted, roles.size(factor), mesh_shape)
+        used.update(got)
+        if got:
+            local[factor] = got
+    reduced = tuple(a for f in roles.reductions for a in local.get(f, ()))
+    scatter = {}
+    result_axes = sharding._spec_axes(result_sharding, len(roles.result))
+    for factor, wanted in zip(roles.result, result_axes, strict=True):
+        wanted = wanted or from_operands(factor)
+        got = sharding._even_prefix(
+            [a for a in wanted if a not in used], roles.size(factor), mesh_shape
+        )
+        used.update(got)
+        if got:
+            local[factor] = got
+        extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
+        onto = sharding._even_prefix([a for a in wanted if a in reduced], extent, mesh_shape)
+        if onto:
+            scatter[factor] = onto
+    scattered = {a for axes in scatter.values() for a in axes}
+    psum = tuple(a for a in reduced if a not in scattered)
+    return sharding._Decision(local=local, scatter=scatter, psum=psum)
+
+
+# --- callbacks ---------------------------------------------------------------------------------
+
+
+def _infer(roles: _Roles, mesh, arg_shapes):
+    """GSPMD: the result sharding implied by the operands'."""
+    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], None)
+    return NamedSharding(mesh, decision.spec(roles.result, final=True))
+
+
+def _partition(prim, roles: _Roles, params, mesh, arg_shapes, result_shape):
+    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding)
+    lhs_dims, rhs_dims, gs_dims = roles.operands
+    # The group sizes are whole along g on every device: the local sizes are cut from them.
+    gs_spec = decision.spec(gs_dims[:-1], final=False)
+    arg_shardings = (
+        NamedSharding(mesh, decision.spec(lhs_dims, final=False)),
+        NamedSharding(mesh, decision.spec(rhs_dims, final=False)),
+        NamedSharding(mesh, jax.sharding.PartitionSpec(*gs_spec, None)),
+    )
+    result_sharding = NamedSharding(mesh, decision.spec(roles.result, final=True))
+    mesh_shape = dict(mesh.shape)
+
+    def lower_fn(lhs, rhs, group_sizes):
+        return _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes)
+
+    return mesh, lower_fn, result_sharding, arg_shardings
+
+
+def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
+    """One device's bind: its rows and experts cut out of the global group sizes, the bind,
+    then the reductions (module docstring)."""
+    out_dtype = params["out_dtype"]
+    rows = lhs.shape[-2]
+    r0 = _block_index(decision.local.get("m", ()), mesh_shape) * rows
+    g_axes = decision.local.get("g", ())
+    g_local = roles.size("g") // math.prod(mesh_shape[a] for a in g_axes)
+    e0 = _block_index(g_axes, mesh_shape) * g_local
+    sizes, lead = _local_groups(group_sizes, r0, rows, e0 if g_axes else None, g_local)
+    # Partial sums over k or rows are added in the accumulator dtype and rounded once; a sum
+    # over experts adds zeros to each row's one result, exact in the output dtype.
+    partial = any(f in decision.local for f in roles.reductions if f != "g")
+    local_dtype = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype) if partial else out_dtype
+    local_params = dict(params, out_dtype=local_dtype)
+    if g_axes:
+        lhs = _roll_rows(lhs, -lead)
+        if roles.name == "ragged_outer":
+            rhs = _roll_rows(rhs, -lead)
+    out = prim.bind(lhs, rhs, sizes, **local_params)
+    if g_axes and roles.name == "ragged_dot":
+        out = _roll_rows(out, lead)
+    for factor, axes in decision.scatter.items():
+        out = lax.psum_scatter(
+            out, sharding._entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
+        )
+    if decision.psum:
+        out = lax.psum(out, sharding._entry(decision.psum))
+    return out.astype(out_dtype)
+
+
+def _block_index(axes, mesh_shape):
+    """This device's block index along a dim split over `axes` (major to minor), traced."""
+    index = 0
+    for axis in axes:
+        index = index * mesh_shape[axis] + lax.axis_index(axis)
+    return index
+
+
+def _local_groups(group_sizes, r0, rows, e0, g_local):
+    """The sizes of groups [e0, e0 + g_local) within rows [r0, r0 + rows), and `lead`, the
+    rows of that block before group e0 (the global sizes are [*b, g]; e0 None: every group)."""
+    ends = jnp.cumsum(group_sizes, axis=-1)
+    starts = ends - group_sizes
+    clip = lambda x: jnp.clip(x, r0, r0 + rows)
+    sizes = clip(ends) - clip(starts)
+    if e0 is None:
+        return sizes.astype(group_sizes.dtype), 0
+    sizes = lax.dynamic_slice_in_dim(sizes, e0, g_local, axis=-1)
+    lead = clip(lax.dynamic_index_in_dim(starts, e0, axis=-1, keepdims=False)) - r0
+    return sizes.astype(group_sizes.dtype), lead
+
+
+def _roll_rows(x, shift):
+    """x [*b, m, c] with each batch element's rows rotated by `shift` [*b] (jnp.roll's sense)."""
+    if x.ndim == 2:
+        return jnp.roll(x, shift, axis=0)
+    *batch, m, c = x.shape
+    rolled = jax.vmap(lambda y, s: jnp.roll(y, s, axis=0))(
+        x.reshape((-1, m, c)), jnp.broadcast_to(shift, tuple(batch)).reshape(-1)
+    )
+    return rolled.reshape(x.shape)

@@ -1,0 +1,446 @@
+"""Tests of the ragged primitives' partitioning (ragged_sharding.py) on the ("data", "model") mesh.
+
+Every case runs one jitted function on sharded operands, compares it with `lax.ragged_dot` (or the
+per-group outer product in jnp) on one device, and counts the collectives in the compiled HLO.
+Group sizes are random, with empty groups, and leave trailing rows in no group unless a case says
+otherwise. "data" carries tokens (rows), "model" experts (rhs and group sizes), k or n.
+
+The mesh, its platform and the collective counting are test_sharding.py's (imported first: it
+asks for the 8 host devices before JAX starts a backend); so are its variables
+(JAX_SM100_SHARDING_PLATFORM=gpu, JAX_SM100_SHARDING_MESH=DxM) and, when another module has
+started the backend with fewer devices, the fallback of running each class in a child process.
+"""
+
+from __future__ import annotations
+
+from tests import test_sharding as ts  # isort: split
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as PS
+
+import jax_sm100
+from jax_sm100._src import ragged
+from tests import test_util as tu
+
+counts, reduces, same_spec = ts.counts, ts.reduces, ts.same_spec
+M, K, N, G = 64, 32, 24, 8  # every dim divides over either axis and over both
+HIGHEST = lax.Precision.HIGHEST
+
+
+def groups(seed, total=None, *, g=G, m=M):
+    """Random sizes of g groups summing to `total` (default: fewer than m rows), one of them
+    empty."""
+    rng = np.random.default_rng(seed)
+    total = int(rng.integers(m // 2, m)) if total is None else total
+    sizes = np.diff(np.concatenate([[0], np.sort(rng.integers(0, total + 1, g - 1)), [total]]))
+    empty = int(rng.integers(0, g))
+    sizes[(empty + 1) % g] += sizes[empty]
+    sizes[empty] = 0
+    return jnp.asarray(sizes.astype(np.int32))
+
+
+def operands(seed, dtype="float32", batch=()):
+    rng = np.random.default_rng(seed)
+    return tu.rand(rng, (*batch, M, K), dtype), tu.rand(rng, (*batch, G, K, N), dtype)
+
+
+def reference_dot(lhs, rhs, group_sizes):
+    """lax.ragged_dot in float32 at full precision (vmapped over leading batch dims)."""
+    f = lambda a, b, s: lax.ragged_dot(
+        a.astype(jnp.float32), b.astype(jnp.float32), s, precision=HIGHEST
+    )
+    for _ in range(lhs.ndim - 2):
+        f = jax.vmap(f)
+    return f(lhs, rhs, group_sizes)
+
+
+def reference_outer(lhs, rhs, group_sizes):
+    """out[i] = lhs[rows of group i]^T @ rhs[rows of group i], in float32."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(lhs.shape[0])[:, None]
+    member = ((rows >= ends - group_sizes) & (rows < ends)).astype(jnp.float32)
+    return jnp.einsum("mk,mn,mg->gkn", lhs, rhs, member, precision=HIGHEST)
+
+
+def sin_loss(f):
+    return lambda lhs, rhs, group_sizes: jnp.sum(jnp.sin(f(lhs, rhs, group_sizes)))
+
+
+def grads(f):
+    return jax.grad(sin_loss(f), argnums=(0, 1))
+
+
+class RaggedCase(ts.ShardedTestCase):
+    def check(self, f, args, specs, want_counts, *, reference, out_spec=None, grad=False):
+        """f on sharded args equals `reference` on one device; its collectives. Returns the
+        results and the compiled HLO text."""
+        sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
+        out_shardings = None if out_spec is None else jax.NamedSharding(self.mesh, out_spec)
+        jitted = jax.jit(f, out_shardings=out_shardings)
+        hlo = jitted.lower(*sharded).compile().as_text()
+        got = jitted(*sharded)
+        want = jax.jit(reference)(*[jax.device_put(x, self.devices[0]) for x in args])
+        rtol = ts.rtol_for(args, grad=grad)
+        dtype = np.dtype(args[0].dtype).name
+        if dtype != "float32":  # a result rounded to 16 bits, the reference in float32
+            rtol = max(rtol, tu.RTOL[dtype])
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            w = np.asarray(w, np.float64)
+            scale = max(float(np.max(np.abs(w))), 1e-6)
+            np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=rtol * scale, rtol=0)
+        self.assertEqual(ts.collectives(hlo), want_counts)
+        return got, hlo
+
+
+# --- forward -----------------------------------------------------------------------------------
+
+
+@ts._delegated
+class ForwardTest(RaggedCase):
+    """ragged_dot's rules, one by one, under Explicit axes."""
+
+    @parameterized.product(dtype=("float32", "bfloat16"), full=(False, True))
+    def test_rows_are_local(self, dtype, full):
+        lhs, rhs = operands(0, dtype)
+        sizes = groups(1, M if full else None)
+        specs = (PS("data"), PS(), PS())
+        got, _ = self.check(
+            jax_sm100.ragged_dot, (lhs, rhs, sizes), specs, counts(), reference=reference_dot
+        )
+        self.assertEqual(same_spec(got.sharding.spec), ("data",))
+
+    def test_rows_over_both_axes_are_local(self):
+        # Eight row blocks of 8 rows: most groups span blocks, some blocks hold no group.
+        lhs, rhs = operands(2)
+        specs = (PS(("data", "model")), PS(), PS())
+        self.check(
+            jax_sm100.ragged_dot, (lhs, rhs, groups(3)), specs, counts(), reference=reference_dot
+        )
+
+    @parameterized.product(dtype=("float32", "bfloat16"), full=(False, True))
+    def test_experts_reduce_once(self, dtype, full):
+        lhs, rhs = operands(4, dtype)
+        sizes = groups(5, M if full else None)
+        specs = (PS(), PS("model"), PS())
+        want = counts(all_reduce=reduces("model"))
+        self.check(jax_sm100.ragged_dot, (lhs, rhs, sizes), specs, want, reference=reference_dot)
+
+    def test_experts_with_their_group_sizes_split(self):
+        # The group sizes are gathered (g int32): every device needs the rows before its experts.
+        lhs, rhs = operands(6)
+        specs = (PS(), PS("model"), PS("model"))
+        want = counts(all_reduce=reduces("model"), all_gather=reduces("model"))
+        self.check(
+            jax_sm100.ragged_dot, (lhs, rhs, groups(7)), specs, want, reference=reference_dot
+        )
+
+    @parameterized.named_parameters(
+        ("random", None),
+        ("one_expert_takes_all", [0, 0, 0, 0, 0, M, 0, 0]),
+        ("last_experts_empty", [10, 20, 0, 30, 4, 0, 0, 0]),
+        ("first_experts_empty", [0, 0, 0, 0, 0, 0, 33, 31]),
+        ("no_rows", [0] * G),
+    )
+    def test_rows_and_experts(self, sizes):
+        # Each device: its row block and its experts; `lead` rows skipped (or none, or all).
+        lhs, rhs = operands(8)
+        sizes = groups(9) if sizes is None else jnp.asarray(sizes, jnp.int32)
+        specs = (PS("data"), PS("model"), PS())
+        got, _ = self.check(
+            jax_sm100.ragged_dot,
+            (lhs, rhs, sizes),
+            specs,
+            counts(all_reduce=reduces("model")),
+            reference=reference_dot,
+        )
+        self.assertEqual(same_spec(got.sharding.spec), ("data",))
+
+    @parameterized.parameters("float32", "bfloat16")
+    def test_k_partial_sums_reduce_once(self, dtype):
+        lhs, rhs = operands(10, dtype)
+        specs = (PS(None, "model"), PS(None, "model"), PS())
+        self.check(
+            jax_sm100.ragged_dot,
+            (lhs, rhs, groups(11)),
+            specs,
+            counts(all_reduce=reduces("model")),
+            reference=reference_dot,
+        )
+
+    def test_n_is_local(self):
+        lhs, rhs = operands(12)
+        specs = (PS("data"), PS(None, None, "model"), PS())
+        got, _ = self.check(
+            jax_sm100.ragged_dot, (lhs, rhs, groups(13)), specs, counts(), reference=reference_dot
+        )
+        self.assertEqual(same_spec(got.sharding.spec), ("data", "model"))
+
+    def test_batch_under_vmap(self):
+        # vmap puts the mapped dim first, in every operand: it is kept where it is sharded.
+        lhs, rhs = operands(14, batch=(2,))
+        sizes = jnp.stack([groups(15), groups(16, M)])
+        specs = (PS("data"), PS("data", "model"), PS("data"))
+        got, _ = self.check(
+            jax.vmap(jax_sm100.ragged_dot),
+            (lhs, rhs, sizes),
+            specs,
+            counts(all_reduce=reduces("model")),
+            reference=reference_dot,
+        )
+        self.assertEqual(same_spec(got.sharding.spec), ("data",))
+
+    def test_experts_transposed(self):
+        # ragged_dot_p with rhs [g, n, k] (what the input gradient binds).
+        lhs, rhs = operands(17)
+        rhs_t = jnp.swapaxes(rhs, -1, -2)
+        f = lambda a, b, s: ragged.ragged_dot_p.bind(
+            a, b, s, transpose_rhs=True, out_dtype=np.dtype("float32")
+        )
+        specs = (PS("data"), PS("model"), PS())
+        ref = lambda a, b, s: reference_dot(a, jnp.swapaxes(b, -1, -2), s)
+        self.check(
+            f, (lhs, rhs_t, groups(18)), specs, counts(all_reduce=reduces("model")), reference=ref
+        )
+
+
+@ts._delegated
+class OuterTest(RaggedCase):
+    """ragged_outer_p, the weight gradient's product, bound directly."""
+
+    @staticmethod
+    def outer(transpose_out=False):
+        def f(lhs, rhs, group_sizes):
+            return ragged.ragged_outer_p.bind(
+                lhs, rhs, group_sizes, out_dtype=np.dtype("float32"), transpose_out=transpose_out
+            )
+
+        return f
+
+    def args(self, seed):
+        rng = np.random.default_rng(seed)
+        return tu.rand(rng, (M, K), "float32"), tu.rand(rng, (M, N), "float32"), groups(seed)
+
+    @parameterized.parameters(False, True)
+    def test_rows_reduce_once(self, transpose_out):
+        ref = reference_outer
+        if transpose_out:
+            ref = lambda a, b, s: jnp.swapaxes(reference_outer(a, b, s), -1, -2)
+        self.check(
+            self.outer(transpose_out),
+            self.args(20),
+            (PS("data"), PS("data"), PS()),
+            counts(all_reduce=reduces("data")),
+            reference=ref,
+        )
+
+    def test_experts_split_on_the_result(self):
+        # The result's g takes the group sizes' split; each device its own groups, no reduction
+        # (the sizes themselves are gathered).
+        got, _ = self.check(
+            self.outer(),
+            self.args(21),
+            (PS(), PS(), PS("model")),
+            counts(all_gather=reduces("model")),
+            reference=reference_outer,
+        )
+        self.assertEqual(same_spec(got.sharding.spec), ("model",))
+
+    def test_rows_and_experts_and_n(self):
+        args = self.args(22)
+        specs = (PS("data"), PS("data", None), PS("model"))
+        self.check(
+            self.outer(),
+            args,
+            specs,
+            counts(all_reduce=reduces("data"), all_gather=reduces("model")),
+            reference=reference_outer,
+        )
+
+
+# --- gradients ---------------------------------------------------------------------------------
+
+
+@ts._delegated
+class GradTest(RaggedCase):
+    """jax.grad through the sharded jit: the input gradient is a ragged_dot, the weight gradient
+    a ragged_outer; each gradient comes typed as its primal."""
+
+    def check_grads(self, specs, want, seed, sizes=None):
+        lhs, rhs = operands(seed)
+        sizes = groups(seed + 1) if sizes is None else sizes
+        got, hlo = self.check(
+            grads(jax_sm100.ragged_dot),
+            (lhs, rhs, sizes),
+            specs,
+            want,
+            reference=grads(reference_dot),
+            grad=True,
+        )
+        for g, spec in zip(got, specs[:2], strict=True):
+            self.assertEqual(same_spec(g.sharding.spec), same_spec(spec))
+        return hlo
+
+    def test_rows(self):
+        # The weight gradient's sum over rows is the only reduction.
+        self.check_grads((PS("data"), PS(), PS()), counts(all_reduce=reduces("data")), 30)
+
+    def test_experts(self):
+        # Forward and input gradient each reduce over the experts; the weight gradient is split
+        # like the experts and needs none (its group sizes are gathered).
+        want = counts(all_reduce=reduces("model", "model"), all_gather=reduces("model"))
+        self.check_grads((PS(), PS("model"), PS()), want, 32)
+
+    def test_rows_and_experts(self):
+        want = counts(all_reduce=reduces("model", "model", "data"), all_gather=reduces("model"))
+        hlo = self.check_grads((PS("data"), PS("model"), PS()), want, 34)
+        if ts.axis_size("model") < 2:
+            return  # one device holds every expert
+        # The weight gradient is reduced over rows on each device's experts only.
+        whole = f"f32[{G},{K},{N}]"
+        reduced = [line for line in hlo.splitlines() if re.search(r"\sall-reduce(-start)?\(", line)]
+        self.assertFalse([line for line in reduced if whole in line], reduced)
+
+    def test_k(self):
+        # Only the forward reduces: both gradients keep k split.
+        self.check_grads(
+            (PS(None, "model"), PS(None, "model"), PS()), counts(all_reduce=reduces("model")), 36
+        )
+
+    def test_n(self):
+        want = counts(all_reduce=reduces("model", "data"))
+        self.check_grads((PS("data"), PS(None, None, "model"), PS()), want, 38)
+
+    def test_k_split_in_lhs_only(self):
+        # The weight gradient comes out split along k as lhs is; rhs is whole: it is gathered to
+        # rhs's type.
+        want = counts(all_reduce=reduces("model"), all_gather=reduces("model"))
+        self.check_grads((PS(None, "model"), PS(), PS()), want, 40)
+
+
+# --- the other partitioners and meshes ---------------------------------------------------------
+
+
+@ts._delegated
+class AutoAxesTest(RaggedCase):
+    """The same rules under Auto mesh axes, with Shardy and with GSPMD propagation."""
+
+    axis_types = AxisType.Auto
+
+    @parameterized.named_parameters(("shardy", True), ("gspmd", False))
+    def test_rows_and_experts_and_grads(self, shardy):
+        lhs, rhs = operands(50)
+        args, specs = (lhs, rhs, groups(51)), (PS("data"), PS("model"), PS())
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            self.check(
+                jax_sm100.ragged_dot,
+                args,
+                specs,
+                counts(all_reduce=reduces("model")),
+                reference=reference_dot,
+            )
+            # Under Auto axes nothing asks for the weight gradient split over experts: it is
+            # computed whole on each device, and no group sizes are gathered.
+            want = counts(all_reduce=reduces("model", "model", "data"))
+            self.check(
+                grads(jax_sm100.ragged_dot),
+                args,
+                specs,
+                want,
+                reference=grads(reference_dot),
+                grad=True,
+            )
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+
+    def test_experts_reduce_scatter_onto_rows(self):
+        self.require("model")
+        lhs, rhs = operands(52)
+        self.check(
+            jax_sm100.ragged_dot,
+            (lhs, rhs, groups(53)),
+            (PS(), PS("model"), PS()),
+            counts(reduce_scatter=1),
+            out_spec=PS("model"),
+            reference=reference_dot,
+        )
+
+    def test_uneven_experts_are_gathered(self):
+        # Six experts do not divide over "model": they are gathered, not split unevenly.
+        self.require("model")
+        rng = np.random.default_rng(54)
+        lhs, rhs = tu.rand(rng, (M, K), "float32"), tu.rand(rng, (6, K, N), "float32")
+        sizes = groups(55, g=6)
+
+        def f(lhs, rhs, sizes):
+            rhs = jax.lax.with_sharding_constraint(rhs, jax.NamedSharding(self.mesh, PS("model")))
+            return jax_sm100.ragged_dot(lhs, rhs, sizes)
+
+        sharded = [self.put(x, PS()) for x in (lhs, rhs, sizes)]
+        got = jax.jit(f)(*sharded)
+        tu.assert_close(self, got, reference_dot(lhs, rhs, sizes), "float32", K)
+
+
+@ts._delegated
+class ShardMapTest(RaggedCase):
+    axis_types = AxisType.Explicit
+
+    def test_inside_shard_map_the_product_is_local(self):
+        # Every axis is manual inside: the primitive lowers to the local function, no partitioner
+        # and no collective. Each device's rows, with the group sizes cut for its block.
+        lhs, rhs = operands(60)
+        shards = ts.axis_size("data") * ts.axis_size("model")
+        sizes = jnp.tile(groups(61, M // shards), (shards, 1))  # [shards, g]: each block's
+
+        def local(a, b, s):
+            return jax_sm100.ragged_dot(a, b, s[0])
+
+        f = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(PS(ts.AXES), PS(), PS(ts.AXES)),
+            out_specs=PS(ts.AXES),
+        )
+
+        def reference(a, b, s):
+            blocks = [reference_dot(x, b, y) for x, y in zip(jnp.split(a, shards), s, strict=True)]
+            return jnp.concatenate(blocks)
+
+        self.check(
+            f, (lhs, rhs, sizes), (PS(ts.AXES), PS(), PS(ts.AXES)), counts(), reference=reference
+        )
+
+
+class OneDeviceMeshTest(absltest.TestCase):
+    def test_explicit_mesh_of_one_device(self):
+        # Operands typed over size-1 axes: nothing is partitioned, the types are kept.
+        mesh = jax.make_mesh(
+            (1, 1), ts.AXES, axis_types=(AxisType.Explicit,) * 2, devices=ts.platform_devices()[:1]
+        )
+        lhs, rhs = operands(70)
+        sizes = groups(71)
+        want = jax.jit(reference_dot)(lhs, rhs, sizes)
+        want_g = jax.jit(grads(reference_dot))(lhs, rhs, sizes)
+        with jax.sharding.set_mesh(mesh):
+            specs = (PS("data", "model"), PS("model"), PS())
+            args = [
+                jax.device_put(x, jax.NamedSharding(mesh, s))
+                for x, s in zip((lhs, rhs, sizes), specs, strict=True)
+            ]
+            got = jax.jit(jax_sm100.ragged_dot)(*args)
+            got_g = jax.jit(grads(jax_sm100.ragged_dot))(*args)
+        tu.assert_close(self, got, want, "float32", K)
+        for g, w in zip(got_g, want_g, strict=True):
+            tu.assert_close(self, g, w, "float32", M)
+
+
+if __name__ == "__main__":
+    absltest.main()
