@@ -17,6 +17,20 @@ pure-Python paths here, as they will there. To fit beside the DSL archive in a c
 comments are dropped and docstrings blanked, with line numbers kept (tracebacks point right);
 `help()` and `nnx.view_info` find no text in this bundle.
 
+One line of Flax is rewritten: flax/nnx/variablelib.py's `from jax.experimental import hijax as
+hjx` becomes `from flax.nnx import _bundle_hijax as hjx`, a module added to the bundle
+(`HIJAX_SHIM`). JAX's hijax API is experimental and moves under Flax: no Flax release, nor Flax's
+git main (its newest is of 2026-07-02), matches JAX main of 2026-08 (which dropped `AvalQDD`,
+`AvalMutableQDD` and `MutableHiType`) or JAX 0.11.2, whose `jax.experimental.hijax` has no
+`HiPrimitive` (`AttributeError` at flax/nnx/variablelib.py:326 on the GPU machine). Flax uses
+these names only to define its hijax Variables, off unless `flax_hijax_variable` or
+`nnx.var_defaults(hijax=True)` turns them on (the example does not). The module passes on each
+name the running JAX has, so under a JAX that has them all nothing changes; for each it lacks it
+gives a stand-in that lets the class definitions and registrations at import go through, and
+fails, naming the absent name, when a hijax Variable is used. Older Flax releases are no way out:
+flax 0.12.0 to 0.12.6 call `jax.core.get_opaque_trace_state` (gone in JAX 0.11.0) for every
+nnx object.
+
 On the GPU machine, from the repository root with `.devwheels` carried:
 
     mkdir -p /tmp/flaxpkgs && tar xJf .devwheels/flaxpkgs.tar.xz -C /tmp/flaxpkgs
@@ -51,6 +65,62 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ["examples/flax_finetune.py", "--small"]
 CARRY_LIMIT = 64 * 2**20  # bytes a device call carries: working tree and carried paths together
 SITE_DIRS = sorted({Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")})
+
+
+HIJAX_LINE = "from jax.experimental import hijax as hjx"
+HIJAX_PATCHED = "from flax.nnx import _bundle_hijax as hjx"
+HIJAX_SHIM = '''"""jax.experimental.hijax for this bundle's flax/nnx/variablelib.py
+(benchmarks/pack_flax_bundle.py rewrote its import): JAX's own names where the running JAX has
+them, else stand-ins. `ABSENT` lists the names this JAX lacks."""
+
+import jax.experimental.hijax as _hijax
+
+USED = {used!r}  # the hjx names flax/nnx/variablelib.py uses
+ABSENT = sorted(n for n in USED if not hasattr(_hijax, n))
+
+
+class _AbsentMeta(type):
+    def __getattr__(cls, attr):  # e.g. control_flow_allowed_effects.add_type(...) at import
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return cls
+
+
+class _Absent(metaclass=_AbsentMeta):
+    """A name this JAX's hijax lacks: can be subclassed, called and decorated with at import;
+    an instance's attributes raise."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, attr):
+        raise NotImplementedError(
+            "flax's hijax Variables need jax.experimental.hijax."
+            f"{{type(self).__mro__[-3].__name__}}, which JAX {{__import__('jax').__version__}} "
+            "lacks (this bundle's Flax is meant for it with hijax Variables off; absent: "
+            f"{{', '.join(ABSENT)}})"
+        )
+
+
+def __getattr__(name):
+    return getattr(_hijax, name)
+
+
+for _n in USED:
+    _stand_in = _AbsentMeta(_n, (_Absent,), {{}})
+    globals()[_n] = getattr(_hijax, _n) if hasattr(_hijax, _n) else _stand_in
+'''
+
+
+def patch_hijax(rel: str, source: str) -> str:
+    """flax/nnx/variablelib.py with its hijax import rewritten, line for line (module docstring)."""
+    if rel != "flax/nnx/variablelib.py":
+        return source
+    if source.count(HIJAX_LINE + "\n") != 1:
+        raise SystemExit(
+            f"{rel}: expected one line `{HIJAX_LINE}`; the hijax shim needs revisiting"
+        )
+    return source.replace(HIJAX_LINE + "\n", HIJAX_PATCHED + "\n")
 
 
 def canonical(dist: str) -> str:
@@ -233,11 +303,19 @@ def main():
     with tarfile.open(args.out, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
         for path in sorted({f.resolve() for f in packed.values()}):
             source = path.read_text(encoding="utf-8")
-            data = shrink(source).encode()
+            rel = str(path.relative_to(site_dir(path)))
+            data = shrink(patch_hijax(rel, source)).encode()
             raw, small = raw + len(source.encode()), small + len(data)
-            info = tarfile.TarInfo(str(path.relative_to(site_dir(path))))
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
+            files = [(rel, data)]
+            if rel == "flax/nnx/variablelib.py":
+                used = sorted(set(re.findall(r"\bhjx\.(\w+)", source)))
+                shim = HIJAX_SHIM.format(used=tuple(used)).encode()
+                files.append(("flax/nnx/_bundle_hijax.py", shim))
+                raw, small = raw + len(shim), small + len(shim)
+            for name, content in files:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(content), 0o644
+                tar.addfile(info, io.BytesIO(content))
     per_package = collections.Counter(n.partition(".")[0] for n in packed)
     print("packed modules:", ", ".join(f"{p} {n}" for p, n in sorted(per_package.items())))
     size = args.out.stat().st_size
