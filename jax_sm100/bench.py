@@ -45,6 +45,8 @@ Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|d
          --train: a training step instead (jax_sm100/bench_train.py: value_and_grad of an MLP
          block and a transformer block beside jnp.dot, and the backward products alone)
          --ragged: grouped GEMMs beside lax.ragged_dot (jax_sm100/bench_ragged.py)
+         --scaled: block-scaled fp8 GEMMs beside jax.nn.scaled_matmul and unscaled fp8
+         (jax_sm100/bench_scaled.py)
 """
 
 from __future__ import annotations
@@ -596,6 +598,10 @@ def main(argv=None) -> int:
         from jax_sm100 import bench_ragged  # noqa: PLC0415
 
         return bench_ragged.main([a for a in argv if a != "--ragged"])
+    if "--scaled" in argv:
+        from jax_sm100 import bench_scaled  # noqa: PLC0415
+
+        return bench_scaled.main([a for a in argv if a != "--scaled"])
     ap = argparse.ArgumentParser(
         prog="python -m jax_sm100.bench",
         description=__doc__,

@@ -234,5 +234,19 @@ class RaggedBenchTest(absltest.TestCase):
         self.assertIn("ours fwd", text)
 
 
+class ScaledBenchTest(absltest.TestCase):
+    def test_small_problems_print_a_row_each(self):
+        # `python -m jax_sm100.bench --scaled --small`: one row, ours' path and the ratios per
+        # problem (jax.nn.scaled_matmul has no CPU lowering: left out on CPU).
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(bench.main(["--scaled", "--small"]), 0)
+        text = out.getvalue()
+        self.assertEqual(text.count("    ours: "), 2, text)
+        self.assertIn("/cublas fp8", text)
+        self.assertIn("256x256x512", text)
+        self.assertNotIn("! ", text)
+
+
 if __name__ == "__main__":
     absltest.main()

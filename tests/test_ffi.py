@@ -231,6 +231,11 @@ _CASES = [
      lambda: (lambda a, b: _bind(a, b, transpose_b=True, out_dtype=np.dtype(jnp.float32)),
               (_s(256, 128, dtype=jnp.float8_e4m3fn), _s(512, 128, dtype=jnp.float8_e4m3fn)))),
     ("sm90_grad", "sm_90a", lambda: _grad_case(256, 512, 128)),
+    # Block-scaled: two float32 scale tensors, transposed, rows padded to 16 bytes (202 -> 204).
+    ("sm90_scaled", "sm_90a",
+     lambda: (lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16),
+              (_s(2, 202, 256, dtype=jnp.float8_e4m3fn), _s(2, 136, 256, dtype=jnp.float8_e4m3fn),
+               _s(2, 202, 2, dtype=jnp.float32), _s(2, 136, 2, dtype=jnp.float32)))),
     ("sm90_split_in_cluster", "sm_90a",
      lambda: _matmul_case(100, 520, 2048, plan=_sm90_plan_edit(
          100, 520, 2048, lambda t, p: t.with_split(t.sm90_variant(p, tile_mn=(64, 128)), 4,

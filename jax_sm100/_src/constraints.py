@@ -299,6 +299,57 @@ def extent_support(m: int, n: int, k: int, batch: int = 1) -> str | None:
     return None
 
 
+# Block-scaled problems (scaled_matmul): the bits of each scale-factor dtype the API takes, and
+# what the kernels read: float32 scales per 128 of k (DeepSeek-V3's recipe) on sm_90a, where a
+# 128-byte fp8 k-tile is one scale block (kernels/sm90_scaled.py).
+SCALE_DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float8_e8m0fnu": 8, "float8_e4m3fn": 8}
+KERNEL_SCALE_DTYPES = {"sm_90a": ("float32",)}
+KERNEL_SCALE_BLOCK = 128
+
+
+def scaled_support(arch, k, a_dtype, b_dtype, scale_dtype, scale_block) -> str | None:
+    """Why no kernel runs a block-scaled problem (beyond `kernel_support`'s reasons), or None."""
+    if arch not in KERNEL_SCALE_DTYPES:
+        return f"XLA ops: no {arch} block-scaled kernel yet (issue 19)"
+    if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES:
+        return f"XLA ops: the {arch} block-scaled kernel takes fp8 data, not {a_dtype} x {b_dtype}"
+    if scale_dtype not in KERNEL_SCALE_DTYPES[arch] or scale_block != KERNEL_SCALE_BLOCK:
+        return (
+            f"XLA ops: the {arch} block-scaled kernel reads {KERNEL_SCALE_DTYPES[arch]} scales "
+            f"per {KERNEL_SCALE_BLOCK} of k, not {scale_dtype} per {scale_block}"
+        )
+    if k % KERNEL_SCALE_BLOCK:
+        return f"XLA ops: k={k} is not a multiple of the {KERNEL_SCALE_BLOCK}-element scale block"
+    return None
+
+
+def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile_m, pingpong,
+                 split_k, stream_k, stage_c) -> None:  # fmt: skip
+    """A block-scaled problem (scale_dtype set) runs on the block-scaled kernel or XLA, nothing
+    else does; that kernel's schedule is cooperative 128-row tiles (two consumer warp groups of
+    64 rows, each holding its main and its k-block accumulators), data-parallel, on sm_90a."""
+    if (scale_dtype is None) != (scale_block == 0) or (
+        scale_dtype is not None and (scale_dtype not in SCALE_DTYPE_BITS or scale_block < 1)
+    ):
+        raise PlanError(
+            f"{scale_dtype=}, {scale_block=}: a block-scaled problem has a scale dtype of "
+            f"{tuple(SCALE_DTYPE_BITS)} and a block >= 1; an unscaled one None and 0"
+        )
+    if kernel_scaled and scale_dtype is None:
+        raise PlanError("the block-scaled kernel runs block-scaled problems (set scale_dtype)")
+    if scale_dtype is not None and not (kernel_scaled or kernel_xla):
+        raise PlanError(
+            f"a block-scaled problem ({scale_dtype} scales per {scale_block}) runs on the "
+            "block-scaled kernel or on XLA, not on an unscaled kernel"
+        )
+    if kernel_scaled and (arch != "sm_90a" or tile_m != 128 or pingpong or split_k > 1
+                          or stream_k or stage_c):  # fmt: skip
+        raise PlanError(
+            f"the block-scaled kernel is sm_90a, cooperative with 128-row tiles, data-parallel: "
+            f"got {arch=}, {tile_m=}, {pingpong=}, {split_k=}, {stream_k=}, {stage_c=}"
+        )
+
+
 def kernel_support(
     arch: str,
     m: int,

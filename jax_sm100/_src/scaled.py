@@ -9,10 +9,12 @@ from its scales):
     out = einsum("bmk,bnk->bmn", lhs * repeat(lhs_scales, block_a), rhs * repeat(rhs_scales,
                  block_b))
 
-accumulated in float32 and rounded once to `preferred_element_type`. Every platform computes
-that math in XLA ops for now (the scaled kernels, per-128 float32 scales in the SM90 main loop
-and tcgen05 block-scaled MMAs on SM100, are issue 19's open work); a CUDA lowering records
-that in `jax_sm100.lowerings()`. `jax.nn.scaled_matmul` itself has no CPU lowering in JAX 0.10.
+accumulated in float32 and rounded once to `preferred_element_type`. On an sm_90a device (or
+target) fp8 data with float32 scales per 128 of k runs on the block-scaled wgmma kernel
+(scaled_gpu.py, kernels/sm90_scaled.py); everything else, every other platform included,
+computes that math in XLA ops (`reference`; tcgen05 block-scaled MMAs on SM100 are issue 19's
+open work). Each CUDA lowering records which it took in `jax_sm100.lowerings()`.
+`jax.nn.scaled_matmul` itself has no CPU lowering in JAX 0.10.
 
 `quantize(x, recipe)` makes data and scales in exactly the layouts `scaled_matmul` reads, for
 three recipes (`RECIPES`): float8_e4m3fn with float32 scales per 128 along k (DeepSeek-V3's),
@@ -35,7 +37,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-from jax_sm100._src import dispatch, scale_layout
+from jax_sm100._src import scale_layout
 
 scaled_matmul_p = jex_core.Primitive("jax_sm100_scaled_matmul")
 
@@ -177,10 +179,9 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
 
 
 def _cuda(*args, **params):
-    dispatch.record(
-        dispatch.Lowered(None, "scaled_matmul: XLA ops (no block-scaled kernel yet, issue 19)")
-    )
-    return reference(*args, **params)
+    from jax_sm100._src import scaled_gpu  # noqa: PLC0415
+
+    return scaled_gpu.cuda_scaled_matmul(*args, **params)
 
 
 scaled_matmul_p.def_abstract_eval(_abstract)

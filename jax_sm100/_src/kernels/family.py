@@ -29,6 +29,7 @@ from jax_sm100._src.kernels.spec import KernelSpec
 FAMILIES = {
     "sm90_wgmma": "sm90_gemm:Sm90GemmKernel",
     "sm90_wgmma_splitk": "sm90_gemm:Sm90GemmKernel",
+    "sm90_wgmma_scaled": "sm90_scaled:Sm90ScaledGemmKernel",
     "sm100_tcgen05": "sm100_gemm:Sm100GemmKernel",
 }
 

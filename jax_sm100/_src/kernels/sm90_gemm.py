@@ -265,6 +265,12 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         flags: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
+        self._launch(a, b, d, c, bias, z, ws, flags, stream, None)
+
+    @cute.jit
+    def _launch(self, a, b, d, c, bias, z, ws, flags, stream, stage_extra):
+        """`__call__`'s host work. `stage_extra`: the tensors a subclass loads into every A/B
+        stage beside the A and B tiles (None here; `_stage_extra_host` and the hooks below)."""
         self._setup()
         tm, tn, tk = self.tile_mnk
 
@@ -335,6 +341,8 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             fields["sc"] = cute.struct.Align[
                 cute.struct.MemRange[c.element_type, cute.cosize(c_staged)], _SMEM_ALIGN
             ]
+        extra, extra_fields = self._stage_extra_host(stage_extra)
+        fields.update(extra_fields)
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         self.kernel(
             tma_a,
@@ -360,6 +368,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             self.b_smem_staged,
             self.d_smem_staged,
             sched,
+            extra,
         ).launch(  # fmt: skip
             grid=grid,
             block=[self.threads, 1, 1],
@@ -396,6 +405,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         b_smem_staged: cute.ComposedLayout,
         d_smem_staged: cute.ComposedLayout,
         sched_params: utils.PersistentTileSchedulerParams,
+        extra_params,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -425,6 +435,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         stage_bytes = cute.size_in_bytes(
             self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))
         ) + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        stage_bytes += self._stage_extra_bytes()
         # Every consumer warp of every CTA that reads a multicast stage releases it (in ping-pong
         # only the warp group whose tile the stage belongs to reads it).
         releasers = (self.a_mcast + self.b_mcast - 1) * self.mma_wgs * 4
@@ -474,6 +485,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
 
         sA = storage.sa.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
         sB = storage.sb.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        extra = self._stage_extra_smem(storage, extra_params)
         if cutlass.const_expr(self.split > 1):
             sD = storage.sd.get_tensor(
                 cute.make_layout((tm, tn), stride=(tn + constraints.SPLITK_ROW_PAD, 1))
@@ -523,16 +535,17 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                                      tBgB, tBsB, b_mask, k_tiles)  # fmt: skip
                 else:
                     self._produce(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB,
-                                  tBsB, b_mask, k_tiles)  # fmt: skip
+                                  tBsB, b_mask, k_tiles, extra)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume(ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC,
                           mBias, k_tiles, wg - 1, warp, tidx - _THREADS_PER_WG, red_bars,
-                          rank, mWs, mFlags, (gZ, sZ, tma_z, mZ), (c_pipe, sC))  # fmt: skip
+                          rank, mWs, mFlags, (gZ, sZ, tma_z, mZ), (c_pipe, sC),
+                          extra)  # fmt: skip
 
     @cute.jit
     def _produce(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
-                 b_mask, k_tiles):  # fmt: skip
+                 b_mask, k_tiles, extra=None):  # fmt: skip
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
         )
@@ -554,6 +567,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                           tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
                 cute.copy(tma_b, b_k[(None, state.count)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mask)  # fmt: skip
+                self._produce_stage_extra(extra, tile, state, barrier)
                 ab_pipe.producer_commit(state)
                 state.advance()
             sched.advance_to_next_work()
@@ -563,7 +577,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
     @cute.jit
     def _consume(self, ab_pipe, sched_params, tiled_mma, sA, sB, sD, gD, tma_d, mD, mC, mBias,
                  k_tiles, consumer_wg, warp, ctidx, red_bars, rank, mWs, mFlags,
-                 zout, cstage):  # fmt: skip
+                 zout, cstage, extra=None):  # fmt: skip
         tm, tn, _ = self.tile_mnk
         # Thread index within this tile's epilogue group, and the group's first warp.
         etidx = ctidx
@@ -675,7 +689,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                 if cutlass.const_expr(self.pingpong):
                     my_turn.arrive_and_wait()
                 read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                               k_tiles, read, release)  # fmt: skip
+                                               k_tiles, read, release, extra)  # fmt: skip
                 if cutlass.const_expr(self.pingpong):
                     # Every stage of this tile has landed: the other group's tile is next in the
                     # ring. Hand it the turn (if it has a tile) and skip its stages.
@@ -704,10 +718,12 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             store_pipe.producer_tail()
 
     @cute.jit
-    def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release):
+    def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
+                  extra=None):  # fmt: skip
         """`n_k` k-tiles of wgmma into zeroed accumulators, one batch kept in flight and each
         stage released once its batch retired; the last batch is left in flight (the caller
-        waits for it and releases its stage). Returns the advanced (read, release) states."""
+        waits for it and releases its stage). Returns the advanced (read, release) states.
+        (`extra`: `_stage_extra_smem`'s, for a subclass's main loop.)"""
         acc.fill(0.0)
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.fence()
@@ -723,6 +739,26 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                 ab_pipe.consumer_release(release)
                 release.advance()
         return read, release
+
+    # ---------------------------------------------------------------- stage extras
+    # What a subclass loads into every A/B stage beside the tiles, under the stage's barrier
+    # (sm90_scaled.py: the k-block's scale factors). Nothing here: each hook adds no code.
+
+    def _stage_extra_host(self, stage_extra):
+        """(kernel argument, shared-memory fields) for `_launch`'s `stage_extra` tensors."""
+        return None, {}
+
+    def _stage_extra_bytes(self) -> int:
+        """Bytes the extras add to each stage's TMA transaction count."""
+        return 0
+
+    def _stage_extra_smem(self, storage, extra_params):
+        """In the kernel, before the warp roles split: what the producer and the consumers
+        use of the extras (`extra` of `_produce`, `_consume` and `_mainloop`)."""
+        return None
+
+    def _produce_stage_extra(self, extra, tile, state, barrier):
+        """The producer's loads of the extras into stage `state` (k-block `state.count`)."""
 
 
 # ---------------------------------------------------------------- compile inputs

@@ -36,10 +36,11 @@ import os
 import numpy as np
 
 from jax_sm100._src import constraints as C
-from jax_sm100._src.planning import sm90, sm100
+from jax_sm100._src.planning import sm90, sm90_scaled, sm100
 from jax_sm100._src.planning.gemm_plan import (
     DEFAULT_NUM_SMS,
     KERNEL_SM90,
+    KERNEL_SM90_SCALED,
     KERNEL_SM90_SPLITK,
     KERNEL_SM100,
     KERNEL_XLA,
@@ -65,7 +66,8 @@ from jax_sm100._src.planning.sm90 import (
 )
 
 __all__ = [
-    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM90", "KERNEL_SM90_SPLITK",
+    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM90", "KERNEL_SM90_SCALED",
+    "KERNEL_SM90_SPLITK",
     "KERNEL_XLA", "SM90_MAX_EPI_STAGES", "SM90_MIN_FLOPS", "SM90_PINGPONG_EPI_STAGES",
     "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan", "GemmProblem",
     "check_plan_fits", "cooperative", "epi_smem_bytes", "grid_clusters", "make_problem", "plan",
@@ -117,6 +119,8 @@ def plan(
     force_kernel: bool = False,
     preact_out: bool = False,
     num_sms: int | None = None,
+    scale_dtype=None,
+    scale_block: int = 0,
 ) -> GemmPlan:
     """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
 
@@ -138,6 +142,9 @@ def plan(
       num_sms: the target device's SM count, which tile and split choices depend on; None
         plans for the arch's usual part (`DEFAULT_NUM_SMS`: 132 for sm_90a as on the H100 and
         H200, 148 for sm_100a as on the B200).
+      scale_dtype, scale_block: a block-scaled problem (`scaled_matmul`): A's and B's rows
+        scaled per `scale_block` elements of k by factors of `scale_dtype` (sm_90a runs float32
+        per 128 on its block-scaled kernel, `planning/sm90_scaled.py`); None and 0 otherwise.
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -146,6 +153,11 @@ def plan(
       PlanError: for an unknown arch or non-positive sizes.
       TypeError: for dtypes the primitive does not take.
     """
+    if scale_dtype is not None or scale_block:
+        p = make_problem(m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
+                         c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
+                         preact_out=preact_out)  # fmt: skip
+        return sm90_scaled.plan_scaled(p, scale_dtype, scale_block, arch, num_sms=num_sms)
     p = make_problem(
         m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
         batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,

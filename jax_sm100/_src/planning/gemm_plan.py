@@ -21,8 +21,9 @@ from jax_sm100._src import constraints as C
 KERNEL_SM100 = "sm100_tcgen05"
 KERNEL_SM90 = "sm90_wgmma"
 KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
+KERNEL_SM90_SCALED = "sm90_wgmma_scaled"
 KERNEL_XLA = "xla_dot"
-KERNELS = (KERNEL_SM100, KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_XLA)
+KERNELS = (KERNEL_SM100, KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_SCALED, KERNEL_XLA)
 
 # SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
 # Calls plan for their device's own count (dispatch.Target).
@@ -125,6 +126,10 @@ class GemmProblem:
     a_major: str = "k"
     b_major: str = "n"
     preact_out: bool = False
+    # A block-scaled problem (scaled_matmul): A's rows and B's rows (D's columns) each scaled
+    # per `scale_block` elements of k by factors of `scale_dtype`; None and 0 when unscaled.
+    scale_dtype: str | None = None
+    scale_block: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +183,10 @@ class GemmPlan:
     # loads into registers. The planner takes it for ping-pong plans whose C has D's 16-bit
     # dtype (planning/sm90.py, `_sm90_pingpong_plan`).
     stage_c: bool = False
+    # A block-scaled problem (GemmProblem.scale_dtype / .scale_block); its kernel is
+    # KERNEL_SM90_SCALED (or XLA).
+    scale_dtype: str | None = None
+    scale_block: int = 0
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -211,6 +220,9 @@ class GemmPlan:
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_100a only, plan is {self.arch}")
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK) and self.arch != "sm_90a":
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_90a only, plan is {self.arch}")
+        C.check_scaled(self.arch, self.kernel == KERNEL_SM90_SCALED, self.kernel == KERNEL_XLA,
+                       self.scale_dtype, self.scale_block, self.mma_tiler_mnk[0], self.pingpong,
+                       self.split_k, self.stream_k, self.stage_c)  # fmt: skip
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
             raise C.PlanError(
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
@@ -259,7 +271,7 @@ class GemmPlan:
         setf("tmem_alloc_cols", int(alloc))
         C.check_epi_tile(self.epi_tile, cta)
         ab_bits = C.DTYPE_BITS[ab]
-        stage_bytes = _ab_stage_bytes(cta, b_rows, ab_bits)
+        stage_bytes = _ab_stage_bytes(cta, b_rows, ab_bits) + scale_stage_bytes(cta, self)
         epi_bytes = self._epi_bytes
         setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
         C.check_ab_stages(self.num_ab_stages)
@@ -272,6 +284,9 @@ class GemmPlan:
                 self.arch, self.m, self.n, self.k, self.a_dtype, self.b_dtype, self.out_dtype,
                 self.c_dtype, self.a_major, self.b_major, self.batch,
             )  # fmt: skip
+            if why is None and self.scale_dtype is not None:
+                why = C.scaled_support(self.arch, self.k, self.a_dtype, self.b_dtype,
+                                       self.scale_dtype, self.scale_block)  # fmt: skip
             if why is not None:
                 raise C.PlanError(f"kernel={self.kernel!r} cannot run this problem: {why}")
 
@@ -340,6 +355,11 @@ class GemmPlan:
             ("kernel", self.kernel),
             ("reason", self.reason),
         ]  # fmt: skip
+        scales = "none (unscaled; scale_block 0)"
+        if self.scale_dtype is not None:
+            scales = (f"{self.scale_dtype} per {self.scale_block} of k (scale_block), for each "
+                      "row of A and each row of B")  # fmt: skip
+        rows.insert(2, ("scale_dtype", scales))
         if self.kernel == KERNEL_XLA:
             # XLA's dot runs it: no arch's hardware is involved, and the tile fields are
             # placeholders, not what runs.
@@ -380,6 +400,14 @@ _PROBLEM_FIELDS = dataclasses.fields(GemmProblem)
 def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
     """Shared memory of one A/B pipeline stage: the CTA's A tile and its (share of the) B tile."""
     return (cta[0] + b_rows) * cta[2] * ab_bits // 8
+
+
+def scale_stage_bytes(cta, problem) -> int:
+    """Shared memory of one stage's scale factors (a block-scaled problem's; 0 otherwise): one
+    per row of the stage's A tile and one per row of its B tile (column of D), for its k-block."""
+    if problem.scale_dtype is None:
+        return 0
+    return (cta[0] + cta[1]) * C.SCALE_DTYPE_BITS[problem.scale_dtype] // 8
 
 
 def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:

@@ -1,0 +1,213 @@
+"""The SM90 block-scaled GEMM family: fp8 data, float32 scales per 128 of k (DeepSeek-V3's).
+
+    D[m, n] = sum over k-blocks kb of  sfa[m, kb] * sfb[n, kb] * sum_{k in kb} A[m, k] B[n, k]
+
+The dense SM90 family (sm90_gemm.py) with two things added, through its stage hooks:
+
+* Each A/B stage also holds the k-block's scales: 128 float32 of A (one per row of the tile)
+  and 128 of B (one per row of B, column of D), loaded by the producer warp with two more TMA
+  copies under the stage's barrier (their bytes in its transaction count). The scales come
+  transposed, [L, k/128, rows] with rows contiguous (the lowering transposes jax's
+  [L, rows, k/128] layout: TMA cannot load a column of 4-byte elements), so each is one box.
+  Rows past the matrix are zero-filled, as A's and B's are.
+* The consumers' main loop. A 128-element fp8 k-tile is exactly one scale block, so per
+  k-tile each consumer warp group (64 rows of a cooperative 128 x N tile) runs its wgmma batch
+  into a fresh float32 fragment (the first instruction of the batch overwrites it), waits for
+  it, releases the stage, and promotes it into the main accumulators:
+  acc += frag * (sfa[row] * sfb[col]). The scales of the thread's rows and columns are read
+  from shared memory before the wgmma batch is issued, so their latency hides under it. The
+  other warp group's wgmma batch runs on the tensor cores while this one promotes (the
+  fastest published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the
+  same); the promotion costs two float32 instructions per accumulator per k-tile.
+
+Everything else (persistent schedule, clusters and multicast, TMA, epilogue through shared
+memory) is the dense family's. Cooperative 128-row tiles only, data-parallel (no ping-pong,
+split-K or stream-K), identity epilogue: `why_not` says which.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import cute
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from jax_sm100._src import constraints
+from jax_sm100._src.kernels import common, family
+from jax_sm100._src.kernels.sm90_gemm import _SMEM_ALIGN, _THREADS_PER_WG, Sm90GemmKernel
+from jax_sm100._src.kernels.spec import KernelSpec
+
+_KERNEL = "sm90_wgmma_scaled"
+
+
+class Sm90ScaledGemmKernel(Sm90GemmKernel):
+    """The block-scaled wgmma GEMM for one (GemmPlan, KernelSpec); the plan's `scale_dtype`
+    and `scale_block` say how A and B are scaled.
+
+    Host entry point: `__call__(a, b, d, sfa, sfb, stream)`: a (M, K, L) and b (N, K, L)
+    K-major fp8, d (M, N, L) N-major, sfa (M, K / 128, L) and sfb (N, K / 128, L) float32 with
+    M (N) contiguous.
+    """
+
+    HOST_OPERANDS = ("a", "b", "d", "sfa", "sfb")
+
+    def __init__(self, plan, spec: KernelSpec):
+        super().__init__(plan, spec)
+        self.scale_dtype = common.cutlass_dtype(plan.scale_dtype)
+
+    @classmethod
+    def why_not(cls, plan, spec: KernelSpec) -> str | None:
+        """None when this family can run (plan, spec); else the reason it cannot."""
+        if plan.kernel != _KERNEL:
+            return f"kernel={plan.kernel!r} is not {_KERNEL!r}"
+        why = constraints.scaled_support(plan.arch, plan.k, spec.a_dtype, spec.b_dtype,
+                                         plan.scale_dtype, plan.scale_block)  # fmt: skip
+        if why is not None:
+            return why
+        if not common.epilogue_is_identity(spec) or spec.preact_out:
+            return "the block-scaled kernel writes the plain product (no fused epilogue)"
+        if not (spec.a_batched and spec.b_batched):
+            return "the block-scaled kernel takes batched A and B (scales per batch)"
+        try:
+            constraints.check_scaled(
+                plan.arch, True, False, plan.scale_dtype, plan.scale_block,
+                plan.cta_tile_mnk[0], plan.pingpong, plan.split_k, plan.stream_k, plan.stage_c,
+            )  # fmt: skip
+        except constraints.PlanError as e:
+            return str(e)
+        return super().why_not(plan, spec)
+
+    @classmethod
+    def compile_inputs(cls, plan, spec: KernelSpec) -> family.CompileInputs:
+        """A, B and D as for a dense product; the scales (rows, k / 128, L) with the rows
+        contiguous, each leading dimension a multiple of 4 (16 bytes, for TMA)."""
+        from cutlass.cute.runtime import make_fake_tensor  # noqa: PLC0415
+
+        a, b, d, _, _, _ = common.make_fake_operands(plan, spec)
+        m, n, l = a.shape[0], b.shape[0], a.shape[2]
+        blocks = cute.sym_int()
+        scale_type = common.cutlass_dtype(plan.scale_dtype)
+        per_16b = common.TMA_ALIGN_BYTES * 8 // scale_type.width
+
+        def scales(rows):
+            ld, batch = cute.sym_int64(divisibility=per_16b), cute.sym_int64(divisibility=per_16b)
+            return make_fake_tensor(scale_type, (rows, blocks, l), (1, ld, batch),
+                                    assumed_align=common.TMA_ALIGN_BYTES)  # fmt: skip
+
+        return family.CompileInputs(plan, spec, (a, b, d, scales(m), scales(n)))
+
+    # ---------------------------------------------------------------- host
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        d: cute.Tensor,
+        sfa: cute.Tensor,
+        sfb: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self._launch(a, b, d, None, None, None, None, None, stream, (sfa, sfb))
+
+    def _stage_extra_host(self, stage_extra):
+        """TMA atoms for one k-block's scales of a tile's rows (A) and columns (B), and their
+        stage rings in shared memory."""
+        sfa, sfb = stage_extra
+        tm, tn, _ = self.tile_mnk
+        params = []
+        fields = {}
+        for name, tensor, rows in (("sfa", sfa, tm), ("sfb", sfb, tn)):
+            staged = cute.make_layout((rows, 1, self.ab_stages), stride=(1, rows, rows))
+            atom, gmem = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), tensor, cute.slice_(staged, (None, None, 0)),
+                (rows, 1),
+            )  # fmt: skip
+            params += [atom, gmem, staged]
+            fields[f"s{name}"] = cute.struct.Align[
+                cute.struct.MemRange[self.scale_dtype, cute.cosize(staged)], _SMEM_ALIGN
+            ]
+        return tuple(params), fields
+
+    def _stage_extra_bytes(self) -> int:
+        tm, tn, _ = self.tile_mnk
+        return (tm + tn) * self.scale_dtype.width // 8
+
+    # ---------------------------------------------------------------- device
+
+    def _stage_extra_smem(self, storage, extra_params):
+        """(producer's TMA views, consumers' stage rings) of both scale operands."""
+        tma_sfa, mSFA, sfa_staged, tma_sfb, mSFB, sfb_staged = extra_params
+        tm, tn, _ = self.tile_mnk
+        out = []
+        for atom, tensor, staged, buf, rows in (
+            (tma_sfa, mSFA, sfa_staged, storage.ssfa, tm),
+            (tma_sfb, mSFB, sfb_staged, storage.ssfb, tn),
+        ):  # fmt: skip
+            smem = buf.get_tensor(staged)
+            # (rows, 1, tiles, k-blocks, L) tiles of the scales: one k-block of one tile each.
+            gmem = cute.local_tile(tensor, (rows, 1), (None, None, None))
+            s, g = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                cute.group_modes(gmem, 0, 2),
+            )  # fmt: skip
+            out.append((atom, g, s, smem))
+        return tuple(out)
+
+    def _produce_stage_extra(self, extra, tile, state, barrier):
+        """k-block `state.count`'s scales of this tile's rows (A) and columns (B)."""
+        for (atom, g, s, _), which in zip(extra, (0, 1), strict=True):
+            cute.copy(atom, g[(None, tile[which], state.count, tile[2])],
+                      s[(None, state.index)], tma_bar_ptr=barrier)  # fmt: skip
+
+    @cute.jit
+    def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
+                  extra=None):  # fmt: skip
+        """`n_k` k-tiles, each a wgmma batch into a fresh fragment promoted into `acc` times
+        the k-block's scales (module docstring). Every stage but the last is released here;
+        the caller releases the last (after its own `wait_group(0)`, a no-op here), as after
+        the dense main loop. Returns the advanced (read, release) states."""
+        sSFA, sSFB = extra[0][3], extra[1][3]
+        tm, tn, _ = self.tile_mnk
+        # This thread's (row, column) of the tile for each accumulator register.
+        ctidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
+        coords = tiled_mma.get_slice(ctidx).partition_C(cute.make_identity_tensor((tm, tn)))
+        frag = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        row_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        col_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        acc.fill(0.0)
+        for kt in range(n_k):
+            ab_pipe.consumer_wait(read)
+            # Read before the batch is issued: the loads' latency hides under it.
+            _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                crd = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if kt + 1 < n_k:
+                ab_pipe.consumer_release(release)
+                release.advance()
+            read.advance()
+            _promote(acc, frag, row_scale, col_scale)
+        return read, release
+
+
+# Plain Python over the registers (unrolled as the kernel is traced, one instruction each).
+
+
+def _read_scales(row_scale, col_scale, coords, sSFA, sSFB, stage):
+    """Each accumulator's row scale (A's) and column scale (B's) of k-block `stage`. Registers
+    that share a row or column read the same word: the compiler loads each distinct word once
+    (2 rows and tn / 4 columns per thread, as 16 pairs of columns)."""
+    for i in range(cute.size(coords)):
+        row_scale[i] = sSFA[(coords[i][0], 0, stage)]
+        col_scale[i] = sSFB[(coords[i][1], 0, stage)]
+
+
+def _promote(acc, frag, row_scale, col_scale):
+    """acc += frag * (row scale * column scale): a multiply and a fused multiply-add each."""
+    for i in range(cute.size(acc)):
+        acc[i] = acc[i] + frag[i] * (row_scale[i] * col_scale[i])

@@ -1,0 +1,108 @@
+"""The planner of block-scaled problems (`scaled_matmul`, `plan(..., scale_dtype=...)`).
+
+sm_90a runs fp8 data with float32 scales per 128 of k on the block-scaled wgmma family
+(kernels/sm90_scaled.py): each 128-wide k-block is accumulated by wgmma into a fresh float32
+fragment, which the consumer warp group then adds into its main accumulators times the scales of
+its rows and columns. Every other problem (other arches, data or scale formats) runs the
+documented math in XLA ops (scaled.reference), with the reason in the plan.
+
+The tile
+--------
+Cooperative 128 x 128: two consumer warp groups of 64 rows, each holding two 64 x 128 float32
+fragments (the main accumulators and the k-block's: 2 x 64 registers per thread) and the k-block's
+scales of its 2 rows and 32 columns, within the 232 registers a consumer thread gets. A 128 x 256
+tile would need 256 registers for the two fragments alone. While one warp group promotes its
+k-block (a multiply and a fused multiply-add per accumulator), the other's wgmma runs, so the
+promotion is hidden as long as it takes less time than the other warp group's k-block of MMAs.
+Wider tiles that fit the registers (128 x 160, 128 x 192) are plan edits (`sm90_variant`), not
+measured yet.
+
+There is no small-problem rule (the dense planner's `SM90_MIN_FLOPS`): the alternative is not
+cuBLAS but the dequantized float32 product in XLA ops, slower at every size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from jax_sm100._src import constraints as C
+from jax_sm100._src.planning.gemm_plan import (
+    KERNEL_SM90_SCALED,
+    KERNEL_XLA,
+    GemmPlan,
+    GemmProblem,
+    mma_operand_dtype,
+)
+from jax_sm100._src.planning.sm90 import _fill_sm90_smem, _sm90_swizzle
+
+SCALED_TILE_MN = (128, 128)
+
+
+def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
+                num_sms: int | None = None) -> GemmPlan:  # fmt: skip
+    """The plan of `problem` with A's and B's rows scaled per `scale_block` of k by factors of
+    `scale_dtype` (the `scale_*` arguments of `planning.plan`).
+
+    Raises:
+      PlanError: an unknown arch or scale format, a non-positive block, a non-positive
+        `num_sms`, or a problem with C or the pre-activation output (scaled products have no
+        fused epilogue).
+    """
+    from jax_sm100._src import dtypes as D  # noqa: PLC0415
+
+    C.check_arch(arch)
+    scale_name = None if scale_dtype is None else D.name(scale_dtype)
+    if not isinstance(scale_block, int) or isinstance(scale_block, bool):
+        raise C.PlanError(f"scale_block={scale_block!r} must be an int")
+    if problem.c_dtype is not None or problem.preact_out:
+        raise C.PlanError(
+            "a block-scaled problem is a plain product: no C (c_dtype) and no preact_out"
+        )
+    if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
+        raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
+    scaled = dataclasses.replace(problem, scale_dtype=scale_name, scale_block=scale_block)
+    C.check_scaled(arch, False, True, scale_name, scale_block, 128, False, 1, False, False)
+    return _plan_scaled(scaled, arch, num_sms or 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
+    common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
+    m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
+    why_not = C.kernel_support(
+        arch, m, n, k, problem.a_dtype, problem.b_dtype, problem.out_dtype, None,
+        problem.a_major, problem.b_major, batch,
+    ) or C.scaled_support(
+        arch, k, problem.a_dtype, problem.b_dtype, problem.scale_dtype, problem.scale_block
+    )  # fmt: skip
+    ktile = 1024 // C.DTYPE_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
+    tm, tn = SCALED_TILE_MN
+    if why_not is not None:
+        # XLA runs it; the tile fields are placeholders that hold on either arch.
+        return GemmPlan(
+            **common, kernel=KERNEL_XLA, reason=why_not, mma_tiler_mnk=(tm, 256, ktile),
+            cluster_shape_mn=(1, 1), use_2cta=False, num_ab_stages=C.MIN_AB_STAGES,
+            num_acc_stages=1,
+        )  # fmt: skip
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
+    # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
+    cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
+    plan = GemmPlan(
+        **common,
+        kernel=KERNEL_SM90_SCALED,
+        reason=(
+            f"block-scaled wgmma {tm}x{tn} cooperative tile: each 128-k block accumulated apart "
+            f"and promoted times its {problem.scale_dtype} scales"
+        ),
+        mma_tiler_mnk=(tm, tn, ktile),
+        cluster_shape_mn=cluster,
+        use_2cta=False,
+        num_ab_stages=C.MIN_AB_STAGES,
+        num_acc_stages=1,
+        swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
+    )
+    # A/B stages (each with its scales) as many as fit, then the store ring.
+    return _fill_sm90_smem(plan)

@@ -1,0 +1,134 @@
+"""The CUDA lowering of `scaled_matmul_p`: the block-scaled kernel where the plan takes it.
+
+    cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype) -> out
+
+lhs [B, m, k] and rhs [B, n, k] are K-major as the fp8 wgmma needs them, so they go to the
+kernel as they are: a (m, k, B), b (n, k, B), d (m, n, B). The scales go transposed,
+[B, k / 128, rows] with each leading dimension padded to 16 bytes (TMA loads a k-block's scales
+of a tile's rows as one box, which needs the rows contiguous; an XLA transpose of m k / 32 bytes,
+against the product's m n k). The plan is `dispatch.plan_call`'s for the problem with its
+`scale_dtype` and `scale_block` (planning/sm90_scaled.py); one `jax_sm100_gemm` custom call
+runs it, through the FFI handler and checks the matmul lowering uses (gpu_lowering.py).
+
+Where no kernel takes the call (no sm_90a device or target, non-fp8 data, scales other than
+float32 per 128, different blocks for lhs and rhs, misaligned n, dtypes the kernels do not
+write), the documented math runs in XLA ops (`scaled.reference`), and the reason is recorded
+(`jax_sm100.last_lowering()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning
+
+
+def _xla(why: str, plan, args, out_dtype):
+    from jax_sm100._src import scaled  # noqa: PLC0415
+
+    dispatch.record(dispatch.Lowered(plan, f"scaled_matmul: XLA ops ({why})"))
+    return scaled.reference(*args, out_dtype=out_dtype)
+
+
+def scaled_problem(lhs, rhs, lhs_scales, rhs_scales, out_dtype) -> planning.GemmProblem:
+    """The GEMM problem of one bind (operands as avals or arrays): [m, k] x [n, k]^T per batch
+    with both operands K-major, scaled per `k / blocks` of k.
+
+    Raises:
+      ValueError: scales not in the plain layout, or lhs and rhs scaled per different blocks
+        or by different scale dtypes (one plan holds one block and one scale dtype).
+      TypeError: a data dtype the planner does not take (e.g. float4_e2m1fn).
+    """
+    batch, m, k = lhs.shape
+    n = rhs.shape[1]
+    if len(lhs_scales.shape) != 3 or len(rhs_scales.shape) != 3:
+        raise ValueError(
+            f"scales of shapes {lhs_scales.shape} and {rhs_scales.shape}: the kernels read "
+            "plain [B, rows, k / block] scales"
+        )
+    blocks = {k // lhs_scales.shape[2], k // rhs_scales.shape[2]}
+    scale_dtypes = {np.dtype(lhs_scales.dtype).name, np.dtype(rhs_scales.dtype).name}
+    if len(blocks) != 1 or len(scale_dtypes) != 1:
+        raise ValueError(
+            f"lhs and rhs scaled per blocks {sorted(blocks)} by {sorted(scale_dtypes)}: the "
+            "kernel takes one block and one scale dtype for both"
+        )
+    problem = planning.make_problem(
+        m, n, k, a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype, batch=batch,
+        a_major="k", b_major="k",
+    )  # fmt: skip
+    return dataclasses.replace(problem, scale_dtype=scale_dtypes.pop(), scale_block=blocks.pop())
+
+
+def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
+    """`scaled_matmul_p` on a CUDA device (see the module docstring)."""
+    args = (lhs, rhs, lhs_scales, rhs_scales)
+    target = dispatch.lowering_target()
+    if target is None:
+        return _xla("no sm_90a/sm_100a device", None, args, out_dtype)
+    try:
+        problem = scaled_problem(*args, out_dtype)
+        plan = dispatch.plan_call(problem, target).plan
+    except (TypeError, ValueError) as e:
+        return _xla(f"no plan: {e}", None, args, out_dtype)
+    if plan.kernel == planning.KERNEL_XLA:
+        return _xla(plan.reason, plan, args, out_dtype)
+    call = _KERNEL_CALLS.get(plan.kernel)
+    if call is None:
+        return _xla(f"no scaled_matmul lowering for kernel {plan.kernel!r}", plan, args, out_dtype)
+    dispatch.record(dispatch.Lowered(plan, "scaled_matmul: block-scaled kernel"))
+    ffi.register()
+    return call(plan, *args)
+
+
+def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
+    """One `jax_sm100_gemm` call of the sm_90a block-scaled kernel (kernels/sm90_scaled.py)."""
+    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
+    from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
+
+    compiled = compile_plan(plan)
+    batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
+    sfa, ld_a = _transposed(lhs_scales, plan.scale_dtype)
+    sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
+    blocks = k // plan.scale_block
+    modes = {
+        "a": ((m, k, batch), (k, 1, m * k)),
+        "b": ((n, k, batch), (k, 1, n * k)),
+        "d": ((m, n, batch), (n, 1, m * n)),
+        "sfa": ((m, blocks, batch), (1, ld_a, blocks * ld_a)),
+        "sfb": ((n, blocks, batch), (1, ld_b, blocks * ld_b)),
+    }
+    dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
+              "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
+    index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}
+    layouts = [
+        ffi_checks.TensorLayout(
+            t.name, dtypes[t.name], *modes[t.name], t.dynamic_shape_modes, t.dynamic_stride_modes
+        )  # fmt: skip
+        for t in compiled.tensor_args
+    ]
+    order = [index[t.name] for t in compiled.tensor_args]
+    out_type = jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))
+    return gpu_lowering._ffi(compiled, out_type, [lhs, rhs, sfa, sfb], layouts, order)
+
+
+def _transposed(scales, dtype):
+    """[B, rows, blocks] -> ([B, blocks, ld], ld): the rows contiguous, ld >= rows a multiple
+    of 16 bytes (TMA's stride rule; the padding is never read: rows past `rows` are out of the
+    tensor's bounds, which TMA fills with zeros)."""
+    rows = scales.shape[1]
+    quantum = constraints.TMA_ALIGN_BYTES * 8 // constraints.SCALE_DTYPE_BITS[dtype]
+    ld = -(-rows // quantum) * quantum
+    t = jnp.swapaxes(scales, 1, 2)
+    if ld != rows:
+        t = jnp.pad(t, ((0, 0), (0, 0), (0, ld - rows)))
+    return t, ld
+
+
+# The kernels scaled_matmul lowers to, by plan kernel: (plan, lhs, rhs, lhs_scales, rhs_scales)
+# -> out [B, m, n].
+_KERNEL_CALLS = {planning.KERNEL_SM90_SCALED: _call_sm90}

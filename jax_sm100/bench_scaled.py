@@ -1,0 +1,146 @@
+"""Block-scaled fp8 GEMMs beside XLA and cuBLAS:
+`python -m jax_sm100.bench --scaled [--shapes MxNxK,...] [--small]`.
+
+For each problem, out[m, n] = sum_k lhs[m, k] rhs[n, k] with normal random data quantized to
+float8_e4m3fn with float32 scales per 128 of k (`jax_sm100.quantize(x, "fp8_block128")`, the
+DeepSeek-V3 recipe) and a bfloat16 result, four products on the same fp8 data:
+
+- ours: `jax_sm100.scaled_matmul` (on sm_90a the block-scaled wgmma kernel; the scales'
+  transposes that its lowering adds run every call and count);
+- jax.nn.scaled_matmul, the same operands (XLA's block-scaled path);
+- unscaled fp8 through `lax.dot_general` (cuBLAS): the product a scaled GEMM costs extra over;
+- ours unscaled: `jax_sm100.dot_general` on the same data (the dense SM90 fp8 kernel).
+
+Timed by the device method of `python -m jax_sm100.bench` (bench.py's docstring): R dependent
+products in one XLA while loop, U per iteration, the median call over R. Each product's scales
+are multiplied by a 1 made from the carried lhs element, so XLA cannot hoist a scale transpose
+out of the loop. Prints TF/s (2 m n k per product), ours / each other side, which path ours
+took, and what the loop check found (`bench.LoopCheck`; the scaled products' scale copies are
+part of them and are not flagged). The default problems are issue 19's (8192^3,
+4096x7168x16384, 128x7168x16384); `--small` runs tiny ones (a CPU smoke test, where
+jax.nn.scaled_matmul has no lowering and is left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import jax_sm100
+from jax_sm100 import bench
+
+PROBLEMS = ((8192, 8192, 8192), (4096, 7168, 16384), (128, 7168, 16384))
+SMALL = ((256, 256, 512), (64, 384, 256))
+SIDES = ("ours", "jax.nn", "cublas fp8", "ours fp8")
+_NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
+
+
+def _one(a):
+    """1.0, made from the loop-carried lhs so that what it multiplies is loop-variant."""
+    return 1.0 + 0.0 * a[0, 0].astype(jnp.float32)
+
+
+def _scaled(fn):
+    """(a [m, k], (rhs, ls, rs)) -> [m, n] of a jax.nn.scaled_matmul-like `fn`."""
+
+    def product(a, b):
+        rhs, ls, rs = b
+        one = _one(a)
+        out = fn(a[None], rhs[None], (ls * one)[None], (rs * one)[None],
+                 preferred_element_type=jnp.bfloat16)  # fmt: skip
+        return out[0]
+
+    return product
+
+
+def _unscaled(dot):
+    return lambda a, b: dot(a, b[0], _NT, preferred_element_type=jnp.bfloat16)
+
+
+def products(with_jax_nn: bool):
+    """The sides to time, by name: (a, (rhs, lhs_scales, rhs_scales)) -> [m, n] bfloat16."""
+    sides = {
+        "ours": _scaled(jax_sm100.scaled_matmul),
+        "jax.nn": _scaled(jax.nn.scaled_matmul),
+        "cublas fp8": _unscaled(lax.dot_general),
+        "ours fp8": _unscaled(jax_sm100.dot_general),
+    }
+    if not with_jax_nn:
+        del sides["jax.nn"]
+    return sides
+
+
+def operands(seed: int, m: int, n: int, k: int):
+    ka, kb = jax.random.split(jax.random.key(seed))
+    a, ls = jax_sm100.quantize(jax.random.normal(ka, (m, k), jnp.float32), "fp8_block128")
+    w, rs = jax_sm100.quantize(jax.random.normal(kb, (n, k), jnp.float32), "fp8_block128")
+    return a, (w, ls, rs)
+
+
+def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool):
+    rows = []
+    sides = products(with_jax_nn)
+    for i, (m, n, k) in enumerate(problems):
+        a, b = operands(i, m, n, k)
+        with jax_sm100.lowerings() as seen:
+            timings = bench.time_device(list(sides.values()), a, b, min_seconds=min_seconds,
+                                        unroll=unroll)  # fmt: skip
+        notes = {}
+        for name, t in zip(sides, timings, strict=True):
+            problems_ = [p for p in t.check.problems() if "copies" not in p or "fp8" in name]
+            if problems_:
+                notes[name] = "; ".join(problems_)
+        path = "; ".join(sorted({x.note for x in seen if "scaled_matmul" in x.note}))
+        rows.append(((m, n, k), dict(zip(sides, (t.seconds for t in timings), strict=True)),
+                     path or "XLA ops (no CUDA lowering)", notes))  # fmt: skip
+    return rows
+
+
+def report(rows) -> None:
+    names = list(rows[0][1]) if rows else []
+    others = [n for n in names if n != "ours"]
+    head = "".join(f"{n:>12s}" for n in names)
+    ratios = "".join(f"{'/' + n:>12s}" for n in others)
+    print(f"{'m x n x k':22s}|{head} (TF/s) |{ratios} (ours / ...)")
+    for (m, n, k), seconds, path, notes in rows:
+        flop = 2 * m * n * k
+        tfs = "".join(f"{flop / seconds[x] / 1e12:12.4g}" for x in names)
+        rel = "".join(f"{seconds[x] / seconds['ours']:12.3f}" for x in others)
+        print(f"{m}x{n}x{k}".ljust(22) + f"|{tfs}        |{rel}")
+        print(f"    ours: {path}")
+        for name, note in notes.items():
+            print(f"    ! {name}: {note}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jax_sm100.bench --scaled", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--shapes", default=None, help="MxNxK,... (default: issue 19's)")
+    ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
+    ap.add_argument("--device-ms", type=float, default=20.0,
+                    help="grow R until one timed call takes this long")  # fmt: skip
+    ap.add_argument("--unroll", type=int, default=None,
+                    help=f"products per loop iteration (default {bench.DEFAULT_UNROLL}; 2 with "
+                         "--small, which compiles faster)")  # fmt: skip
+    args = ap.parse_args(argv)
+    problems = SMALL if args.small else PROBLEMS
+    if args.shapes:
+        problems = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    dev = jax.devices()[0]
+    with_jax_nn = dev.platform == "gpu"
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, float8_e4m3fn "
+          "with float32 scales per 128 of k, bfloat16 out; device method, median of 5")  # fmt: skip
+    if not with_jax_nn:
+        print("(jax.nn.scaled_matmul has no lowering here: left out)")
+    unroll = args.unroll or (2 if args.small else bench.DEFAULT_UNROLL)
+    min_seconds = 0.001 if args.small else args.device_ms / 1e3
+    report(run(problems, min_seconds=min_seconds, unroll=unroll, with_jax_nn=with_jax_nn))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

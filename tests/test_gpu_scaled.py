@@ -1,0 +1,154 @@
+"""GPU tests of the SM90 block-scaled kernel (kernels/sm90_scaled.py) through
+`jax_sm100.scaled_matmul`; skipped without an SM90 device.
+
+Every case: normally distributed data whose magnitude changes by up to 2^+-6 from one row (of
+lhs and of rhs) and from one 128-block of k to the next, quantized to fp8 with float32 scales per
+128 of k; the kernel's output against the float64 product of the dequantized operands. The
+changing magnitudes make every scale matter: the same data with its scales ignored, or with the
+row and column scales swapped, is checked to miss the reference by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import dispatch, planning
+from tests import test_util as tu
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _arch():
+    try:
+        return getattr(dispatch.device_target(), "arch", None)
+    except Exception:
+        return None
+
+
+def _quantize(x, dtype):
+    """(data, float32 scales per 128 of the last dim): `jax_sm100.quantize(x, "fp8_block128")`
+    for e4m3, the same rule (block max onto the format's largest value) for e5m2."""
+    if dtype == E4M3:
+        return jax_sm100.quantize(x, "fp8_block128")
+    blocks = x.reshape(*x.shape[:-1], -1, 128)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0).astype(jnp.float32)
+    data = (blocks / scale[..., None]).reshape(x.shape).astype(dtype)
+    return data, scale
+
+
+def _operand(key, batch, rows, k):
+    """Normal data times 2^e, e drawn per row and per (row, 128-block of k) in [-6, 6]."""
+    kd, kr, kb = jax.random.split(key, 3)
+    x = jax.random.normal(kd, (batch, rows, k), jnp.float32)
+    per_row = jax.random.randint(kr, (batch, rows, 1), -3, 4).astype(jnp.float32)
+    per_block = jax.random.randint(kb, (batch, rows, k // 128), -3, 4).astype(jnp.float32)
+    return x * jnp.exp2(per_row + jnp.repeat(per_block, 128, axis=-1))
+
+
+def _reference64(lhs, rhs, ls, rs):
+    def dequantized(data, scales):
+        data, scales = np.asarray(data, np.float64), np.asarray(scales, np.float64)
+        return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
+
+    return np.einsum("bmk,bnk->bmn", dequantized(lhs, ls), dequantized(rhs, rs))
+
+
+def _run(lhs, rhs, ls, rs, out_dtype):
+    fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
+    with jax_sm100.lowerings() as seen:
+        out = fn(lhs, rhs, ls, rs)
+    return out, seen
+
+
+@absltest.skipIf(_arch() != "sm_90a", "needs an SM90 (Hopper) CUDA device and jax[cuda]")
+class GpuScaledTest(parameterized.TestCase):
+    def assert_on_kernel(self, seen):
+        self.assertLen(seen, 1)
+        self.assertEqual(seen[0].plan.kernel, planning.KERNEL_SM90_SCALED, seen[0].note)
+
+    @parameterized.product(
+        shape=[
+            (1, 128, 128, 128),  # one tile, one k-block
+            (1, 200, 136, 384),  # m and n ragged against the 128 x 128 tile
+            (1, 1000, 520, 1024),
+            (3, 256, 384, 512),  # batched: one scale set per batch
+            (1, 128, 7168, 2048),  # skinny, a row of tiles (issue 19's decode-like shape)
+            (1, 2048, 2048, 4096),  # many tiles per CTA (persistent schedule)
+        ],
+        dtype=[E4M3, E5M2],
+        out_dtype=[jnp.bfloat16, jnp.float32],
+    )
+    def test_matches_float64(self, shape, dtype, out_dtype):
+        batch, m, n, k = shape
+        ka, kb = jax.random.split(jax.random.key(m * n + k + batch))
+        lhs, ls = _quantize(_operand(ka, batch, m, k), dtype)
+        rhs, rs = _quantize(_operand(kb, batch, n, k), dtype)
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
+        self.assert_on_kernel(seen)
+        self.assertEqual((out.shape, out.dtype), ((batch, m, n), jnp.dtype(out_dtype)))
+        want = _reference64(lhs, rhs, ls, rs)
+        tu.assert_close(self, out, want, out_dtype, k)
+        # The test can fail: without the scales, or with A's applied per column, the product
+        # misses by far more than the tolerance.
+        ones_a, ones_b = np.ones(ls.shape, np.float32), np.ones(rs.shape, np.float32)
+        for wrong in (_reference64(lhs, rhs, ones_a, ones_b), _reference64(lhs, rhs, ls, ones_b)):
+            err = np.max(np.abs(wrong - want)) / np.max(np.abs(want))
+            self.assertGreater(err, 50 * tu.RTOL[jnp.dtype(out_dtype).name])
+
+    def test_weight_blocks_of_128x128(self):
+        # DeepSeek-V3 quantizes weights per 128 x 128 block: one scale for 128 rows of rhs,
+        # which scaled_matmul takes repeated per row.
+        m, n, k = 512, 640, 1024
+        ka, kb = jax.random.split(jax.random.key(3))
+        lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
+        w = _operand(kb, 1, n, k).reshape(1, n // 128, 128, k // 128, 128)
+        amax = jnp.max(jnp.abs(w), axis=(2, 4))
+        block_scale = amax / float(jnp.finfo(E4M3).max)
+        rhs = (w / block_scale[:, :, None, :, None]).reshape(1, n, k).astype(E4M3)
+        rs = jnp.repeat(block_scale, 128, axis=1)  # [1, n, k / 128]
+        out, seen = _run(lhs, rhs, ls, rs, jnp.float32)
+        self.assert_on_kernel(seen)
+        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), "float32", k)
+
+    def test_agrees_with_jax_nn_scaled_matmul(self):
+        m, n, k = 1024, 1024, 2048
+        ka, kb = jax.random.split(jax.random.key(5))
+        lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
+        out, seen = _run(lhs, rhs, ls, rs, jnp.float32)
+        self.assert_on_kernel(seen)
+        theirs = jax.jit(lambda *a: jax.nn.scaled_matmul(*a, preferred_element_type=jnp.float32))
+        tu.assert_close(self, out, theirs(lhs, rhs, ls, rs), "float32", k)
+
+    def test_gradient_of_the_scales(self):
+        # The forward on the kernel, the tangents through the documented math in XLA ops.
+        m, n, k = 256, 256, 512
+        ka, kb = jax.random.split(jax.random.key(9))
+        lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
+
+        def loss(f, ls, rs):
+            return jnp.sum(f(lhs, rhs, ls, rs, preferred_element_type=jnp.float32) ** 2)
+
+        ours = jax.jit(jax.grad(lambda a, b: loss(jax_sm100.scaled_matmul, a, b), (0, 1)))
+        with jax_sm100.lowerings() as seen:
+            got = ours(ls, rs)
+        self.assertIn(planning.KERNEL_SM90_SCALED, [x.plan.kernel for x in seen if x.plan])
+
+        def reference(lhs, rhs, ls, rs, preferred_element_type):
+            from jax_sm100._src import scaled  # noqa: PLC0415
+
+            return scaled.reference(lhs, rhs, ls, rs, out_dtype=preferred_element_type)
+
+        want = jax.jit(jax.grad(lambda a, b: loss(reference, a, b), (0, 1)))(ls, rs)
+        for g, w in zip(got, want, strict=True):
+            tu.assert_close(self, g, w, "float32", k)
+
+
+if __name__ == "__main__":
+    absltest.main()

@@ -1,0 +1,227 @@
+"""The SM90 block-scaled family on a CPU machine: its plans (planning/sm90_scaled.py), its PTX
+for sm_90a (kernels/sm90_scaled.py) and the CUDA lowering of scaled_matmul (scaled_gpu.py),
+exported for an sm_90a target. tests/test_gpu_scaled.py runs it on an H100/H200."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import compile as compile_mod
+from jax_sm100._src import dispatch, ffi, planning
+from jax_sm100._src.kernels import sm90_scaled
+from jax_sm100._src.kernels.spec import KernelSpec
+
+E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
+
+
+def _plan(m, n, k, dtype=E4M3, arch="sm_90a", **kw):
+    kw = dict(b_major="k", scale_dtype="float32", scale_block=128) | kw
+    return jax_sm100.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, arch=arch, **kw)
+
+
+class ScaledPlanTest(parameterized.TestCase):
+    def test_the_kernels_plan(self):
+        p = _plan(8192, 8192, 8192)
+        self.assertEqual(p.kernel, planning.KERNEL_SM90_SCALED)
+        self.assertEqual((p.cta_tile_mnk, p.pingpong, p.split_k, p.stream_k),
+                         ((128, 128, 128), False, 1, False))  # fmt: skip
+        self.assertEqual((p.scale_dtype, p.scale_block), ("float32", 128))
+        # Each stage holds the k-block's A and B tiles and their 128 + 128 float32 scales.
+        self.assertEqual(p.ab_stage_bytes, 2 * 128 * 128 + (128 + 128) * 4)
+        self.assertLessEqual(p.smem_bytes, planning.smem_capacity("sm_90a"))
+        self.assertGreaterEqual(p.num_ab_stages, 5)
+        self.assertEqual(p.problem.scale_block, 128)
+        text = str(p)
+        self.assertIn("float32 per 128 of k", text)
+        self.assertIn("sm90_wgmma_scaled", text)
+        self.assertIn("none (unscaled", str(jax_sm100.plan(64, 64, 64, a_dtype="bfloat16",
+                                                           b_dtype="bfloat16")))  # fmt: skip
+
+    @parameterized.named_parameters(
+        ("mxfp8", dict(scale_dtype="float8_e8m0fnu", scale_block=32), "not float8_e8m0fnu per 32"),
+        ("bf16_data", dict(dtype="bfloat16"), "takes fp8 data"),
+        ("mixed", dict(b_dtype=E5M2), "mixed operand dtypes"),
+        ("n_unaligned", dict(n=100), "not a multiple of 16 bytes"),
+    )
+    def test_xla_with_the_reason(self, edit, reason):
+        edit = dict(edit)
+        n = edit.pop("n", 1024)
+        if "b_dtype" in edit:
+            p = jax_sm100.plan(256, n, 1024, a_dtype=E4M3, arch="sm_90a", b_major="k",
+                               scale_dtype="float32", scale_block=128, **edit)  # fmt: skip
+        else:
+            p = _plan(256, n, 1024, **edit)
+        self.assertEqual(p.kernel, planning.KERNEL_XLA)
+        self.assertIn(reason, p.reason)
+        self.assertIn("scale_dtype", str(p))
+
+    def test_edits_that_break_a_rule_raise(self):
+        p = _plan(4096, 4096, 4096)
+        for bad in (
+            dict(pingpong=True, mma_tiler_mnk=(128, 128, 128)),
+            dict(mma_tiler_mnk=(64, 128, 128)),
+            dict(stream_k=True),
+            dict(kernel=planning.KERNEL_SM90),
+            dict(scale_block=0),
+            dict(scale_dtype="int8"),
+        ):
+            with self.assertRaises(planning.C.PlanError, msg=bad):
+                dataclasses.replace(p, **bad)
+        dense = dataclasses.replace(p, kernel=planning.KERNEL_SM90, scale_dtype=None, scale_block=0)
+        with self.assertRaisesRegex(planning.C.PlanError, "block-scaled problems"):
+            dataclasses.replace(dense, kernel=planning.KERNEL_SM90_SCALED)
+        with self.assertRaisesRegex(planning.C.PlanError, "plain product"):
+            _plan(256, 256, 256, c_dtype="bfloat16")
+        wide = planning.sm90_variant(p, tile_mn=(128, 160))
+        self.assertEqual(wide.kernel, planning.KERNEL_SM90_SCALED)
+        self.assertEqual(wide.ab_stage_bytes, (128 + 160) * 128 + (128 + 160) * 4)
+
+
+def _ptx(plan, spec=None):
+    return compile_mod.compile_plan(plan, spec).ptx
+
+
+class ScaledPtxTest(parameterized.TestCase):
+    @parameterized.product(dtype=(E4M3, E5M2), out_dtype=("bfloat16", "float32"))
+    def test_main_loop_instructions(self, dtype, out_dtype):
+        p = _plan(8192, 4096, 4096, dtype=dtype, out_dtype=out_dtype)
+        compiled = compile_mod.compile_plan(p)
+        ptx = compiled.ptx
+        kind = {E4M3: "e4m3", E5M2: "e5m2"}[dtype]
+        # One k-tile: four k32 wgmma of 64 x 128 per consumer warp group, into the k-block
+        # fragment (the first overwrites it: its scale-d predicate is 0), then the promotion.
+        self.assertEqual(
+            len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.{kind}\.{kind}",
+                           ptx)), 4)  # fmt: skip
+        # acc += frag * (sfa[row] * sfb[col]): a multiply and a fused multiply-add for each of
+        # the 64 accumulators of a thread, once per k-tile.
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 64)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 64)
+        # The scales of a thread's 2 rows and 32 columns, each read once per k-tile.
+        self.assertEqual(len(re.findall(r"ld\.shared\.b32", ptx)), 2)
+        self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", ptx)), 16)
+        # The batch retires before its fragment is read: one full wait per k-tile (and the
+        # caller's after the tile's last).
+        self.assertEqual(len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)), 2)
+        self.assertNotIn("wgmma.wait_group.sync.aligned 	1;", ptx)
+        # Five TMA operands: A, B, D and the two scale tensors (3-D boxes, one CTA each).
+        self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d", "sfa", "sfb"])
+        self.assertIn("cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier", ptx)
+        self.assertRegex(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232")
+
+    def test_no_spills(self):
+        # The two accumulator sets and the scales fit a consumer thread's 232 registers at
+        # 128 x 128 and 128 x 160 (ptxas, where the machine has it).
+        ptxas = shutil.which("ptxas")
+        if ptxas is None:
+            self.skipTest("ptxas is not on PATH")
+        for tn in (128, 160):
+            p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(128, tn))
+            with tempfile.TemporaryDirectory() as d:
+                src = os.path.join(d, "k.ptx")
+                with open(src, "w") as f:
+                    f.write(_ptx(p))
+                out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o",
+                                      os.path.join(d, "k.cubin")], capture_output=True,
+                                     text=True, check=True)  # fmt: skip
+            self.assertIn("0 bytes spill stores, 0 bytes spill loads", out.stderr, tn)
+
+    def test_family_refuses_what_it_does_not_run(self):
+        p = _plan(4096, 4096, 4096)
+        spec = KernelSpec.for_plan(p)
+        self.assertIsNone(sm90_scaled.Sm90ScaledGemmKernel.why_not(p, spec))
+        self.assertIn("no fused epilogue", sm90_scaled.Sm90ScaledGemmKernel.why_not(
+            p, dataclasses.replace(spec, activation="relu")))  # fmt: skip
+        dense = _plan(4096, 4096, 4096, scale_dtype=None, scale_block=0)
+        self.assertIn("is not", sm90_scaled.Sm90ScaledGemmKernel.why_not(dense, spec))
+
+
+def _avals(batch, m, n, k, dtype=jnp.float8_e4m3fn, block=128, scale=jnp.float32):
+    return (jax.ShapeDtypeStruct((batch, m, k), dtype), jax.ShapeDtypeStruct((batch, n, k), dtype),
+            jax.ShapeDtypeStruct((batch, m, k // block), scale),
+            jax.ShapeDtypeStruct((batch, n, k // block), scale))  # fmt: skip
+
+
+def _export(avals, out_dtype=jnp.bfloat16):
+    fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
+    with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+        with jax_sm100.lowerings() as seen:
+            exp = jax.export.export(fn, platforms=["cuda"],
+                                    disabled_checks=ffi.export_safety_checks())(*avals)  # fmt: skip
+    return exp.mlir_module(), seen[-1]
+
+
+@absltest.skipUnless(shutil.which("g++") or shutil.which("c++"),
+                     "the CUDA lowering builds the FFI handler: needs g++/c++")  # fmt: skip
+class ScaledLoweringTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("square", (1, 1024, 1024, 1024), jnp.bfloat16),
+        ("ragged_rows", (1, 202, 136, 384), jnp.float32),  # m padded to 204 in the scales
+        ("batched", (3, 256, 384, 512), jnp.bfloat16),
+    )
+    def test_one_custom_call(self, shape, out_dtype):
+        batch, m, n, k = shape
+        text, how = _export(_avals(*shape), out_dtype)
+        self.assertEqual(how.plan.kernel, planning.KERNEL_SM90_SCALED)
+        self.assertEqual((how.plan.m, how.plan.batch), (m, batch))
+        self.assertIn("block-scaled kernel", how.note)
+        (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
+        self.assertNotIn("dot_general", text)
+        # a, b, d, sfa, sfb: inputs 0 and 1, the result, the transposed scales (inputs 2, 3).
+        self.assertIn("order = dense<[0, 1, -1, 2, 3]>", call)
+        ld = -(-m // 4) * 4
+        self.assertIn(f"tensor<{batch}x{k // 128}x{ld}xf32>", call)
+        self.assertIn(f"-> tensor<{batch}x{m}x{n}x{jnp.dtype(out_dtype).name[0]}", call)
+        objects = re.findall(r'object = dense<"0x([0-9A-F]+)"', text)
+        self.assertLen(objects, 1)
+        self.assertIn(b"Sm90ScaledGemmKernel", bytes.fromhex(objects[0]))
+
+    @parameterized.named_parameters(
+        ("mxfp8", _avals(1, 256, 256, 256, block=32, scale=jnp.float8_e8m0fnu), "per 32"),
+        ("bf16_data", _avals(1, 256, 256, 256, dtype=jnp.bfloat16), "takes fp8 data"),
+        ("n_unaligned", _avals(1, 256, 100, 256), "not a multiple of 16 bytes"),
+        ("two_blocks", (*_avals(1, 256, 256, 256)[:3],
+                        jax.ShapeDtypeStruct((1, 256, 4), jnp.float32)), "blocks [64, 128]"),
+    )  # fmt: skip
+    def test_xla_where_no_kernel_runs(self, avals, reason):
+        text, how = _export(avals)
+        self.assertNotIn("jax_sm100_gemm", text)
+        self.assertIn("XLA ops", how.note)
+        self.assertIn(reason, how.note)
+
+    def test_no_target_runs_xla(self):
+        fn = jax.jit(jax_sm100.scaled_matmul)
+        with mock.patch.object(dispatch, "device_target", lambda: None):
+            with jax_sm100.lowerings() as seen:
+                jax.export.export(fn, platforms=["cuda"])(*_avals(1, 256, 256, 256))
+        self.assertIsNone(seen[-1].plan)
+        self.assertIn("no sm_90a/sm_100a device", seen[-1].note)
+
+    def test_vmap_merges_into_the_batch(self):
+        avals = [jax.ShapeDtypeStruct((2, *a.shape), a.dtype) for a in _avals(1, 256, 256, 256)]
+        fn = jax.vmap(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16))
+        checks = ffi.export_safety_checks()
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+                    *avals
+                )
+        self.assertEqual(seen[-1].plan.batch, 2)
+        self.assertEqual(exp.out_avals[0].shape, (2, 1, 256, 256))
+        self.assertEqual(np.dtype(exp.out_avals[0].dtype), np.dtype(jnp.bfloat16))
+
+
+if __name__ == "__main__":
+    absltest.main()
