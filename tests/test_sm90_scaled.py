@@ -49,6 +49,16 @@ class ScaledPlanTest(parameterized.TestCase):
         self.assertIn("none (unscaled", str(jax_sm100.plan(64, 64, 64, a_dtype="bfloat16",
                                                            b_dtype="bfloat16")))  # fmt: skip
 
+    def test_skinny_problems_take_64_wide_tiles(self):
+        # 128 x 7168 is 56 tiles of 128 x 128 for 132 SMs; 128 x 64 tiles make 112 CTAs.
+        p = _plan(128, 7168, 16384)
+        self.assertEqual((p.cta_tile_mnk, p.num_tiles), ((128, 64, 128), 112))
+        self.assertEqual(p.ab_stage_bytes, (128 + 64) * 128 + (128 + 64) * 4)
+        ptx = _ptx(p)
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32", ptx)), 4)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 32)
+        self.assertEqual(_plan(4096, 7168, 16384).cta_tile_mnk, (128, 128, 128))
+
     @parameterized.named_parameters(
         ("mxfp8", dict(scale_dtype="float8_e8m0fnu", scale_block=32), "not float8_e8m0fnu per 32"),
         ("bf16_data", dict(dtype="bfloat16"), "takes fp8 data"),

@@ -14,8 +14,13 @@ scales of its 2 rows and 32 columns, within the 232 registers a consumer thread 
 tile would need 256 registers for the two fragments alone. While one warp group promotes its
 k-block (a multiply and a fused multiply-add per accumulator), the other's wgmma runs, so the
 promotion is hidden as long as it takes less time than the other warp group's k-block of MMAs.
-Wider tiles that fit the registers (128 x 160, 128 x 192) are plan edits (`sm90_variant`), not
-measured yet.
+Wider tiles that fit the registers (128 x 160; 128 x 192 spills) are plan edits
+(`sm90_variant`), not measured yet.
+
+Where 128 x 128 tiles leave most SMs idle (a few rows against many columns: 128 x 7168 is 56
+tiles for 132 SMs), 128 x 64 tiles double the CTAs at the same k-loop (the wave model of the
+package docstring picks; their efficiency is a guess until measured: each k-tile's
+shared-memory reads per MMA flop are 4/3 of a 128 x 128 tile's).
 
 There is no small-problem rule (the dense planner's `SM90_MIN_FLOPS`): the alternative is not
 cuBLAS but the dequantized float32 product in XLA ops, slower at every size.
@@ -29,15 +34,18 @@ import math
 
 from jax_sm100._src import constraints as C
 from jax_sm100._src.planning.gemm_plan import (
+    DEFAULT_NUM_SMS,
     KERNEL_SM90_SCALED,
     KERNEL_XLA,
     GemmPlan,
     GemmProblem,
+    _wave_cost,
     mma_operand_dtype,
 )
 from jax_sm100._src.planning.sm90 import _fill_sm90_smem, _sm90_swizzle
 
-SCALED_TILE_MN = (128, 128)
+# (tile_m, tile_n, efficiency) for the wave model (`_wave_cost`).
+SCALED_TILES = ((128, 128, 1.0), (128, 64, 0.8))
 
 
 def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
@@ -78,7 +86,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
         arch, k, problem.a_dtype, problem.b_dtype, problem.scale_dtype, problem.scale_block
     )  # fmt: skip
     ktile = 1024 // C.DTYPE_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
-    tm, tn = SCALED_TILE_MN
+    tm, tn = SCALED_TILES[0][:2]
     if why_not is not None:
         # XLA runs it; the tile fields are placeholders that hold on either arch.
         return GemmPlan(
@@ -86,6 +94,12 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
             cluster_shape_mn=(1, 1), use_2cta=False, num_ab_stages=C.MIN_AB_STAGES,
             num_acc_stages=1,
         )  # fmt: skip
+    costs = [
+        (_wave_cost(math.ceil(m / tm) * math.ceil(n / tn) * batch, 1, num_sms or
+                    DEFAULT_NUM_SMS[arch], tm * tn, eff), tm, tn)
+        for tm, tn, eff in SCALED_TILES
+    ]  # fmt: skip
+    _, tm, tn = min(costs)
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
     # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
