@@ -44,7 +44,8 @@ _NEEDS_CXX = "the handler's own checks need its library built: needs g++ or c++ 
 _INVALID_ARGUMENT = 3  # XLA_FFI_Error_Code_INVALID_ARGUMENT
 
 _MLIR_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "i32": "int32",
-                "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2"}  # fmt: skip
+                "f8E4M3FN": "float8_e4m3fn", "f8E5M2": "float8_e5m2",
+                "f4E2M1FN": "float4_e2m1fn", "f8E8M0FNU": "float8_e8m0fnu"}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- the format
@@ -247,6 +248,18 @@ _CASES = [
     ("sm100_batched", "sm_100a",
      lambda: (lambda a, b: jax_sm100.matmul(a, b), (_s(2, 256, 128), _s(2, 128, 384)))),
     ("sm100_grad", "sm_100a", lambda: _grad_case(256, 256, 128)),
+    # Block-scaled (tcgen05): data, then the scales as flat buffers of quantize's blocked layout
+    # (mxfp8: 200 rows -> 2 atoms of 128 by 2 atoms of 4 blocks; nvfp4's data packed fp4).
+    ("sm100_mxfp8", "sm_100a",
+     lambda: (lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16),
+              (_s(2, 200, 256, dtype=jnp.float8_e4m3fn), _s(2, 136, 256, dtype=jnp.float8_e4m3fn),
+               _s(2, 2, 2, 32, 4, 4, dtype=jnp.float8_e8m0fnu),
+               _s(2, 2, 2, 32, 4, 4, dtype=jnp.float8_e8m0fnu)))),
+    ("sm100_nvfp4", "sm_100a",
+     lambda: (lambda *a: jax_sm100.scaled_matmul(*a),
+              (_s(1, 128, 512, dtype=jnp.float4_e2m1fn), _s(1, 256, 512, dtype=jnp.float4_e2m1fn),
+               _s(1, 1, 8, 32, 4, 4, dtype=jnp.float8_e4m3fn),
+               _s(1, 2, 8, 32, 4, 4, dtype=jnp.float8_e4m3fn)))),
 ]  # fmt: skip
 
 

@@ -22,6 +22,23 @@ DTYPE_BITS = {
     "float8_e5m2": 8,
 }
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# Block-scaled data that only `scaled_matmul` takes (matmul does not), and every dtype a plan's
+# operands may have.
+SCALED_DATA_BITS = {"float4_e2m1fn": 4}
+OPERAND_BITS = {**DTYPE_BITS, **SCALED_DATA_BITS}
+
+# sm_100a's block-scaled MMAs (PTX ISA, tcgen05.mma.kind::block_scale): (data dtype, scale dtype,
+# elements of k per scale) -> the MMA kind. mxfp8 (either fp8 format, e8m0 scales per 32) and
+# nvfp4 (e2m1 data, e4m3 scales per 16), as `jax_sm100.quantize` makes them.
+SM100_BLOCKSCALED_KINDS = {
+    ("float8_e4m3fn", "float8_e8m0fnu", 32): "mxf8f6f4",
+    ("float8_e5m2", "float8_e8m0fnu", 32): "mxf8f6f4",
+    ("float4_e2m1fn", "float8_e4m3fn", 16): "mxf4nvf4",
+}
+# The MMA reads scale factors in 512-byte atoms: 128 rows (32 x 4) by 4 scales along k, the
+# "blocked" layout of quantize's scales (scaled.py).
+SCALE_ATOM_ROWS = 128
+SCALE_ATOM_BLOCKS = 4
 
 # Operand dtypes each kernel family implements (A and B of one dtype), and the output dtypes
 # its epilogue can write.
@@ -64,7 +81,7 @@ class PlanError(ValueError):
 
 def mma_inst_k(dtype: str) -> int:
     """K of one tensor-core instruction: 32 bytes of K for every operand width."""
-    return 256 // DTYPE_BITS[dtype]
+    return 256 // OPERAND_BITS[dtype]
 
 
 def check_arch(arch: str) -> None:
@@ -90,7 +107,7 @@ def check_mma_tiler(
             )
         n_step = 16 if (use_2cta or m == 128) else 8
         why = ""
-        if DTYPE_BITS[ab_dtype] == 8 and b_major == "n":
+        if OPERAND_BITS[ab_dtype] == 8 and b_major == "n":
             n_step = 32 if use_2cta else 16
             why = f" (an N-major {ab_dtype} B; a K-major B takes steps of 16)"
         if not (n_step <= n <= 256 and n % n_step == 0):
@@ -105,11 +122,41 @@ def check_mma_tiler(
             raise PlanError(f"sm_90a CTA tile M must be 64, 128 or 256; got {mma_tiler_mnk=}")
         if not (16 <= n <= 256 and n % 16 == 0):
             raise PlanError(f"sm_90a tile N must be a multiple of 16 in [16, 256]; got {n=}")
-    if k * DTYPE_BITS[ab_dtype] != 128 * 8:
+    if k * OPERAND_BITS[ab_dtype] != 128 * 8:
         raise PlanError(
             f"the K tile must span 128 bytes (one 128B-swizzle row) of {ab_dtype}: "
-            f"K={1024 // DTYPE_BITS[ab_dtype]}, got {k=}"
+            f"K={1024 // OPERAND_BITS[ab_dtype]}, got {k=}"
         )
+
+
+def check_sm100_blockscaled(
+    mma_tiler_mnk: tuple, use_2cta: bool, a_dtype: str, b_dtype: str, scale_dtype, scale_block,
+    a_major: str, b_major: str, c_dtype, preact_out: bool,
+) -> None:  # fmt: skip
+    """What sm_100a's block-scaled GEMM (kernels/sm100_blockscaled.py) takes beyond a dense plan:
+    a format of `SM100_BLOCKSCALED_KINDS` for both operands, both K-major (the scales run along
+    k), M of 128 rows per CTA (one scale atom's rows: 128 1-CTA, 256 2-CTA) and N of 128 or 256
+    (whole scale atoms of B), and a plain epilogue (no C, no pre-activation)."""
+    for name, dtype in (("a", a_dtype), ("b", b_dtype)):
+        if (dtype, scale_dtype, scale_block) not in SM100_BLOCKSCALED_KINDS:
+            raise PlanError(
+                f"{name}_dtype={dtype!r} with {scale_dtype=} per {scale_block=} is not an sm_100a "
+                f"block-scaled format; one of {tuple(SM100_BLOCKSCALED_KINDS)}"
+            )
+    kinds = {SM100_BLOCKSCALED_KINDS[(t, scale_dtype, scale_block)] for t in (a_dtype, b_dtype)}
+    if len(kinds) != 1 or (a_dtype != b_dtype and "mxf4nvf4" in kinds):
+        raise PlanError(f"{a_dtype=} and {b_dtype=} need one block-scaled MMA kind")
+    if a_major != "k" or b_major != "k":
+        raise PlanError(f"block-scaled operands are K-major (scales run along k): {a_major=}, "
+                        f"{b_major=}")  # fmt: skip
+    m, n, _ = mma_tiler_mnk
+    if m != (256 if use_2cta else 128) or n not in (128, 256):
+        raise PlanError(
+            f"block-scaled sm_100a MMA tiles are 128 rows per CTA (M=128 1-CTA, 256 2-CTA) by "
+            f"N=128 or 256; got {mma_tiler_mnk=}, {use_2cta=}"
+        )
+    if c_dtype is not None or preact_out:
+        raise PlanError(f"the block-scaled GEMM writes D only: {c_dtype=}, {preact_out=}")
 
 
 # A ping-pong SM90 consumer warp group (128 threads) holds a whole tile's float32 accumulators.
@@ -362,14 +409,22 @@ def kernel_support(
     a_major: str,
     b_major: str,
     batch: int = 1,
+    scale_dtype: str | None = None,
+    scale_block: int = 0,
 ) -> str | None:
     """Why our kernels cannot run this problem, or None when they can.
 
     The reason is a sentence for the plan's `reason` field: the problem then runs on XLA's dot.
+    A block-scaled problem for sm_100a (`scale_dtype` set) is `blockscaled_support`'s.
     """
     why = extent_support(m, n, k, batch)
     if why is not None:
         return why
+    if scale_dtype is not None and arch == "sm_100a":
+        return blockscaled_support(
+            arch, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major, scale_dtype,
+            scale_block,
+        )  # fmt: skip
     if a_dtype != b_dtype:
         return f"XLA dot: mixed operand dtypes {a_dtype} x {b_dtype} (kernels take one dtype)"
     if a_dtype not in KERNEL_OPERAND_DTYPES[arch]:
@@ -401,3 +456,39 @@ def kernel_support(
                 f"pad {major} to a multiple of {quantum} to use the kernel"
             )
     return None
+
+
+def blockscaled_support(
+    arch, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major, scale_dtype, scale_block
+) -> str | None:
+    """Why no kernel runs this block-scaled problem, or None (`kernel_support`'s half for
+    `scaled_matmul`): an sm_100a format of `SM100_BLOCKSCALED_KINDS`, K-major operands, whole
+    scale blocks and 16-byte rows along k, a 16-byte aligned N-major output."""
+    if arch != "sm_100a":
+        return f"XLA ops: no {arch} block-scaled kernel for {scale_dtype} scales"
+    for dtype in (a_dtype, b_dtype):
+        if (dtype, scale_dtype, scale_block) not in SM100_BLOCKSCALED_KINDS:
+            return (
+                f"XLA ops: {dtype} data with {scale_dtype} scales per {scale_block} is not an "
+                f"sm_100a block-scaled format ({tuple(SM100_BLOCKSCALED_KINDS)})"
+            )
+    if a_dtype != b_dtype and "float4_e2m1fn" in (a_dtype, b_dtype):
+        return f"XLA ops: {a_dtype} x {b_dtype} mixes fp4 with another format"
+    if out_dtype not in KERNEL_OUT_DTYPES or c_dtype is not None:
+        return f"XLA ops: the block-scaled epilogue writes {KERNEL_OUT_DTYPES} and reads no C"
+    if a_major != "k" or b_major != "k":
+        return "XLA ops: block-scaled operands must be K-major ([m, k] and [n, k])"
+    quantum = max(tma_quantum_bits(OPERAND_BITS[a_dtype]), tma_quantum_bits(OPERAND_BITS[b_dtype]))
+    if k % scale_block or k % quantum:
+        return (
+            f"XLA ops: k={k} must be a multiple of the scale block ({scale_block}) and of "
+            f"{quantum} (16 bytes of {a_dtype} rows, for TMA)"
+        )
+    if n % tma_quantum(out_dtype):
+        return f"XLA ops: n={n} of {out_dtype} rows is not a multiple of 16 bytes (TMA stores)"
+    return None
+
+
+def tma_quantum_bits(bits: int) -> int:
+    """Elements of `bits` bits in one 16-byte TMA unit."""
+    return TMA_ALIGN_BYTES * 8 // bits

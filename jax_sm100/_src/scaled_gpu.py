@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning
+from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning, scale_layout
 
 
 def _xla(why: str, plan, args, out_dtype):
@@ -39,24 +39,27 @@ def scaled_problem(lhs, rhs, lhs_scales, rhs_scales, out_dtype) -> planning.Gemm
     with both operands K-major, scaled per `k / blocks` of k.
 
     Raises:
-      ValueError: scales not in the plain layout, or lhs and rhs scaled per different blocks
-        or by different scale dtypes (one plan holds one block and one scale dtype).
+      ValueError: lhs and rhs scaled per different blocks or by different scale dtypes (one
+        plan holds one block and one scale dtype).
       TypeError: a data dtype the planner does not take (e.g. float4_e2m1fn).
     """
     batch, m, k = lhs.shape
     n = rhs.shape[1]
-    if len(lhs_scales.shape) != 3 or len(rhs_scales.shape) != 3:
-        raise ValueError(
-            f"scales of shapes {lhs_scales.shape} and {rhs_scales.shape}: the kernels read "
-            "plain [B, rows, k / block] scales"
-        )
-    blocks = {k // lhs_scales.shape[2], k // rhs_scales.shape[2]}
+    blocks = {scale_layout.scale_block(x.shape, s.shape, s.dtype)
+              for x, s in ((lhs, lhs_scales), (rhs, rhs_scales))}  # fmt: skip
     scale_dtypes = {np.dtype(lhs_scales.dtype).name, np.dtype(rhs_scales.dtype).name}
     if len(blocks) != 1 or len(scale_dtypes) != 1:
         raise ValueError(
             f"lhs and rhs scaled per blocks {sorted(blocks)} by {sorted(scale_dtypes)}: the "
             "kernel takes one block and one scale dtype for both"
         )
+    if np.dtype(lhs.dtype).name in constraints.SCALED_DATA_BITS:
+        # Data only block-scaled problems take (nvfp4's e2m1): the planner checks the rest.
+        return planning.GemmProblem(
+            m=m, n=n, k=k, a_dtype=np.dtype(lhs.dtype).name, b_dtype=np.dtype(rhs.dtype).name,
+            out_dtype=np.dtype(out_dtype).name, batch=batch, a_major="k", b_major="k",
+            scale_dtype=scale_dtypes.pop(), scale_block=blocks.pop(),
+        )  # fmt: skip
     problem = planning.make_problem(
         m, n, k, a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype, batch=batch,
         a_major="k", b_major="k",
@@ -131,4 +134,14 @@ def _transposed(scales, dtype):
 
 # The kernels scaled_matmul lowers to, by plan kernel: (plan, lhs, rhs, lhs_scales, rhs_scales)
 # -> out [B, m, n].
-_KERNEL_CALLS = {planning.KERNEL_SM90_SCALED: _call_sm90}
+def _call_sm100(plan, *args):
+    """The sm_100a block-scaled kernel (mxfp8, nvfp4): scaled_sm100.py."""
+    from jax_sm100._src import scaled_sm100  # noqa: PLC0415
+
+    return scaled_sm100.call(plan, *args)
+
+
+_KERNEL_CALLS = {
+    planning.KERNEL_SM90_SCALED: _call_sm90,
+    planning.KERNEL_SM100_BLOCKSCALED: _call_sm100,
+}

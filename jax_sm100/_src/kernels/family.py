@@ -31,6 +31,7 @@ FAMILIES = {
     "sm90_wgmma_splitk": "sm90_gemm:Sm90GemmKernel",
     "sm90_wgmma_scaled": "sm90_scaled:Sm90ScaledGemmKernel",
     "sm100_tcgen05": "sm100_gemm:Sm100GemmKernel",
+    "sm100_tcgen05_blockscaled": "sm100_blockscaled:Sm100BlockScaledGemmKernel",
 }
 
 

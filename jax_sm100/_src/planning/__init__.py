@@ -36,13 +36,14 @@ import os
 import numpy as np
 
 from jax_sm100._src import constraints as C
-from jax_sm100._src.planning import sm90, sm90_scaled, sm100
+from jax_sm100._src.planning import sm90, sm90_scaled, sm100, sm100_blockscaled
 from jax_sm100._src.planning.gemm_plan import (
     DEFAULT_NUM_SMS,
     KERNEL_SM90,
     KERNEL_SM90_SCALED,
     KERNEL_SM90_SPLITK,
     KERNEL_SM100,
+    KERNEL_SM100_BLOCKSCALED,
     KERNEL_XLA,
     KERNELS,
     GemmPlan,
@@ -66,8 +67,8 @@ from jax_sm100._src.planning.sm90 import (
 )
 
 __all__ = [
-    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM90", "KERNEL_SM90_SCALED",
-    "KERNEL_SM90_SPLITK",
+    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM100_BLOCKSCALED", "KERNEL_SM90",
+    "KERNEL_SM90_SCALED", "KERNEL_SM90_SPLITK",
     "KERNEL_XLA", "SM90_MAX_EPI_STAGES", "SM90_MIN_FLOPS", "SM90_PINGPONG_EPI_STAGES",
     "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan", "GemmProblem",
     "check_plan_fits", "cooperative", "epi_smem_bytes", "grid_clusters", "make_problem", "plan",
@@ -145,6 +146,8 @@ def plan(
       scale_dtype, scale_block: a block-scaled problem (`scaled_matmul`): A's and B's rows
         scaled per `scale_block` elements of k by factors of `scale_dtype` (sm_90a runs float32
         per 128 on its block-scaled kernel, `planning/sm90_scaled.py`); None and 0 otherwise.
+        sm_100a runs mxfp8 (float8_e8m0fnu per 32) and nvfp4 (float4_e2m1fn data,
+        float8_e4m3fn per 16) on its block-scaled tcgen05 kernel (`planning/sm100_blockscaled.py`).
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -153,6 +156,12 @@ def plan(
       PlanError: for an unknown arch or non-positive sizes.
       TypeError: for dtypes the primitive does not take.
     """
+    if (scale_dtype is not None or scale_block) and arch == "sm_100a":
+        return sm100_blockscaled.plan_sm100_scaled(
+            m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+            batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
+            scale_dtype=scale_dtype, scale_block=scale_block, num_sms=num_sms,
+        )  # fmt: skip
     if scale_dtype is not None or scale_block:
         p = make_problem(m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
                          c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,

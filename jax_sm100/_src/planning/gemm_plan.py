@@ -19,11 +19,20 @@ import numpy as np
 from jax_sm100._src import constraints as C
 
 KERNEL_SM100 = "sm100_tcgen05"
+# Block-scaled operands (scaled_matmul: mxfp8, nvfp4) on sm_100a: kernels/sm100_blockscaled.py.
+KERNEL_SM100_BLOCKSCALED = "sm100_tcgen05_blockscaled"
 KERNEL_SM90 = "sm90_wgmma"
 KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
 KERNEL_SM90_SCALED = "sm90_wgmma_scaled"
 KERNEL_XLA = "xla_dot"
-KERNELS = (KERNEL_SM100, KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_SCALED, KERNEL_XLA)
+KERNELS = (
+    KERNEL_SM100,
+    KERNEL_SM100_BLOCKSCALED,
+    KERNEL_SM90,
+    KERNEL_SM90_SPLITK,
+    KERNEL_SM90_SCALED,
+    KERNEL_XLA,
+)
 
 # SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
 # Calls plan for their device's own count (dispatch.Target).
@@ -98,8 +107,8 @@ def mma_operand_dtype(arch: str, a_dtype: str, b_dtype: str) -> str:
     """The operand dtype a plan's MMA tile is sized for: the operands' when the arch's kernels
     take them at one width (two fp8 formats included), else bfloat16 (the problem then runs on
     XLA's dot and the tile only fills the plan's fields)."""
-    ops = C.KERNEL_OPERAND_DTYPES[arch]
-    if a_dtype in ops and b_dtype in ops and C.DTYPE_BITS[a_dtype] == C.DTYPE_BITS[b_dtype]:
+    ops = C.KERNEL_OPERAND_DTYPES[arch] + tuple(C.SCALED_DATA_BITS)
+    if a_dtype in ops and b_dtype in ops and C.OPERAND_BITS[a_dtype] == C.OPERAND_BITS[b_dtype]:
         return a_dtype
     return "bfloat16"
 
@@ -202,8 +211,9 @@ class GemmPlan:
                 raise C.PlanError(f"{name}={v!r} must be a positive int")
         for name in ("a_dtype", "b_dtype", "out_dtype", "c_dtype"):
             v = getattr(self, name)
-            if v is not None and v not in C.DTYPE_BITS:
-                raise C.PlanError(f"{name}={v!r} must be one of {tuple(C.DTYPE_BITS)}")
+            bits = C.OPERAND_BITS if name in ("a_dtype", "b_dtype") else C.DTYPE_BITS
+            if v is not None and v not in bits:
+                raise C.PlanError(f"{name}={v!r} must be one of {tuple(bits)}")
         if not isinstance(self.max_clusters, (int, np.integer)) or self.max_clusters < 0:
             raise C.PlanError(f"max_clusters={self.max_clusters!r} must be an int >= 0")
         if self.max_clusters and self.arch != "sm_100a":
@@ -216,11 +226,13 @@ class GemmPlan:
         setf("cluster_shape_mn", tuple(int(x) for x in self.cluster_shape_mn))
         if self.num_sms <= 0:
             setf("num_sms", DEFAULT_NUM_SMS[self.arch])
-        if self.kernel == KERNEL_SM100 and self.arch != "sm_100a":
+        if self.kernel in (KERNEL_SM100, KERNEL_SM100_BLOCKSCALED) and self.arch != "sm_100a":
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_100a only, plan is {self.arch}")
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK) and self.arch != "sm_90a":
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_90a only, plan is {self.arch}")
-        C.check_scaled(self.arch, self.kernel == KERNEL_SM90_SCALED, self.kernel == KERNEL_XLA,
+        _check_sm100_blockscaled(self)
+        C.check_scaled(self.arch, self.kernel == KERNEL_SM90_SCALED,
+                       self.kernel in (KERNEL_XLA, KERNEL_SM100_BLOCKSCALED),
                        self.scale_dtype, self.scale_block, self.mma_tiler_mnk[0], self.pingpong,
                        self.split_k, self.stream_k, self.stage_c)  # fmt: skip
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
@@ -252,7 +264,9 @@ class GemmPlan:
             )
             if self.num_acc_stages < 1:
                 raise C.PlanError(f"{self.num_acc_stages=} must be >= 1")
-            alloc = _pow2_ceil(max(C.TMEM_MIN_COLS, cols * self.num_acc_stages))
+            alloc = _pow2_ceil(
+                max(C.TMEM_MIN_COLS, cols * self.num_acc_stages + scale_tmem_cols(self))
+            )
             C.check_tmem(alloc)
             b_rows = mn // 2 if self.use_2cta else mn
             if self.epi_n:
@@ -270,7 +284,7 @@ class GemmPlan:
         setf("acc_tmem_cols_per_stage", int(cols))
         setf("tmem_alloc_cols", int(alloc))
         C.check_epi_tile(self.epi_tile, cta)
-        ab_bits = C.DTYPE_BITS[ab]
+        ab_bits = C.OPERAND_BITS[ab]
         stage_bytes = _ab_stage_bytes(cta, b_rows, ab_bits) + scale_stage_bytes(cta, self)
         epi_bytes = self._epi_bytes
         setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
@@ -282,9 +296,10 @@ class GemmPlan:
         if self.kernel != KERNEL_XLA:
             why = C.kernel_support(
                 self.arch, self.m, self.n, self.k, self.a_dtype, self.b_dtype, self.out_dtype,
-                self.c_dtype, self.a_major, self.b_major, self.batch,
+                self.c_dtype, self.a_major, self.b_major, self.batch, self.scale_dtype,
+                self.scale_block,
             )  # fmt: skip
-            if why is None and self.scale_dtype is not None:
+            if why is None and self.scale_dtype is not None and self.arch == "sm_90a":
                 why = C.scaled_support(self.arch, self.k, self.a_dtype, self.b_dtype,
                                        self.scale_dtype, self.scale_block)  # fmt: skip
             if why is not None:
@@ -397,6 +412,53 @@ class GemmPlan:
 _PROBLEM_FIELDS = dataclasses.fields(GemmProblem)
 
 
+def _check_sm100_blockscaled(plan: GemmPlan) -> None:
+    """The sm_100a block-scaled kernel runs block-scaled problems only, under constraints.py's
+    `check_sm100_blockscaled`."""
+    if plan.kernel != KERNEL_SM100_BLOCKSCALED:
+        return
+    if plan.scale_dtype is None:
+        raise C.PlanError(f"kernel={plan.kernel!r} needs a block-scaled problem (scale_dtype)")
+    C.check_sm100_blockscaled(
+        plan.mma_tiler_mnk, plan.use_2cta, plan.a_dtype, plan.b_dtype, plan.scale_dtype,
+        plan.scale_block, plan.a_major, plan.b_major, plan.c_dtype, plan.preact_out,
+    )  # fmt: skip
+
+
+def scale_tmem_cols(plan: GemmPlan) -> int:
+    """TMEM columns of one K tile's scale factors in an sm_100a block-scaled plan (else 0)."""
+    if plan.kernel != KERNEL_SM100_BLOCKSCALED:
+        return 0
+    return blockscaled_tmem_cols(plan.mma_tiler_mnk, plan.use_2cta, plan.scale_block)
+
+
+def blockscaled_tmem_cols(mma_tiler_mnk, use_2cta: bool, scale_block: int) -> int:
+    """TMEM columns of one K tile's scale factors on sm_100a: every 512-byte atom (128 rows by 4
+    blocks of k) of the CTA's A rows and of B's N (whole atoms) takes 4 columns of all 128
+    lanes (its 32 lanes of 16 bytes copied to each lane quarter), as the DSL's
+    `make_tmem_layout_sfa/sfb` lay them out; the kernel checks that the two agree."""
+    mm, mn, mk = mma_tiler_mnk
+    cta_m = mm // 2 if use_2cta else mm
+    atoms_k = mk // (scale_block * C.SCALE_ATOM_BLOCKS)
+    rows = _round_up(cta_m, C.SCALE_ATOM_ROWS) + _round_up(mn, C.SCALE_ATOM_ROWS)
+    return 4 * atoms_k * rows // C.SCALE_ATOM_ROWS
+
+
+def blockscaled_stage_bytes(mma_tiler_mnk, use_2cta, scale_dtype, scale_block) -> tuple[int, int]:
+    """(A's, B's) scale-factor bytes in one A/B stage of the sm_100a block-scaled kernel: the
+    CTA's rows of A and the whole N of B (rounded up to whole 128-row atoms), one factor per
+    block of the K tile."""
+    mm, mn, mk = mma_tiler_mnk
+    cta_m = mm // 2 if use_2cta else mm
+    per_row = mk // scale_block * C.SCALE_DTYPE_BITS[scale_dtype] // 8
+    return (_round_up(cta_m, C.SCALE_ATOM_ROWS) * per_row,
+            _round_up(mn, C.SCALE_ATOM_ROWS) * per_row)  # fmt: skip
+
+
+def _round_up(x: int, q: int) -> int:
+    return -(-x // q) * q
+
+
 def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
     """Shared memory of one A/B pipeline stage: the CTA's A tile and its (share of the) B tile."""
     return (cta[0] + b_rows) * cta[2] * ab_bits // 8
@@ -407,6 +469,9 @@ def scale_stage_bytes(cta, problem) -> int:
     per row of the stage's A tile and one per row of its B tile (column of D), for its k-block."""
     if problem.scale_dtype is None:
         return 0
+    if getattr(problem, "kernel", None) == KERNEL_SM100_BLOCKSCALED:
+        return sum(blockscaled_stage_bytes(problem.mma_tiler_mnk, problem.use_2cta,
+                                           problem.scale_dtype, problem.scale_block))  # fmt: skip
     return (cta[0] + cta[1]) * C.SCALE_DTYPE_BITS[problem.scale_dtype] // 8
 
 
