@@ -34,7 +34,7 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import constraints, planning
+from jax_sm100._src import constraints, dispatch, planning
 from jax_sm100._src.kernels import family
 from jax_sm100._src.kernels.sm100_blockscaled import Sm100BlockScaledGemmKernel
 from jax_sm100._src.kernels.spec import KernelSpec
@@ -340,6 +340,31 @@ class ScaledMatmulExportTest(parameterized.TestCase):
         # Blocked scales reach the kernel as they are (a reshape); plain ones are transposed
         # into the blocked layout by XLA first.
         self.assertEqual("stablehlo.transpose" in text, layout == "plain")
+
+    def test_grid_from_the_drivers_occupancy(self):
+        # As for the dense family: on an sm_100a device the driver says how many clusters fit
+        # (whole GPCs), and the persistent grid launches no more.
+        args = (
+            jax.ShapeDtypeStruct((1, 4096, 4096), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((1, 4096, 4096), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((1, 32, 32, 32, 4, 4), jnp.float8_e8m0fnu),
+            jax.ShapeDtypeStruct((1, 32, 32, 32, 4, 4), jnp.float8_e8m0fnu),
+        )
+        with (
+            mock.patch.object(
+                dispatch, "device_target", return_value=dispatch.Target("sm_100a", 148, True)
+            ),
+            mock.patch.object(dispatch, "driver_max_clusters", return_value=70),
+            jax_sm100.lowerings() as seen,
+        ):
+            jax.export.export(
+                jax.jit(jax_sm100.scaled_matmul),
+                platforms=["cuda"],
+                disabled_checks=jax_sm100.export_disabled_checks(),
+            )(*args)
+        (how,) = seen
+        self.assertEqual(how.plan.kernel, planning.KERNEL_SM100_BLOCKSCALED)
+        self.assertEqual(planning.grid_clusters(how.plan), 70)
 
 
 if __name__ == "__main__":
