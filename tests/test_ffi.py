@@ -237,6 +237,10 @@ _CASES = [
      lambda: (lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16),
               (_s(2, 202, 256, dtype=jnp.float8_e4m3fn), _s(2, 136, 256, dtype=jnp.float8_e4m3fn),
                _s(2, 202, 2, dtype=jnp.float32), _s(2, 136, 2, dtype=jnp.float32)))),
+    ("sm90_scaled_stream_k", "sm_90a",
+     lambda: (lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16),
+              (_s(1, 8192, 8192, dtype=jnp.float8_e4m3fn),) * 2
+              + (_s(1, 8192, 64, dtype=jnp.float32),) * 2)),
     ("sm90_split_in_cluster", "sm_90a",
      lambda: _matmul_case(100, 520, 2048, plan=_sm90_plan_edit(
          100, 520, 2048, lambda t, p: t.with_split(t.sm90_variant(p, tile_mn=(64, 128)), 4,

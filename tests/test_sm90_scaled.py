@@ -35,8 +35,9 @@ class ScaledPlanTest(parameterized.TestCase):
     def test_the_kernels_plan(self):
         p = _plan(8192, 8192, 8192)
         self.assertEqual(p.kernel, planning.KERNEL_SM90_SCALED)
+        # 31.03 waves of 128 x 128 tiles on 132 SMs: stream-K shares out the last ones.
         self.assertEqual((p.cta_tile_mnk, p.pingpong, p.split_k, p.stream_k),
-                         ((128, 128, 128), False, 1, False))  # fmt: skip
+                         ((128, 128, 128), False, 1, True))  # fmt: skip
         self.assertEqual((p.scale_dtype, p.scale_block), ("float32", 128))
         # Each stage holds the k-block's A and B tiles and their 128 + 128 float32 scales.
         self.assertEqual(p.ab_stage_bytes, 2 * 128 * 128 + (128 + 128) * 4)
@@ -82,7 +83,7 @@ class ScaledPlanTest(parameterized.TestCase):
         for bad in (
             dict(pingpong=True, mma_tiler_mnk=(128, 128, 128)),
             dict(mma_tiler_mnk=(64, 128, 128)),
-            dict(stream_k=True),
+            dict(split_k=2),
             dict(kernel=planning.KERNEL_SM90),
             dict(scale_block=0),
             dict(scale_dtype="int8"),
@@ -106,7 +107,8 @@ def _ptx(plan, spec=None):
 class ScaledPtxTest(parameterized.TestCase):
     @parameterized.product(dtype=(E4M3, E5M2), out_dtype=("bfloat16", "float32"))
     def test_main_loop_instructions(self, dtype, out_dtype):
-        p = _plan(8192, 4096, 4096, dtype=dtype, out_dtype=out_dtype)
+        p = _plan(4096, 4096, 4096, dtype=dtype, out_dtype=out_dtype)
+        self.assertFalse(p.stream_k)
         compiled = compile_mod.compile_plan(p)
         ptx = compiled.ptx
         kind = {E4M3: "e4m3", E5M2: "e5m2"}[dtype]
@@ -130,6 +132,20 @@ class ScaledPtxTest(parameterized.TestCase):
         self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d", "sfa", "sfb"])
         self.assertIn("cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier", ptx)
         self.assertRegex(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232")
+
+    def test_stream_k(self):
+        # The dense family's stream-K schedule with the scaled main loop: the workspace tensors,
+        # the flags' release and acquire, the same promotion.
+        p = _plan(8192, 8192, 8192)
+        self.assertTrue(p.stream_k)
+        compiled = compile_mod.compile_plan(p)
+        self.assertEqual([t.name for t in compiled.tensor_args],
+                         ["a", "b", "d", "sfa", "sfb", "ws", "flags"])  # fmt: skip
+        ptx = compiled.ptx
+        self.assertIn("ld.acquire.gpu.global.b32", ptx)
+        self.assertRegex(ptx, r"atom\.global\.release(\.gpu)?\.add")
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 64)
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async", ptx)), 4)
 
     def test_no_spills(self):
         # The two accumulator sets and the scales fit a consumer thread's 232 registers at
@@ -180,6 +196,7 @@ class ScaledLoweringTest(parameterized.TestCase):
         ("square", (1, 1024, 1024, 1024), jnp.bfloat16),
         ("ragged_rows", (1, 202, 136, 384), jnp.float32),  # m padded to 204 in the scales
         ("batched", (3, 256, 384, 512), jnp.bfloat16),
+        ("stream_k", (1, 8192, 8192, 8192), jnp.bfloat16),
     )
     def test_one_custom_call(self, shape, out_dtype):
         batch, m, n, k = shape
@@ -189,11 +206,17 @@ class ScaledLoweringTest(parameterized.TestCase):
         self.assertIn("block-scaled kernel", how.note)
         (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
         self.assertNotIn("dot_general", text)
-        # a, b, d, sfa, sfb: inputs 0 and 1, the result, the transposed scales (inputs 2, 3).
-        self.assertIn("order = dense<[0, 1, -1, 2, 3]>", call)
+        # a, b, d, sfa, sfb: inputs 0 and 1, the result, the transposed scales (inputs 2, 3);
+        # stream-K's workspace a second result, its flags zeros passed in and aliased.
+        if how.plan.stream_k:
+            self.assertIn("order = dense<[0, 1, -1, 2, 3, -2, 4]>", call)
+            self.assertIn("output_tuple_indices = [2], operand_index = 4", call)
+        else:
+            self.assertIn("order = dense<[0, 1, -1, 2, 3]>", call)
         ld = -(-m // 4) * 4
         self.assertIn(f"tensor<{batch}x{k // 128}x{ld}xf32>", call)
-        self.assertIn(f"-> tensor<{batch}x{m}x{n}x{jnp.dtype(out_dtype).name[0]}", call)
+        out = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(out_dtype).name]
+        self.assertIn(f"tensor<{batch}x{m}x{n}x{out}>", call.split(" -> ")[-1])
         objects = re.findall(r'object = dense<"0x([0-9A-F]+)"', text)
         self.assertLen(objects, 1)
         self.assertIn(b"Sm90ScaledGemmKernel", bytes.fromhex(objects[0]))

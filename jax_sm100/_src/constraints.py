@@ -374,7 +374,8 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
                  split_k, stream_k, stage_c) -> None:  # fmt: skip
     """A block-scaled problem (scale_dtype set) runs on the block-scaled kernel or XLA, nothing
     else does; that kernel's schedule is cooperative 128-row tiles (two consumer warp groups of
-    64 rows, each holding its main and its k-block accumulators), data-parallel, on sm_90a."""
+    64 rows, each holding its main and its k-block accumulators), unsplit, on sm_90a. Stream-K
+    is allowed: its shared partial tiles are of promoted accumulators, which add."""
     if (scale_dtype is None) != (scale_block == 0) or (
         scale_dtype is not None and (scale_dtype not in SCALE_DTYPE_BITS or scale_block < 1)
     ):
@@ -389,11 +390,12 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
             f"a block-scaled problem ({scale_dtype} scales per {scale_block}) runs on the "
             "block-scaled kernel or on XLA, not on an unscaled kernel"
         )
+    del stream_k  # either schedule
     if kernel_scaled and (arch != "sm_90a" or tile_m != 128 or pingpong or split_k > 1
-                          or stream_k or stage_c):  # fmt: skip
+                          or stage_c):  # fmt: skip
         raise PlanError(
-            f"the block-scaled kernel is sm_90a, cooperative with 128-row tiles, data-parallel: "
-            f"got {arch=}, {tile_m=}, {pingpong=}, {split_k=}, {stream_k=}, {stage_c=}"
+            f"the block-scaled kernel is sm_90a, cooperative with 128-row tiles, unsplit, C not "
+            f"staged: got {arch=}, {tile_m=}, {pingpong=}, {split_k=}, {stage_c=}"
         )
 
 

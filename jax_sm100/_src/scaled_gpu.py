@@ -90,10 +90,10 @@ def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
 
 def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     """One `jax_sm100_gemm` call of the sm_90a block-scaled kernel (kernels/sm90_scaled.py)."""
+    from jax_sm100._src import compile as compile_mod  # noqa: PLC0415
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415
-    from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
 
-    compiled = compile_plan(plan)
+    compiled = compile_mod.compile_plan(plan)
     batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
     sfa, ld_a = _transposed(lhs_scales, plan.scale_dtype)
     sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
@@ -108,6 +108,20 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
               "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
     index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}
+    operands = [lhs, rhs, sfa, sfb]
+    out_types = [jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))]
+    aliases = {}
+    # A stream-K plan's workspace, as the matmul lowering passes it (gpu_lowering._call): "ws"
+    # an extra result, "flags" zeros passed in and aliased to a result.
+    for name, (shape, dtype) in compile_mod.workspace_shapes(plan).items():
+        modes[name], dtypes[name] = (shape, (1,)), dtype
+        if name == "flags":
+            index[name] = len(operands)
+            aliases[len(operands)] = len(out_types)
+            operands.append(jnp.zeros(shape, dtype))
+        else:
+            index[name] = -1 - len(out_types)
+        out_types.append(jax.ShapeDtypeStruct(shape, dtype))
     layouts = [
         ffi_checks.TensorLayout(
             t.name, dtypes[t.name], *modes[t.name], t.dynamic_shape_modes, t.dynamic_stride_modes
@@ -115,8 +129,9 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
         for t in compiled.tensor_args
     ]
     order = [index[t.name] for t in compiled.tensor_args]
-    out_type = jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))
-    return gpu_lowering._ffi(compiled, out_type, [lhs, rhs, sfa, sfb], layouts, order)
+    if len(out_types) == 1:
+        return gpu_lowering._ffi(compiled, out_types[0], operands, layouts, order)
+    return gpu_lowering._ffi(compiled, tuple(out_types), operands, layouts, order, aliases)[0]
 
 
 def _transposed(scales, dtype):

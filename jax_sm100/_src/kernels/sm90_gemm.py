@@ -532,7 +532,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             if warp == 0:
                 if cutlass.const_expr(self.stream_k):
                     self._produce_sk(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b,
-                                     tBgB, tBsB, b_mask, k_tiles)  # fmt: skip
+                                     tBgB, tBsB, b_mask, k_tiles, extra)  # fmt: skip
                 else:
                     self._produce(ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB,
                                   tBsB, b_mask, k_tiles, extra)  # fmt: skip
@@ -567,7 +567,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                           tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
                 cute.copy(tma_b, b_k[(None, state.count)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mask)  # fmt: skip
-                self._produce_stage_extra(extra, tile, state, barrier)
+                self._produce_stage_extra(extra, tile, state.count, state, barrier)
                 ab_pipe.producer_commit(state)
                 state.advance()
             sched.advance_to_next_work()
@@ -666,7 +666,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         )
         if cutlass.const_expr(self.stream_k):
             self._consume_sk(ab_pipe, sched, sched_params, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                             k_tiles, epi, warp, ctidx, rank, mWs, mFlags)  # fmt: skip
+                             k_tiles, epi, warp, ctidx, rank, mWs, mFlags, extra)  # fmt: skip
         else:
             work = sched.initial_work_tile_info()
             read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
@@ -757,8 +757,8 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         use of the extras (`extra` of `_produce`, `_consume` and `_mainloop`)."""
         return None
 
-    def _produce_stage_extra(self, extra, tile, state, barrier):
-        """The producer's loads of the extras into stage `state` (k-block `state.count`)."""
+    def _produce_stage_extra(self, extra, tile, k, state, barrier):
+        """The producer's loads of the extras of k-block `k` of `tile` into stage `state`."""
 
 
 # ---------------------------------------------------------------- compile inputs

@@ -21,8 +21,9 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   same); the promotion costs two float32 instructions per accumulator per k-tile.
 
 Everything else (persistent schedule, clusters and multicast, TMA, epilogue through shared
-memory) is the dense family's. Cooperative 128-row tiles only, data-parallel (no ping-pong,
-split-K or stream-K), identity epilogue: `why_not` says which.
+memory) is the dense family's, the stream-K schedule included (the float32 partial tiles two
+clusters share are of promoted accumulators, which add). Cooperative 128-row tiles only (no
+ping-pong, no split-K), identity epilogue: `why_not` says which.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from jax_sm100._src import constraints
 from jax_sm100._src.kernels import common, family
-from jax_sm100._src.kernels.sm90_gemm import _SMEM_ALIGN, _THREADS_PER_WG, Sm90GemmKernel
+from jax_sm100._src.kernels.sm90_gemm import (
+    _SMEM_ALIGN,
+    _THREADS_PER_WG,
+    Sm90GemmKernel,
+    _fake_workspace,
+)
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _KERNEL = "sm90_wgmma_scaled"
@@ -44,12 +50,12 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     """The block-scaled wgmma GEMM for one (GemmPlan, KernelSpec); the plan's `scale_dtype`
     and `scale_block` say how A and B are scaled.
 
-    Host entry point: `__call__(a, b, d, sfa, sfb, stream)`: a (M, K, L) and b (N, K, L)
-    K-major fp8, d (M, N, L) N-major, sfa (M, K / 128, L) and sfb (N, K / 128, L) float32 with
-    M (N) contiguous.
+    Host entry point: `__call__(a, b, d, sfa, sfb, ws, flags, stream)`: a (M, K, L) and
+    b (N, K, L) K-major fp8, d (M, N, L) N-major, sfa (M, K / 128, L) and sfb (N, K / 128, L)
+    float32 with M (N) contiguous; ws and flags a stream-K plan's workspace (None otherwise).
     """
 
-    HOST_OPERANDS = ("a", "b", "d", "sfa", "sfb")
+    HOST_OPERANDS = ("a", "b", "d", "sfa", "sfb", "ws", "flags")
 
     def __init__(self, plan, spec: KernelSpec):
         super().__init__(plan, spec)
@@ -94,7 +100,8 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             return make_fake_tensor(scale_type, (rows, blocks, l), (1, ld, batch),
                                     assumed_align=common.TMA_ALIGN_BYTES)  # fmt: skip
 
-        return family.CompileInputs(plan, spec, (a, b, d, scales(m), scales(n)))
+        operands = (a, b, d, scales(m), scales(n), *_fake_workspace(plan))
+        return family.CompileInputs(plan, spec, operands)
 
     # ---------------------------------------------------------------- host
 
@@ -106,9 +113,11 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         d: cute.Tensor,
         sfa: cute.Tensor,
         sfb: cute.Tensor,
+        ws: cute.Tensor | None,
+        flags: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
-        self._launch(a, b, d, None, None, None, None, None, stream, (sfa, sfb))
+        self._launch(a, b, d, None, None, None, ws, flags, stream, (sfa, sfb))
 
     def _stage_extra_host(self, stage_extra):
         """TMA atoms for one k-block's scales of a tile's rows (A) and columns (B), and their
@@ -154,10 +163,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             out.append((atom, g, s, smem))
         return tuple(out)
 
-    def _produce_stage_extra(self, extra, tile, state, barrier):
-        """k-block `state.count`'s scales of this tile's rows (A) and columns (B)."""
+    def _produce_stage_extra(self, extra, tile, k, state, barrier):
+        """k-block `k`'s scales of this tile's rows (A) and columns (B)."""
         for (atom, g, s, _), which in zip(extra, (0, 1), strict=True):
-            cute.copy(atom, g[(None, tile[which], state.count, tile[2])],
+            cute.copy(atom, g[(None, tile[which], k, tile[2])],
                       s[(None, state.index)], tma_bar_ptr=barrier)  # fmt: skip
 
     @cute.jit

@@ -24,7 +24,7 @@ class Sm90SplitSchedules:
 
     @cute.jit
     def _produce_sk(self, ab_pipe, sched_params, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB,
-                    b_mask, k_tiles):  # fmt: skip
+                    b_mask, k_tiles, extra=None):  # fmt: skip
         """The producer on the stream-K schedule: each segment's k-blocks [kb, ke)."""
         sched = utils.StaticPersistentTileScheduler.create(
             sched_params, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -44,6 +44,7 @@ class Sm90SplitSchedules:
                           tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
                 cute.copy(tma_b, b_k[(None, kb + j)], tBsB[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=b_mask)  # fmt: skip
+                self._produce_stage_extra(extra, tile, kb + j, state, barrier)
                 ab_pipe.producer_commit(state)
                 state.advance()
             idx += 1
@@ -112,7 +113,7 @@ class Sm90SplitSchedules:
 
     @cute.jit
     def _consume_sk(self, ab_pipe, sched, sched_params, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                    k_tiles, epi, warp, ctidx, rank, mWs, mFlags):  # fmt: skip
+                    k_tiles, epi, warp, ctidx, rank, mWs, mFlags, extra=None):  # fmt: skip
         """The consumers on the stream-K schedule.
 
         A whole tile ends in the epilogue. A segment that stops short of its tile's end (ke <
@@ -136,7 +137,7 @@ class Sm90SplitSchedules:
         while work.is_valid_tile:
             tile = work.tile_idx
             read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                           ke - kb, read, release)  # fmt: skip
+                                           ke - kb, read, release, extra)  # fmt: skip
             warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             release.advance()

@@ -42,7 +42,7 @@ from jax_sm100._src.planning.gemm_plan import (
     _wave_cost,
     mma_operand_dtype,
 )
-from jax_sm100._src.planning.sm90 import _fill_sm90_smem, _sm90_swizzle
+from jax_sm100._src.planning.sm90 import _fill_sm90_smem, _sm90_stream_k, _sm90_swizzle
 
 # (tile_m, tile_n, efficiency) for the wave model (`_wave_cost`).
 SCALED_TILES = ((128, 128, 1.0), (128, 64, 0.8))
@@ -104,19 +104,27 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
     # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
     # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
     cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
+    # Stream-K over the last waves where they leave clusters idle (the dense planner's rule,
+    # `_sm90_stream_k`: 8192^3 is 31.03 waves of 128 x 128 tiles on 132 SMs).
+    sms = num_sms or DEFAULT_NUM_SMS[arch]
+    stream_k = _sm90_stream_k(m, n, batch, tm, tn, cluster, sms)
+    reason = (
+        f"block-scaled wgmma {tm}x{tn} cooperative tile: each 128-k block accumulated apart and "
+        f"promoted times its {problem.scale_dtype} scales"
+    )
+    if stream_k:
+        reason += "; stream-K over the last waves (they do not divide evenly)"
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM90_SCALED,
-        reason=(
-            f"block-scaled wgmma {tm}x{tn} cooperative tile: each 128-k block accumulated apart "
-            f"and promoted times its {problem.scale_dtype} scales"
-        ),
+        reason=reason,
         mma_tiler_mnk=(tm, tn, ktile),
         cluster_shape_mn=cluster,
         use_2cta=False,
         num_ab_stages=C.MIN_AB_STAGES,
         num_acc_stages=1,
         swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
+        stream_k=stream_k,
     )
     # A/B stages (each with its scales) as many as fit, then the store ring.
     return _fill_sm90_smem(plan)
