@@ -102,6 +102,20 @@ class GpuScaledTest(parameterized.TestCase):
             err = np.max(np.abs(wrong - want[:, rows])) / np.max(np.abs(want[:, rows]))
             self.assertGreater(err, 50 * tu.RTOL[jnp.dtype(out_dtype).name])
 
+    @parameterized.parameters(jnp.bfloat16, jnp.float32)
+    def test_stream_k(self, out_dtype):
+        # 544 cluster tiles of 2 x (128 x 128) for 66 clusters (8.2 waves on 132 SMs): the last
+        # waves' tiles are shared out by k-blocks between clusters, which meet in the workspace.
+        m, n, k = 8192, 2176, 512
+        ka, kb = jax.random.split(jax.random.key(11))
+        lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
+        self.assert_on_kernel(seen)
+        if not seen[0].plan.stream_k:
+            self.skipTest(f"no stream-K on {seen[0].plan.num_sms} SMs for this shape")
+        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
+
     def test_weight_blocks_of_128x128(self):
         # DeepSeek-V3 quantizes weights per 128 x 128 block: one scale for 128 rows of rhs,
         # which scaled_matmul takes repeated per row.
