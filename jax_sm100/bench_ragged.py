@@ -1,17 +1,25 @@
 """Grouped GEMMs beside XLA: `python -m jax_sm100.bench --ragged [--shapes G:MxKxN,...] [--small]`.
 
 For each problem (G groups, m rows split among them, [m, k] @ [G, k, n]), with normal random
-bfloat16 data and group sizes drawn as a mixture-of-experts router makes them (multinomial over
-the groups, some empty), times in one process, by wall clock (3 warm-up calls, then the median
-of 5 rounds of 10 async calls blocked once):
+bfloat16 data, and for two kinds of group sizes:
+
+- "equal": m / G rows per group (balanced routing);
+- "skewed": multinomial counts over Dirichlet(0.3) weights (issue 18's skew: a few large
+  groups, many small or empty ones);
+
+it times in one process, by wall clock (3 warm-up calls, then the median of 5 rounds of 10 async
+calls blocked once):
 
 - `jax_sm100.ragged_dot` forward, and its vjp (d lhs and d rhs);
 - `jax.lax.ragged_dot` forward and vjp;
-- the dense product of the same FLOPs (`jnp.dot` of [m, k] @ [k, n]), the ceiling.
+- the dense product of the same FLOPs ([m, k] @ [k, n]) on our kernel (`jax_sm100.matmul`,
+  forward and vjp) and on XLA (`jnp.dot`, forward): the ceiling a grouped GEMM is held to.
 
-Prints TFLOP/s (2 m k n per forward, twice that per vjp) and ours / lax. The default problems are
-issue 18's (8 x 32768x4096x4096, 64 x 65536x2048x1408, 128 x 16384x2048x768); `--small` runs
-tiny ones (a CPU smoke test). Which path ours took is printed from `jax_sm100.lowerings()`.
+Prints TFLOP/s (2 m k n per forward, three times that per forward + vjp counted as the vjp's
+two products) and the ratios: ours / lax, and ours / our dense product. The default problems
+are issue 18's (8 x 32768x4096x4096, 64 x 65536x2048x1408, 128 x 16384x2048x768) and 256
+groups of 128 rows (32768x2048x768); `--small` runs tiny ones (a CPU smoke test). Which path
+ours took is printed from `jax_sm100.lowerings()`.
 """
 
 from __future__ import annotations
@@ -27,23 +35,35 @@ from jax import lax
 import jax_sm100
 from jax_sm100.bench_train import time_steps
 
-PROBLEMS = ((8, 32768, 4096, 4096), (64, 65536, 2048, 1408), (128, 16384, 2048, 768))
+PROBLEMS = (
+    (8, 32768, 4096, 4096),
+    (64, 65536, 2048, 1408),
+    (128, 16384, 2048, 768),
+    (256, 32768, 2048, 768),
+)
 SMALL = ((4, 256, 64, 32), (16, 512, 32, 48))
 
 
-def group_sizes(seed: int, groups: int, m: int) -> jnp.ndarray:
-    """Sizes summing to m, as top-1 routing of m tokens over `groups` experts gives them."""
+def group_sizes(seed: int, groups: int, m: int, kind: str = "equal") -> jnp.ndarray:
+    """Sizes summing to m: equal ("equal", the remainder spread over the first groups), or
+    multinomial over Dirichlet(0.3) weights ("skewed")."""
+    if kind == "equal":
+        sizes = np.full(groups, m // groups)
+        sizes[: m % groups] += 1
+        return jnp.asarray(sizes.astype(np.int32))
     rng = np.random.default_rng(seed)
-    weights = rng.dirichlet(np.full(groups, 2.0))
+    weights = rng.dirichlet(np.full(groups, 0.3))
     return jnp.asarray(rng.multinomial(m, weights).astype(np.int32))
 
 
-def _vjp_of(f):
-    """(lhs, rhs, sizes, ct) -> (d lhs, d rhs) of `f`, jitted."""
+def _vjp_of(f, nargs=3):
+    """(lhs, rhs, [sizes,] ct) -> (d lhs, d rhs) of `f`, jitted."""
+    if nargs == 2:
+        return jax.jit(lambda a, b, t: jax.vjp(f, a, b)[1](t))
     return jax.jit(lambda a, b, s, t: jax.vjp(lambda u, v: f(u, v, s), a, b)[1](t))
 
 
-def run(problems, dtype=jnp.bfloat16):
+def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None):
     rows = []
     for i, (g, m, k, n) in enumerate(problems):
         keys = jax.random.split(jax.random.key(i), 4)
@@ -51,29 +71,64 @@ def run(problems, dtype=jnp.bfloat16):
         rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(dtype)
         dense_w = rhs[0]
         ct = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
-        sizes = group_sizes(i, g, m)
         ours = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
         theirs = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=dtype))
-
-        with jax_sm100.lowerings() as seen:
-            t_ours = time_steps(ours, lhs, rhs, sizes)
-        t_lax = time_steps(theirs, lhs, rhs, sizes)
-        v_ours = time_steps(_vjp_of(ours), lhs, rhs, sizes, ct)
-        v_lax = time_steps(_vjp_of(theirs), lhs, rhs, sizes, ct)
-        t_dense = time_steps(jax.jit(jnp.dot), lhs, dense_w)
-        path = "; ".join(sorted({low.note for low in seen})) or "XLA (no CUDA lowering)"
-        rows.append(((g, m, k, n), 2 * m * k * n, t_ours, t_lax, v_ours, v_lax, t_dense, path))
+        dense = {
+            "ours": time_steps(jax.jit(jax_sm100.matmul), lhs, dense_w),
+            "ours_vjp": time_steps(_vjp_of(jax_sm100.matmul, 2), lhs, dense_w, ct),
+            "xla": time_steps(jax.jit(jnp.dot), lhs, dense_w),
+        }
+        for kind in kinds:
+            sizes = group_sizes(i, g, m, kind)
+            with jax_sm100.lowerings() as seen:
+                t = {
+                    "ours": time_steps(ours, lhs, rhs, sizes),
+                    "ours_vjp": time_steps(_vjp_of(ours), lhs, rhs, sizes, ct),
+                }
+            t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
+            t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
+            path = "; ".join(sorted({
+                f"{low.note.split(':')[0]} on {low.plan.kernel if low.plan else 'XLA'}"
+                + (f" {low.plan.cta_tile_mnk[:2]}" if low.plan and low.plan.kernel != "xla_dot"
+                   else "")
+                for low in seen
+            })) or "XLA (no CUDA lowering)"  # fmt: skip
+            rows.append(((g, m, k, n), kind, 2 * m * k * n, t, dense, path))
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
-def report(rows) -> None:
-    print(f"{'groups x m x k x n':24s}| {'ours fwd':>9s} {'lax fwd':>9s} {'ratio':>6s} | "
-          f"{'ours vjp':>9s} {'lax vjp':>9s} {'ratio':>6s} | {'dense':>9s}   (TF/s)")  # fmt: skip
-    for (g, m, k, n), flop, t_o, t_l, v_o, v_l, t_d, path in rows:
-        tf = lambda f, t: f / t / 1e12  # noqa: E731
-        print(f"{g:3d} x {m}x{k}x{n}".ljust(24) + f"| {tf(flop, t_o):9.3g} {tf(flop, t_l):9.3g} "
-              f"{t_l / t_o:6.3f} | {tf(2 * flop, v_o):9.3g} {tf(2 * flop, v_l):9.3g} "
-              f"{v_l / v_o:6.3f} | {tf(flop, t_d):9.3g}")  # fmt: skip
+def _time_or_nan(fn, *args):
+    """`time_steps`, or NaN where XLA runs out of memory (lax.ragged_dot materialises large
+    temporaries at some shapes on GPUs)."""
+    try:
+        return time_steps(fn, *args)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return float("nan")
+
+
+def _header() -> None:
+    print(f"{'groups x m x k x n':22s} {'sizes':6s}| {'ours':>6s} {'lax':>6s} {'x lax':>6s} "
+          f"{'/dense':>6s} | {'ours':>6s} {'lax':>6s} {'x lax':>6s} {'/dense':>6s} | "
+          f"{'dense':>6s} {'vjp':>6s} {'jnp':>6s}   TF/s: forward | forward+vjp "
+          "| our dense fwd, fwd+vjp; jnp.dot fwd")  # fmt: skip
+
+
+def _row(row) -> None:
+    for (g, m, k, n), kind, flop, t, dense, path in (row,):
+        tf = lambda f, s: f / s / 1e12  # noqa: E731
+        # forward + vjp: the forward time plus the vjp's (3 products in all).
+        fb_o, fb_l = t["ours"] + t["ours_vjp"], t["lax"] + t["lax_vjp"]
+        fb_d = dense["ours"] + dense["ours_vjp"]
+        print(f"{g:3d} x {m}x{k}x{n}".ljust(22) + f" {kind:6s}| {tf(flop, t['ours']):6.1f} "
+              f"{tf(flop, t['lax']):6.1f} {t['lax'] / t['ours']:6.1f} "
+              f"{dense['ours'] / t['ours']:6.3f} | {tf(3 * flop, fb_o):6.1f} "
+              f"{tf(3 * flop, fb_l):6.1f} {fb_l / fb_o:6.1f} {fb_d / fb_o:6.3f} | "
+              f"{tf(flop, dense['ours']):6.1f} {tf(3 * flop, fb_d):6.1f} "
+              f"{tf(flop, dense['xla']):6.1f}")  # fmt: skip
         print(f"    path: {path}")
 
 
@@ -92,7 +147,8 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16, "
           "wall clock, median of 5 rounds of 10 calls")  # fmt: skip
-    report(run(problems))
+    _header()
+    run(problems, on_row=_row)
     return 0
 
 

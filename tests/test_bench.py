@@ -225,13 +225,16 @@ class MainTest(absltest.TestCase):
 
 class RaggedBenchTest(absltest.TestCase):
     def test_small_problems_print_a_row_each(self):
-        # `python -m jax_sm100.bench --ragged --small`: the table, one row and a path per problem.
+        # `python -m jax_sm100.bench --ragged --small`: the table, one row and a path per
+        # problem and kind of group sizes (equal, skewed).
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             self.assertEqual(bench.main(["--ragged", "--small"]), 0)
         text = out.getvalue()
-        self.assertEqual(text.count("path:"), 2, text)
-        self.assertIn("ours fwd", text)
+        self.assertEqual(text.count("path:"), 4, text)
+        self.assertEqual(text.count(" equal |"), 2, text)
+        self.assertEqual(text.count(" skewed|"), 2, text)
+        self.assertIn("/dense", text)
 
 
 class ScaledBenchTest(absltest.TestCase):

@@ -5,6 +5,9 @@ with random normal data and group sizes that put boundaries anywhere (empty grou
 smaller than a tile, sizes that sum to less than m), and that the kernel, not XLA, ran.
 """
 
+import os
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,13 +53,31 @@ _TOL = {"bfloat16": 1e-2, "float16": 2e-3}
 
 @absltest.skipIf(_arch() != "sm_90a", "needs an SM90 (Hopper) CUDA device and jax[cuda]")
 class GroupedGpuTest(parameterized.TestCase):
+    def lower_and_run(self, schedule, fn, *args):
+        """`fn(*args)` lowered with the grouped planner restricted to `schedule` ("" for the
+        planner's choice); returns (result, the lowerings)."""
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
+            with jax_sm100.lowerings() as seen:
+                out = jax.jit(fn)(*args)
+        for low in seen:
+            if low.plan is not None and low.plan.kernel == GROUPED and schedule:
+                self.assertEqual(low.plan.pingpong, schedule == "pingpong")
+        return out, seen
+
     @parameterized.product(
         shape=[(8, 1024, 256, 512), (5, 777, 136, 264), (16, 4096, 512, 256), (3, 300, 64, 520)],
         fill=[1.0, 0.7],
-        dtype=["bfloat16", "float16"],
         transpose_rhs=[False, True],
+        schedule=["cooperative", "pingpong"],
     )
-    def test_forward(self, shape, fill, dtype, transpose_rhs):
+    def test_forward(self, shape, fill, transpose_rhs, schedule):
+        self._forward(shape, fill, "bfloat16", transpose_rhs, schedule)
+
+    @parameterized.parameters((8, 1024, 256, 512), (5, 777, 136, 264))
+    def test_forward_float16(self, *shape):
+        self._forward(shape, 0.8, "float16", False, "")
+
+    def _forward(self, shape, fill, dtype, transpose_rhs, schedule):
         g, m, k, n = shape
         rng = np.random.default_rng(m + n + k + g)
         ka, kb = jax.random.split(jax.random.key(m * n + g), 2)
@@ -64,10 +85,8 @@ class GroupedGpuTest(parameterized.TestCase):
         rshape = (g, n, k) if transpose_rhs else (g, k, n)
         rhs = jax.random.normal(kb, rshape, jnp.float32).astype(dtype)
         gs = _sizes(rng, g, m, fill)
-        f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(
-            a, jnp.swapaxes(b, -1, -2) if transpose_rhs else b, s))  # fmt: skip
-        with jax_sm100.lowerings() as seen:
-            out = f(lhs, rhs, gs)
+        out, seen = self.lower_and_run(schedule, lambda a, b, s: jax_sm100.ragged_dot(
+            a, jnp.swapaxes(b, -1, -2) if transpose_rhs else b, s), lhs, rhs, gs)  # fmt: skip
         ref = _reference(lhs, rhs, gs, transpose_rhs)
         self.assertLess(_rel(out, ref), _TOL[dtype])
         # Rows past the groups are exact zeros.
@@ -78,8 +97,9 @@ class GroupedGpuTest(parameterized.TestCase):
     @parameterized.product(
         shape=[(8, 1024, 256, 512), (6, 999, 200, 136), (32, 2048, 128, 256)],
         fill=[1.0, 0.6],
+        schedule=["cooperative", "pingpong"],
     )
-    def test_gradients(self, shape, fill):
+    def test_gradients(self, shape, fill, schedule):
         g, m, k, n = shape
         rng = np.random.default_rng(7 * m + n)
         ka, kb, kc = jax.random.split(jax.random.key(g + m), 3)
@@ -89,14 +109,13 @@ class GroupedGpuTest(parameterized.TestCase):
         gs = _sizes(rng, g, m, fill)
 
         def vjp(fn):
-            return jax.jit(lambda a, b, s, t: jax.vjp(lambda u, v: fn(u, v, s), a, b)[1](t))
+            return lambda a, b, s, t: jax.vjp(lambda u, v: fn(u, v, s), a, b)[1](t)
 
-        with jax_sm100.lowerings() as seen:
-            da, db = vjp(jax_sm100.ragged_dot)(lhs, rhs, gs, ct)
+        (da, db), seen = self.lower_and_run(schedule, vjp(jax_sm100.ragged_dot), lhs, rhs, gs, ct)
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        ra, rb = vjp(lambda u, v, s: lax.ragged_dot(u, v, s, precision=lax.Precision.HIGHEST))(
-            f32(lhs), f32(rhs), gs, f32(ct)
-        )
+        ra, rb = jax.jit(
+            vjp(lambda u, v, s: lax.ragged_dot(u, v, s, precision=lax.Precision.HIGHEST))
+        )(f32(lhs), f32(rhs), gs, f32(ct))
         self.assertLess(_rel(da, ra), 1e-2)
         self.assertLess(_rel(db, rb), 1e-2)
         # Empty groups' weight gradients are exact zeros.
@@ -114,19 +133,27 @@ class GroupedGpuTest(parameterized.TestCase):
         lhs = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
         rhs = jax.random.normal(jax.random.key(1), (g, k, n), jnp.float32).astype(jnp.bfloat16)
         gs = jnp.asarray([300, 0, 400, 100], jnp.int32)
-        out = jax.jit(jax_sm100.ragged_dot)(lhs, rhs, gs)
+        out, _ = self.lower_and_run("pingpong", jax_sm100.ragged_dot, lhs, rhs, gs)
         ref = _reference(lhs, rhs, jnp.asarray([300, 0, 212, 0], jnp.int32))
         self.assertLess(_rel(out, ref), 1e-2)
 
-    def test_many_groups_small(self):
+    @parameterized.parameters("cooperative", "pingpong")
+    def test_many_groups_small(self, schedule):
         # More groups than rows per tile: most tiles straddle boundaries; many groups empty.
         g, m, k, n = 256, 4096, 256, 384
         rng = np.random.default_rng(3)
         lhs = jax.random.normal(jax.random.key(2), (m, k), jnp.float32).astype(jnp.bfloat16)
         rhs = jax.random.normal(jax.random.key(3), (g, k, n), jnp.float32).astype(jnp.bfloat16)
         gs = _sizes(rng, g, m, 1.0)
-        out = jax.jit(jax_sm100.ragged_dot)(lhs, rhs, gs)
+        out, _ = self.lower_and_run(schedule, jax_sm100.ragged_dot, lhs, rhs, gs)
         self.assertLess(_rel(out, _reference(lhs, rhs, gs)), 1e-2)
+        # The weight gradient of many short groups (ragged k), where ping-pong matters most.
+        ct = jax.random.normal(jax.random.key(4), (m, n), jnp.float32).astype(jnp.bfloat16)
+        vjp = lambda a, b, s, t: jax.vjp(lambda u, v: jax_sm100.ragged_dot(u, v, s), a, b)[1](t)  # noqa: E731
+        (_, db), _ = self.lower_and_run(schedule, vjp, lhs, rhs, gs, ct)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        rb = jax.vjp(lambda v: lax.ragged_dot(f32(lhs), v, gs), f32(rhs))[1](f32(ct))[0]
+        self.assertLess(_rel(db, rb), 1e-2)
 
 
 if __name__ == "__main__":

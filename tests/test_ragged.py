@@ -3,9 +3,11 @@ backward's two primitives, the fallbacks and the errors."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -170,14 +172,50 @@ class RaggedDotTest(parameterized.TestCase):
             jax_sm100.ragged_dot(lhs, rhs, sizes, group_offset=jnp.zeros((1,), jnp.int32))
 
     def test_cuda_lowering_says_which_path(self):
-        # Lowered for CUDA on this machine: XLA's ragged_dot_general until the grouped kernels
-        # land, and the lowering says so.
+        # Lowered for CUDA on a machine without a GPU and without a target arch: XLA's
+        # ragged_dot_general, and the lowering says so.
         lhs = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((4, 32, 16), jnp.bfloat16)
         sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-        with jax_sm100.lowerings() as seen:
-            jax.export.export(jax.jit(jax_sm100.ragged_dot), platforms=["cuda"])(lhs, rhs, sizes)
-        self.assertTrue(any("no grouped kernel yet" in x.note for x in seen), seen)
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": ""}):
+            with jax_sm100.lowerings() as seen:
+                jax.export.export(jax.jit(jax_sm100.ragged_dot), platforms=["cuda"])(
+                    lhs, rhs, sizes
+                )
+        self.assertTrue(any("XLA" in x.note for x in seen), seen)
+
+    @parameterized.parameters(False, True)
+    def test_sm90_training_products_are_grouped_kernels(self, transpose_rhs):
+        # Exported for sm_90a on this machine: the forward, the input gradient and the weight
+        # gradient are each one call of the grouped kernel (ragged rows, ragged rows against
+        # the experts transposed, ragged contraction), and no XLA ragged dot is left.
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rshape = (8, 48, 64) if transpose_rhs else (8, 64, 48)
+        rhs = jax.ShapeDtypeStruct(rshape, jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+        def step(a, b, s):
+            def loss(a, b):
+                w = jnp.swapaxes(b, 1, 2) if transpose_rhs else b
+                return jnp.sum(jax_sm100.ragged_dot(a, w, s).astype(jnp.float32) ** 2)
+
+            return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
+
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                exported = jax.export.export(
+                    jax.jit(step), platforms=["cuda"],
+                    disabled_checks=jax_sm100.export_disabled_checks(),
+                )(lhs, rhs, sizes)  # fmt: skip
+        text = exported.mlir_module()
+        self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 3)
+        self.assertFalse(
+            re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text), "XLA ragged dot left"
+        )
+        plans = [x.plan for x in seen if x.plan is not None]
+        self.assertEqual([p.kernel for p in plans], ["sm90_wgmma_grouped"] * 3, seen)
+        self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
+        self.assertTrue(all(p.groups == 8 for p in plans))
 
     @parameterized.named_parameters(
         ("rank", (8, 4, 2), (2, 4, 3), (2,), ValueError, "lhs must be"),

@@ -201,10 +201,9 @@ def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
 
 def _cuda(xla_fn, name):
     def lower(*args, **params):
-        dispatch.record(
-            dispatch.Lowered(None, f"{name}: XLA's ragged_dot_general (no grouped kernel yet)")
-        )
-        return xla_fn(*args, **params)
+        from jax_sm100._src import ragged_gpu  # noqa: PLC0415
+
+        return ragged_gpu.lower(name, xla_fn, *args, **params)
 
     return lower
 

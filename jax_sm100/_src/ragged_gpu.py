@@ -88,7 +88,10 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32"}
     layouts = [
         ffi_checks.TensorLayout(
-            arg.name, dtypes[arg.name], *modes[arg.name], arg.dynamic_shape_modes,
+            arg.name,
+            dtypes[arg.name],
+            *modes[arg.name],
+            arg.dynamic_shape_modes,
             arg.dynamic_stride_modes,
         )  # fmt: skip
         for arg in compiled.tensor_args

@@ -30,6 +30,7 @@ FAMILIES = {
     "sm90_wgmma": "sm90_gemm:Sm90GemmKernel",
     "sm90_wgmma_splitk": "sm90_gemm:Sm90GemmKernel",
     "sm90_wgmma_scaled": "sm90_scaled:Sm90ScaledGemmKernel",
+    "sm90_wgmma_grouped": "sm90_grouped:Sm90GroupedGemmKernel",
     "sm100_tcgen05": "sm100_gemm:Sm100GemmKernel",
     "sm100_tcgen05_blockscaled": "sm100_blockscaled:Sm100BlockScaledGemmKernel",
 }

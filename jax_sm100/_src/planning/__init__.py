@@ -80,7 +80,7 @@ __all__ = [
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(
     m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
-    allow_pingpong=True, preact_out=False, num_sms=0,
+    allow_pingpong=True, preact_out=False, num_sms=0, groups=0, ragged="", grouped_schedule="",
 ):  # fmt: skip
     C.check_arch(arch)
     num_sms = num_sms or DEFAULT_NUM_SMS[arch]
@@ -97,6 +97,13 @@ def _plan_cached(
         out_dtype=out_dtype, c_dtype=c_dtype, a_major=a_major, b_major=b_major, num_sms=num_sms,
         preact_out=preact_out,
     )  # fmt: skip
+    if groups:
+        common |= dict(groups=groups, ragged=ragged)
+        if arch == "sm_100a":
+            why_not = why_not or "XLA ragged dot: no sm_100a grouped kernel yet"
+        if arch != "sm_90a":
+            return _grouped_xla(common, why_not, ktile)
+        return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule)
     if arch == "sm_100a":
         return sm100.plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits)
     return sm90.plan_sm90(
@@ -122,6 +129,8 @@ def plan(
     num_sms: int | None = None,
     scale_dtype=None,
     scale_block: int = 0,
+    groups: int = 0,
+    ragged: str = "",
 ) -> GemmPlan:
     """Plans `batch` GEMMs of `[m, k] @ [k, n]` for `arch`.
 
@@ -148,6 +157,9 @@ def plan(
         per 128 on its block-scaled kernel, `planning/sm90_scaled.py`); None and 0 otherwise.
         sm_100a runs mxfp8 (float8_e8m0fnu per 32) and nvfp4 (float4_e2m1fn data,
         float8_e4m3fn per 16) on its block-scaled tcgen05 kernel (`planning/sm100_blockscaled.py`).
+      groups, ragged: a grouped problem (`ragged_dot`): `groups` matrices, and "m" when the
+        groups partition m (rows of A and D; B holds one [k, n] matrix per group) or "k" when
+        they partition k (D holds one [m, n] matrix per group). 0 and "" for a dense problem.
 
     Returns:
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
@@ -169,20 +181,31 @@ def plan(
         return sm90_scaled.plan_scaled(p, scale_dtype, scale_block, arch, num_sms=num_sms)
     p = make_problem(
         m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
-        batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
+        batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out, groups=groups,
+        ragged=ragged,
     )  # fmt: skip
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
     return _plan_cached(
         p.m, p.n, p.k, p.a_dtype, p.b_dtype, p.out_dtype, p.c_dtype, p.batch, arch,
         p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
-        preact_out=p.preact_out, num_sms=int(num_sms or 0),
+        preact_out=p.preact_out, num_sms=int(num_sms or 0), groups=p.groups, ragged=p.ragged,
+        grouped_schedule=os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else "",
+    )  # fmt: skip
+
+
+def _grouped_xla(common, why_not, ktile) -> GemmPlan:
+    """A grouped problem's plan on XLA's ragged dot (the tile fields are placeholders)."""
+    return GemmPlan(
+        **common, kernel=KERNEL_XLA, reason=why_not, mma_tiler_mnk=(128, 256, ktile),
+        cluster_shape_mn=(1, 1), use_2cta=False, num_ab_stages=C.MIN_AB_STAGES,
+        num_acc_stages=1,
     )  # fmt: skip
 
 
 def make_problem(
     m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
-    b_major="n", preact_out=False,
+    b_major="n", preact_out=False, groups=0, ragged="",
 ) -> GemmProblem:  # fmt: skip
     """A `GemmProblem` from `plan`'s arguments: dtypes by name (the output's defaulted as
     `plan` says), sizes checked positive.
@@ -201,10 +224,13 @@ def make_problem(
             raise C.PlanError(f"{name}={v!r} must be a positive int")
     if a_major not in ("k", "m") or b_major not in ("k", "n"):
         raise C.PlanError(f"{a_major=} must be 'k' or 'm'; {b_major=}: 'k' or 'n'")
+    if not isinstance(groups, (int, np.integer)) or groups < 0 or (groups > 0) != bool(ragged):
+        raise C.PlanError(f"{groups=}, {ragged=}: a grouped problem has groups > 0 and ragged "
+                          "'m' or 'k'; a dense one 0 and ''")  # fmt: skip
     return GemmProblem(
         m=int(m), n=int(n), k=int(k), a_dtype=a_name, b_dtype=b_name, out_dtype=out_name,
         c_dtype=c_name, batch=int(batch), a_major=a_major, b_major=b_major,
-        preact_out=bool(preact_out),
+        preact_out=bool(preact_out), groups=int(groups), ragged=ragged,
     )  # fmt: skip
 
 

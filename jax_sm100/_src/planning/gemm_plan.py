@@ -24,15 +24,20 @@ KERNEL_SM100_BLOCKSCALED = "sm100_tcgen05_blockscaled"
 KERNEL_SM90 = "sm90_wgmma"
 KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
 KERNEL_SM90_SCALED = "sm90_wgmma_scaled"
+KERNEL_SM90_GROUPED = "sm90_wgmma_grouped"
 KERNEL_XLA = "xla_dot"
 KERNELS = (
     KERNEL_SM100,
     KERNEL_SM100_BLOCKSCALED,
     KERNEL_SM90,
     KERNEL_SM90_SPLITK,
+    KERNEL_SM90_GROUPED,
     KERNEL_SM90_SCALED,
     KERNEL_XLA,
 )
+# A grouped problem's ragged mode: "m" (rows of A and D in groups, one B per group: ragged_dot
+# and its d lhs) or "k" (the contraction in groups, one D per group: ragged_dot's d rhs).
+RAGGED_MODES = ("", "m", "k")
 
 # SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
 # Calls plan for their device's own count (dispatch.Target).
@@ -103,6 +108,12 @@ def epi_smem_bytes(
     return epi_tile[0] * epi_tile[1] * num_epi_stages * groups * (d_bits + c_bits) // 8
 
 
+def group_table_bytes(groups: int) -> int:
+    """Shared memory of a grouped kernel's group table: each group's first row and first work
+    tile, plus the end and the rows past the last group (two int32 per entry)."""
+    return 8 * (groups + 2) if groups else 0
+
+
 def mma_operand_dtype(arch: str, a_dtype: str, b_dtype: str) -> str:
     """The operand dtype a plan's MMA tile is sized for: the operands' when the arch's kernels
     take them at one width (two fp8 formats included), else bfloat16 (the problem then runs on
@@ -139,6 +150,12 @@ class GemmProblem:
     # per `scale_block` elements of k by factors of `scale_dtype`; None and 0 when unscaled.
     scale_dtype: str | None = None
     scale_block: int = 0
+    # A grouped problem (ragged_dot): `groups` matrices, `ragged` says which extent the groups
+    # partition (RAGGED_MODES); 0 and "" for a dense one. With "m", m is every group's rows
+    # together and B holds one matrix per group; with "k", k is every group's rows together
+    # and D holds one [m, n] matrix per group (batch stays 1).
+    groups: int = 0
+    ragged: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +213,9 @@ class GemmPlan:
     # KERNEL_SM90_SCALED (or XLA).
     scale_dtype: str | None = None
     scale_block: int = 0
+    # A grouped problem (GemmProblem.groups / .ragged); its kernel is KERNEL_SM90_GROUPED.
+    groups: int = 0
+    ragged: str = ""
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -228,7 +248,24 @@ class GemmPlan:
             setf("num_sms", DEFAULT_NUM_SMS[self.arch])
         if self.kernel in (KERNEL_SM100, KERNEL_SM100_BLOCKSCALED) and self.arch != "sm_100a":
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_100a only, plan is {self.arch}")
-        if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK) and self.arch != "sm_90a":
+        if self.ragged not in RAGGED_MODES or (self.groups > 0) != bool(self.ragged):
+            raise C.PlanError(
+                f"groups={self.groups}, ragged={self.ragged!r}: a grouped problem has groups > 0 "
+                f"and ragged in {RAGGED_MODES[1:]}, a dense one 0 and ''"
+            )
+        if (self.kernel == KERNEL_SM90_GROUPED) != (self.groups > 0) and self.kernel != KERNEL_XLA:
+            raise C.PlanError(
+                f"kernel={self.kernel!r}: grouped problems run on {KERNEL_SM90_GROUPED!r} (or "
+                f"{KERNEL_XLA!r}), dense ones never do"
+            )
+        if self.groups and (self.batch != 1 or self.split_k != 1 or self.stream_k
+                            or self.cluster_shape_mn != (1, 1)):  # fmt: skip
+            raise C.PlanError(
+                "a grouped plan has batch 1, no split-K or stream-K, and a 1x1 cluster"
+            )
+        if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_GROUPED) and (
+            self.arch != "sm_90a"
+        ):
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_90a only, plan is {self.arch}")
         _check_sm100_blockscaled(self)
         C.check_scaled(self.arch, self.kernel == KERNEL_SM90_SCALED,
@@ -287,7 +324,11 @@ class GemmPlan:
         ab_bits = C.OPERAND_BITS[ab]
         stage_bytes = _ab_stage_bytes(cta, b_rows, ab_bits) + scale_stage_bytes(cta, self)
         epi_bytes = self._epi_bytes
-        setf("smem_bytes", C.SMEM_RESERVED_BYTES + epi_bytes + self.num_ab_stages * stage_bytes)
+        setf(
+            "smem_bytes",
+            C.SMEM_RESERVED_BYTES + epi_bytes + group_table_bytes(self.groups)
+            + self.num_ab_stages * stage_bytes,
+        )  # fmt: skip
         C.check_ab_stages(self.num_ab_stages)
         C.check_smem(self.arch, self.smem_bytes, smem_capacity(self.arch))
         if self.arch == "sm_100a":
@@ -335,7 +376,8 @@ class GemmPlan:
 
     @property
     def ab_stage_bytes(self) -> int:
-        return (self.smem_bytes - C.SMEM_RESERVED_BYTES - self._epi_bytes) // self.num_ab_stages
+        rest = C.SMEM_RESERVED_BYTES + self._epi_bytes + group_table_bytes(self.groups)
+        return (self.smem_bytes - rest) // self.num_ab_stages
 
     @property
     def _epi_bytes(self) -> int:
@@ -358,8 +400,24 @@ class GemmPlan:
         cm, cn, _ = self.cta_tile_mnk
         return math.ceil(self.m / cm) * math.ceil(self.n / cn) * self.batch
 
+    def _grouped_tiles_text(self) -> str:
+        cm, cn, _ = self.cta_tile_mnk
+        tn = math.ceil(self.n / cn)
+        if self.ragged == "k":
+            return f"{self.groups * math.ceil(self.m / cm) * tn} ({self.groups} x the [m, n] grid)"
+        low, high = math.ceil(self.m / cm) * tn, (math.ceil(self.m / cm) + self.groups + 1) * tn
+        return f"{low} to {high} (by the group sizes, read on the device)"
+
     def __str__(self) -> str:
         rows = [("problem", f"{self.batch} x [{self.m} x {self.k}] @ [{self.k} x {self.n}]")]
+        if self.groups:
+            split = {"m": "m (rows of A and D)", "k": "k (one D per group)"}[self.ragged]
+            rows = [
+                ("problem", f"[{self.m} x {self.k}] @ [{self.k} x {self.n}] in groups"),
+                ("groups", f"{self.groups}, ragged {split}"),
+            ]
+        else:
+            rows.append(("groups", "none (dense; ragged: none)"))
         dt = f"{self.a_dtype} x {self.b_dtype} -> {self.out_dtype}"
         if self.c_dtype:
             dt += f" (C: {self.c_dtype})"
@@ -403,7 +461,7 @@ class GemmPlan:
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
-            ("tiles", self.num_tiles),
+            ("tiles", self.num_tiles if not self.groups else self._grouped_tiles_text()),
         ]  # fmt: skip
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)

@@ -10,6 +10,7 @@ import math
 from jax_sm100._src import constraints as C
 from jax_sm100._src.planning.gemm_plan import (
     KERNEL_SM90,
+    KERNEL_SM90_GROUPED,
     KERNEL_SM90_SPLITK,
     KERNEL_XLA,
     GemmPlan,
@@ -325,3 +326,94 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     )
     # A/B stages as many as fit, then the SMEM left deepens the epilogue's TMA-store ring.
     return _fill_sm90_smem(plan)
+
+
+# Cooperative 128x160 / 128x192 tiles fit expert widths that 256 does not divide (1408 = 9 x 160
+# - 32), but measured no faster than 128x256 on the H200 at issue 18's shapes
+# (benchmarks/grouped_tiles.py, ninth session: 565 / 549 against 567 TF/s at 64 groups of
+# 1024 x 2048 x 1408), so the grouped planner does not add them.
+_SM90_GROUPED_EXTRA = ()
+# Ping-pong tiles for grouped problems (one warp group's epilogue under the other's main loop,
+# 1x1 clusters): on the H200 they ran 0.63-0.96x the cooperative plans' speed at issue 18's
+# shapes (benchmarks/RESULTS.md, ninth session), so the planner takes them only when asked.
+_SM90_GROUPED_PINGPONG = ((128, 192, 1.0), (128, 160, 1.0))
+# JAX_SM100_GROUPED_SCHEDULE: "pingpong" or "cooperative" restricts the grouped planner to that
+# schedule (tests and tuning); unset, it plans cooperative tiles.
+GROUPED_SCHEDULES = ("", "pingpong", "cooperative")
+
+# Grouped problems (ragged_dot): more groups than this keep the group table from leaving room
+# for the stage ring, so they run on XLA's ragged dot; and the running row sums of the table
+# stay in int32 only below 2^30 rows.
+SM90_MAX_GROUPS = 4096
+SM90_MAX_GROUPED_ROWS = 2**30
+
+
+def grouped_support(common) -> str | None:
+    """Why the grouped kernel cannot run the grouped problem in `common`, or None."""
+    g, ragged = common["groups"], common["ragged"]
+    rows = common["m"] if ragged == "m" else common["k"]
+    if g > SM90_MAX_GROUPS:
+        return f"XLA ragged dot: {g} groups (the grouped kernel takes up to {SM90_MAX_GROUPS})"
+    if rows >= SM90_MAX_GROUPED_ROWS:
+        return f"XLA ragged dot: {rows} rows (the grouped kernel takes fewer than 2^30)"
+    if C.DTYPE_BITS[common["a_dtype"]] == 8 and ragged == "k":
+        return (
+            "XLA ragged dot: the weight gradient of fp8 operands would need M- and N-major "
+            "fp8 wgmma, which sm_90a does not have"
+        )
+    return None
+
+
+def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
+    """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
+    cooperative tile with the fewest weighted waves for groups of equal size (in ragged-rows
+    mode each group's last m tile is partial), one CTA per cluster (the work tiles of a CTA
+    pair would not share operands across group boundaries), as many A/B stages as fit beside the
+    group table and a 2-deep store ring."""
+    m, n, g = common["m"], common["n"], common["groups"]
+    num_sms = common["num_sms"]
+    why_not = why_not or grouped_support(common)
+    if schedule not in GROUPED_SCHEDULES:
+        raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of {GROUPED_SCHEDULES}")
+    candidates = []
+    if schedule != "pingpong":
+        candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
+        candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_GROUPED_EXTRA]
+    else:
+        candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
+    best = None
+    for tm, tn, pingpong, eff in candidates:
+        if common["ragged"] == "m":
+            # The sizes are known only on the device: scored for equal groups, whose partial
+            # last tiles are the waste a smaller tile_m saves (64-row tiles for groups of 64).
+            per_group = max(1, math.ceil(m / g))
+            tiles = min(g, m) * math.ceil(per_group / tm) * math.ceil(n / tn)
+        else:
+            tiles = g * math.ceil(m / tm) * math.ceil(n / tn)
+        cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, tm, tn, pingpong)
+    _, tm, tn, pingpong = best
+    kind = "ping-pong" if pingpong else "cooperative"
+    kernel, reason = KERNEL_SM90_GROUPED, (
+        f"grouped wgmma {tm}x{tn} {kind} tile over {g} groups (ragged {common['ragged']}): "
+        f"fewest weighted waves on {num_sms} SMs"
+    )  # fmt: skip
+    if why_not is not None:
+        kernel, reason = KERNEL_XLA, why_not
+    plan = GemmPlan(
+        **common,
+        kernel=kernel,
+        reason=reason,
+        mma_tiler_mnk=(tm, tn, ktile),
+        cluster_shape_mn=(1, 1),
+        use_2cta=False,
+        num_ab_stages=C.MIN_AB_STAGES,
+        num_acc_stages=1,
+        pingpong=pingpong,
+    )
+    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES - (plan.smem_bytes
+                                                              - C.SMEM_RESERVED_BYTES
+                                                              - plan.num_ab_stages
+                                                              * plan.ab_stage_bytes)  # fmt: skip
+    return dataclasses.replace(plan, num_ab_stages=free // plan.ab_stage_bytes)

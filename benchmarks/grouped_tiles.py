@@ -1,0 +1,55 @@
+"""Which tile the grouped SM90 kernel runs best at: `python benchmarks/grouped_tiles.py`.
+
+For each problem (G groups of equal size, [m, k] @ [G, k, n], normal bfloat16 data) and each
+candidate tile, the planner is restricted to that one tile and `jax_sm100.ragged_dot`'s forward
+is timed by wall clock (`bench_train.time_steps`: warm-up, then the median of 5 rounds of 10
+async calls). Prints TF/s per tile, to check the grouped planner's choice
+(`planning/sm90.py: plan_sm90_grouped`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+import jax_sm100
+from jax_sm100._src import planning
+from jax_sm100._src.planning import sm90
+from jax_sm100.bench_ragged import group_sizes
+from jax_sm100.bench_train import time_steps
+
+PROBLEMS = ((64, 65536, 2048, 1408), (128, 16384, 2048, 768), (8, 32768, 4096, 4096))
+TILES = ((128, 256), (128, 192), (128, 160), (128, 128), (64, 256))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--kind", default="equal", choices=("equal", "skewed"))
+    args = ap.parse_args(argv)
+    for i, (g, m, k, n) in enumerate(PROBLEMS):
+        keys = jax.random.split(jax.random.key(i), 2)
+        lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        sizes = group_sizes(i, g, m, args.kind)
+        row = []
+        for tm, tn in TILES:
+            only = ((tm, tn, 1.0),)
+            with (
+                mock.patch.object(sm90, "_SM90_CANDIDATES", only),
+                mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ()),
+            ):
+                planning._plan_cached.cache_clear()
+                f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
+                with jax_sm100.lowerings() as seen:
+                    t = time_steps(f, lhs, rhs, sizes)
+                ran = {low.plan.cta_tile_mnk[:2] for low in seen if low.plan}
+            row.append(f"{tm}x{tn}: {2 * m * k * n / t / 1e12:6.1f}{'' if ran else '?'}")
+        print(f"{g:3d} x {m}x{k}x{n} ({args.kind}): " + "  ".join(row), flush=True)
+    planning._plan_cached.cache_clear()
+
+
+if __name__ == "__main__":
+    main()
