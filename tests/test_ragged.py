@@ -184,6 +184,30 @@ class RaggedDotTest(parameterized.TestCase):
                 )
         self.assertTrue(any("XLA" in x.note for x in seen), seen)
 
+    @parameterized.parameters((0, 64, 4, 32), (16, 0, 4, 32), (16, 64, 0, 32), (16, 64, 4, 0))
+    def test_empty_extents(self, m, k, g, n):
+        # Empty rows, contraction, groups or columns: zeros of the right shapes, forward and
+        # gradients, eager and exported for sm_90a (where they run on XLA, which XLA's own ragged
+        # dot cannot do with no groups).
+        lhs = jnp.ones((m, k), jnp.bfloat16)
+        rhs = jnp.ones((g, k, n), jnp.bfloat16)
+        sizes = jnp.full((g,), m // max(g, 1), jnp.int32)
+
+        def step(a, b, s):
+            loss = lambda a, b: jax_sm100.ragged_dot(a, b, s).astype(jnp.float32).sum()  # noqa: E731
+            return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
+
+        value, (da, db) = jax.jit(step)(lhs, rhs, sizes)
+        self.assertEqual(float(value), 0.0 if 0 in (m, k, g, n) else float(m * k * n))
+        self.assertEqual((da.shape, db.shape), (lhs.shape, rhs.shape))
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                jax.export.export(
+                    jax.jit(step), platforms=["cuda"],
+                    disabled_checks=jax_sm100.export_disabled_checks(),
+                )(lhs, rhs, sizes)  # fmt: skip
+        self.assertTrue(all("empty operand" in x.note for x in seen), [x.note for x in seen])
+
     @parameterized.parameters(False, True)
     def test_sm90_training_products_are_grouped_kernels(self, transpose_rhs):
         # Exported for sm_90a on this machine: the forward, the input gradient and the weight

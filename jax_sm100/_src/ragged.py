@@ -164,6 +164,10 @@ def _operands(x, y, acc):
 
 def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
     nb = lhs.ndim - 2
+    if rhs.shape[-3] == 0:
+        # No groups: every row is past the last group (XLA's ragged dot cannot lower this).
+        n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
+        return jnp.zeros((*lhs.shape[:-1], n), out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
     if transpose_rhs:
@@ -182,6 +186,9 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
 
 def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
     nb = lhs.ndim - 2
+    if group_sizes.shape[-1] == 0:
+        tail = (rhs.shape[-1], lhs.shape[-1]) if transpose_out else (lhs.shape[-1], rhs.shape[-1])
+        return jnp.zeros((*lhs.shape[:-2], 0, *tail), out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
     dn = lax.RaggedDotDimensionNumbers(

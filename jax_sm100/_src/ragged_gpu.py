@@ -29,6 +29,8 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
     if lhs.dtype != rhs.dtype:
         return f"{name}: mixed operand dtypes {lhs.dtype} x {rhs.dtype} run on XLA's ragged dot"
     g = group_sizes.shape[0]
+    if 0 in (*lhs.shape, *rhs.shape, g):
+        return f"{name}: an empty operand ({lhs.shape} x {rhs.shape}) runs on XLA's ragged dot"
     out_dtype = np.dtype(params["out_dtype"])
     dtypes = dict(a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype)
     if name == "ragged_dot":
