@@ -94,10 +94,21 @@ def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool):
             problems_ = [p for p in t.check.problems() if "copies" not in p or "fp8" in name]
             if problems_:
                 notes[name] = "; ".join(problems_)
-        path = "; ".join(sorted({x.note for x in seen if "scaled_matmul" in x.note}))
+        path = "; ".join(sorted({_path(x) for x in seen if "scaled_matmul" in x.note}))
         rows.append(((m, n, k), dict(zip(sides, (t.seconds for t in timings), strict=True)),
                      path or "XLA ops (no CUDA lowering)", notes))  # fmt: skip
     return rows
+
+
+def _path(lowered) -> str:
+    """A lowering's note, with its plan's tile, cluster and schedule where a kernel runs it."""
+    p = lowered.plan
+    if p is None or p.kernel == "xla_dot":
+        return lowered.note
+    tm, tn, _ = p.cta_tile_mnk
+    cm, cn = p.cluster_shape_mn
+    return (f"{lowered.note}: {tm}x{tn} tiles, {cm}x{cn} clusters, {p.num_ab_stages} stages"
+            f"{', stream-K' if p.stream_k else ''}")  # fmt: skip
 
 
 def report(rows) -> None:
