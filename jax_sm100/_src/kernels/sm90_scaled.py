@@ -4,9 +4,9 @@
 
 The dense SM90 family (sm90_gemm.py) with two things added, through its stage hooks:
 
-* Each A/B stage also holds the k-block's scales: 128 float32 of A (one per row of the tile)
-  and 128 of B (one per row of B, column of D), loaded by the producer warp with two more TMA
-  copies under the stage's barrier (their bytes in its transaction count). The scales come
+* Each A/B stage also holds the k-block's scales: one float32 per row of the tile's A (128)
+  and one per row of its B (column of D: 128 or 64), loaded by the producer warp with two more
+  TMA copies under the stage's barrier (their bytes in its transaction count). The scales come
   transposed, [L, k/128, rows] with rows contiguous (the lowering transposes jax's
   [L, rows, k/128] layout: TMA cannot load a column of 4-byte elements), so each is one box.
   Rows past the matrix are zero-filled, as A's and B's are.
