@@ -81,7 +81,8 @@ class GpuScaledTest(parameterized.TestCase):
             (1, 2048, 2048, 4096),  # many tiles per CTA (persistent schedule)
         ],
         dtype=[E4M3, E5M2],
-        out_dtype=[jnp.bfloat16, jnp.float32],
+        # Other outputs run on XLA (planning/sm90_scaled.py: float32 failed on the H200).
+        out_dtype=[jnp.bfloat16],
     )
     def test_matches_float64(self, shape, dtype, out_dtype):
         batch, m, n, k = shape
@@ -102,7 +103,7 @@ class GpuScaledTest(parameterized.TestCase):
             err = np.max(np.abs(wrong - want[:, rows])) / np.max(np.abs(want[:, rows]))
             self.assertGreater(err, 50 * tu.RTOL[jnp.dtype(out_dtype).name])
 
-    @parameterized.parameters(jnp.bfloat16, jnp.float32)
+    @parameterized.parameters(jnp.bfloat16)
     def test_stream_k(self, out_dtype):
         # 544 cluster tiles of 2 x (128 x 128) for 66 clusters (8.2 waves on 132 SMs): the last
         # waves' tiles are shared out by k-blocks between clusters, which meet in the workspace.
@@ -127,19 +128,19 @@ class GpuScaledTest(parameterized.TestCase):
         block_scale = amax / float(jnp.finfo(E4M3).max)
         rhs = (w / block_scale[:, :, None, :, None]).reshape(1, n, k).astype(E4M3)
         rs = jnp.repeat(block_scale, 128, axis=1)  # [1, n, k / 128]
-        out, seen = _run(lhs, rhs, ls, rs, jnp.float32)
+        out, seen = _run(lhs, rhs, ls, rs, jnp.bfloat16)
         self.assert_on_kernel(seen)
-        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), "float32", k)
+        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), "bfloat16", k)
 
     def test_agrees_with_jax_nn_scaled_matmul(self):
         m, n, k = 1024, 1024, 2048
         ka, kb = jax.random.split(jax.random.key(5))
         lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
         rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
-        out, seen = _run(lhs, rhs, ls, rs, jnp.float32)
+        out, seen = _run(lhs, rhs, ls, rs, jnp.bfloat16)
         self.assert_on_kernel(seen)
-        theirs = jax.jit(lambda *a: jax.nn.scaled_matmul(*a, preferred_element_type=jnp.float32))
-        tu.assert_close(self, out, theirs(lhs, rhs, ls, rs), "float32", k)
+        theirs = jax.jit(lambda *a: jax.nn.scaled_matmul(*a, preferred_element_type=jnp.bfloat16))
+        tu.assert_close(self, out, theirs(lhs, rhs, ls, rs), "bfloat16", k)
 
     def test_gradient_of_the_scales(self):
         # The forward on the kernel, the tangents through the documented math in XLA ops.
@@ -149,7 +150,8 @@ class GpuScaledTest(parameterized.TestCase):
         rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
 
         def loss(f, ls, rs):
-            return jnp.sum(f(lhs, rhs, ls, rs, preferred_element_type=jnp.float32) ** 2)
+            out = f(lhs, rhs, ls, rs, preferred_element_type=jnp.bfloat16)
+            return jnp.sum(out.astype(jnp.float32) ** 2)
 
         ours = jax.jit(jax.grad(lambda a, b: loss(jax_sm100.scaled_matmul, a, b), (0, 1)))
         with jax_sm100.lowerings() as seen:
@@ -163,7 +165,7 @@ class GpuScaledTest(parameterized.TestCase):
 
         want = jax.jit(jax.grad(lambda a, b: loss(reference, a, b), (0, 1)))(ls, rs)
         for g, w in zip(got, want, strict=True):
-            tu.assert_close(self, g, w, "float32", k)
+            tu.assert_close(self, g, w, "bfloat16", k)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,15 @@ def _ptx(plan, spec=None):
 
 
 class ScaledPtxTest(parameterized.TestCase):
-    @parameterized.product(dtype=(E4M3, E5M2), out_dtype=("bfloat16", "float32"))
+    @parameterized.parameters("float32", "float16")
+    def test_unverified_outputs_run_on_xla(self, out_dtype):
+        # The kernel's float32 output failed its H200 check (ninth session), float16 has not
+        # run there; bfloat16 passed.
+        p = _plan(4096, 4096, 4096, out_dtype=out_dtype)
+        self.assertEqual(p.kernel, planning.KERNEL_XLA)
+        self.assertIn("H200 check", p.reason)
+
+    @parameterized.product(dtype=(E4M3, E5M2), out_dtype=("bfloat16",))
     def test_main_loop_instructions(self, dtype, out_dtype):
         p = _plan(4096, 4096, 4096, dtype=dtype, out_dtype=out_dtype)
         self.assertFalse(p.stream_k)
@@ -194,7 +202,7 @@ def _export(avals, out_dtype=jnp.bfloat16):
 class ScaledLoweringTest(parameterized.TestCase):
     @parameterized.named_parameters(
         ("square", (1, 1024, 1024, 1024), jnp.bfloat16),
-        ("ragged_rows", (1, 202, 136, 384), jnp.float32),  # m padded to 204 in the scales
+        ("ragged_rows", (1, 202, 136, 384), jnp.bfloat16),  # m padded to 204 in the scales
         ("batched", (3, 256, 384, 512), jnp.bfloat16),
         ("stream_k", (1, 8192, 8192, 8192), jnp.bfloat16),
     )
@@ -215,7 +223,7 @@ class ScaledLoweringTest(parameterized.TestCase):
             self.assertIn("order = dense<[0, 1, -1, 2, 3]>", call)
         ld = -(-m // 4) * 4
         self.assertIn(f"tensor<{batch}x{k // 128}x{ld}xf32>", call)
-        out = {"bfloat16": "bf16", "float32": "f32"}[jnp.dtype(out_dtype).name]
+        out = {"bfloat16": "bf16", "float16": "f16"}[jnp.dtype(out_dtype).name]
         self.assertIn(f"tensor<{batch}x{m}x{n}x{out}>", call.split(" -> ")[-1])
         objects = re.findall(r'object = dense<"0x([0-9A-F]+)"', text)
         self.assertLen(objects, 1)

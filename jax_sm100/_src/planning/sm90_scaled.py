@@ -75,6 +75,13 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
     return _plan_scaled(scaled, arch, num_sms or 0)
 
 
+# The outputs the sm_90a block-scaled kernel is verified for on the H200 (ninth session: 13 of
+# 13 bfloat16-output cases right, one tile to 2048x2048x4096, stream-K included; all 16
+# float32-output cases wrong by 2-8x the tolerance, a single 128^3 tile included; float16 not
+# run there yet).
+SM90_SCALED_OUT_DTYPES = ("bfloat16",)
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
     common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
@@ -85,6 +92,13 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
     ) or C.scaled_support(
         arch, k, problem.a_dtype, problem.b_dtype, problem.scale_dtype, problem.scale_block
     )  # fmt: skip
+    if why_not is None and arch == "sm_90a" and problem.out_dtype not in SM90_SCALED_OUT_DTYPES:
+        why_not = (
+            f"XLA ops: the sm_90a block-scaled kernel's {problem.out_dtype} output failed its "
+            "H200 check or has not run there (tests/test_gpu_scaled.py, ninth session: every "
+            "float32-output case wrong, every bfloat16 one right), so it runs bfloat16 outputs "
+            "only until fixed"
+        )
     ktile = 1024 // C.DTYPE_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
     tm, tn = SCALED_TILES[0][:2]
     if why_not is not None:
