@@ -16,9 +16,11 @@ each other's transposes, so a training step differentiates into these two primit
     d rhs = ragged_outer(lhs, ct)                  ([g, n, k] order under transpose_rhs)
 
 The batch dims `B` come from `vmap` (the batching rules move every mapped dim to the front and
-broadcast the unmapped operands). Each primitive lowers, on every platform, to XLA's
-`ragged_dot_general`; there is no grouped kernel yet (issue 18: the SM90/SM100 grouped GEMM
-families), and every CUDA lowering records that in `jax_sm100.lowerings()`.
+broadcast the unmapped operands). On CUDA each primitive lowers through `ragged_gpu.py` to the
+grouped GEMM kernel its plan names (SM90: `kernels/sm90_grouped.py`), or to XLA's
+`ragged_dot_general` where none takes it (batched operands, mixed dtypes, an arch without a
+grouped kernel); on CPU to `ragged_dot_general`. Every CUDA lowering records which in
+`jax_sm100.lowerings()`.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ ragged_dot_p.def_abstract_eval(ragged_sharding.typed(_ragged_dot_abstract, "ragg
 ragged_outer_p.def_abstract_eval(ragged_sharding.typed(_ragged_outer_abstract, "ragged_outer"))
 
 
-# --- the math in XLA ops (every platform, until the grouped kernels land) -----------------------
+# --- the math in XLA ops (CPU, and the CUDA paths no grouped kernel takes) ---------------------
 
 
 def _flat(x, nb):

@@ -44,8 +44,7 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
         modes = {"a": ((m, k), (k, 1)), "b": b_mode, "d": ((m, n), (n, 1))}
         operands, out_shape = (lhs, rhs), (m, n)
     else:
-        rows, kd = lhs.shape
-        n = rhs.shape[1]
+        rows = lhs.shape[0]
         first, second = (rhs, lhs) if params["transpose_out"] else (lhs, rhs)
         mm, nn = first.shape[1], second.shape[1]
         problem = planning.make_problem(
@@ -57,7 +56,6 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
             "d": ((mm, nn, g), (nn, 1, mm * nn)),
         }
         operands, out_shape = (first, second), (g, mm, nn)
-        del kd, n
     modes["group_sizes"] = ((g,), (1,))
     return problem, operands, modes, out_shape
 
