@@ -137,6 +137,45 @@ class GroupedGpuTest(parameterized.TestCase):
         ref = _reference(lhs, rhs, jnp.asarray([300, 0, 212, 0], jnp.int32))
         self.assertLess(_rel(out, ref), 1e-2)
 
+    @parameterized.parameters(False, True)
+    def test_weight_gradient_layouts(self, transpose_out):
+        # The ragged-contraction primitive itself, both output orders ([g, k, n] and, as the
+        # transpose of a transposed-rhs product gives it, [g, n, k]: the operands swap roles).
+        from jax_sm100._src import ragged  # noqa: PLC0415
+
+        g, m, k, n = 6, 1500, 192, 320
+        rng = np.random.default_rng(11)
+        lhs = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
+        ct = jax.random.normal(jax.random.key(6), (m, n), jnp.float32).astype(jnp.bfloat16)
+        gs = _sizes(rng, g, m, 0.9)
+        fn = lambda a, b, s: ragged.ragged_outer_p.bind(  # noqa: E731
+            a, b, s, out_dtype=np.dtype(jnp.bfloat16), transpose_out=transpose_out
+        )
+        out, seen = self.lower_and_run("", fn, lhs, ct, gs)
+        f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+        starts = np.concatenate([[0], np.cumsum(np.asarray(gs))])
+        want = np.stack([
+            f32(lhs)[starts[j]:starts[j + 1]].T @ f32(ct)[starts[j]:starts[j + 1]]
+            for j in range(g)
+        ])  # fmt: skip
+        if transpose_out:
+            want = np.swapaxes(want, 1, 2)
+        self.assertLess(_rel(out, want), 1e-2)
+        self.assertEqual(seen[-1].plan.kernel, GROUPED)
+
+    def test_float32_output_and_all_groups_empty(self):
+        g, m, k, n = 4, 700, 128, 264
+        lhs = jax.random.normal(jax.random.key(7), (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(jax.random.key(8), (g, k, n), jnp.float32).astype(jnp.bfloat16)
+        gs = jnp.asarray([100, 0, 333, 200], jnp.int32)
+        f = lambda a, b, s: jax_sm100.ragged_dot(a, b, s, preferred_element_type=jnp.float32)  # noqa: E731
+        out, seen = self.lower_and_run("", f, lhs, rhs, gs)
+        self.assertEqual(out.dtype, jnp.float32)
+        self.assertLess(_rel(out, _reference(lhs, rhs, gs)), 1e-4)
+        self.assertEqual(seen[-1].plan.kernel, GROUPED)
+        empty, _ = self.lower_and_run("", f, lhs, rhs, jnp.zeros((g,), jnp.int32))
+        self.assertEqual(float(jnp.max(jnp.abs(empty))), 0.0)
+
     @parameterized.parameters("cooperative", "pingpong")
     def test_many_groups_small(self, schedule):
         # More groups than rows per tile: most tiles straddle boundaries; many groups empty.
