@@ -133,7 +133,11 @@ def plan_call(
         p = planning.with_preact(p) if problem.preact_out else p
         if target.num_sms and p.num_sms != target.num_sms:
             p = dataclasses.replace(p, num_sms=target.num_sms)
-    sm100 = (planning.KERNEL_SM100, planning.KERNEL_SM100_BLOCKSCALED)
+    sm100 = (
+        planning.KERNEL_SM100,
+        planning.KERNEL_SM100_BLOCKSCALED,
+        planning.KERNEL_SM100_GROUPED,
+    )
     if target.on_device and p.kernel in sm100 and not p.max_clusters:
         # A device is present: its occupancy query knows how clusters fit its GPCs.
         size = p.cluster_shape_mn[0] * p.cluster_shape_mn[1]

@@ -33,6 +33,7 @@ FAMILIES = {
     "sm90_wgmma_grouped": "sm90_grouped:Sm90GroupedGemmKernel",
     "sm100_tcgen05": "sm100_gemm:Sm100GemmKernel",
     "sm100_tcgen05_blockscaled": "sm100_blockscaled:Sm100BlockScaledGemmKernel",
+    "sm100_tcgen05_grouped": "sm100_grouped:Sm100GroupedGemmKernel",
 }
 
 

@@ -24,6 +24,11 @@ MMA of tile i+1 whenever the plan gives two or more accumulator stages.
 Every mbarrier transaction count is read off the TMA atom that moves the bytes (`_tma_copy_bytes`),
 and the TMEM allocation is the plan's `tmem_alloc_cols`, checked against the accumulator layout.
 
+Two families subclass this one and reuse its roles: sm100_blockscaled.py through the hooks at
+the end of the class (scale factors beside A and B), and sm100_grouped.py (ragged_dot) with its
+own table-driven schedule around the same setup, TMA atoms (`_ab_tma_atoms`), producer loop
+(`_load_k_tiles`) and epilogue (sm100_epilogue.py's `setup` and `store_tile`).
+
 Verified only by compiling for sm_100a on a CPU machine (tests/test_sm100_ptx.py reads the PTX);
 no SM100 GPU has run this code.
 """
@@ -81,6 +86,9 @@ class Sm100GemmKernel(family.KernelFamily):
         kernel = Sm100GemmKernel(plan, spec)
         compiled = cute.compile(kernel, a, b, d, None, None, None, stream)
     """
+
+    # The `GemmPlan.kernel` this class compiles (`why_not`; a subclass may name its own).
+    KERNEL = "sm100_tcgen05"
 
     def __init__(self, plan: Any, spec: KernelSpec):
         super().__init__(plan, spec)
@@ -238,29 +246,7 @@ class Sm100GemmKernel(family.KernelFamily):
         TMA descriptors and SMEM layouts: `device_kernel`'s last four arguments), else Nones.
         """
         mma = self.tiled_mma
-
-        # tf32 MMAs read fp32 operands; the TMA moves them as 32-bit values either way.
-        a_internal = cutlass.TFloat32 if self.a_dtype is cutlass.Float32 else None
-        b_internal = cutlass.TFloat32 if self.b_dtype is cutlass.Float32 else None
-        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
-            utils.sm100.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, mma.thr_id),
-            a,
-            cute.slice_(self.a_smem_staged, (None, None, None, 0)),
-            self.mma_tiler,
-            mma,
-            self.cluster_layout_vmnk.shape,
-            internal_type=a_internal,
-        )
-        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
-            utils.sm100.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, mma.thr_id),
-            b,
-            cute.slice_(self.b_smem_staged, (None, None, None, 0)),
-            self.mma_tiler,
-            mma,
-            self.cluster_layout_vmnk.shape,
-            internal_type=b_internal,
-        )
-
+        tma_atom_a, tma_a, tma_atom_b, tma_b = self._ab_tma_atoms(a, b)
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
             d,
@@ -334,6 +320,33 @@ class Sm100GemmKernel(family.KernelFamily):
             cluster=(*self.cluster_shape_mn, 1),
             stream=stream,
         )
+
+    def _ab_tma_atoms(self, a: cute.Tensor, b: cute.Tensor):
+        """The TMA load atoms of A and B and their TMA views (after `_setup`): boxes of the
+        CTA's share of an MMA tile, multicast across the cluster where it shares one."""
+        mma = self.tiled_mma
+        # tf32 MMAs read fp32 operands; the TMA moves them as 32-bit values either way.
+        a_internal = cutlass.TFloat32 if self.a_dtype is cutlass.Float32 else None
+        b_internal = cutlass.TFloat32 if self.b_dtype is cutlass.Float32 else None
+        tma_atom_a, tma_a = cute.nvgpu.make_tiled_tma_atom_A(
+            utils.sm100.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, mma.thr_id),
+            a,
+            cute.slice_(self.a_smem_staged, (None, None, None, 0)),
+            self.mma_tiler,
+            mma,
+            self.cluster_layout_vmnk.shape,
+            internal_type=a_internal,
+        )
+        tma_atom_b, tma_b = cute.nvgpu.make_tiled_tma_atom_B(
+            utils.sm100.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, mma.thr_id),
+            b,
+            cute.slice_(self.b_smem_staged, (None, None, None, 0)),
+            self.mma_tiler,
+            mma,
+            self.cluster_layout_vmnk.shape,
+            internal_type=b_internal,
+        )
+        return tma_atom_a, tma_a, tma_atom_b, tma_b
 
     # ---------------------------------------------------------------------------- device side
 
@@ -524,23 +537,10 @@ class Sm100GemmKernel(family.KernelFamily):
                 src_a = tAgA[(None, tile[0] // pair, None, tile[2])]
                 src_b = tBgB[(None, tile[1], None, tile[2])]
                 ab_producer.reset()
-                for _k in cutlass.range(k_tiles, unroll=1):
-                    slot = ab_producer.acquire_and_advance()
-                    cute.copy(
-                        tma_atom_a,
-                        src_a[(None, slot.count)],
-                        tAsA[(None, slot.index)],
-                        tma_bar_ptr=slot.barrier,
-                        mcast_mask=mask_a,
-                    )
-                    cute.copy(
-                        tma_atom_b,
-                        src_b[(None, slot.count)],
-                        tBsB[(None, slot.index)],
-                        tma_bar_ptr=slot.barrier,
-                        mcast_mask=mask_b,
-                    )
-                    self._load_scales(scales, slot, tile, d_in, pair)
+                ab_producer = self._load_k_tiles(
+                    ab_producer, k_tiles, (tma_atom_a, src_a, tAsA, mask_a),
+                    (tma_atom_b, src_b, tBsB, mask_b), (scales, tile, d_in, pair),
+                )  # fmt: skip
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             ab_producer.tail()
@@ -636,6 +636,34 @@ class Sm100GemmKernel(family.KernelFamily):
             tmem.relinquish_alloc_permit()
             tmem.free(tmem_ptr)
 
+    @cute.jit
+    def _load_k_tiles(self, ab_producer, k_tiles, a_load, b_load, scale_load=(None,) * 4):
+        """The TMA warp's loads of one tile's `k_tiles` stages, all on the stage's barrier: A
+        and B (`a_load`, `b_load`: the atom, the tile's k-blocks, the SMEM stages, the multicast
+        mask or None) and a subclass's scale factors (`scale_load`: `_load_scales`' arguments
+        but the slot). Returns the advanced producer."""
+        tma_atom_a, src_a, tAsA, mask_a = a_load
+        tma_atom_b, src_b, tBsB, mask_b = b_load
+        scales, tile, d_in, pair = scale_load
+        for _k in cutlass.range(k_tiles, unroll=1):
+            slot = ab_producer.acquire_and_advance()
+            cute.copy(
+                tma_atom_a,
+                src_a[(None, slot.count)],
+                tAsA[(None, slot.index)],
+                tma_bar_ptr=slot.barrier,
+                mcast_mask=mask_a,
+            )
+            cute.copy(
+                tma_atom_b,
+                src_b[(None, slot.count)],
+                tBsB[(None, slot.index)],
+                tma_bar_ptr=slot.barrier,
+                mcast_mask=mask_b,
+            )
+            self._load_scales(scales, slot, tile, d_in, pair)
+        return ab_producer
+
     # ------------------------------------------------------- hooks of a block-scaled subclass
     # Called from the device code above with `scales` None: the dense family emits nothing
     # for them (sm100_blockscaled.py overrides each).
@@ -673,8 +701,8 @@ class Sm100GemmKernel(family.KernelFamily):
         what is checked locally is only what this kernel adds: an sm100 plan whose dtypes and
         layouts agree with the spec, and the epilogue dtypes it can read and write.
         """
-        if plan.arch != "sm_100a" or plan.kernel != "sm100_tcgen05":
-            return f"{plan.arch=}, {plan.kernel=}: not an sm100_tcgen05 plan"
+        if plan.arch != "sm_100a" or plan.kernel != cls.KERNEL:
+            return f"{plan.arch=}, {plan.kernel=}: not an {cls.KERNEL} plan"
         for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
             got, want = getattr(plan, field), getattr(spec, field)
             if got != want:

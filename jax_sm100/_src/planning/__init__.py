@@ -25,6 +25,11 @@ slower there so far: benchmarks/RESULTS.md).
 
 Small sm_90a problems (under `SM90_MIN_FLOPS`, or `SM90_SPLITK_MIN_FLOPS` for split-K) are planned
 onto XLA's dot, which the H200 measurements put ahead there; `force_kernel=True` overrides.
+
+Grouped problems (`groups`, `ragged`: ragged_dot) score the same wave model over the work tiles
+of groups of equal size (`gemm_plan.grouped_work_tiles`; the sizes are known only on the
+device) with one CTA per cluster: sm_90a's cooperative tiles (`plan_sm90_grouped`), sm_100a's
+1-CTA 128x256 and 128x128 MMAs (`plan_sm100_grouped`), each beside its group table in SMEM.
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ from jax_sm100._src.planning import sm90, sm90_scaled, sm100, sm100_blockscaled
 from jax_sm100._src.planning.gemm_plan import (
     DEFAULT_NUM_SMS,
     KERNEL_SM90,
+    KERNEL_SM90_GROUPED,
     KERNEL_SM90_SCALED,
     KERNEL_SM90_SPLITK,
     KERNEL_SM100,
     KERNEL_SM100_BLOCKSCALED,
+    KERNEL_SM100_GROUPED,
     KERNEL_XLA,
     KERNELS,
     GemmPlan,
@@ -67,8 +74,9 @@ from jax_sm100._src.planning.sm90 import (
 )
 
 __all__ = [
-    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM100_BLOCKSCALED", "KERNEL_SM90",
-    "KERNEL_SM90_SCALED", "KERNEL_SM90_SPLITK",
+    "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM100_BLOCKSCALED",
+    "KERNEL_SM100_GROUPED", "KERNEL_SM90", "KERNEL_SM90_GROUPED", "KERNEL_SM90_SCALED",
+    "KERNEL_SM90_SPLITK",
     "KERNEL_XLA", "SM90_MAX_EPI_STAGES", "SM90_MIN_FLOPS", "SM90_PINGPONG_EPI_STAGES",
     "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan", "GemmProblem",
     "check_plan_fits", "cooperative", "epi_smem_bytes", "grid_clusters", "make_problem", "plan",
@@ -100,9 +108,7 @@ def _plan_cached(
     if groups:
         common |= dict(groups=groups, ragged=ragged)
         if arch == "sm_100a":
-            why_not = why_not or "XLA ragged dot: no sm_100a grouped kernel yet"
-        if arch != "sm_90a":
-            return _grouped_xla(common, why_not, ktile)
+            return sm100.plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits)
         return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule)
     if arch == "sm_100a":
         return sm100.plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits)
@@ -191,15 +197,6 @@ def plan(
         p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
         preact_out=p.preact_out, num_sms=int(num_sms or 0), groups=p.groups, ragged=p.ragged,
         grouped_schedule=os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else "",
-    )  # fmt: skip
-
-
-def _grouped_xla(common, why_not, ktile) -> GemmPlan:
-    """A grouped problem's plan on XLA's ragged dot (the tile fields are placeholders)."""
-    return GemmPlan(
-        **common, kernel=KERNEL_XLA, reason=why_not, mma_tiler_mnk=(128, 256, ktile),
-        cluster_shape_mn=(1, 1), use_2cta=False, num_ab_stages=C.MIN_AB_STAGES,
-        num_acc_stages=1,
     )  # fmt: skip
 
 

@@ -25,10 +25,13 @@ KERNEL_SM90 = "sm90_wgmma"
 KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
 KERNEL_SM90_SCALED = "sm90_wgmma_scaled"
 KERNEL_SM90_GROUPED = "sm90_wgmma_grouped"
+# Grouped problems (ragged_dot) on sm_100a: kernels/sm100_grouped.py.
+KERNEL_SM100_GROUPED = "sm100_tcgen05_grouped"
 KERNEL_XLA = "xla_dot"
 KERNELS = (
     KERNEL_SM100,
     KERNEL_SM100_BLOCKSCALED,
+    KERNEL_SM100_GROUPED,
     KERNEL_SM90,
     KERNEL_SM90_SPLITK,
     KERNEL_SM90_GROUPED,
@@ -38,6 +41,13 @@ KERNELS = (
 # A grouped problem's ragged mode: "m" (rows of A and D in groups, one B per group: ragged_dot
 # and its d lhs) or "k" (the contraction in groups, one D per group: ragged_dot's d rhs).
 RAGGED_MODES = ("", "m", "k")
+# The kernels of grouped problems, one per arch (kernels/grouped.py holds what they share).
+GROUPED_KERNELS = (KERNEL_SM90_GROUPED, KERNEL_SM100_GROUPED)
+# Grouped problems: more groups than this keep the group table from leaving room for the stage
+# ring, so they run on XLA's ragged dot; and the running row sums of the table (and the ragged
+# TMA view's extent, kernels/grouped.py) hold fewer than 2^30 rows.
+MAX_GROUPS = 4096
+MAX_GROUPED_ROWS = 2**30
 
 # SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
 # Calls plan for their device's own count (dispatch.Target).
@@ -112,6 +122,36 @@ def group_table_bytes(groups: int) -> int:
     """Shared memory of a grouped kernel's group table: each group's first row and first work
     tile, plus the end and the rows past the last group (two int32 per entry)."""
     return 8 * (groups + 2) if groups else 0
+
+
+def grouped_support(common) -> str | None:
+    """Why no grouped kernel runs the grouped problem in `common` (GemmPlan's problem fields
+    and arch), or None: the group table's and the ragged view's limits, and on sm_90a the
+    weight gradient's M- and N-major operands, which fp8 wgmma does not take."""
+    g, ragged = common["groups"], common["ragged"]
+    rows = common["m"] if ragged == "m" else common["k"]
+    if g > MAX_GROUPS:
+        return f"XLA ragged dot: {g} groups (the grouped kernel takes up to {MAX_GROUPS})"
+    if rows >= MAX_GROUPED_ROWS:
+        return f"XLA ragged dot: {rows} rows (the grouped kernel takes fewer than 2^30)"
+    if common["arch"] == "sm_90a" and C.DTYPE_BITS[common["a_dtype"]] == 8 and ragged == "k":
+        return (
+            "XLA ragged dot: the weight gradient of fp8 operands would need M- and N-major "
+            "fp8 wgmma, which sm_90a does not have"
+        )
+    return None
+
+
+def grouped_work_tiles(common, tile_m: int, tile_n: int) -> int:
+    """The work tiles of the grouped problem in `common` for a tile_m x tile_n tile, scored
+    for groups of equal size (the sizes are known only on the device): in ragged-rows mode
+    each group's last m tile is partial, the waste a smaller tile_m saves (64-row tiles for
+    groups of 64); in ragged-contraction mode every group has the whole [m, n] grid."""
+    m, n, g = common["m"], common["n"], common["groups"]
+    if common["ragged"] == "m":
+        per_group = max(1, math.ceil(m / g))
+        return min(g, m) * math.ceil(per_group / tile_m) * math.ceil(n / tile_n)
+    return g * math.ceil(m / tile_m) * math.ceil(n / tile_n)
 
 
 def mma_operand_dtype(arch: str, a_dtype: str, b_dtype: str) -> str:
@@ -213,7 +253,7 @@ class GemmPlan:
     # KERNEL_SM90_SCALED (or XLA).
     scale_dtype: str | None = None
     scale_block: int = 0
-    # A grouped problem (GemmProblem.groups / .ragged); its kernel is KERNEL_SM90_GROUPED.
+    # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
     ragged: str = ""
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
@@ -246,22 +286,27 @@ class GemmPlan:
         setf("cluster_shape_mn", tuple(int(x) for x in self.cluster_shape_mn))
         if self.num_sms <= 0:
             setf("num_sms", DEFAULT_NUM_SMS[self.arch])
-        if self.kernel in (KERNEL_SM100, KERNEL_SM100_BLOCKSCALED) and self.arch != "sm_100a":
+        sm100_kernels = (KERNEL_SM100, KERNEL_SM100_BLOCKSCALED, KERNEL_SM100_GROUPED)
+        if self.kernel in sm100_kernels and self.arch != "sm_100a":
             raise C.PlanError(f"kernel={self.kernel!r} runs on sm_100a only, plan is {self.arch}")
         if self.ragged not in RAGGED_MODES or (self.groups > 0) != bool(self.ragged):
             raise C.PlanError(
                 f"groups={self.groups}, ragged={self.ragged!r}: a grouped problem has groups > 0 "
                 f"and ragged in {RAGGED_MODES[1:]}, a dense one 0 and ''"
             )
-        if (self.kernel == KERNEL_SM90_GROUPED) != (self.groups > 0) and self.kernel != KERNEL_XLA:
+        if (self.kernel in GROUPED_KERNELS) != (self.groups > 0) and self.kernel != KERNEL_XLA:
             raise C.PlanError(
-                f"kernel={self.kernel!r}: grouped problems run on {KERNEL_SM90_GROUPED!r} (or "
+                f"kernel={self.kernel!r}: grouped problems run on one of {GROUPED_KERNELS} (or "
                 f"{KERNEL_XLA!r}), dense ones never do"
             )
+        # A grouped work tile's rows may end anywhere inside it, at a group boundary: the CTAs
+        # of a cluster, or the two of a 2-CTA MMA's pair, would not share one group's operand.
         if self.groups and (self.batch != 1 or self.split_k != 1 or self.stream_k
-                            or self.cluster_shape_mn != (1, 1)):  # fmt: skip
+                            or self.cluster_shape_mn != (1, 1) or self.use_2cta):  # fmt: skip
             raise C.PlanError(
-                "a grouped plan has batch 1, no split-K or stream-K, and a 1x1 cluster"
+                "a grouped plan has batch 1, no split-K or stream-K, a 1x1 cluster and 1-CTA "
+                f"MMAs; got {self.batch=}, {self.split_k=}, {self.stream_k=}, "
+                f"{self.cluster_shape_mn=}, {self.use_2cta=}"
             )
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_GROUPED) and (
             self.arch != "sm_90a"
@@ -326,7 +371,7 @@ class GemmPlan:
         epi_bytes = self._epi_bytes
         setf(
             "smem_bytes",
-            C.SMEM_RESERVED_BYTES + epi_bytes + group_table_bytes(self.groups)
+            C.SMEM_RESERVED_BYTES + epi_bytes + self._table_bytes
             + self.num_ab_stages * stage_bytes,
         )  # fmt: skip
         C.check_ab_stages(self.num_ab_stages)
@@ -376,8 +421,13 @@ class GemmPlan:
 
     @property
     def ab_stage_bytes(self) -> int:
-        rest = C.SMEM_RESERVED_BYTES + self._epi_bytes + group_table_bytes(self.groups)
+        rest = C.SMEM_RESERVED_BYTES + self._epi_bytes + self._table_bytes
         return (self.smem_bytes - rest) // self.num_ab_stages
+
+    @property
+    def _table_bytes(self) -> int:
+        """The group table's SMEM: a grouped kernel's (an XLA plan's tile fields hold none)."""
+        return group_table_bytes(self.groups) if self.kernel in GROUPED_KERNELS else 0
 
     @property
     def _epi_bytes(self) -> int:

@@ -9,6 +9,7 @@ import math
 from jax_sm100._src import constraints as C
 from jax_sm100._src.planning.gemm_plan import (
     KERNEL_SM100,
+    KERNEL_SM100_GROUPED,
     KERNEL_XLA,
     GemmPlan,
     _dsl,
@@ -16,6 +17,9 @@ from jax_sm100._src.planning.gemm_plan import (
     _pow2_ceil,
     _wave_cost,
     epi_smem_bytes,
+    group_table_bytes,
+    grouped_support,
+    grouped_work_tiles,
 )
 
 # Relative tensor-core efficiency of each tile (see the module docstring).
@@ -53,14 +57,13 @@ def _sm100_reason(use_2cta, mm, mn, num_sms) -> str:
     return f"tcgen05 {kind} {mm}x{mn} MMA: fewest weighted waves on {num_sms} SMs"
 
 
-def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
-    """The planner's sm_100a plan for the problem in `common` (GemmPlan's problem fields, arch
-    and num_sms); `why_not` (a reason or None) sends it to XLA's dot."""
-    m, n, k, batch = common["m"], common["n"], common["k"], common["batch"]
-    arch, num_sms = common["arch"], common["num_sms"]
-    out_dtype, c_dtype = common["out_dtype"], common["c_dtype"]
-    preact_out = common["preact_out"]
-    use_2cta, mm, mn, cluster = _choose_sm100(m, n, k, batch, num_sms)
+def _sm100_stages(
+    arch, use_2cta, mm, mn, ktile, ab_bits, out_dtype, out_bits, c_dtype, c_bits, preact_out,
+    reserved_bytes=0,
+) -> tuple[int, int]:  # fmt: skip
+    """(accumulator stages, A/B stages) of an mm x mn MMA tile: two TMEM accumulators where
+    they fit, and as many A/B stages as the SMEM beside a 2-deep epilogue ring (and
+    `reserved_bytes`, e.g. a grouped kernel's group table) holds."""
     cta = (mm // 2 if use_2cta else mm, mn, ktile)
     cols = _dsl().sm100.compute_acc_tmem_cols_per_stage(cta[0], mn, use_2cta, mn, False)
     # Two accumulator stages let the epilogue of one tile overlap the MMAs of the next;
@@ -70,7 +73,21 @@ def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
         cta[0], mn, use_2cta, out_bits, c_dtype and c_bits, False, False
     )
     epi_bytes = epi_smem_bytes(arch, epi, 2, out_dtype, c_dtype, 1, preact_out=preact_out)
-    stages = _max_ab_stages(arch, cta, mn // 2 if use_2cta else mn, ab_bits, epi_bytes)
+    b_rows = mn // 2 if use_2cta else mn
+    return acc_stages, _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes + reserved_bytes)
+
+
+def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
+    """The planner's sm_100a plan for the problem in `common` (GemmPlan's problem fields, arch
+    and num_sms); `why_not` (a reason or None) sends it to XLA's dot."""
+    m, n, k, batch = common["m"], common["n"], common["k"], common["batch"]
+    arch, num_sms = common["arch"], common["num_sms"]
+    out_dtype, c_dtype = common["out_dtype"], common["c_dtype"]
+    preact_out = common["preact_out"]
+    use_2cta, mm, mn, cluster = _choose_sm100(m, n, k, batch, num_sms)
+    acc_stages, stages = _sm100_stages(
+        arch, use_2cta, mm, mn, ktile, ab_bits, out_dtype, out_bits, c_dtype, c_bits, preact_out
+    )
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM100 if why_not is None else KERNEL_XLA,
@@ -82,3 +99,50 @@ def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
         num_acc_stages=acc_stages,
     )
     return plan
+
+
+# Grouped problems (ragged_dot): 1-CTA tiles only, with the dense table's efficiencies. A
+# grouped work tile's rows end at its group's end, anywhere inside the tile, and its B is that
+# group's: the two CTAs of a cta_group::2 pair (256 rows, one B tile split between them) would
+# both have to hold rows of one group, which the schedule cannot promise, so the pair, like a
+# multicast cluster, has nothing to share; 1x1 clusters (as on sm_90a).
+_SM100_GROUPED_CANDIDATES = (
+    # (mma_m, mma_n, efficiency)
+    (128, 256, 0.96),
+    (128, 128, 0.86),
+)
+
+
+def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
+    """The sm_100a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the 1-CTA
+    tile with the fewest weighted waves for groups of equal size (`grouped_work_tiles`, the
+    sm_90a grouped planner's model), two TMEM accumulators, a 2-deep store ring and as many
+    A/B stages as fit beside the group table; `why_not` (or `grouped_support`'s reason) sends
+    it to XLA's ragged dot."""
+    g, num_sms = common["groups"], common["num_sms"]
+    why_not = why_not or grouped_support(common)
+    best = None
+    for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
+        cost = _wave_cost(grouped_work_tiles(common, mm, mn), 1, num_sms, mm * mn, eff)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, mm, mn)
+    _, mm, mn = best
+    reserved = group_table_bytes(g) if why_not is None else 0
+    acc_stages, stages = _sm100_stages(
+        common["arch"], False, mm, mn, ktile, ab_bits, common["out_dtype"], out_bits, None, 0,
+        False, reserved,
+    )  # fmt: skip
+    reason = why_not or (
+        f"grouped tcgen05 1-CTA {mm}x{mn} MMA over {g} groups (ragged {common['ragged']}): "
+        f"fewest weighted waves on {num_sms} SMs"
+    )
+    return GemmPlan(
+        **common,
+        kernel=KERNEL_SM100_GROUPED if why_not is None else KERNEL_XLA,
+        reason=reason,
+        mma_tiler_mnk=(mm, mn, ktile),
+        cluster_shape_mn=(1, 1),
+        use_2cta=False,
+        num_ab_stages=stages,
+        num_acc_stages=acc_stages,
+    )

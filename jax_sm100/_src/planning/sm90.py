@@ -15,6 +15,8 @@ from jax_sm100._src.planning.gemm_plan import (
     KERNEL_XLA,
     GemmPlan,
     _wave_cost,
+    grouped_support,
+    grouped_work_tiles,
     smem_capacity,
 )
 
@@ -341,28 +343,6 @@ _SM90_GROUPED_PINGPONG = ((128, 192, 1.0), (128, 160, 1.0))
 # schedule (tests and tuning); unset, it plans cooperative tiles.
 GROUPED_SCHEDULES = ("", "pingpong", "cooperative")
 
-# Grouped problems (ragged_dot): more groups than this keep the group table from leaving room
-# for the stage ring, so they run on XLA's ragged dot; and the running row sums of the table
-# stay in int32 only below 2^30 rows.
-SM90_MAX_GROUPS = 4096
-SM90_MAX_GROUPED_ROWS = 2**30
-
-
-def grouped_support(common) -> str | None:
-    """Why the grouped kernel cannot run the grouped problem in `common`, or None."""
-    g, ragged = common["groups"], common["ragged"]
-    rows = common["m"] if ragged == "m" else common["k"]
-    if g > SM90_MAX_GROUPS:
-        return f"XLA ragged dot: {g} groups (the grouped kernel takes up to {SM90_MAX_GROUPS})"
-    if rows >= SM90_MAX_GROUPED_ROWS:
-        return f"XLA ragged dot: {rows} rows (the grouped kernel takes fewer than 2^30)"
-    if C.DTYPE_BITS[common["a_dtype"]] == 8 and ragged == "k":
-        return (
-            "XLA ragged dot: the weight gradient of fp8 operands would need M- and N-major "
-            "fp8 wgmma, which sm_90a does not have"
-        )
-    return None
-
 
 def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
@@ -370,8 +350,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
     mode each group's last m tile is partial), one CTA per cluster (the work tiles of a CTA
     pair would not share operands across group boundaries), as many A/B stages as fit beside the
     group table and a 2-deep store ring."""
-    m, n, g = common["m"], common["n"], common["groups"]
-    num_sms = common["num_sms"]
+    g, num_sms = common["groups"], common["num_sms"]
     why_not = why_not or grouped_support(common)
     if schedule not in GROUPED_SCHEDULES:
         raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of {GROUPED_SCHEDULES}")
@@ -383,14 +362,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
         candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
     best = None
     for tm, tn, pingpong, eff in candidates:
-        if common["ragged"] == "m":
-            # The sizes are known only on the device: scored for equal groups, whose partial
-            # last tiles are the waste a smaller tile_m saves (64-row tiles for groups of 64).
-            per_group = max(1, math.ceil(m / g))
-            tiles = min(g, m) * math.ceil(per_group / tm) * math.ceil(n / tn)
-        else:
-            tiles = g * math.ceil(m / tm) * math.ceil(n / tn)
-        cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff)
+        cost = _wave_cost(grouped_work_tiles(common, tm, tn), 1, num_sms, tm * tn, eff)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong)
     _, tm, tn, pingpong = best

@@ -1,0 +1,289 @@
+"""What the grouped GEMM families share: the ragged TMA view, the group table, the schedule.
+
+`ragged_dot` and its backward run as one grouped GEMM per call, on sm_90a (sm90_grouped.py,
+wgmma) and sm_100a (sm100_grouped.py, tcgen05). Both take the same host operands in the same
+two ragged modes (`plan.ragged`), with the group sizes read on the device (no host sync; the
+launch is CUDA-graph safe):
+
+* "m" (ragged_dot, and its d lhs): A (M, K) holds every group's rows, one after another; B
+  (N, K, G) one matrix per group; D (M, N). Group j's rows [s_j, s_j + g_j) times B[j].
+  Rows past the last group are written as zeros.
+* "k" (ragged_dot's d rhs): A (M, K) and B (N, K) both hold every group's rows along K; D
+  (M, N, G). D[j] is the product over group j's rows only (zero for an empty group).
+
+Everything that does not depend on the tensor-core generation is here, in `GroupedGemm` (a
+mixin each family puts before its dense kernel class) and two functions:
+
+* The schedule. Every CTA first builds a table in shared memory from the group sizes (one warp,
+  32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
+  extent the groups partition, so bad sizes never address outside the buffers) and, in "m"
+  mode, its first work tile. A work tile is (group, m tile, n tile); CTA c takes work tiles c,
+  c + grid, ..., and a binary search of the table gives a work index its group. In "m" mode a
+  group of g_j rows has ceil(g_j / tile_m) x tiles_n work tiles, a group boundary falls inside
+  a tile anywhere, and an empty group has none; a last pseudo-group covers the rows past the
+  groups (zeros, no main loop). In "k" mode the tiles are G x tiles_m x tiles_n and each runs
+  ceil(g_j / tile_k) k-blocks (none for an empty group: it stores zeros). Every warp role of a
+  CTA walks the same work indices and reads the same table, so they agree on each tile's group,
+  rows and k-block count without talking to each other.
+* Group boundaries through TMA's bounds checks, with one static descriptor per operand
+  (`ragged_view`, `ragged_slice`). The ragged extent is presented to TMA as a rank-4 view: the
+  ragged mode of extent 2^30 and two extra modes whose strides are (2^34 - s, s) elements (s:
+  the ragged mode's stride). Group j is then addressed at coordinates (2^30 - g_j + r, .,
+  2^30, s_j + g_j): the address is base + (s_j + r) s + 2^64 x (element bytes), which is
+  base + (s_j + r) s modulo 2^64, and the bounds check of the first coordinate ends the group
+  at row g_j. Loads past a group's end are zero-filled and stores past it are dropped, so a
+  tile that straddles two groups neither reads the next group's rows into its sums nor writes
+  over its output. (The same view technique Triton's ragged TMA and quack's varlen GEMMs use.)
+
+Because the group's bounds travel in the coordinates, not in the descriptor, no per-group TMA
+descriptor is built, patched or fenced: the descriptors are the usual static kernel parameters
+(`cute.nvgpu.make_tiled_tma_atom*` over the views), made once on the host. Every box a stage
+loads is the full tile, and TMA counts the zero-filled bytes of a box towards the mbarrier's
+transaction, so each stage's expected byte count is the whole tile's, constant across groups.
+"""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import cute
+
+from jax_sm100._src.kernels import common, family
+from jax_sm100._src.kernels.spec import KernelSpec
+
+# The ragged view (module docstring): the ragged mode's extent, and the extra modes' extent.
+_RAGGED_EXTENT = 2**30
+_EXTRA_EXTENT = 2**31 - 1
+_WRAP = 2**34  # _RAGGED_EXTENT * _WRAP = 2**64
+
+
+def ragged_view(t: cute.Tensor, mode: int) -> cute.Tensor:
+    """`t` (rank 2) as the rank-4 view whose bounds TMA can move to any group's end."""
+    shape = list(t.shape)
+    stride = list(t.stride)
+    s = cutlass.Int64(stride[mode])
+    shape[mode] = _RAGGED_EXTENT
+    layout = cute.make_layout(
+        (*shape, _EXTRA_EXTENT, _EXTRA_EXTENT), stride=(*stride, _WRAP - s, s)
+    )
+    return cute.make_tensor(t.iterator, layout)
+
+
+@cute.jit
+def ragged_slice(view: cute.Tensor, mode: cutlass.Constexpr[int], start, length) -> cute.Tensor:
+    """The rank-2 view of `view` (a ragged_view, or its TMA coordinates) whose `mode` starts
+    at `start` and ends after `length`."""
+    sub = view[(None, None, _RAGGED_EXTENT, start + length)]
+    offset = [0, 0]
+    offset[mode] = _RAGGED_EXTENT - length
+    return cute.domain_offset(tuple(offset), sub)
+
+
+class GroupedGemm:
+    """The arch-independent half of a grouped GEMM family (the module docstring).
+
+    Put before the dense kernel class (`class K(GroupedGemm, DenseKernel)`): it gives the
+    family its host operands, fake operands and the grouped legality rules (then the dense
+    class's), and the device schedule. The family calls `_init_grouped(plan)` in `__init__`,
+    `_grouped_views` on the host and `_build_table` once per CTA before any role reads the
+    table; `_num_work`, `_work` and `_k_tiles` take `sched`, the tuple
+    (table, tiles_m, tiles_n, k_extent).
+
+    Host entry point of the family: `__call__(a, b, d, group_sizes, stream)`; a, d rank 2 and b
+    rank 3 in "m" mode, a, b rank 2 and d rank 3 in "k" mode, group_sizes (G,) int32.
+    """
+
+    HOST_OPERANDS = ("a", "b", "d", "group_sizes")
+
+    def _init_grouped(self, plan):
+        self.groups = int(plan.groups)
+        self.ragged = plan.ragged
+        # A work tile's (rows, columns, k-block) of D and the operands: the CTA tile.
+        self.work_tile = tuple(plan.cta_tile_mnk)
+
+    @classmethod
+    def why_not(cls, plan, spec: KernelSpec) -> str | None:
+        """The grouped rules both families share, then the dense family's own."""
+        if not plan.groups or plan.ragged not in ("m", "k"):
+            return "not a grouped plan (plan.groups, plan.ragged)"
+        if plan.split_k != 1 or plan.stream_k or plan.stage_c:
+            return "grouped plans run without split-K, stream-K or a staged C"
+        if tuple(plan.cluster_shape_mn) != (1, 1):
+            return f"grouped plans run 1x1 clusters, not {plan.cluster_shape_mn}"
+        if spec.has_c or spec.has_bias or spec.preact_out or spec.act_grad:
+            return "the grouped epilogue takes alpha and an activation only"
+        if plan.ragged == "m" and spec.a_major != "k":
+            return "ragged rows need a K-major A"
+        if plan.ragged == "k" and (spec.a_major != "m" or spec.b_major != "n"):
+            return "a ragged contraction takes A M-major and B N-major (rows outermost)"
+        return super().why_not(plan, spec)
+
+    @classmethod
+    def compile_inputs(cls, plan, spec: KernelSpec) -> family.CompileInputs:
+        """Fake operands in the modes of the module docstring: the ragged extent (M in "m"
+        mode, K in "k" mode) symbolic with no divisibility (a group may end anywhere), the
+        contiguous extents 16-byte divisible, G static."""
+        from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: PLC0415
+
+        def div(dtype):
+            return common.elems_per_16b(dtype)
+
+        def fake(dtype, shape, order):
+            return make_fake_compact_tensor(
+                common.cutlass_dtype(dtype), shape, stride_order=order,
+                assumed_align=common.TMA_ALIGN_BYTES,
+            )  # fmt: skip
+
+        g = int(plan.groups)
+        gs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+        if plan.ragged == "m":
+            m = cute.sym_int()
+            k = cute.sym_int(divisibility=div(spec.a_dtype))
+            b_n = spec.b_major == "n"
+            n = cute.sym_int(divisibility=div(spec.out_dtype))
+            if b_n:
+                n = cute.sym_int(divisibility=max(div(spec.out_dtype), div(spec.b_dtype)))
+            else:
+                k = cute.sym_int(divisibility=max(div(spec.a_dtype), div(spec.b_dtype)))
+            a = fake(spec.a_dtype, (m, k), (1, 0))
+            # B (N, K, G): the rhs [G, K, N] (N-major) or [G, N, K] (K-major).
+            b = fake(spec.b_dtype, (n, k, g), (0, 1, 2) if b_n else (1, 0, 2))
+            d = fake(spec.out_dtype, (m, n), (1, 0))
+        else:
+            # A = lhs^T (M, K) from lhs [K, M]; B = the cotangent^T (N, K) from [K, N].
+            m = cute.sym_int(divisibility=div(spec.a_dtype))
+            n = cute.sym_int(divisibility=max(div(spec.b_dtype), div(spec.out_dtype)))
+            k = cute.sym_int()
+            a = fake(spec.a_dtype, (m, k), (0, 1))
+            b = fake(spec.b_dtype, (n, k), (0, 1))
+            d = fake(spec.out_dtype, (m, n, g), (1, 0, 2))
+        return family.CompileInputs(plan, spec, (a, b, d, gs))
+
+    # ---------------------------------------------------------------- host
+
+    def _grouped_views(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor):
+        """(A, B, D as TMA sees them, the ragged extent, tiles_m, tiles_n, the most work
+        tiles any group sizes make), inside the family's host `__call__`."""
+        tm, tn, _ = self.work_tile
+        if self.ragged == "m":
+            a_view, b_view, d_view = ragged_view(a, 0), b, ragged_view(d, 0)
+            extent = a.shape[0]
+            tiles_n = cute.ceil_div(d.shape[1], tn)
+            tiles_m = cute.ceil_div(d.shape[0], tm)
+            # Every group can add one partial m tile, and so can the rows past the groups.
+            max_work = (tiles_m + self.groups + 1) * tiles_n
+        else:
+            a_view, b_view, d_view = ragged_view(a, 1), ragged_view(b, 1), d
+            extent = a.shape[1]
+            tiles_n = cute.ceil_div(d.shape[1], tn)
+            tiles_m = cute.ceil_div(d.shape[0], tm)
+            max_work = tiles_m * tiles_n * self.groups
+        return a_view, b_view, d_view, extent, tiles_m, tiles_n, max_work
+
+    def _table_field(self):
+        """The group table's shared-memory field (`_build_table`'s layout)."""
+        return cute.struct.MemRange[cutlass.Int32, 2 * (self.groups + 2)]
+
+    # ---------------------------------------------------------------- device: the schedule
+
+    @cute.jit
+    def _build_table(self, mGs, table, extent, tiles_n):
+        """Fills `table` (one warp): entry j of [0, G + 2) holds group j's first row, entry
+        G + 2 + j its first work tile ("m" mode); entry G is where the groups end and G + 1 the
+        extent. Sizes are clamped so that every row range lies inside [0, extent)."""
+        g = self.groups
+        rows_per_tile = self.work_tile[0] if self.ragged == "m" else self.work_tile[2]
+        lane = cute.arch.lane_idx()
+        carry_rows = cutlass.Int32(0)
+        carry_tiles = cutlass.Int32(0)
+        if lane == 0:
+            table[0] = cutlass.Int32(0)
+            table[g + 2] = cutlass.Int32(0)
+        for c in cutlass.range((g + 31) // 32, unroll=1):
+            j = c * 32 + lane
+            size = cutlass.Int32(0)
+            if j < g:
+                size = cutlass.max(cutlass.min(mGs[j], extent), 0)
+            # Inclusive running sum of the sizes, saturating at the extent.
+            end = size
+            for d in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(end, 1 << d)
+                if lane >= (1 << d):
+                    end = cutlass.min(end + other, extent)
+            end = cutlass.min(end + carry_rows, extent)
+            start = cute.arch.shuffle_sync_up(end, 1)
+            if lane == 0:
+                start = carry_rows
+            tiles = (end - start + rows_per_tile - 1) // rows_per_tile * tiles_n
+            last = tiles
+            for d in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(last, 1 << d)
+                if lane >= (1 << d):
+                    last = last + other
+            last = last + carry_tiles
+            if j < g:
+                table[j + 1] = end
+                table[g + 2 + j + 1] = last
+            carry_rows = cute.arch.shuffle_sync(end, 31)
+            carry_tiles = cute.arch.shuffle_sync(last, 31)
+        if lane == 0:
+            # The rows past the groups: a last pseudo-group, written as zeros ("m" mode).
+            table[g + 1] = extent
+            rest = (extent - carry_rows + rows_per_tile - 1) // rows_per_tile * tiles_n
+            table[2 * g + 3] = carry_tiles + rest
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def _num_work(self, sched):
+        table, tiles_m, tiles_n, _ = sched
+        num = tiles_m * tiles_n * self.groups
+        if cutlass.const_expr(self.ragged == "m"):
+            num = table[2 * self.groups + 3]
+        return num
+
+    @cute.jit
+    def _work(self, sched, w):
+        """Work tile `w` as (group, first row, rows, m tile, n tile, zeros): `zeros` when the
+        tile has no main loop (the rows past the groups, or an empty group's D)."""
+        table, tiles_m, tiles_n, _ = sched
+        g = self.groups
+        tm, _, tk = self.work_tile
+        group = cutlass.Int32(0)
+        local = w
+        if cutlass.const_expr(self.ragged == "m"):
+            # The last group (counting the pseudo-group g) whose first tile is <= w.
+            lo = cutlass.Int32(0)
+            hi = cutlass.Int32(g + 1)
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if table[g + 2 + mid] <= w:
+                    lo = mid
+                else:
+                    hi = mid
+            group = lo
+            local = w - table[g + 2 + group]
+        else:
+            per_group = tiles_m * tiles_n
+            group = w // per_group
+            local = w - group * per_group
+        start = table[group]
+        rows = table[group + 1] - start
+        m_tiles = tiles_m
+        if cutlass.const_expr(self.ragged == "m"):
+            m_tiles = (rows + tm - 1) // tm
+        n_tile = local // m_tiles
+        m_tile = local - n_tile * m_tiles
+        zeros = rows == 0
+        if cutlass.const_expr(self.ragged == "m"):
+            zeros = group == g
+        return group, start, rows, m_tile, n_tile, zeros
+
+    @cute.jit
+    def _k_tiles(self, sched, rows, zeros):
+        """The k-blocks of a work tile: K's in "m" mode, its group's rows' in "k" mode."""
+        tk = self.work_tile[2]
+        n_k = (sched[3] + tk - 1) // tk
+        if cutlass.const_expr(self.ragged == "k"):
+            n_k = (rows + tk - 1) // tk
+        if zeros:
+            n_k = 0
+        return n_k

@@ -1,0 +1,316 @@
+"""The SM100 grouped (tcgen05) kernel family, verified by compiling it for sm_100a on a CPU.
+
+No SM100 GPU runs in CI, so these tests are the evidence for the grouped sm_100a kernel
+(kernels/sm100_grouped.py): each case plans a grouped problem for sm_100a (ragged rows, "m",
+with B N- or K-major; ragged contraction, "k"), compiles it through `compile_plan` and reads
+the PTX:
+
+  * tcgen05.mma of the operands' kind, cta_group::1 only (grouped plans are 1-CTA);
+  * tcgen05.alloc and tcgen05.dealloc of the plan's `tmem_alloc_cols`, tcgen05.ld out of TMEM;
+  * TMA loads through the rank-4 ragged views (cp.async.bulk.tensor.4d for the operand whose
+    rows are in groups, 3d for "m" mode's B), completing on an mbarrier, never multicast; TMA
+    stores of D (4d through the ragged view in "m" mode, 3d into (M, N, G) in "k" mode);
+  * one static descriptor per operand (three prefetched, none modified on the device);
+  * each stage's mbarrier expects the whole A and B tiles' bytes, computed here from the plan
+    (TMA counts the zero-filled bytes past a group's end too), whatever the group sizes;
+  * the group sizes read from global memory (the group table) and no register spills.
+
+The planner's sm_100a grouped rule and the export of ragged_dot's training products for
+sm_100a are tested here too. What this does not show: that the kernel computes the right
+numbers, or how fast it runs. Those need an SM100 GPU (tests/test_gpu_ragged.py runs there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import constraints, planning
+from jax_sm100._src.compile import compile_plan
+from jax_sm100._src.kernels import family, sm100_gemm, sm100_grouped
+from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.planning import gemm_plan
+from tests.test_sm100_ptx import _MMA_KIND, _alloc_columns, _expect_tx_bytes, _ptxas_spill_bytes
+
+GROUPED = planning.KERNEL_SM100_GROUPED
+
+# Each case: the grouped problem (ragged "m": [m, k] rows in groups times one [k, n] matrix per
+# group; "k": [m, k]^T [k, n] per group of k's rows), plan fields to force. About 0.5 s of
+# compile each; the grid covers both modes, both B majors in "m" mode, both planned tiles, and
+# every operand kind (f16, tf32, f8f6f4), with a float32 output.
+CASES = [
+    dict(
+        testcase_name="m_bf16_Bmajor_n_128x256",
+        problem=dict(m=8192, n=4096, k=4096, groups=8, ragged="m", b_major="n"),
+    ),
+    dict(
+        testcase_name="m_bf16_Bmajor_k_128x256",
+        problem=dict(m=8192, n=4096, k=4096, groups=8, ragged="m", b_major="k"),
+    ),
+    dict(
+        testcase_name="k_bf16_128x256",
+        problem=dict(m=4096, n=4096, k=32768, groups=8, ragged="k"),
+    ),
+    dict(
+        testcase_name="m_fp16_Bmajor_k_128x128",
+        problem=dict(m=4096, n=1408, k=2048, groups=64, ragged="m", b_major="k", dtype="float16"),
+    ),
+    dict(
+        testcase_name="k_bf16_128x128_f32out",
+        problem=dict(m=2048, n=1408, k=8192, groups=16, ragged="k", out_dtype="float32"),
+        force=dict(mma_tiler_mnk=(128, 128, 64)),
+    ),
+    dict(
+        testcase_name="m_e4m3_Bmajor_n",
+        problem=dict(m=8192, n=4096, k=4096, groups=8, ragged="m", dtype="float8_e4m3fn"),
+    ),
+    dict(
+        testcase_name="k_e5m2",
+        problem=dict(m=4096, n=4096, k=32768, groups=8, ragged="k", dtype="float8_e5m2"),
+    ),
+    dict(
+        testcase_name="m_tf32_Bmajor_n",
+        problem=dict(m=8192, n=4096, k=4096, groups=8, ragged="m", dtype="float32"),
+    ),
+]
+
+
+def _plan(problem, force=None):
+    args = dict(problem)
+    dtype = args.pop("dtype", "bfloat16")
+    a_major = "k" if args["ragged"] == "m" else "m"
+    args.setdefault("b_major", "n")
+    p = planning.plan(
+        args.pop("m"), args.pop("n"), args.pop("k"), a_dtype=dtype, b_dtype=dtype,
+        arch="sm_100a", a_major=a_major, **args,
+    )  # fmt: skip
+    if not force:
+        return p
+    # The deepest A/B pipeline that fits the forced tile, as the planner would take it.
+    for stages in range(12, constraints.MIN_AB_STAGES - 1, -1):
+        try:
+            return dataclasses.replace(p, num_ab_stages=stages, **force)
+        except constraints.PlanError as e:
+            if "shared memory" not in str(e):
+                raise
+    raise AssertionError(f"no stage count fits {force}")
+
+
+def _tma_dims(ptx: str, direction: str) -> set[int]:
+    """Ranks of the TMA tensor copies: loads ("load", global -> shared::cta on an mbarrier)
+    or stores ("store", shared::cta -> global)."""
+    kind = r"shared::cta\.global" if direction == "load" else r"global\.shared::cta"
+    return {int(d) for d in re.findall(rf"cp\.async\.bulk\.tensor\.(\d)d\.{kind}\.", ptx)}
+
+
+class Sm100GroupedPtxTest(parameterized.TestCase):
+    @parameterized.named_parameters(*CASES)
+    def test_ptx(self, problem, force=None):
+        plan = _plan(problem, force)
+        self.assertEqual(plan.kernel, GROUPED, plan.reason)
+        self.assertEqual((plan.use_2cta, plan.cluster_shape_mn), (False, (1, 1)))
+        spec = KernelSpec.for_plan(plan)
+        self.assertIsNone(sm100_grouped.Sm100GroupedGemmKernel.why_not(plan, spec))
+
+        compiled = compile_plan(plan, spec)
+        ptx = compiled.ptx
+        self.assertIn(".target sm_100a", ptx)
+        self.assertEqual(compiled.cubin[:4], b"\x7fELF")
+        self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d", "group_sizes"])
+
+        # The MMA: the operands' kind, one CTA per MMA, nothing of a CTA pair anywhere.
+        mmas = set(re.findall(r"tcgen05\.mma\.(cta_group::\d)\.(kind::\w+)", ptx))
+        self.assertEqual(mmas, {("cta_group::1", f"kind::{_MMA_KIND[plan.a_dtype]}")})
+        self.assertNotIn("cta_group::2", ptx)
+        mm, mn, mk = plan.mma_tiler_mnk
+        k_steps = mk // constraints.mma_inst_k(plan.a_dtype)
+        n_mma = len(re.findall(r"tcgen05\.mma\.", ptx))
+        self.assertTrue(n_mma >= k_steps and n_mma % k_steps == 0, (n_mma, k_steps))
+
+        # TMEM: the plan's columns (two accumulator stages of the tile's N), read by tcgen05.ld.
+        self.assertEqual(plan.tmem_alloc_cols, min(512, 2 * mn))
+        self.assertEqual(set(_alloc_columns(ptx, "alloc")), {plan.tmem_alloc_cols})
+        self.assertEqual(set(_alloc_columns(ptx, "dealloc")), {plan.tmem_alloc_cols})
+        self.assertIn("tcgen05.alloc.cta_group::1", ptx)
+        self.assertRegex(ptx, r"tcgen05\.ld\.sync\.aligned\.\w+\.x\d+\.b32")
+        self.assertIn("tcgen05.commit", ptx)
+
+        # TMA through the ragged views: the operand(s) in groups are rank-4 views ("m": A and
+        # D; "k": A and B), "m" mode's B is (N, K, G) and "k" mode's D (M, N, G).
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.[\w:.]+", ptx)
+        self.assertTrue(loads and all("mbarrier::complete_tx::bytes" in x for x in loads), loads)
+        self.assertFalse(any("multicast" in x for x in loads), loads)
+        ragged_m = plan.ragged == "m"
+        self.assertEqual(_tma_dims(ptx, "load"), {3, 4} if ragged_m else {4})
+        self.assertEqual(_tma_dims(ptx, "store"), {4} if ragged_m else {3})
+        # One static descriptor each for A, B and D (prefetched once), none built or patched
+        # on the device: a group's bounds travel in the TMA coordinates.
+        self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 3)
+        self.assertNotRegex(ptx, r"tensormap\.(replace|cp_fenceproxy)")
+
+        # Every stage's transaction count is the whole A and B tiles' bytes, from the plan:
+        # a box past a group's end is zero-filled and still counted.
+        bits = constraints.DTYPE_BITS[plan.a_dtype]
+        self.assertEqual(_expect_tx_bytes(ptx), {(mm + mn) * mk * bits // 8})
+
+        # Warp roles: the dense family's 4 epilogue warps, MMA warp and TMA warp.
+        self.assertIn(f".reqntid {32 * 6}, 1, 1", ptx)
+        # The group table: group sizes read from global memory (the kernel's only loads
+        # outside TMA), summed with warp shuffles.
+        self.assertIn("ld.global", ptx)
+        self.assertIn("shfl.sync.up", ptx)
+        # The epilogue warps meet after their last TMEM load, before the columns are freed.
+        free = ptx.index("tcgen05.relinquish_alloc_permit")
+        last_barrier = ptx.rfind("bar.sync \t1, 128;", 0, free)
+        self.assertGreater(last_barrier, 0, "no epilogue barrier before the TMEM free")
+        self.assertNotIn("tcgen05.ld", ptx[last_barrier:free])
+
+        spills = _ptxas_spill_bytes(ptx)
+        if spills is not None:
+            self.assertEqual(spills, 0, "ptxas reports register spills")
+
+    def test_legality(self):
+        plan = _plan(CASES[0]["problem"])
+        spec = KernelSpec.for_plan(plan)
+        # A CTA pair or a cluster: refused by the plan itself, and by the family.
+        for edit in (dict(use_2cta=True, mma_tiler_mnk=(256, 256, 64)),
+                     dict(cluster_shape_mn=(2, 1))):  # fmt: skip
+            with self.assertRaisesRegex(constraints.PlanError, "1x1 cluster and 1-CTA"):
+                dataclasses.replace(plan, **edit)
+        pair = dataclasses.replace(plan, groups=0, ragged="", kernel=planning.KERNEL_SM100)
+        self.assertIn("not a grouped plan", sm100_grouped.Sm100GroupedGemmKernel.why_not(
+            pair, KernelSpec.for_plan(pair)))  # fmt: skip
+        # The dense family takes no grouped plan, the grouped family no epilogue beyond alpha
+        # and an activation, and "m" mode needs a K-major A.
+        with self.assertRaisesRegex(ValueError, "not an sm100_tcgen05 plan"):
+            sm100_gemm.Sm100GemmKernel(plan, spec)
+        why = sm100_grouped.Sm100GroupedGemmKernel.why_not
+        self.assertIn("alpha and an activation", why(plan, dataclasses.replace(
+            spec, bias_dtype="bfloat16")))  # fmt: skip
+        self.assertIsNone(why(plan, dataclasses.replace(spec, alpha=0.5, activation="relu")))
+        self.assertIn("K-major A", why(plan, dataclasses.replace(spec, a_major="m")))
+        self.assertIs(family.family(GROUPED), sm100_grouped.Sm100GroupedGemmKernel)
+
+
+class Sm100GroupedPlanTest(parameterized.TestCase):
+    @parameterized.parameters(
+        # (m, n, k, groups, ragged): issue 18's MoE shapes, both modes.
+        (8192, 4096, 4096, 8, "m"),
+        (65536, 2048, 1408, 64, "m"),
+        (16384, 2048, 768, 128, "m"),
+        (4096, 1408, 2048, 64, "m"),
+        (4096, 4096, 32768, 8, "k"),
+        (2048, 1408, 8192, 64, "k"),
+    )
+    def test_tile_by_equal_groups_waves(self, m, n, k, g, ragged):
+        p = _plan(dict(m=m, n=n, k=k, groups=g, ragged=ragged))
+        self.assertEqual(p.kernel, GROUPED, p.reason)
+        self.assertEqual((p.use_2cta, p.cluster_shape_mn, p.num_acc_stages), (False, (1, 1), 2))
+        # The tile is the candidate with the fewest weighted waves for equal groups: the same
+        # model (`grouped_work_tiles`) as the sm_90a grouped planner's.
+        common = dict(m=m, n=n, groups=g, ragged=ragged)
+
+        def cost(tm, tn, eff):
+            tiles = gemm_plan.grouped_work_tiles(common, tm, tn)
+            return gemm_plan._wave_cost(tiles, 1, p.num_sms, tm * tn, eff)
+
+        best = min(planning.sm100._SM100_GROUPED_CANDIDATES, key=lambda c: cost(*c))
+        self.assertEqual(p.mma_tiler_mnk[:2], best[:2])
+        self.assertIn(p.mma_tiler_mnk[:2], ((128, 256), (128, 128)))
+        # TMEM: two accumulators of the tile's N; SMEM: the group table beside the deepest
+        # stage ring that fits.
+        self.assertEqual(p.tmem_alloc_cols, 2 * p.mma_tiler_mnk[1])
+        cap = planning.smem_capacity("sm_100a")
+        self.assertLessEqual(p.smem_bytes, cap)
+        self.assertGreater(p.smem_bytes + p.ab_stage_bytes, cap)
+        self.assertEqual(
+            p.smem_bytes,
+            constraints.SMEM_RESERVED_BYTES + p._epi_bytes + gemm_plan.group_table_bytes(g)
+            + p.num_ab_stages * p.ab_stage_bytes,
+        )  # fmt: skip
+        self.assertIn("grouped tcgen05 1-CTA", p.reason)
+
+    def test_which_tile(self):
+        # Big equal groups fill 148 SMs with 128x256 tiles; 64 groups of 64 rows over N=1408
+        # waste less of a 128x128 tile's partial N.
+        self.assertEqual(_plan(CASES[0]["problem"]).mma_tiler_mnk, (128, 256, 64))
+        self.assertEqual(_plan(CASES[3]["problem"]).mma_tiler_mnk, (128, 128, 64))
+
+    def test_what_runs_on_xla(self):
+        # Too many groups for the group table (the kernel's limit on both archs) run on XLA's
+        # ragged dot, whose plan needs no table (it used to overflow SMEM and raise).
+        for g in (planning.gemm_plan.MAX_GROUPS + 1, 100_000):
+            p = _plan(dict(m=8192, n=4096, k=4096, groups=g, ragged="m"))
+            self.assertEqual(p.kernel, planning.KERNEL_XLA)
+            self.assertIn("groups (the grouped kernel takes up to 4096)", p.reason)
+        # The fp8 weight gradient runs on sm_100a's kernel (tcgen05 takes M- and N-major fp8),
+        # not on sm_90a's (wgmma does not).
+        fp8 = dict(m=4096, n=4096, k=32768, groups=8, ragged="k", dtype="float8_e4m3fn")
+        self.assertEqual(_plan(fp8).kernel, GROUPED)
+        args = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", groups=8, ragged="k")
+        sm90 = planning.plan(4096, 4096, 32768, arch="sm_90a", a_major="m", **args)
+        self.assertEqual(sm90.kernel, planning.KERNEL_XLA)
+
+    def test_grouped_kernels_per_arch(self):
+        p = _plan(CASES[0]["problem"])
+        with self.assertRaisesRegex(constraints.PlanError, "runs on sm_100a only"):
+            dataclasses.replace(p, arch="sm_90a", num_sms=132)
+        with self.assertRaisesRegex(constraints.PlanError, "grouped problems run on one of"):
+            dataclasses.replace(p, kernel=planning.KERNEL_SM100)
+        dense = planning.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16")
+        with self.assertRaisesRegex(constraints.PlanError, "dense ones never do"):
+            dataclasses.replace(dense, kernel=GROUPED)
+        self.assertIn("groups", str(p))
+
+
+class Sm100GroupedExportTest(parameterized.TestCase):
+    @parameterized.parameters(False, True)
+    def test_training_products_are_grouped_kernels(self, transpose_rhs):
+        # Exported for sm_100a on this machine: ragged_dot's forward, its input gradient and its
+        # weight gradient are each one call of the sm_100a grouped kernel (ragged rows, ragged
+        # rows against the experts transposed, ragged contraction); no XLA ragged dot is left.
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rshape = (8, 48, 64) if transpose_rhs else (8, 64, 48)
+        rhs = jax.ShapeDtypeStruct(rshape, jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+        def step(a, b, s):
+            def loss(a, b):
+                w = jnp.swapaxes(b, 1, 2) if transpose_rhs else b
+                return jnp.sum(jax_sm100.ragged_dot(a, w, s).astype(jnp.float32) ** 2)
+
+            return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
+
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_100a"}):
+            with jax_sm100.lowerings() as seen:
+                exported = jax.export.export(
+                    jax.jit(step), platforms=["cuda"],
+                    disabled_checks=jax_sm100.export_disabled_checks(),
+                )(lhs, rhs, sizes)  # fmt: skip
+        text = exported.mlir_module()
+        self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 3)
+        self.assertFalse(
+            re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text), "XLA ragged dot left"
+        )
+        plans = [x.plan for x in seen if x.plan is not None]
+        self.assertEqual([p.kernel for p in plans], [GROUPED] * 3, seen)
+        self.assertEqual({p.arch for p in plans}, {"sm_100a"})
+        self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
+        self.assertTrue(all(p.groups == 8 and not p.use_2cta for p in plans))
+        objects = [bytes.fromhex(h) for h in re.findall(r'object = dense<"0x([0-9A-F]+)"', text)]
+        self.assertLen(objects, 3)
+        for obj in objects:
+            self.assertEqual(obj[:4], b"\x7fELF")
+            self.assertIn(b"sm_100a", obj)
+            self.assertIn(b"Sm100GroupedGemmKernel", obj)
+
+
+if __name__ == "__main__":
+    absltest.main()
