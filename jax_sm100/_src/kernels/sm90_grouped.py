@@ -6,8 +6,8 @@ on a rank-4 ragged view, one static descriptor per operand) are grouped.py's `Gr
 shared with the SM100 family (sm100_grouped.py).
 
 The warp roles, stage ring, main loop and epilogue are the dense SM90 family's (sm90_gemm.py):
-a producer warp walking the work tiles with per-group TMA coordinates, and cooperative consumer
-warp groups (a warp group per 64 rows of the tile).
+a producer warp walking the work tiles with per-group TMA coordinates, and consumer warp groups
+that are cooperative (a warp group per 64 rows of the tile) or ping-pong (whole tiles in turn).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from jax_sm100._src.kernels.sm90_gemm import (
     _PRODUCER_REGS,
     _SMEM_ALIGN,
     _THREADS_PER_WG,
+    _TURN_BARRIER_ID,
     Sm90GemmKernel,
     _Epilogue,
 )
@@ -42,12 +43,6 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     def __init__(self, plan, spec: KernelSpec):
         super().__init__(plan, spec)
         self._init_grouped(plan)
-
-    @classmethod
-    def why_not(cls, plan, spec: KernelSpec) -> str | None:
-        if plan.pingpong:
-            return "grouped sm_90a plans are cooperative"
-        return super().why_not(plan, spec)
 
     # ---------------------------------------------------------------- host
 
@@ -196,8 +191,18 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
 
     @cute.jit
     def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp, ctidx):
+        """The consumer warp groups. Cooperative: both take every tile of the CTA, 64 rows
+        each. Ping-pong: warp group c takes the CTA's tiles c, c + 2, ... whole, and the two
+        take turns at the stage ring (a named barrier each), so one's epilogue runs under the
+        other's main loop; each skips the stages of the other's tiles, whose k-block counts it
+        reads off the same schedule."""
         tm, tn, tk = self.tile_mnk
-        thr_mma = tiled_mma.get_slice(ctidx)
+        consumer_wg = ctidx // _THREADS_PER_WG
+        etidx, mma_base, store_warp, epi_group = ctidx, consumer_wg * _THREADS_PER_WG, 4, 0
+        if cutlass.const_expr(self.pingpong):
+            etidx, mma_base = ctidx % _THREADS_PER_WG, 0
+            store_warp, epi_group = 4 + 4 * consumer_wg, consumer_wg
+        thr_mma = tiled_mma.get_slice(mma_base)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
         tile_crd = cute.make_identity_tensor((tm, tn))
@@ -209,7 +214,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         )
         stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(ctidx)
+        thr_r2s = r2s.get_slice(etidx)
         tRS_sD = thr_r2s.partition_D(sD)
         tRS_acc = r2s.retile(acc)
         sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
@@ -220,7 +225,13 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
         )
         epi_barrier = pipeline.NamedBarrier(
-            barrier_id=_EPI_BARRIER_ID, num_threads=self.epi_threads
+            barrier_id=_EPI_BARRIER_ID + epi_group, num_threads=self.epi_threads
+        )
+        my_turn = pipeline.NamedBarrier(
+            barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
+        )
+        their_turn = pipeline.NamedBarrier(
+            barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
         )
         gD_k = None
         if cutlass.const_expr(self.ragged == "k"):
@@ -231,17 +242,37 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         num = self._num_work(sched)
         w = cute.arch.block_idx()[0]
         stride = cute.arch.grid_dim()[0]
+        step = stride
+        if cutlass.const_expr(self.pingpong):
+            step = 2 * stride
+            if consumer_wg == 1:
+                # Group 1 lets group 0 start on the CTA's first tile, then skips its stages.
+                if w < num:
+                    their_turn.arrive()
+                    read, release = self._skip(sched, w, read, release)
+                w += stride
         tiles_done = cutlass.Int32(0)
         while w < num:
             group, start, rows, m_tile, n_tile, zeros = self._work(sched, w)
             n_k = self._k_tiles(sched, rows, zeros)
+            if cutlass.const_expr(self.pingpong):
+                my_turn.arrive_and_wait()
             acc.fill(0.0)
             if n_k > 0:
                 read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
                                                n_k, read, release)  # fmt: skip
+            if cutlass.const_expr(self.pingpong):
+                # This tile's stages have all landed: the other group's tile is next in the
+                # ring. Hand it the turn, if it has a tile, and skip that tile's stages.
+                if w + stride < num:
+                    their_turn.arrive()
+            if n_k > 0:
                 warpgroup.wait_group(0)
                 ab_pipe.consumer_release(release)
                 release.advance()
+            if cutlass.const_expr(self.pingpong):
+                if w + stride < num:
+                    read, release = self._skip(sched, w + stride, read, release)
             if cutlass.const_expr(self.ragged == "m"):
                 d_mn = ragged_slice(mD, 0, start, rows)
                 gD = cute.local_tile(d_mn, (tm, tn), (None, None))
@@ -250,9 +281,19 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 gD = gD_k
                 tile = (m_tile, n_tile, group)
             epi = _Epilogue(gD, gD, None, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc,
-                            sub_out, cute.size(sub_acc), None, mD, store_pipe, epi_barrier, 4,
-                            0, None, None, None, None)  # fmt: skip
+                            sub_out, cute.size(sub_acc), None, mD, store_pipe, epi_barrier,
+                            store_warp, epi_group, None, None, None, None)  # fmt: skip
             self._store_tile(tile, tiles_done, epi, warp)
             tiles_done += 1
-            w += stride
+            w += step
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _skip(self, sched, w, read, release):
+        """(read, release) advanced past the stages of work tile `w` (another warp group's)."""
+        _, _, rows, _, _, zeros = self._work(sched, w)
+        n_k = self._k_tiles(sched, rows, zeros)
+        for _ in range(n_k):
+            read.advance()
+            release.advance()
+        return read, release
