@@ -5,7 +5,12 @@ Every case: normally distributed data whose magnitude changes by up to 2^+-6 fro
 lhs and of rhs) and from one 128-block of k to the next, quantized to fp8 with float32 scales per
 128 of k; the kernel's output against the float64 product of the dequantized operands. The
 changing magnitudes make every scale matter: the same data with its scales ignored, or with
-B's scales ignored, is checked to miss the reference by far more than the tolerance.
+B's scales ignored, is checked to miss the reference by far more than the tolerance. Integer
+data with power-of-two scales, which the fp8 MMA sums exactly, must come out exactly right.
+
+A float32 result of an fp8 product is checked to the fp8 MMA's accuracy (`FP8_MMA_RTOL`), not
+float32's. float32 results run on the kernel only with JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in
+the environment (planning/sm90_scaled.py): the run that verifies them; bfloat16 ones always.
 """
 
 from __future__ import annotations
@@ -17,9 +22,21 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100._src import dispatch, planning
+from jax_sm100._src.planning import sm90_scaled as scaled_planning
 from tests import test_util as tu
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+# The outputs the kernel takes in this process: bfloat16, and float32 for a verification run.
+OUT_DTYPES = [getattr(jnp, d) for d in scaled_planning.sm90_scaled_out_dtypes()]
+
+# Hopper's fp8 wgmma accumulates in 13 mantissa bits, truncating each k32 instruction's aligned
+# products and sum (the DeepSeek-V3 report, 3.5.2); the kernel promotes each 128-k block's sum
+# into float32 accumulators, as DeepGEMM does. So a float32 result of an fp8 product is
+# that accurate, not float32's RTOL (2e-5), which the ninth session's H200 run missed by 2-8x in
+# every float32 case; benchmarks/scaled_accuracy.py emulates 1-16x on these cases. 2^-10 is 8
+# units of the 13-bit mantissa: 6x the worst of that run, and 400x below an element misplaced.
+FP8_MMA_RTOL = 2.0**-10
 
 
 def _arch():
@@ -58,6 +75,30 @@ def _reference64(lhs, rhs, ls, rs):
     return np.matmul(dequantized(lhs, ls), dequantized(rhs, rs).transpose(0, 2, 1))
 
 
+def _rtol(out_dtype):
+    return max(tu.RTOL[jnp.dtype(out_dtype).name], FP8_MMA_RTOL)
+
+
+def _assert_close(test, got, want, out_dtype, k):
+    """`tu.assert_close` with the fp8 MMA's tolerance where the output's own is tighter."""
+    got, want = np.asarray(got).astype(np.float64), np.asarray(want, np.float64)
+    test.assertEqual(got.shape, want.shape)
+    tol = _rtol(out_dtype) * max(np.max(np.abs(want)), 1e-6) * (1 + np.log2(max(k, 1)) / 8)
+    err = np.max(np.abs(got - want))
+    test.assertLessEqual(err, tol, f"max abs error {err:.3g} > {tol:.3g} ({out_dtype})")
+
+
+def _integer_operand(key, batch, rows, k, dtype):
+    """Integers in [-4, 4] (exact in e4m3 and e5m2) and power-of-two scales 2^0 .. 2^3 per 128
+    of k: each k32 wgmma's products and sums (|sum| <= 2^11 per 128-k block) are integers the
+    13-bit accumulator holds exactly, and the promoted float32 sums (<= 2^22 for k <= 4096) are
+    integers float32 holds exactly, so the kernel's result is exactly the float64 product."""
+    kd, ks = jax.random.split(key)
+    data = jax.random.randint(kd, (batch, rows, k), -4, 5).astype(jnp.float32).astype(dtype)
+    scales = jnp.exp2(jax.random.randint(ks, (batch, rows, k // 128), 0, 4).astype(jnp.float32))
+    return data, scales
+
+
 def _run(lhs, rhs, ls, rs, out_dtype):
     fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
     with jax_sm100.lowerings() as seen:
@@ -81,8 +122,7 @@ class GpuScaledTest(parameterized.TestCase):
             (1, 2048, 2048, 4096),  # many tiles per CTA (persistent schedule)
         ],
         dtype=[E4M3, E5M2],
-        # Other outputs run on XLA (planning/sm90_scaled.py: float32 failed on the H200).
-        out_dtype=[jnp.bfloat16],
+        out_dtype=OUT_DTYPES,
     )
     def test_matches_float64(self, shape, dtype, out_dtype):
         batch, m, n, k = shape
@@ -93,7 +133,7 @@ class GpuScaledTest(parameterized.TestCase):
         self.assert_on_kernel(seen)
         self.assertEqual((out.shape, out.dtype), ((batch, m, n), jnp.dtype(out_dtype)))
         want = _reference64(lhs, rhs, ls, rs)
-        tu.assert_close(self, out, want, out_dtype, k)
+        _assert_close(self, out, want, out_dtype, k)
         # The test can fail: without the scales, or without B's, the product (its first rows)
         # misses by far more than the tolerance.
         rows = slice(0, 64)
@@ -101,9 +141,41 @@ class GpuScaledTest(parameterized.TestCase):
         for wrong in (_reference64(a, rhs, np.ones(sa.shape), np.ones(rs.shape)),
                       _reference64(a, rhs, sa, np.ones(rs.shape))):  # fmt: skip
             err = np.max(np.abs(wrong - want[:, rows])) / np.max(np.abs(want[:, rows]))
-            self.assertGreater(err, 50 * tu.RTOL[jnp.dtype(out_dtype).name])
+            self.assertGreater(err, 50 * _rtol(out_dtype))
 
-    @parameterized.parameters(jnp.bfloat16)
+    @parameterized.product(
+        shape=[
+            (1, 128, 128, 128),
+            (1, 200, 136, 384),
+            (3, 256, 384, 512),
+            (1, 1000, 520, 1024),
+            (1, 128, 7168, 2048),
+            (1, 2048, 2048, 4096),
+            (1, 8192, 2176, 512),  # stream-K on 132 SMs (test_stream_k)
+        ],
+        dtype=[E4M3, E5M2],
+        out_dtype=OUT_DTYPES,
+    )
+    def test_exact_on_integer_data(self, shape, dtype, out_dtype):
+        # Data the fp8 MMA sums exactly (`_integer_operand`): every element must be the float64
+        # product rounded once to the output type, so a misplaced, dropped or doubled element,
+        # k-block or scale shows here whatever the output type, with no tolerance to hide in.
+        batch, m, n, k = shape
+        ka, kb = jax.random.split(jax.random.key(7 * m + n + k + batch))
+        lhs, ls = _integer_operand(ka, batch, m, k, dtype)
+        rhs, rs = _integer_operand(kb, batch, n, k, dtype)
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
+        self.assert_on_kernel(seen)
+        want = _reference64(lhs, rhs, ls, rs)
+        self.assertLess(np.max(np.abs(want)), 2.0**24)
+        want = want.astype(np.float32).astype(out_dtype).astype(np.float64)
+        got = np.asarray(out).astype(np.float64)
+        wrong = np.argwhere(got != want)
+        first = [(tuple(int(x) for x in i), got[tuple(i)], want[tuple(i)]) for i in wrong[:4]]
+        self.assertEqual(len(wrong), 0, f"{len(wrong)} of {got.size} wrong, e.g. "
+                         f"(batch, row, col), got, want: {first}")  # fmt: skip
+
+    @parameterized.parameters(*[(d,) for d in OUT_DTYPES])
     def test_stream_k(self, out_dtype):
         # 544 cluster tiles of 2 x (128 x 128) for 66 clusters (8.2 waves on 132 SMs): the last
         # waves' tiles are shared out by k-blocks between clusters, which meet in the workspace.
@@ -115,9 +187,10 @@ class GpuScaledTest(parameterized.TestCase):
         self.assert_on_kernel(seen)
         if not seen[0].plan.stream_k:
             self.skipTest(f"no stream-K on {seen[0].plan.num_sms} SMs for this shape")
-        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
+        _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
 
-    def test_weight_blocks_of_128x128(self):
+    @parameterized.parameters(*[(d,) for d in OUT_DTYPES])
+    def test_weight_blocks_of_128x128(self, out_dtype):
         # DeepSeek-V3 quantizes weights per 128 x 128 block: one scale for 128 rows of rhs,
         # which scaled_matmul takes repeated per row.
         m, n, k = 512, 640, 1024
@@ -128,9 +201,9 @@ class GpuScaledTest(parameterized.TestCase):
         block_scale = amax / float(jnp.finfo(E4M3).max)
         rhs = (w / block_scale[:, :, None, :, None]).reshape(1, n, k).astype(E4M3)
         rs = jnp.repeat(block_scale, 128, axis=1)  # [1, n, k / 128]
-        out, seen = _run(lhs, rhs, ls, rs, jnp.bfloat16)
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
         self.assert_on_kernel(seen)
-        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), "bfloat16", k)
+        _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
 
     def test_agrees_with_jax_nn_scaled_matmul(self):
         m, n, k = 1024, 1024, 2048

@@ -22,6 +22,7 @@ from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import dispatch, ffi, planning
 from jax_sm100._src.kernels import sm90_scaled
 from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.planning import sm90_scaled as scaled_planning
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -107,11 +108,44 @@ def _ptx(plan, spec=None):
 class ScaledPtxTest(parameterized.TestCase):
     @parameterized.parameters("float32", "float16")
     def test_unverified_outputs_run_on_xla(self, out_dtype):
-        # The kernel's float32 output failed its H200 check (ninth session), float16 has not
-        # run there; bfloat16 passed.
+        # bfloat16 passed its H200 check; float32 has not yet (its first run's tolerance was
+        # tighter than the fp8 MMA's accumulation), float16 has not run there.
         p = _plan(4096, 4096, 4096, out_dtype=out_dtype)
         self.assertEqual(p.kernel, planning.KERNEL_XLA)
         self.assertIn("H200 check", p.reason)
+        self.assertIn(scaled_planning.UNVERIFIED_OUTPUTS_ENV, p.reason)
+
+    def test_float32_outputs_on_request(self):
+        # JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 (the H200 run that verifies them) puts float32
+        # results on the kernel; the plan cache keeps the two settings apart.
+        with mock.patch.dict(os.environ, {scaled_planning.UNVERIFIED_OUTPUTS_ENV: "1"}):
+            p = _plan(4096, 4096, 4096, out_dtype="float32")
+            self.assertEqual(_plan(4096, 4096, 4096, out_dtype="float16").kernel,
+                             planning.KERNEL_XLA)  # fmt: skip
+        self.assertEqual(p.kernel, planning.KERNEL_SM90_SCALED)
+        self.assertEqual(_plan(4096, 4096, 4096, out_dtype="float32").kernel, planning.KERNEL_XLA)
+        with mock.patch.dict(os.environ, {scaled_planning.UNVERIFIED_OUTPUTS_ENV: "0"}):
+            self.assertEqual(_plan(4096, 4096, 4096, out_dtype="float32").kernel,
+                             planning.KERNEL_XLA)  # fmt: skip
+
+    def test_float32_epilogue_is_the_dense_familys(self):
+        # A float32 D leaves the registers by 64-bit shared stores, not stmatrix (16-bit
+        # elements), in the dense family's float32 epilogue for the same tile (whose float32
+        # results pass on the H200): 4 sub-tiles of 128 x 32, 8 stores of 2 per thread each.
+        with mock.patch.dict(os.environ, {scaled_planning.UNVERIFIED_OUTPUTS_ENV: "1"}):
+            p = _plan(4096, 4096, 4096, out_dtype="float32")
+        self.assertEqual((p.cta_tile_mnk, p.epi_tile), ((128, 128, 128), (128, 32)))
+        dense = planning.replace_fitting(
+            jax_sm100.plan(4096, 4096, 4096, a_dtype=E4M3, b_dtype=E4M3, out_dtype="float32",
+                           b_major="k", arch="sm_90a"),
+            mma_tiler_mnk=p.mma_tiler_mnk, cluster_shape_mn=p.cluster_shape_mn, pingpong=False,
+            stream_k=False,
+        )  # fmt: skip
+        self.assertEqual((dense.kernel, dense.epi_tile), (planning.KERNEL_SM90, p.epi_tile))
+        for ptx in (_ptx(p), _ptx(dense)):
+            self.assertEqual(len(re.findall(r"st\.shared\.v2\.b32", ptx)), 32)
+            self.assertNotIn("stmatrix", ptx)
+            self.assertNotIn("cvt.rn.bf16", ptx)
 
     @parameterized.product(dtype=(E4M3, E5M2), out_dtype=("bfloat16",))
     def test_main_loop_instructions(self, dtype, out_dtype):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 from jax_sm100._src import constraints as C
 from jax_sm100._src.planning.gemm_plan import (
@@ -72,18 +73,39 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
     scaled = dataclasses.replace(problem, scale_dtype=scale_name, scale_block=scale_block)
     C.check_scaled(arch, False, True, scale_name, scale_block, 128, False, 1, False, False)
-    return _plan_scaled(scaled, arch, num_sms or 0)
+    return _plan_scaled(scaled, arch, num_sms or 0, sm90_scaled_out_dtypes())
 
 
 # The outputs the sm_90a block-scaled kernel is verified for on the H200 (ninth session: 13 of
-# 13 bfloat16-output cases right, one tile to 2048x2048x4096, stream-K included; all 16
-# float32-output cases wrong by 2-8x the tolerance, a single 128^3 tile included; float16 not
-# run there yet).
+# 13 bfloat16-output cases right, one tile to 2048x2048x4096, stream-K included).
 SM90_SCALED_OUT_DTYPES = ("bfloat16",)
+
+# Outputs the kernel takes only with JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in the environment:
+# for the GPU run that verifies them (tests/test_gpu_scaled.py), not for use. float32 missed its
+# first H200 check (ninth session) by 2-8x a tolerance of 2e-5 * max|D|, in every case, a single
+# 128^3 tile too. That is the fp8 wgmma's own accumulator, not the float32 epilogue (issue 19,
+# tenth session): Hopper sums each k32 fp8 wgmma in 13 mantissa bits, truncating (the
+# DeepSeek-V3 report, 3.5.2), which emulated on the test's cases on CPU gives 1-16x that
+# tolerance, where exact float32 sums of each 128-k block give under 0.005x and a misplaced
+# element 10^4 x (benchmarks/scaled_accuracy.py); and the float32 epilogue's code and PTX are
+# the dense family's, whose float32 results pass on the H200. The test now asks float32 results
+# of fp8 products for the MMA's accuracy (2^-10 * max|D|), and for exact results on integer
+# data the MMA sums exactly; float32 moves to SM90_SCALED_OUT_DTYPES once an H200 run passes.
+SM90_SCALED_UNVERIFIED_OUT_DTYPES = ("float32",)
+UNVERIFIED_OUTPUTS_ENV = "JAX_SM100_SCALED_UNVERIFIED_OUTPUTS"
+
+
+def sm90_scaled_out_dtypes() -> tuple[str, ...]:
+    """The output dtypes the sm_90a block-scaled kernel takes in this process: the verified ones,
+    and the unverified ones too with JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 (verification runs)."""
+    if os.environ.get(UNVERIFIED_OUTPUTS_ENV, "") == "1":
+        return SM90_SCALED_OUT_DTYPES + SM90_SCALED_UNVERIFIED_OUT_DTYPES
+    return SM90_SCALED_OUT_DTYPES
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
+def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
+                 out_dtypes: tuple[str, ...]) -> GemmPlan:  # fmt: skip
     common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
     m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
     why_not = C.kernel_support(
@@ -92,12 +114,12 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int) -> GemmPlan:
     ) or C.scaled_support(
         arch, k, problem.a_dtype, problem.b_dtype, problem.scale_dtype, problem.scale_block
     )  # fmt: skip
-    if why_not is None and arch == "sm_90a" and problem.out_dtype not in SM90_SCALED_OUT_DTYPES:
+    if why_not is None and arch == "sm_90a" and problem.out_dtype not in out_dtypes:
         why_not = (
-            f"XLA ops: the sm_90a block-scaled kernel's {problem.out_dtype} output failed its "
-            "H200 check or has not run there (tests/test_gpu_scaled.py, ninth session: every "
-            "float32-output case wrong, every bfloat16 one right), so it runs bfloat16 outputs "
-            "only until fixed"
+            f"XLA ops: the sm_90a block-scaled kernel's {problem.out_dtype} output has not passed "
+            "an H200 check (tests/test_gpu_scaled.py; float32's first run missed a tolerance "
+            "tighter than the fp8 MMA's accumulation: rerun with "
+            f"{UNVERIFIED_OUTPUTS_ENV}=1), so it runs bfloat16 outputs only until one does"
         )
     ktile = 1024 // C.DTYPE_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
     tm, tn = SCALED_TILES[0][:2]
