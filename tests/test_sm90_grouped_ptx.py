@@ -1,0 +1,111 @@
+"""The SM90 grouped (wgmma) kernel family's PTX, compiled for sm_90a on a CPU.
+
+The H200 runs tests/test_gpu_ragged.py against this family; these CPU cases pin what its
+binaries hold so that CI notices when a change moves them: for both ragged modes ("m": rows in
+groups, B N- or K-major; "k": the contraction in groups), both schedules and fp8:
+
+  * wgmma of the operands' kind (the tile's N), no multicast (grouped plans run 1x1 clusters);
+  * TMA loads through the rank-4 ragged views (cp.async.bulk.tensor.4d for each operand whose
+    rows come in groups; 3d for "m" mode's B, addressed by its group in the L mode) and stores
+    of D (4d through the ragged view in "m" mode, 3d into (M, N, G) in "k" mode);
+  * one static descriptor per operand (three prefetched, none modified on the device);
+  * each stage's mbarrier expecting the whole A and B tiles, whatever the group sizes (TMA
+    counts the zero-filled bytes past a group's end);
+  * the warp shuffles that build the group table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from unittest import mock
+
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import planning
+from jax_sm100._src.compile import compile_plan
+from tests.test_sm100_ptx import _expect_tx_bytes
+
+GROUPED = planning.KERNEL_SM90_GROUPED
+_KIND = {"bfloat16": "bf16.bf16", "float16": "f16.f16", "float8_e4m3fn": "e4m3.e4m3"}
+
+CASES = [
+    dict(testcase_name="m_bf16_Bmajor_n", m=8192, n=4096, k=4096, ragged="m", b_major="n"),
+    dict(testcase_name="m_bf16_Bmajor_k", m=8192, n=4096, k=4096, ragged="m", b_major="k"),
+    dict(testcase_name="k_bf16", m=4096, n=4096, k=32768, ragged="k", b_major="n"),
+    dict(
+        testcase_name="m_fp16_pingpong",
+        m=8192,
+        n=768,
+        k=2048,
+        ragged="m",
+        b_major="n",
+        dtype="float16",
+        schedule="pingpong",
+    ),  # fmt: skip
+    dict(
+        testcase_name="k_bf16_pingpong",
+        m=2048,
+        n=768,
+        k=16384,
+        ragged="k",
+        b_major="n",
+        schedule="pingpong",
+    ),  # fmt: skip
+    dict(
+        testcase_name="m_e4m3_Bmajor_k",
+        m=8192,
+        n=4096,
+        k=4096,
+        ragged="m",
+        b_major="k",
+        dtype="float8_e4m3fn",
+    ),  # fmt: skip
+]
+
+
+class Sm90GroupedPtxTest(parameterized.TestCase):
+    @parameterized.named_parameters(*CASES)
+    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule=""):
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
+            plan = jax_sm100.plan(
+                m, n, k, a_dtype=dtype, b_dtype=dtype, out_dtype="bfloat16", arch="sm_90a",
+                groups=16, ragged=ragged, a_major="k" if ragged == "m" else "m",
+                b_major=b_major,
+            )  # fmt: skip
+        self.assertEqual(plan.kernel, GROUPED, plan.reason)
+        self.assertEqual(plan.pingpong, schedule == "pingpong")
+        ptx = compile_plan(plan).ptx
+        tm, tn, tk = plan.cta_tile_mnk
+        self.assertRegex(
+            ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{tn}k\d+\.f32\.{_KIND[dtype]}"
+        )
+        self.assertNotIn("multicast", ptx)
+        loads = re.findall(
+            r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global\.tile\.mbarrier", ptx
+        )
+        stores = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.global\.shared::cta", ptx)
+        if ragged == "m":
+            self.assertEqual(set(loads), {"3", "4"})  # A ragged, B by group in L
+            self.assertEqual(set(stores), {"4"})  # D ragged
+        else:
+            self.assertEqual(set(loads), {"4"})  # A and B ragged along K
+            self.assertEqual(set(stores), {"3"})  # D (M, N, G)
+        self.assertEqual(len(re.findall(r"prefetch\.tensormap", ptx)), 3)
+        self.assertNotIn("tensormap.replace", ptx)
+        bits = 8 if "float8" in dtype else 16
+        self.assertEqual(_expect_tx_bytes(ptx), {(tm + tn) * tk * bits // 8})
+        self.assertRegex(ptx, r"shfl\.sync\.up")  # the group table's running sums
+
+    def test_no_pingpong_by_default(self):
+        # Ping-pong grouped plans ran slower on the H200 (benchmarks/RESULTS.md, ninth session).
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
+            plan = jax_sm100.plan(16384, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
+                                  arch="sm_90a", groups=128, ragged="m")  # fmt: skip
+        self.assertFalse(plan.pingpong)
+        self.assertEqual(plan.cta_tile_mnk[:2], (128, 256))
+
+
+if __name__ == "__main__":
+    absltest.main()
