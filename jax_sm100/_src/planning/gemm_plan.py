@@ -139,6 +139,12 @@ def grouped_support(common) -> str | None:
             "XLA ragged dot: the weight gradient of fp8 operands would need M- and N-major "
             "fp8 wgmma, which sm_90a does not have"
         )
+    if (common["arch"] == "sm_90a" and C.DTYPE_BITS[common["a_dtype"]] == 8 and ragged == "m"
+            and common["b_major"] != "k"):  # fmt: skip
+        return (
+            "XLA ragged dot: fp8 experts [g, k, n] are N-major and sm_90a fp8 wgmma needs them "
+            "K-major (the input gradient, which reads them as [g, n, k], does run on the kernel)"
+        )
     return None
 
 

@@ -120,7 +120,7 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
     A/B stages as fit beside the group table; `why_not` (or `grouped_support`'s reason) sends
     it to XLA's ragged dot."""
     g, num_sms = common["groups"], common["num_sms"]
-    why_not = why_not or grouped_support(common)
+    why_not = grouped_support(common) or why_not
     best = None
     for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
         cost = _wave_cost(grouped_work_tiles(common, mm, mn), 1, num_sms, mm * mn, eff)

@@ -351,7 +351,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
     pair would not share operands across group boundaries), as many A/B stages as fit beside the
     group table and a 2-deep store ring."""
     g, num_sms = common["groups"], common["num_sms"]
-    why_not = why_not or grouped_support(common)
+    why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
         raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of {GROUPED_SCHEDULES}")
     candidates = []
