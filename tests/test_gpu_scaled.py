@@ -11,9 +11,17 @@ data with power-of-two scales, which the fp8 MMA sums exactly, must come out exa
 A float32 result of an fp8 product is checked to the fp8 MMA's accuracy (`FP8_MMA_RTOL`), not
 float32's. float32 results run on the kernel only with JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in
 the environment (planning/sm90_scaled.py): the run that verifies them; bfloat16 ones always.
+
+The correctness tests run twice: on the default main loop and on the overlapped one
+(`GemmPlan.scaled_overlap`, JAX_SM100_SCALED_OVERLAP=1: each k-block promoted under the next
+one's MMAs), whose k-block counts are chosen to cover its loop's paths (1; odd and even counts
+with and without a whole trip of its two-k-block loop; stream-K's uneven shares).
 """
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -99,38 +107,53 @@ def _integer_operand(key, batch, rows, k, dtype):
     return data, scales
 
 
-def _run(lhs, rhs, ls, rs, out_dtype):
+def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
+    """The product on the planner's kernel, lowered with JAX_SM100_SCALED_OVERLAP=`overlap`."""
     fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
-    with jax_sm100.lowerings() as seen:
+    env = {scaled_planning.OVERLAP_ENV: "1" if overlap else "0"}
+    with mock.patch.dict(os.environ, env), jax_sm100.lowerings() as seen:
         out = fn(lhs, rhs, ls, rs)
     return out, seen
 
 
+def _cases(shapes):
+    """Each shape x data dtype x output dtype x main loop, named for `pytest -k`: e.g.
+    `..._1x128x128x128_float8_e4m3fn_bfloat16_overlap` (or `_default`)."""
+    return [
+        dict(testcase_name="_" + "_".join(("x".join(map(str, shape)), jnp.dtype(dtype).name,
+                                           jnp.dtype(out).name, loop)),
+             shape=shape, dtype=dtype, out_dtype=out, overlap=loop == "overlap")
+        for shape in shapes
+        for dtype in (E4M3, E5M2)
+        for out in OUT_DTYPES
+        for loop in ("default", "overlap")
+    ]  # fmt: skip
+
+
 @absltest.skipIf(_arch() != "sm_90a", "needs an SM90 (Hopper) CUDA device and jax[cuda]")
 class GpuScaledTest(parameterized.TestCase):
-    def assert_on_kernel(self, seen):
+    def assert_on_kernel(self, seen, overlap=False):
         self.assertLen(seen, 1)
         self.assertEqual(seen[0].plan.kernel, planning.KERNEL_SM90_SCALED, seen[0].note)
+        self.assertEqual(seen[0].plan.scaled_overlap, overlap)
 
-    @parameterized.product(
-        shape=[
+    @parameterized.named_parameters(
+        _cases([
             (1, 128, 128, 128),  # one tile, one k-block
             (1, 200, 136, 384),  # m and n ragged against the 128 x 128 tile
             (1, 1000, 520, 1024),
             (3, 256, 384, 512),  # batched: one scale set per batch
             (1, 128, 7168, 2048),  # skinny, a row of tiles (issue 19's decode-like shape)
             (1, 2048, 2048, 4096),  # many tiles per CTA (persistent schedule)
-        ],
-        dtype=[E4M3, E5M2],
-        out_dtype=OUT_DTYPES,
-    )
-    def test_matches_float64(self, shape, dtype, out_dtype):
+        ])
+    )  # fmt: skip
+    def test_matches_float64(self, shape, dtype, out_dtype, overlap):
         batch, m, n, k = shape
         ka, kb = jax.random.split(jax.random.key(m * n + k + batch))
         lhs, ls = _quantize(_operand(ka, batch, m, k), dtype)
         rhs, rs = _quantize(_operand(kb, batch, n, k), dtype)
-        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
-        self.assert_on_kernel(seen)
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
+        self.assert_on_kernel(seen, overlap)
         self.assertEqual((out.shape, out.dtype), ((batch, m, n), jnp.dtype(out_dtype)))
         want = _reference64(lhs, rhs, ls, rs)
         _assert_close(self, out, want, out_dtype, k)
@@ -143,8 +166,8 @@ class GpuScaledTest(parameterized.TestCase):
             err = np.max(np.abs(wrong - want[:, rows])) / np.max(np.abs(want[:, rows]))
             self.assertGreater(err, 50 * _rtol(out_dtype))
 
-    @parameterized.product(
-        shape=[
+    @parameterized.named_parameters(
+        _cases([
             (1, 128, 128, 128),
             (1, 200, 136, 384),
             (3, 256, 384, 512),
@@ -152,11 +175,10 @@ class GpuScaledTest(parameterized.TestCase):
             (1, 128, 7168, 2048),
             (1, 2048, 2048, 4096),
             (1, 8192, 2176, 512),  # stream-K on 132 SMs (test_stream_k)
-        ],
-        dtype=[E4M3, E5M2],
-        out_dtype=OUT_DTYPES,
-    )
-    def test_exact_on_integer_data(self, shape, dtype, out_dtype):
+            (1, 256, 384, 640),  # 5 k-blocks: two trips of the overlapped loop, an odd tail
+        ])
+    )  # fmt: skip
+    def test_exact_on_integer_data(self, shape, dtype, out_dtype, overlap):
         # Data the fp8 MMA sums exactly (`_integer_operand`): every element must be the float64
         # product rounded once to the output type, so a misplaced, dropped or doubled element,
         # k-block or scale shows here whatever the output type, with no tolerance to hide in.
@@ -164,8 +186,8 @@ class GpuScaledTest(parameterized.TestCase):
         ka, kb = jax.random.split(jax.random.key(7 * m + n + k + batch))
         lhs, ls = _integer_operand(ka, batch, m, k, dtype)
         rhs, rs = _integer_operand(kb, batch, n, k, dtype)
-        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
-        self.assert_on_kernel(seen)
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
+        self.assert_on_kernel(seen, overlap)
         want = _reference64(lhs, rhs, ls, rs)
         self.assertLess(np.max(np.abs(want)), 2.0**24)
         want = want.astype(np.float32).astype(out_dtype).astype(np.float64)
@@ -175,16 +197,20 @@ class GpuScaledTest(parameterized.TestCase):
         self.assertEqual(len(wrong), 0, f"{len(wrong)} of {got.size} wrong, e.g. "
                          f"(batch, row, col), got, want: {first}")  # fmt: skip
 
-    @parameterized.parameters(*[(d,) for d in OUT_DTYPES])
-    def test_stream_k(self, out_dtype):
+    @parameterized.named_parameters(
+        (f"_{jnp.dtype(out).name}_{loop}", out, loop == "overlap")
+        for out in OUT_DTYPES
+        for loop in ("default", "overlap")
+    )
+    def test_stream_k(self, out_dtype, overlap):
         # 544 cluster tiles of 2 x (128 x 128) for 66 clusters (8.2 waves on 132 SMs): the last
         # waves' tiles are shared out by k-blocks between clusters, which meet in the workspace.
         m, n, k = 8192, 2176, 512
         ka, kb = jax.random.split(jax.random.key(11))
         lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
         rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
-        out, seen = _run(lhs, rhs, ls, rs, out_dtype)
-        self.assert_on_kernel(seen)
+        out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
+        self.assert_on_kernel(seen, overlap)
         if not seen[0].plan.stream_k:
             self.skipTest(f"no stream-K on {seen[0].plan.num_sms} SMs for this shape")
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)

@@ -19,7 +19,7 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import dispatch, ffi, planning
+from jax_sm100._src import dispatch, ffi, kernel_key, planning
 from jax_sm100._src.kernels import sm90_scaled
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
@@ -105,6 +105,43 @@ def _ptx(plan, spec=None):
     return compile_mod.compile_plan(plan, spec).ptx
 
 
+def _ptxas_spill_bytes(ptx: str) -> tuple[int, int]:
+    """(spill stores, spill loads) in bytes that ptxas reports for `ptx` on sm_90a."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([shutil.which("ptxas"), "-arch=sm_90a", "-v", src, "-o",
+                              os.path.join(d, "k.cubin")], capture_output=True, text=True,
+                             check=True)  # fmt: skip
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    return int(found.group(1)), int(found.group(2))
+
+
+# What the consumers' main loop does, in PTX order: wgmma batches, commits and waits, the
+# promotions' fused multiply-adds and the stage barriers (a run of one kind written "x N").
+_EVENTS = re.compile(
+    r"wgmma\.fence|wgmma\.mma_async|wgmma\.commit_group|wgmma\.wait_group\.sync\.aligned\s+\d"
+    r"|\bfma\.rn\.f32\b|mbarrier\.arrive\.shared::cluster|mbarrier\.try_wait"
+)
+
+
+def _events(ptx: str) -> str:
+    """The consumers' events of `ptx` (from the first wgmma fence on), runs counted:
+    "wgmma.fence | wgmma.mma_async x4 | ... | wait 1 | fma x64 | release | ..."."""
+    names = {"mbarrier.arrive.shared::cluster": "release", "mbarrier.try_wait": "stage wait",
+             "fma.rn.f32": "fma"}  # fmt: skip
+    runs = []
+    for m in _EVENTS.finditer(ptx[ptx.index("wgmma.fence") :]):
+        e = re.sub(r"wgmma\.wait_group\.sync\.aligned\s+", "wait ", m.group(0))
+        e = names.get(e, e)
+        if runs and runs[-1][0] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, 1])
+    return " | ".join(f"{e} x{n}" if n > 1 else e for e, n in runs)
+
+
 class ScaledPtxTest(parameterized.TestCase):
     @parameterized.parameters("float32", "float16")
     def test_unverified_outputs_run_on_xla(self, out_dtype):
@@ -167,9 +204,14 @@ class ScaledPtxTest(parameterized.TestCase):
         self.assertEqual(len(re.findall(r"ld\.shared\.b32", ptx)), 2)
         self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", ptx)), 16)
         # The batch retires before its fragment is read: one full wait per k-tile (and the
-        # caller's after the tile's last).
+        # caller's after the tile's last), the stage released before the promotion.
         self.assertEqual(len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)), 2)
         self.assertNotIn("wgmma.wait_group.sync.aligned 	1;", ptx)
+        self.assertEqual(
+            _events(ptx),
+            "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0 | release | fma x64 "
+            "| wait 0 | release",
+        )
         # Five TMA operands: A, B, D and the two scale tensors (3-D boxes, one CTA each).
         self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d", "sfa", "sfb"])
         self.assertIn("cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier", ptx)
@@ -192,19 +234,11 @@ class ScaledPtxTest(parameterized.TestCase):
     def test_no_spills(self):
         # The two accumulator sets and the scales fit a consumer thread's 232 registers at
         # 128 x 128 and 128 x 160 (ptxas, where the machine has it).
-        ptxas = shutil.which("ptxas")
-        if ptxas is None:
+        if shutil.which("ptxas") is None:
             self.skipTest("ptxas is not on PATH")
         for tn in (128, 160):
             p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(128, tn))
-            with tempfile.TemporaryDirectory() as d:
-                src = os.path.join(d, "k.ptx")
-                with open(src, "w") as f:
-                    f.write(_ptx(p))
-                out = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o",
-                                      os.path.join(d, "k.cubin")], capture_output=True,
-                                     text=True, check=True)  # fmt: skip
-            self.assertIn("0 bytes spill stores, 0 bytes spill loads", out.stderr, tn)
+            self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0), tn)
 
     def test_family_refuses_what_it_does_not_run(self):
         p = _plan(4096, 4096, 4096)
@@ -214,6 +248,111 @@ class ScaledPtxTest(parameterized.TestCase):
             p, dataclasses.replace(spec, activation="relu")))  # fmt: skip
         dense = _plan(4096, 4096, 4096, scale_dtype=None, scale_block=0)
         self.assertIn("is not", sm90_scaled.Sm90ScaledGemmKernel.why_not(dense, spec))
+
+
+class ScaledOverlapTest(parameterized.TestCase):
+    """`GemmPlan.scaled_overlap`: k-tile i promoted under k-tile i + 1's wgmma batch."""
+
+    def test_off_unless_asked(self):
+        p = _plan(4096, 4096, 4096)
+        self.assertFalse(p.scaled_overlap)
+        self.assertIn("scaled_overlap", str(p))
+        env = scaled_planning.OVERLAP_ENV
+        with mock.patch.dict(os.environ, {env: "1"}):
+            q = _plan(4096, 4096, 4096)
+            dense = jax_sm100.plan(4096, 4096, 4096, a_dtype=E4M3, b_dtype=E4M3, b_major="k",
+                                   arch="sm_90a")  # fmt: skip
+            xla = _plan(256, 256, 1024, scale_dtype="float8_e8m0fnu", scale_block=32)
+        self.assertTrue(q.scaled_overlap)
+        self.assertIn(env, q.reason)
+        self.assertIn("not yet measured on a GPU", q.reason)
+        # Only the choice differs; the unscaled planner and XLA plans are not touched.
+        self.assertEqual(dataclasses.replace(q, scaled_overlap=False, reason=p.reason), p)
+        self.assertFalse(dense.scaled_overlap)
+        self.assertEqual((xla.kernel, xla.scaled_overlap), (planning.KERNEL_XLA, False))
+        # The plan cache keeps the settings apart.
+        self.assertFalse(_plan(4096, 4096, 4096).scaled_overlap)
+        with mock.patch.dict(os.environ, {env: "0"}):
+            self.assertEqual(_plan(4096, 4096, 4096), p)
+        with mock.patch.dict(os.environ, {env: "yes"}):
+            with self.assertRaisesRegex(planning.C.PlanError, env):
+                _plan(4096, 4096, 4096)
+
+    def test_the_plan_edit(self):
+        p = _plan(4096, 4096, 4096)
+        q = jax_sm100.tuning.with_scaled_overlap(p)
+        self.assertTrue(q.scaled_overlap)
+        self.assertEqual(jax_sm100.tuning.with_scaled_overlap(q, False), p)
+        # A choice the binary depends on: its own cache key.
+        self.assertIn(("scaled_overlap", True), q.binary_fields())
+        spec = KernelSpec.for_plan(p)
+        self.assertNotEqual(kernel_key.cache_key(p, spec, arch="sm_90a"),
+                            kernel_key.cache_key(q, spec, arch="sm_90a"))  # fmt: skip
+        self.assertIsNone(sm90_scaled.Sm90ScaledGemmKernel.why_not(q, KernelSpec.for_plan(q)))
+
+    def test_only_on_the_scaled_kernel(self):
+        p = _plan(4096, 4096, 4096)
+        dense = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                               arch="sm_90a")  # fmt: skip
+        xla = _plan(256, 256, 1024, scale_dtype="float8_e8m0fnu", scale_block=32)
+        sm100 = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16")
+        for other in (dense, xla, sm100):
+            with self.assertRaisesRegex(planning.C.PlanError, "block-scaled kernel"):
+                dataclasses.replace(other, scaled_overlap=True)
+            with self.assertRaisesRegex(planning.C.PlanError, "with_scaled_overlap takes"):
+                jax_sm100.tuning.with_scaled_overlap(other)
+            self.assertEqual(jax_sm100.tuning.with_scaled_overlap(other, False), other)
+        with self.assertRaisesRegex(planning.C.PlanError, "must be a bool"):
+            dataclasses.replace(p, scaled_overlap=1)
+        # Three fragments of 64 x N per warp group: N <= 128 fits the registers.
+        q = jax_sm100.tuning.with_scaled_overlap(p)
+        self.assertEqual(planning.sm90_variant(q, tile_mn=(128, 64)).cta_tile_mnk[1], 64)
+        with self.assertRaisesRegex(planning.C.PlanError, "tile_n=160 must be <= 128"):
+            planning.sm90_variant(q, tile_mn=(128, 160))
+
+    @parameterized.named_parameters(
+        ("tile_128x128", (4096, 4096, 4096), (128, 128, 128), False),
+        ("tile_128x64", (128, 7168, 16384), (128, 64, 128), False),
+        ("stream_k", (8192, 8192, 8192), (128, 128, 128), True),
+    )
+    def test_main_loop_instructions(self, shape, tile, stream_k):
+        p = jax_sm100.tuning.with_scaled_overlap(_plan(*shape))
+        self.assertEqual((p.cta_tile_mnk, p.stream_k), (tile, stream_k))
+        ptx = _ptx(p)
+        regs = tile[1] // 2  # a thread's accumulators: 64 rows x N over 128 threads
+        # Two k-tiles a trip, each into its fragment: issue the next batch, wait for all but
+        # it (`wait_group 1`), promote the retired fragment, then release its stage. After the
+        # loop an even count issues one more k-tile (the same step) and drains it with a full
+        # wait; an odd count drains the fragment in flight. Then the caller's wait and release
+        # of the last stage. No other wait: ptxas keeps one batch in flight through each
+        # promotion (no serialization).
+        step = (f"stage wait | wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 1 | "
+                f"fma x{regs} | release")  # fmt: skip
+        self.assertEqual(
+            _events(ptx),
+            " | ".join([
+                "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group", step, step, step,
+                f"wait 0 | fma x{regs}", f"wait 0 | fma x{regs}", "wait 0 | release",
+            ]),
+        )  # fmt: skip
+        kind = "m64n128k32" if tile[1] == 128 else "m64n64k32"
+        self.assertEqual(len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.{kind}\.f32\."
+                                        r"e4m3\.e4m3", ptx)), 16)  # fmt: skip
+        # Each of the 5 promotions: a multiply and an FMA per accumulator, and the scales of
+        # the thread's 2 rows and N / 4 columns read from the stage (as pairs of columns).
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 5 * regs)
+        self.assertEqual(len(re.findall(r"ld\.shared\.b32", ptx)), 5 * 2)
+        self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", ptx)), 5 * tile[1] // 8)
+        self.assertRegex(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232")
+
+    def test_no_spills(self):
+        # acc and two k-tile fragments (3 x 64 registers a thread at 128 x 128) and the scales
+        # read during the promotion fit 232 registers; scales loaded before the batch spilled.
+        if shutil.which("ptxas") is None:
+            self.skipTest("ptxas is not on PATH")
+        for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (128, 7168, 16384)):
+            p = jax_sm100.tuning.with_scaled_overlap(_plan(*shape))
+            self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0), shape)
 
 
 def _avals(batch, m, n, k, dtype=jnp.float8_e4m3fn, block=128, scale=jnp.float32):
@@ -275,6 +414,21 @@ class ScaledLoweringTest(parameterized.TestCase):
         self.assertNotIn("jax_sm100_gemm", text)
         self.assertIn("XLA ops", how.note)
         self.assertIn(reason, how.note)
+
+    def test_overlap_from_the_environment(self):
+        # JAX_SM100_SCALED_OVERLAP=1 while a call is lowered: its plan takes the overlapped
+        # main loop (a binary of its own); the next lowering without it does not.
+        avals = _avals(1, 1024, 1024, 1024)
+        with mock.patch.dict(os.environ, {scaled_planning.OVERLAP_ENV: "1"}):
+            text, how = _export(avals)
+        default_text, default = _export(avals)
+        self.assertEqual((how.plan.kernel, how.plan.scaled_overlap),
+                         (planning.KERNEL_SM90_SCALED, True))  # fmt: skip
+        self.assertFalse(default.plan.scaled_overlap)
+        self.assertEqual(dataclasses.replace(how.plan, scaled_overlap=False, reason=""),
+                         dataclasses.replace(default.plan, reason=""))  # fmt: skip
+        objects = [re.findall(r'object = dense<"0x([0-9A-F]+)"', t) for t in (text, default_text)]
+        self.assertNotEqual(objects[0], objects[1])
 
     def test_no_target_runs_xla(self):
         fn = jax.jit(jax_sm100.scaled_matmul)

@@ -399,6 +399,34 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
         )
 
 
+# The block-scaled kernel's overlapped main loop holds three 64 x N float32 fragments per
+# consumer warp group (the main accumulators and two k-tile fragments used in turn: 3 N / 2
+# registers per thread): 192 at N = 128, leaving 40 of the 232 a consumer thread gets for the
+# scales (read during each promotion) and addressing; ptxas fits that without spills. At
+# N = 160 the fragments alone take 240.
+SCALED_OVERLAP_MAX_TILE_N = 128
+
+
+def check_scaled_overlap(kernel_scaled: bool, scaled_overlap, tile_n: int) -> None:
+    """`GemmPlan.scaled_overlap`: the block-scaled kernel's main loop with k-tile i's promotion
+    run while k-tile i + 1's wgmma batch is in flight (kernels/sm90_scaled.py). Only that kernel
+    has it, and only tiles up to `SCALED_OVERLAP_MAX_TILE_N` columns fit its registers."""
+    if not isinstance(scaled_overlap, bool):
+        raise PlanError(f"scaled_overlap={scaled_overlap!r} must be a bool")
+    if not scaled_overlap:
+        return
+    if not kernel_scaled:
+        raise PlanError(
+            "scaled_overlap=True is a choice of the sm_90a block-scaled kernel "
+            "(kernel='sm90_wgmma_scaled') only; leave it False"
+        )
+    if tile_n > SCALED_OVERLAP_MAX_TILE_N:
+        raise PlanError(
+            f"scaled_overlap=True holds three 64 x {tile_n} float32 fragments per consumer warp "
+            f"group: {tile_n=} must be <= {SCALED_OVERLAP_MAX_TILE_N} to fit the 232 registers"
+        )
+
+
 def kernel_support(
     arch: str,
     m: int,

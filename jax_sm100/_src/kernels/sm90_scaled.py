@@ -19,6 +19,15 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   other warp group's wgmma batch runs on the tensor cores while this one promotes (the
   fastest published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the
   same); the promotion costs two float32 instructions per accumulator per k-tile.
+* With `plan.scaled_overlap` (opt-in; not yet run on a GPU) each warp group also keeps the
+  tensor cores fed itself: two fragments take the k-tiles in turn, and k-tile i + 1's batch is
+  issued before k-tile i's is waited for (`wait_group(1)`), so k-tile i's promotion runs under
+  it; its stage is released after the promotion, which reads the scales from it as it goes
+  (loaded up front, they would not fit the registers beside three fragments: ptxas spilled).
+  Three 64 x N fragments per warp group (acc, two k-tiles) fit 232 registers at N <= 128.
+  The H200 measured the default loop at 726-757 TF/s where our unscaled fp8 kernel runs
+  1276-1282 (benchmarks/RESULTS.md). A likely reason, not measured: the two warp groups wait
+  on the same stages, so they tend to promote at the same time, and the tensor cores idle then.
 
 Everything else (persistent schedule, clusters and multicast, TMA, epilogue through shared
 memory) is the dense family's, the stream-K schedule included (the float32 partial tiles two
@@ -60,6 +69,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     def __init__(self, plan, spec: KernelSpec):
         super().__init__(plan, spec)
         self.scale_dtype = common.cutlass_dtype(plan.scale_dtype)
+        self.overlap = bool(plan.scaled_overlap)
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -79,6 +89,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 plan.arch, True, False, plan.scale_dtype, plan.scale_block,
                 plan.cta_tile_mnk[0], plan.pingpong, plan.split_k, plan.stream_k, plan.stage_c,
             )  # fmt: skip
+            constraints.check_scaled_overlap(True, plan.scaled_overlap, plan.cta_tile_mnk[1])
         except constraints.PlanError as e:
             return str(e)
         return super().why_not(plan, spec)
@@ -169,13 +180,20 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             cute.copy(atom, g[(None, tile[which], k, tile[2])],
                       s[(None, state.index)], tma_bar_ptr=barrier)  # fmt: skip
 
-    @cute.jit
     def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
                   extra=None):  # fmt: skip
-        """`n_k` k-tiles, each a wgmma batch into a fresh fragment promoted into `acc` times
-        the k-block's scales (module docstring). Every stage but the last is released here;
-        the caller releases the last (after its own `wait_group(0)`, a no-op here), as after
-        the dense main loop. Returns the advanced (read, release) states."""
+        """`n_k` >= 1 k-tiles, each a wgmma batch into a fresh fragment promoted into `acc`
+        times the k-block's scales (module docstring), one batch at a time or, with
+        `plan.scaled_overlap`, each promotion under the next batch. Every stage but the last is
+        released here; the caller releases the last (after its own `wait_group(0)`, a no-op
+        here), as after the dense main loop. Returns the advanced (read, release) states."""
+        loop = self._mainloop_overlap if self.overlap else self._mainloop_serial
+        return loop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release, extra)
+
+    @cute.jit
+    def _mainloop_serial(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
+                         extra=None):  # fmt: skip
+        """`_mainloop` with each batch waited for before its fragment is promoted."""
         sSFA, sSFB = extra[0][3], extra[1][3]
         tm, tn, _ = self.tile_mnk
         # This thread's (row, column) of the tile for each accumulator register.
@@ -203,6 +221,77 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             _promote(acc, frag, row_scale, col_scale)
         return read, release
 
+    @cute.jit
+    def _mainloop_overlap(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read,
+                          release, extra=None):  # fmt: skip
+        """`_mainloop` with k-tile i's promotion under k-tile i + 1's wgmma batch.
+
+        Two fragments take the batches in turn (k-tile 0 into `fa`, 1 into `fb`, 2 into `fa`,
+        ...): k-tile i + 1's batch is issued, then `wait_group(1)` retires k-tile i's alone and
+        its fragment is promoted while the tensor cores run the next batch; then its stage is
+        released. The last k-tile's batch is drained with `wait_group(0)`. Registers are not
+        indexable, so the loop takes two k-tiles per trip, one into each fragment, and the
+        tail the odd one."""
+        sSFA, sSFB = extra[0][3], extra[1][3]
+        tm, tn, _ = self.tile_mnk
+        ctidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
+        coords = tiled_mma.get_slice(ctidx).partition_C(cute.make_identity_tensor((tm, tn)))
+        fa = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        fb = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        scales = (coords, sSFA, sSFB)
+        acc.fill(0.0)
+        # k-tile 0 into fa; it stays in flight. `release` now names its stage, `read` the next.
+        tiled_mma = self._issue(ab_pipe, tiled_mma, tCrA, tCrB, fa, k_blocks, read)
+        read.advance()
+        for _ in range((n_k - 1) // 2):
+            tiled_mma = self._overlap_step(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read,
+                                           release, fb, fa, scales)  # fmt: skip
+            read.advance()
+            release.advance()
+            tiled_mma = self._overlap_step(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read,
+                                           release, fa, fb, scales)  # fmt: skip
+            read.advance()
+            release.advance()
+        if n_k % 2 == 0:
+            # An even count: one more k-tile, into fb, then fb drains.
+            tiled_mma = self._overlap_step(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read,
+                                           release, fb, fa, scales)  # fmt: skip
+            read.advance()
+            release.advance()
+            warpgroup.wait_group(0)
+            _promote_from(acc, fb, coords, sSFA, sSFB, release.index)
+        else:
+            warpgroup.wait_group(0)
+            _promote_from(acc, fa, coords, sSFA, sSFB, release.index)
+        return read, release
+
+    @cute.jit
+    def _issue(self, ab_pipe, tiled_mma, tCrA, tCrB, frag, k_blocks, read):
+        """Waits for stage `read`, then issues its k-tile's wgmma batch into `frag` (the
+        first instruction overwrites it) as one commit group. Returns `tiled_mma` (its
+        accumulate field set here), for the caller's loop to carry."""
+        ab_pipe.consumer_wait(read)
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            crd = (None, None, kb, read.index)
+            cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
+        warpgroup.commit_group()
+        return tiled_mma
+
+    @cute.jit
+    def _overlap_step(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read, release, into,
+                      done, scales):  # fmt: skip
+        """One k-tile of the overlapped loop: the batch of stage `read` into `into`, then the
+        promotion of `done` (the previous k-tile's, of stage `release`, released once its
+        scales are read). The caller advances both states."""
+        coords, sSFA, sSFB = scales
+        tiled_mma = self._issue(ab_pipe, tiled_mma, tCrA, tCrB, into, k_blocks, read)
+        warpgroup.wait_group(1)
+        _promote_from(acc, done, coords, sSFA, sSFB, release.index)
+        ab_pipe.consumer_release(release)
+        return tiled_mma
+
 
 # Plain Python over the registers (unrolled as the kernel is traced, one instruction each).
 
@@ -220,3 +309,11 @@ def _promote(acc, frag, row_scale, col_scale):
     """acc += frag * (row scale * column scale): a multiply and a fused multiply-add each."""
     for i in range(cute.size(acc)):
         acc[i] = acc[i] + frag[i] * (row_scale[i] * col_scale[i])
+
+
+def _promote_from(acc, frag, coords, sSFA, sSFB, stage):
+    """`_promote` with the scales read from stage `stage` as they are needed (each distinct
+    word once), not held in registers beforehand."""
+    for i in range(cute.size(acc)):
+        scale = sSFA[(coords[i][0], 0, stage)] * sSFB[(coords[i][1], 0, stage)]
+        acc[i] = acc[i] + frag[i] * scale

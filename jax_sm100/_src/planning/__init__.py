@@ -72,6 +72,7 @@ from jax_sm100._src.planning.sm90 import (
     swizzle_pads,
     with_split,
 )
+from jax_sm100._src.planning.sm90_scaled import with_scaled_overlap
 
 __all__ = [
     "DEFAULT_NUM_SMS", "KERNELS", "KERNEL_SM100", "KERNEL_SM100_BLOCKSCALED",
@@ -81,7 +82,8 @@ __all__ = [
     "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan", "GemmProblem",
     "check_plan_fits", "cooperative", "epi_smem_bytes", "grid_clusters", "make_problem", "plan",
     "replace_fitting", "resident_clusters", "sm90_too_small", "sm90_variant",
-    "small_problems_on_kernels", "smem_capacity", "swizzle_pads", "with_preact", "with_split",
+    "small_problems_on_kernels", "smem_capacity", "swizzle_pads", "with_preact",
+    "with_scaled_overlap", "with_split",
 ]  # fmt: skip
 
 

@@ -259,6 +259,11 @@ class GemmPlan:
     # KERNEL_SM90_SCALED (or XLA).
     scale_dtype: str | None = None
     scale_block: int = 0
+    # KERNEL_SM90_SCALED only: each consumer warp group promotes k-tile i's fragment while its
+    # wgmma batch of k-tile i + 1 runs (two fragments used in turn) instead of waiting for each
+    # batch before promoting it. Opt-in (`tuning.with_scaled_overlap`,
+    # JAX_SM100_SCALED_OVERLAP=1): not yet measured on a GPU.
+    scaled_overlap: bool = False
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
     ragged: str = ""
@@ -323,6 +328,8 @@ class GemmPlan:
                        self.kernel in (KERNEL_XLA, KERNEL_SM100_BLOCKSCALED),
                        self.scale_dtype, self.scale_block, self.mma_tiler_mnk[0], self.pingpong,
                        self.split_k, self.stream_k, self.stage_c)  # fmt: skip
+        C.check_scaled_overlap(self.kernel == KERNEL_SM90_SCALED, self.scaled_overlap,
+                               self.mma_tiler_mnk[1])  # fmt: skip
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
             raise C.PlanError(
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
@@ -513,6 +520,7 @@ class GemmPlan:
             ("stream_k", self.stream_k),
             ("preact_out", self.preact_out),
             ("stage_c", self.stage_c),
+            ("scaled_overlap", self.scaled_overlap),
             ("max_clusters", self._grid_text()),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "

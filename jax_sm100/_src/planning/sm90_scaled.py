@@ -15,7 +15,9 @@ tile would need 256 registers for the two fragments alone. While one warp group 
 k-block (a multiply and a fused multiply-add per accumulator), the other's wgmma runs, so the
 promotion is hidden as long as it takes less time than the other warp group's k-block of MMAs.
 Wider tiles that fit the registers (128 x 160; 128 x 192 spills) are plan edits
-(`sm90_variant`), not measured yet.
+(`sm90_variant`), not measured yet. `GemmPlan.scaled_overlap` (JAX_SM100_SCALED_OVERLAP=1,
+`with_scaled_overlap`) makes each warp group promote k-tile i under its own k-tile i + 1's
+wgmma: a third fragment, so tiles of at most 128 columns; off until an H200 run measures it.
 
 Where 128 x 128 tiles leave most SMs idle (a few rows against many columns: 128 x 7168 is 56
 tiles for 132 SMs), 128 x 64 tiles double the CTAs at the same k-loop (the wave model of the
@@ -73,7 +75,7 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
     scaled = dataclasses.replace(problem, scale_dtype=scale_name, scale_block=scale_block)
     C.check_scaled(arch, False, True, scale_name, scale_block, 128, False, 1, False, False)
-    return _plan_scaled(scaled, arch, num_sms or 0, sm90_scaled_out_dtypes())
+    return _plan_scaled(scaled, arch, num_sms or 0, sm90_scaled_out_dtypes(), overlap_requested())
 
 
 # The outputs the sm_90a block-scaled kernel is verified for on the H200 (ninth session: 13 of
@@ -103,9 +105,45 @@ def sm90_scaled_out_dtypes() -> tuple[str, ...]:
     return SM90_SCALED_OUT_DTYPES
 
 
+# JAX_SM100_SCALED_OVERLAP=1 in the environment: the planner's kernel plans take the overlapped
+# main loop (`GemmPlan.scaled_overlap`, kernels/sm90_scaled.py), for the H200 runs that check and
+# time it against the default (`python -m jax_sm100.bench --scaled --overlap both`). Off by
+# default until those runs say it is right and faster.
+OVERLAP_ENV = "JAX_SM100_SCALED_OVERLAP"
+
+
+def overlap_requested() -> bool:
+    """True when JAX_SM100_SCALED_OVERLAP=1; False when it is unset, empty or 0.
+
+    Raises:
+      PlanError: any other value.
+    """
+    value = os.environ.get(OVERLAP_ENV, "")
+    if value not in ("", "0", "1"):
+        raise C.PlanError(f"{OVERLAP_ENV}={value!r} must be '1' (on), '0' or unset (off)")
+    return value == "1"
+
+
+def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
+    """`plan` (the sm_90a block-scaled kernel's) with its consumers' k-tile promotion
+    overlapped with the next k-tile's wgmma batch (`overlap=True`), or not. The tiles, stages
+    and schedule stay; for tuning and tests (`scaled_matmul` takes no plan: its calls ask the
+    planner with JAX_SM100_SCALED_OVERLAP=1).
+
+    Raises:
+      PlanError: a plan of another kernel, or a tile too wide for the overlap's registers.
+    """
+    if plan.kernel != KERNEL_SM90_SCALED and overlap:
+        raise C.PlanError(
+            f"with_scaled_overlap takes a plan of the {KERNEL_SM90_SCALED!r} kernel; this one is "
+            f"{plan.kernel!r} ({plan.reason})"
+        )
+    return dataclasses.replace(plan, scaled_overlap=bool(overlap))
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
-                 out_dtypes: tuple[str, ...]) -> GemmPlan:  # fmt: skip
+                 out_dtypes: tuple[str, ...], overlap: bool = False) -> GemmPlan:  # fmt: skip
     common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
     m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
     why_not = C.kernel_support(
@@ -150,6 +188,11 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     )
     if stream_k:
         reason += "; stream-K over the last waves (they do not divide evenly)"
+    if overlap:
+        reason += (
+            f"; each k-tile promoted while the next one's wgmma runs ({OVERLAP_ENV}=1; not yet "
+            "measured on a GPU)"
+        )
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM90_SCALED,
@@ -161,6 +204,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         num_acc_stages=1,
         swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
         stream_k=stream_k,
+        scaled_overlap=overlap,
     )
     # A/B stages (each with its scales) as many as fit, then the store ring.
     return _fill_sm90_smem(plan)
