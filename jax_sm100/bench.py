@@ -52,6 +52,7 @@ Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -336,6 +337,7 @@ def time_device(
     start_trips: int = 4,
     max_reps: int = 1 << 20,
     unroll: int = DEFAULT_UNROLL,
+    contexts: Sequence[Callable[[], contextlib.AbstractContextManager] | None] | None = None,
 ) -> DeviceTiming | list[DeviceTiming]:
     """Seconds per `product(a, b)` on the device, by `loop_fn` (see the module docstring).
 
@@ -352,6 +354,10 @@ def time_device(
         and the check then fails.
       max_reps: R never exceeds this (nor falls below `unroll`).
       unroll: products per loop iteration; R is a multiple of it.
+      contexts: for each product, None or a function returning a context manager that is
+        entered while that product's loops are traced, lowered and compiled (e.g. one that
+        sets an environment variable the planner reads), so that two products of the same
+        operation can take different plans.
 
     Returns:
       For each product (a single one when `products` is one), the median call time / R, R, and
@@ -379,7 +385,13 @@ def time_device(
 
     single = callable(products)
     products = [products] if single else list(products)
-    loops = [calibrate(p) for p in products]
+    contexts = list(contexts) if contexts is not None else [None] * len(products)
+    if len(contexts) != len(products):
+        raise ValueError(f"{len(contexts)} contexts for {len(products)} products")
+    loops = []
+    for product, context in zip(products, contexts, strict=True):
+        with context() if context is not None else contextlib.nullcontext():
+            loops.append(calibrate(product))
     times = np.array([[one_call(c) for c, _ in loops] for _ in range(rounds)])
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):

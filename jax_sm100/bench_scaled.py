@@ -1,5 +1,5 @@
 """Block-scaled fp8 GEMMs beside XLA and cuBLAS:
-`python -m jax_sm100.bench --scaled [--shapes MxNxK,...] [--small]`.
+`python -m jax_sm100.bench --scaled [--shapes MxNxK,...] [--small] [--overlap off|on|both]`.
 
 For each problem, out[m, n] = sum_k lhs[m, k] rhs[n, k] with normal random data quantized to
 float8_e4m3fn with float32 scales per 128 of k (`jax_sm100.quantize(x, "fp8_block128")`, the
@@ -19,11 +19,19 @@ took, and what the loop check found (`bench.LoopCheck`; the scaled products' sca
 part of them and are not flagged). The default problems are issue 19's (8192^3,
 4096x7168x16384, 128x7168x16384); `--small` runs tiny ones (a CPU smoke test, where
 jax.nn.scaled_matmul has no lowering and is left out).
+
+`--overlap` picks ours' main loop on sm_90a (`GemmPlan.scaled_overlap`) by setting
+JAX_SM100_SCALED_OVERLAP while ours is lowered: `off` the default loop, `on` the overlapped one,
+`both` times the two in the same rounds and prints a row for each (the overlapped one's label
+ends in "overlap"; the other sides' figures are the same in both rows). Without it the
+environment decides.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 import jax
@@ -32,10 +40,14 @@ from jax import lax
 
 import jax_sm100
 from jax_sm100 import bench
+from jax_sm100._src.planning import sm90_scaled as scaled_planning
 
 PROBLEMS = ((8192, 8192, 8192), (4096, 7168, 16384), (128, 7168, 16384))
 SMALL = ((256, 256, 512), (64, 384, 256))
 SIDES = ("ours", "jax.nn", "cublas fp8", "ours fp8")
+# `--overlap`: the JAX_SM100_SCALED_OVERLAP value ours is lowered under, for each of ours' rows
+# (None: the environment's).
+OVERLAP = {"off": ("0",), "on": ("1",), "both": ("0", "1")}
 _NT = (((1,), (1,)), ((), ()))  # [m, k] x [n, k] -> [m, n]
 
 
@@ -81,22 +93,51 @@ def operands(seed: int, m: int, n: int, k: int):
     return a, (w, ls, rs)
 
 
-def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool):
+@contextlib.contextmanager
+def _lowered(overlap: str | None, seen: list):
+    """Lowers with JAX_SM100_SCALED_OVERLAP=`overlap` (None: as set), appending the lowerings
+    to `seen`."""
+    env = scaled_planning.OVERLAP_ENV
+    before = os.environ.get(env)
+    if overlap is not None:
+        os.environ[env] = overlap
+    try:
+        with jax_sm100.lowerings() as got:
+            yield
+        seen.extend(got)
+    finally:
+        if before is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = before
+
+
+def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool, overlap=(None,)):
+    """One row per problem and value in `overlap` (JAX_SM100_SCALED_OVERLAP for ours; None:
+    the environment's): (label, (m, n, k), seconds by side, ours' path, notes)."""
     rows = []
     sides = products(with_jax_nn)
+    ours = sides.pop("ours")
     for i, (m, n, k) in enumerate(problems):
         a, b = operands(i, m, n, k)
-        with jax_sm100.lowerings() as seen:
-            timings = bench.time_device(list(sides.values()), a, b, min_seconds=min_seconds,
-                                        unroll=unroll)  # fmt: skip
-        notes = {}
-        for name, t in zip(sides, timings, strict=True):
-            problems_ = [p for p in t.check.problems() if "copies" not in p or "fp8" in name]
-            if problems_:
-                notes[name] = "; ".join(problems_)
-        path = "; ".join(sorted({_path(x) for x in seen if "scaled_matmul" in x.note}))
-        rows.append(((m, n, k), dict(zip(sides, (t.seconds for t in timings), strict=True)),
-                     path or "XLA ops (no CUDA lowering)", notes))  # fmt: skip
+        seen = [[] for _ in overlap]
+        contexts = [lambda v=v, s=s: _lowered(v, s) for v, s in zip(overlap, seen, strict=True)]
+        timings = bench.time_device(
+            [ours] * len(overlap) + list(sides.values()), a, b, min_seconds=min_seconds,
+            unroll=unroll, contexts=contexts + [None] * len(sides),
+        )  # fmt: skip
+        theirs = dict(zip(sides, timings[len(overlap) :], strict=True))
+        for value, mine, lowered in zip(overlap, timings[: len(overlap)], seen, strict=True):
+            timed = {"ours": mine} | theirs
+            notes = {}
+            for name, t in timed.items():
+                problems_ = [p for p in t.check.problems() if "copies" not in p or "fp8" in name]
+                if problems_:
+                    notes[name] = "; ".join(problems_)
+            path = "; ".join(sorted({_path(x) for x in lowered if "scaled_matmul" in x.note}))
+            label = f"{m}x{n}x{k}" + (" overlap" if value == "1" else "")
+            rows.append((label, (m, n, k), {name: t.seconds for name, t in timed.items()},
+                         path or "XLA ops (no CUDA lowering)", notes))  # fmt: skip
     return rows
 
 
@@ -108,20 +149,21 @@ def _path(lowered) -> str:
     tm, tn, _ = p.cta_tile_mnk
     cm, cn = p.cluster_shape_mn
     return (f"{lowered.note}: {tm}x{tn} tiles, {cm}x{cn} clusters, {p.num_ab_stages} stages"
-            f"{', stream-K' if p.stream_k else ''}")  # fmt: skip
+            f"{', stream-K' if p.stream_k else ''}"
+            f"{', promotion overlapped' if p.scaled_overlap else ''}")  # fmt: skip
 
 
 def report(rows) -> None:
-    names = list(rows[0][1]) if rows else []
+    names = list(rows[0][2]) if rows else []
     others = [n for n in names if n != "ours"]
     head = "".join(f"{n:>12s}" for n in names)
     ratios = "".join(f"{'/' + n:>12s}" for n in others)
     print(f"{'m x n x k':22s}|{head} (TF/s) |{ratios} (ours / ...)")
-    for (m, n, k), seconds, path, notes in rows:
+    for label, (m, n, k), seconds, path, notes in rows:
         flop = 2 * m * n * k
         tfs = "".join(f"{flop / seconds[x] / 1e12:12.4g}" for x in names)
         rel = "".join(f"{seconds[x] / seconds['ours']:12.3f}" for x in others)
-        print(f"{m}x{n}x{k}".ljust(22) + f"|{tfs}        |{rel}")
+        print(label.ljust(22) + f"|{tfs}        |{rel}")
         print(f"    ours: {path}")
         for name, note in notes.items():
             print(f"    ! {name}: {note}")
@@ -134,6 +176,10 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
     ap.add_argument("--device-ms", type=float, default=20.0,
                     help="grow R until one timed call takes this long")  # fmt: skip
+    ap.add_argument("--overlap", choices=tuple(OVERLAP), default=None,
+                    help="ours' main loop on sm_90a: off, on (promotion under the next "
+                         "k-block's MMAs) or both, a row each (default: the environment's "
+                         "JAX_SM100_SCALED_OVERLAP)")  # fmt: skip
     ap.add_argument("--unroll", type=int, default=None,
                     help=f"products per loop iteration (default {bench.DEFAULT_UNROLL}; 2 with "
                          "--small, which compiles faster)")  # fmt: skip
@@ -149,7 +195,9 @@ def main(argv=None) -> int:
         print("(jax.nn.scaled_matmul has no lowering here: left out)")
     unroll = args.unroll or (2 if args.small else bench.DEFAULT_UNROLL)
     min_seconds = 0.001 if args.small else args.device_ms / 1e3
-    report(run(problems, min_seconds=min_seconds, unroll=unroll, with_jax_nn=with_jax_nn))
+    overlap = OVERLAP[args.overlap] if args.overlap else (None,)
+    report(run(problems, min_seconds=min_seconds, unroll=unroll, with_jax_nn=with_jax_nn,
+               overlap=overlap))  # fmt: skip
     return 0
 
 

@@ -7,6 +7,7 @@ import io
 import math
 import os
 import tempfile
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100 import bench
+from jax_sm100._src.planning import sm90_scaled as scaled_planning
 from tests import test_util as tu
 
 PRODUCTS = (
@@ -249,6 +251,37 @@ class ScaledBenchTest(absltest.TestCase):
         self.assertIn("/cublas fp8", text)
         self.assertIn("256x256x512", text)
         self.assertNotIn("! ", text)
+
+    def test_overlap_both_prints_two_rows_each(self):
+        # `--overlap both`: ours lowered with JAX_SM100_SCALED_OVERLAP=0 and =1, timed in the
+        # same rounds, a row each; the variable is restored afterwards.
+        env = scaled_planning.OVERLAP_ENV
+        out = io.StringIO()
+        with mock.patch.dict(os.environ, {env: "0"}), contextlib.redirect_stdout(out):
+            self.assertEqual(bench.main(["--scaled", "--small", "--overlap", "both"]), 0)
+            self.assertEqual(os.environ[env], "0")
+        text = out.getvalue()
+        self.assertEqual(text.count("    ours: "), 4, text)
+        self.assertRegex(text, r"\n256x256x512 +\|")
+        self.assertRegex(text, r"\n256x256x512 overlap +\|")
+        self.assertEqual(text.count(" overlap "), 2, text)
+        self.assertNotIn("! ", text)
+
+    def test_contexts_are_entered_while_each_product_compiles(self):
+        entered = []
+
+        @contextlib.contextmanager
+        def note(name):
+            entered.append(name)
+            yield
+
+        a = jnp.ones((8, 8), jnp.float32)
+        product = lambda x, y: x @ y  # noqa: E731
+        bench.time_device([product, product], a, a, min_seconds=0.0, rounds=1, unroll=2,
+                          contexts=[lambda: note("first"), None])  # fmt: skip
+        self.assertEqual(entered, ["first"])
+        with self.assertRaisesRegex(ValueError, "1 contexts for 2 products"):
+            bench.time_device([product, product], a, a, contexts=[None])
 
 
 if __name__ == "__main__":
