@@ -579,16 +579,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                  k_tiles, consumer_wg, warp, ctidx, red_bars, rank, mWs, mFlags,
                  zout, cstage, extra=None):  # fmt: skip
         tm, tn, _ = self.tile_mnk
-        # Thread index within this tile's epilogue group, and the group's first warp.
-        etidx = ctidx
-        mma_base = consumer_wg * _THREADS_PER_WG
-        store_warp = 4  # the first consumer warp issues the TMA stores
-        epi_group = 0
-        if cutlass.const_expr(self.pingpong):
-            etidx = ctidx % _THREADS_PER_WG
-            mma_base = 0
-            store_warp = 4 + 4 * consumer_wg
-            epi_group = consumer_wg
+        etidx, mma_base, store_warp, epi_group = self._consumer_roles(consumer_wg, ctidx)
         thr_mma = tiled_mma.get_slice(mma_base)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -599,20 +590,9 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         # split-K epilogue writes its float32 partial tile element by element instead.
         r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size = (None,) * 7
         if cutlass.const_expr(self.split == 1):
-            r2s_atom = sm90.get_smem_store_op(
-                LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+            r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size = self._d_copy(
+                tiled_mma, sD, acc, etidx
             )
-            stm_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype
-            )
-            r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-            thr_r2s = r2s.get_slice(etidx)
-            tRS_sD = thr_r2s.partition_D(sD)
-            tRS_acc = r2s.retile(acc)
-            sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-            sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
-            sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
-            sub_size = cute.size(sub_acc)
         gZ, sZ, tma_z, mZ = zout
         tRS_sZ = None
         if cutlass.const_expr(self.preact and self.split == 1):
@@ -633,22 +613,8 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             c_read = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.epi_stages
             )
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
-        )
-        epi_barrier = pipeline.NamedBarrier(
-            barrier_id=_EPI_BARRIER_ID + epi_group, num_threads=self.epi_threads
-        )
-        # Ping-pong turns: a warp group waits on its own barrier before its main loop; the other
-        # group arrives on it once it has seen every stage of its own tile land. This keeps the
-        # two groups' waits on the stage ring in tile order, so a group never waits on a stage
-        # barrier more than one phase ahead of the fills it has observed.
-        my_turn = pipeline.NamedBarrier(
-            barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
-        )
-        their_turn = pipeline.NamedBarrier(
-            barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
+        store_pipe, epi_barrier, my_turn, their_turn = self._consumer_barriers(
+            consumer_wg, epi_group
         )
         # Global coordinates of every output element, for predicated C and bias reads.
         cD = cute.local_tile(cute.make_identity_tensor(mD.shape), (tm, tn), (None, None, None))
@@ -716,6 +682,54 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                 sched.advance_to_next_work()
                 work = sched.get_current_work()
             store_pipe.producer_tail()
+
+    def _consumer_roles(self, consumer_wg, ctidx):
+        """A consumer thread's place in the epilogue: (its index within its epilogue group, the
+        first thread of the warp group whose MMA slice it holds, the warp that issues the
+        group's TMA stores, the group). Cooperative: every consumer thread is one epilogue
+        group, stored by the first consumer warp; ping-pong: a group per warp group."""
+        if self.pingpong:
+            return ctidx % _THREADS_PER_WG, 0, 4 + 4 * consumer_wg, consumer_wg
+        return ctidx, consumer_wg * _THREADS_PER_WG, 4, 0
+
+    def _d_copy(self, tiled_mma, sD, acc, etidx):
+        """The register -> shared copy of one epilogue sub-tile (stmatrix for 16-bit outputs)
+        as `_store_tile` takes it: (r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out,
+        sub_size)."""
+        r2s_atom = sm90.get_smem_store_op(
+            LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+        )
+        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
+        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(etidx)
+        tRS_sD = thr_r2s.partition_D(sD)
+        tRS_acc = r2s.retile(acc)
+        sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
+        sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
+        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
+        return r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, cute.size(sub_acc)
+
+    def _consumer_barriers(self, consumer_wg, epi_group):
+        """A consumer warp group's (TMA-store pipeline, epilogue barrier, my turn, their turn).
+
+        Ping-pong turns: a warp group waits on its own barrier before its main loop; the other
+        group arrives on it once it has seen every stage of its own tile land. This keeps the
+        two groups' waits on the stage ring in tile order, so a group never waits on a stage
+        barrier more than one phase ahead of the fills it has observed."""
+        store_pipe = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
+        )
+        epi_barrier = pipeline.NamedBarrier(
+            barrier_id=_EPI_BARRIER_ID + epi_group, num_threads=self.epi_threads
+        )
+        my_turn = pipeline.NamedBarrier(
+            barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
+        )
+        their_turn = pipeline.NamedBarrier(
+            barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
+        )
+        return store_pipe, epi_barrier, my_turn, their_turn
 
     @cute.jit
     def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,

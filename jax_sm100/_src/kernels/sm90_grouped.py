@@ -17,16 +17,13 @@ import cutlass
 import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from jax_sm100._src.kernels.grouped import GroupedGemm, ragged_slice
 from jax_sm100._src.kernels.sm90_gemm import (
     _CONSUMER_REGS,
-    _EPI_BARRIER_ID,
     _PRODUCER_REGS,
     _SMEM_ALIGN,
     _THREADS_PER_WG,
-    _TURN_BARRIER_ID,
     Sm90GemmKernel,
     _Epilogue,
 )
@@ -198,10 +195,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         reads off the same schedule."""
         tm, tn, tk = self.tile_mnk
         consumer_wg = ctidx // _THREADS_PER_WG
-        etidx, mma_base, store_warp, epi_group = ctidx, consumer_wg * _THREADS_PER_WG, 4, 0
-        if cutlass.const_expr(self.pingpong):
-            etidx, mma_base = ctidx % _THREADS_PER_WG, 0
-            store_warp, epi_group = 4 + 4 * consumer_wg, consumer_wg
+        etidx, mma_base, store_warp, epi_group = self._consumer_roles(consumer_wg, ctidx)
         thr_mma = tiled_mma.get_slice(mma_base)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -209,29 +203,11 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         acc = cute.make_rmem_tensor(thr_mma.partition_C(tile_crd).shape[:3], self.acc_dtype)
         k_blocks = cute.size(tCrA, mode=[2])
 
-        r2s_atom = cutlass.utils.hopper_helpers.get_smem_store_op(
-            LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+        r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out, sub_size = self._d_copy(
+            tiled_mma, sD, acc, etidx
         )
-        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
-        r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(etidx)
-        tRS_sD = thr_r2s.partition_D(sD)
-        tRS_acc = r2s.retile(acc)
-        sub_shape = cute.shape(thr_r2s.partition_S(sD))[:3]
-        sub_acc = cute.make_rmem_tensor(sub_shape, self.acc_dtype)
-        sub_out = cute.make_rmem_tensor(sub_shape, self.d_dtype)
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.epi_threads),
-        )
-        epi_barrier = pipeline.NamedBarrier(
-            barrier_id=_EPI_BARRIER_ID + epi_group, num_threads=self.epi_threads
-        )
-        my_turn = pipeline.NamedBarrier(
-            barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
-        )
-        their_turn = pipeline.NamedBarrier(
-            barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
+        store_pipe, epi_barrier, my_turn, their_turn = self._consumer_barriers(
+            consumer_wg, epi_group
         )
         gD_k = None
         if cutlass.const_expr(self.ragged == "k"):
@@ -281,7 +257,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 gD = gD_k
                 tile = (m_tile, n_tile, group)
             epi = _Epilogue(gD, gD, None, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc,
-                            sub_out, cute.size(sub_acc), None, mD, store_pipe, epi_barrier,
+                            sub_out, sub_size, None, mD, store_pipe, epi_barrier,
                             store_warp, epi_group, None, None, None, None)  # fmt: skip
             self._store_tile(tile, tiles_done, epi, warp)
             tiles_done += 1
