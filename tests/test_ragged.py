@@ -208,11 +208,21 @@ class RaggedDotTest(parameterized.TestCase):
                 )(lhs, rhs, sizes)  # fmt: skip
         self.assertTrue(all("empty operand" in x.note for x in seen), [x.note for x in seen])
 
-    @parameterized.parameters(False, True)
-    def test_sm90_training_products_are_grouped_kernels(self, transpose_rhs):
-        # Exported for sm_90a on this machine: the forward, the input gradient and the weight
-        # gradient are each one call of the grouped kernel (ragged rows, ragged rows against
-        # the experts transposed, ragged contraction), and no XLA ragged dot is left.
+    @parameterized.product(
+        arch=["sm_90a", "sm_100a"],
+        transpose_rhs=[False, True],
+    )
+    def test_training_products_are_grouped_kernels(self, arch, transpose_rhs):
+        # Exported for each arch on this machine: the forward, the input gradient and the
+        # weight gradient are each one call of the arch's grouped kernel (ragged rows, ragged
+        # rows against the experts transposed, ragged contraction), 1-CTA, and no XLA ragged
+        # dot is left.
+        # (kernel, family class, a string the object holds naming its arch: the sm_100a cubin
+        # carries "sm_100a"; the sm_90a one names its arch only in the ELF header's flags)
+        kernel, family, arch_tag = {
+            "sm_90a": ("sm90_wgmma_grouped", b"Sm90GroupedGemmKernel", b""),
+            "sm_100a": ("sm100_tcgen05_grouped", b"Sm100GroupedGemmKernel", b"sm_100a"),
+        }[arch]
         lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
         rshape = (8, 48, 64) if transpose_rhs else (8, 64, 48)
         rhs = jax.ShapeDtypeStruct(rshape, jnp.bfloat16)
@@ -225,7 +235,7 @@ class RaggedDotTest(parameterized.TestCase):
 
             return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
 
-        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
             with jax_sm100.lowerings() as seen:
                 exported = jax.export.export(
                     jax.jit(step), platforms=["cuda"],
@@ -237,9 +247,16 @@ class RaggedDotTest(parameterized.TestCase):
             re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text), "XLA ragged dot left"
         )
         plans = [x.plan for x in seen if x.plan is not None]
-        self.assertEqual([p.kernel for p in plans], ["sm90_wgmma_grouped"] * 3, seen)
+        self.assertEqual([p.kernel for p in plans], [kernel] * 3, seen)
+        self.assertEqual({p.arch for p in plans}, {arch})
         self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
-        self.assertTrue(all(p.groups == 8 for p in plans))
+        self.assertTrue(all(p.groups == 8 and not p.use_2cta for p in plans))
+        objects = [bytes.fromhex(h) for h in re.findall(r'object = dense<"0x([0-9A-F]+)"', text)]
+        self.assertLen(objects, 3)
+        for obj in objects:
+            self.assertEqual(obj[:4], b"\x7fELF")
+            self.assertIn(arch_tag, obj)
+            self.assertIn(family, obj)
 
     @parameterized.named_parameters(
         ("rank", (8, 4, 2), (2, 4, 3), (2,), ValueError, "lhs must be"),

@@ -15,23 +15,18 @@ the PTX:
     (TMA counts the zero-filled bytes past a group's end too), whatever the group sizes;
   * the group sizes read from global memory (the group table) and no register spills.
 
-The planner's sm_100a grouped rule and the export of ragged_dot's training products for
-sm_100a are tested here too. What this does not show: that the kernel computes the right
+The planner's sm_100a grouped rule is tested here too (the export of ragged_dot's training
+products for each arch is in tests/test_ragged.py). What this does not show: that the kernel computes the right
 numbers, or how fast it runs. Those need an SM100 GPU (tests/test_gpu_ragged.py runs there).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-from unittest import mock
 
-import jax
-import jax.numpy as jnp
 from absl.testing import absltest, parameterized
 
-import jax_sm100
 from jax_sm100._src import constraints, planning
 from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.kernels import family, sm100_gemm, sm100_grouped
@@ -268,48 +263,6 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
         with self.assertRaisesRegex(constraints.PlanError, "dense ones never do"):
             dataclasses.replace(dense, kernel=GROUPED)
         self.assertIn("groups", str(p))
-
-
-class Sm100GroupedExportTest(parameterized.TestCase):
-    @parameterized.parameters(False, True)
-    def test_training_products_are_grouped_kernels(self, transpose_rhs):
-        # Exported for sm_100a on this machine: ragged_dot's forward, its input gradient and its
-        # weight gradient are each one call of the sm_100a grouped kernel (ragged rows, ragged
-        # rows against the experts transposed, ragged contraction); no XLA ragged dot is left.
-        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
-        rshape = (8, 48, 64) if transpose_rhs else (8, 64, 48)
-        rhs = jax.ShapeDtypeStruct(rshape, jnp.bfloat16)
-        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
-
-        def step(a, b, s):
-            def loss(a, b):
-                w = jnp.swapaxes(b, 1, 2) if transpose_rhs else b
-                return jnp.sum(jax_sm100.ragged_dot(a, w, s).astype(jnp.float32) ** 2)
-
-            return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
-
-        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_100a"}):
-            with jax_sm100.lowerings() as seen:
-                exported = jax.export.export(
-                    jax.jit(step), platforms=["cuda"],
-                    disabled_checks=jax_sm100.export_disabled_checks(),
-                )(lhs, rhs, sizes)  # fmt: skip
-        text = exported.mlir_module()
-        self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 3)
-        self.assertFalse(
-            re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text), "XLA ragged dot left"
-        )
-        plans = [x.plan for x in seen if x.plan is not None]
-        self.assertEqual([p.kernel for p in plans], [GROUPED] * 3, seen)
-        self.assertEqual({p.arch for p in plans}, {"sm_100a"})
-        self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
-        self.assertTrue(all(p.groups == 8 and not p.use_2cta for p in plans))
-        objects = [bytes.fromhex(h) for h in re.findall(r'object = dense<"0x([0-9A-F]+)"', text)]
-        self.assertLen(objects, 3)
-        for obj in objects:
-            self.assertEqual(obj[:4], b"\x7fELF")
-            self.assertIn(b"sm_100a", obj)
-            self.assertIn(b"Sm100GroupedGemmKernel", obj)
 
 
 if __name__ == "__main__":
