@@ -22,9 +22,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
-import subprocess
-import tempfile
 from unittest import mock
 
 import jax
@@ -39,6 +36,7 @@ from jax_sm100._src.kernels import family
 from jax_sm100._src.kernels.sm100_blockscaled import Sm100BlockScaledGemmKernel
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import sm100_blockscaled
+from tests.test_sm100_ptx import _constant_operands, _ptxas_spill_bytes
 
 _RECIPES = {
     "mxfp8": dict(scale_dtype="float8_e8m0fnu", scale_block=32),
@@ -124,37 +122,6 @@ def _compile_capturing_kernel(plan, spec):
         compiled = compile_mod._compile(plan, spec)
     (kernel,) = kernels
     return compiled, kernel
-
-
-def _constant_operands(ptx: str, pattern: str) -> list[int]:
-    """The last operand of every instruction matching `pattern`, an immediate or a mov'd one."""
-    found = []
-    for m in re.finditer(pattern + r"[\w:.]*\s+[^;]*?,\s*(%r\d+|\d+);", ptx):
-        operand = m.group(1)
-        if operand.isdigit():
-            found.append(int(operand))
-            continue
-        movs = re.findall(rf"mov\.b32\s+{re.escape(operand)},\s*(\d+);", ptx[: m.start()])
-        found.append(int(movs[-1]) if movs else -1)
-    return found
-
-
-def _ptxas_spill_bytes(ptx: str) -> int | None:
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        run = subprocess.run(
-            [ptxas, "-arch=sm_100a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
-    if run.returncode != 0:
-        return None
-    return sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", run.stderr))
 
 
 class Sm100BlockScaledPtxTest(parameterized.TestCase):

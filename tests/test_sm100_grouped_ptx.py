@@ -16,8 +16,9 @@ the PTX:
   * the group sizes read from global memory (the group table) and no register spills.
 
 The planner's sm_100a grouped rule is tested here too (the export of ragged_dot's training
-products for each arch is in tests/test_ragged.py). What this does not show: that the kernel computes the right
-numbers, or how fast it runs. Those need an SM100 GPU (tests/test_gpu_ragged.py runs there).
+products for each arch is in tests/test_ragged.py). What this does not show: that the kernel
+computes the right numbers, or how fast it runs. Those need an SM100 GPU
+(tests/test_gpu_ragged.py runs there).
 """
 
 from __future__ import annotations

@@ -156,21 +156,28 @@ def _alloc_columns(ptx: str, op: str) -> list[int]:
     return cols
 
 
-def _expect_tx_bytes(ptx: str) -> set[int]:
-    """Constant transaction counts of every mbarrier.arrive.expect_tx."""
-    found = set()
-    for m in re.finditer(r"mbarrier\.arrive\.expect_tx[\w:.]*\s+[^;]*?,\s*(%r\d+|\d+);", ptx):
+def _constant_operands(ptx: str, pattern: str) -> list[int]:
+    """The last operand of every instruction matching `pattern`, an immediate or a mov'd one
+    (-1 where no constant feeds it)."""
+    found = []
+    for m in re.finditer(pattern + r"[\w:.]*\s+[^;]*?,\s*(%r\d+|\d+);", ptx):
         operand = m.group(1)
         if operand.isdigit():
-            found.add(int(operand))
+            found.append(int(operand))
             continue
         movs = re.findall(rf"mov\.b32\s+{re.escape(operand)},\s*(\d+);", ptx[: m.start()])
-        found.add(int(movs[-1]) if movs else -1)
+        found.append(int(movs[-1]) if movs else -1)
     return found
 
 
-def _ptxas_spill_bytes(ptx: str) -> int | None:
-    """Register spill bytes ptxas reports for sm_100a, or None without a CUDA 12.8+ ptxas."""
+def _expect_tx_bytes(ptx: str) -> set[int]:
+    """Constant transaction counts of every mbarrier.arrive.expect_tx."""
+    return set(_constant_operands(ptx, r"mbarrier\.arrive\.expect_tx"))
+
+
+def ptxas_spill_bytes(ptx: str, arch: str = "sm_100a") -> tuple[int, int] | None:
+    """(spill store bytes, spill load bytes) ptxas reports for `ptx` on `arch`, or None without
+    a ptxas that takes the arch."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return None
@@ -179,14 +186,21 @@ def _ptxas_spill_bytes(ptx: str) -> int | None:
         with open(src, "w") as f:
             f.write(ptx)
         run = subprocess.run(
-            [ptxas, "-arch=sm_100a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+            [ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
             capture_output=True,
             text=True,
         )
     if run.returncode != 0:
-        return None  # a ptxas too old for sm_100a; the DSL's own compile already passed
+        return None  # a ptxas too old for the arch; the DSL's own compile already passed
     stores = re.findall(r"(\d+) bytes spill stores", run.stderr)
-    return sum(int(x) for x in stores)
+    loads = re.findall(r"(\d+) bytes spill loads", run.stderr)
+    return sum(int(x) for x in stores), sum(int(x) for x in loads)
+
+
+def _ptxas_spill_bytes(ptx: str) -> int | None:
+    """Register spill bytes ptxas reports for sm_100a, or None without a CUDA 12.8+ ptxas."""
+    spills = ptxas_spill_bytes(ptx)
+    return None if spills is None else spills[0]
 
 
 class Sm100PtxTest(parameterized.TestCase):

@@ -8,8 +8,6 @@ import dataclasses
 import os
 import re
 import shutil
-import subprocess
-import tempfile
 from unittest import mock
 
 import jax
@@ -23,6 +21,7 @@ from jax_sm100._src import dispatch, ffi, kernel_key, planning
 from jax_sm100._src.kernels import sm90_scaled
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
+from tests.test_sm100_ptx import ptxas_spill_bytes
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -105,17 +104,9 @@ def _ptx(plan, spec=None):
     return compile_mod.compile_plan(plan, spec).ptx
 
 
-def _ptxas_spill_bytes(ptx: str) -> tuple[int, int]:
+def _ptxas_spill_bytes(ptx: str) -> tuple[int, int] | None:
     """(spill stores, spill loads) in bytes that ptxas reports for `ptx` on sm_90a."""
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([shutil.which("ptxas"), "-arch=sm_90a", "-v", src, "-o",
-                              os.path.join(d, "k.cubin")], capture_output=True, text=True,
-                             check=True)  # fmt: skip
-    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
-    return int(found.group(1)), int(found.group(2))
+    return ptxas_spill_bytes(ptx, "sm_90a")
 
 
 # What the consumers' main loop does, in PTX order: wgmma batches, commits and waits, the
