@@ -19,6 +19,8 @@ device
     while the result stays exactly one product's. R starts at 4 U and grows (in multiples of
     U) until one call takes >= 20 ms (`--device-ms`); the time is the median over 5 rounds of
     one call's wall time (after warm-up) divided by R, so dispatch is paid once per R products.
+    In each round every side's timed call follows an untimed one of its own, so each is timed
+    under its own load's clocks, not the previous side's (`time_device`).
     Unrolling shares the loop's own cost per iteration (15.3 us on the H200 with no product
     inside, more than the smallest kernels take) among U products. The compiled HLO is
     checked: exactly one while loop, with the known trip count R / U, whose body holds exactly
@@ -342,7 +344,11 @@ def time_device(
     """Seconds per `product(a, b)` on the device, by `loop_fn` (see the module docstring).
 
     Each product gets its own R; then the timed calls of several products alternate, round by
-    round, so that a drift of the machine (clocks, other load) falls on all of them alike.
+    round, so that a drift of the machine (clocks, other load) falls on all of them alike. Each
+    timed call follows an untimed call of the same product, so every product is timed in its
+    own steady state: timed right after another product's calls, a power-bound kernel inherits
+    that product's clocks (on the H200 an fp8 GEMM timed after a lighter kernel read 10 % faster
+    than after a heavier one, so two sides swapped places by their order alone).
 
     Args:
       products: one product, or several to compare; each (a [m, k], b [k, n]) -> [m, n].
@@ -392,7 +398,12 @@ def time_device(
     for product, context in zip(products, contexts, strict=True):
         with context() if context is not None else contextlib.nullcontext():
             loops.append(calibrate(product))
-    times = np.array([[one_call(c) for c, _ in loops] for _ in range(rounds)])
+
+    def settled_call(compiled) -> float:
+        one_call(compiled)  # untimed: the clocks settle under this product's own load
+        return one_call(compiled)
+
+    times = np.array([[settled_call(c) for c, _ in loops] for _ in range(rounds)])
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
         size = math.prod(jax.eval_shape(product, a, b).shape)

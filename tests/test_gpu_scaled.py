@@ -9,8 +9,9 @@ B's scales ignored, is checked to miss the reference by far more than the tolera
 data with power-of-two scales, which the fp8 MMA sums exactly, must come out exactly right.
 
 A float32 result of an fp8 product is checked to the fp8 MMA's accuracy (`FP8_MMA_RTOL`), not
-float32's. float32 results run on the kernel only with JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in
-the environment (planning/sm90_scaled.py): the run that verifies them; bfloat16 ones always.
+float32's. bfloat16 and float32 results run on the kernel; float16 ones only with
+JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in the environment (planning/sm90_scaled.py): the run
+that verifies them.
 
 The correctness tests run twice: on the default main loop and on the overlapped one
 (`GemmPlan.scaled_overlap`, JAX_SM100_SCALED_OVERLAP=1: each k-block promoted under the next
@@ -35,7 +36,8 @@ from tests import test_util as tu
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
-# The outputs the kernel takes in this process: bfloat16, and float32 for a verification run.
+# The outputs the kernel takes in this process: bfloat16 and float32, and float16 for a
+# verification run.
 OUT_DTYPES = [getattr(jnp, d) for d in scaled_planning.sm90_scaled_out_dtypes()]
 
 # Hopper's fp8 wgmma accumulates in 13 mantissa bits, truncating each k32 instruction's aligned
@@ -81,6 +83,15 @@ def _reference64(lhs, rhs, ls, rs):
         return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
 
     return np.matmul(dequantized(lhs, ls), dequantized(rhs, rs).transpose(0, 2, 1))
+
+
+def _in_range(lhs, rhs, ls, rs, out_dtype):
+    """`ls`, divided by a power of two where the product would overflow a float16 result (whose
+    largest value is 65504): only the product's exponent moves, not its digits."""
+    if jnp.dtype(out_dtype) != jnp.float16:
+        return ls
+    peak = float(np.max(np.abs(_reference64(lhs, rhs, ls, rs))))
+    return ls * 2.0 ** -max(0, int(np.ceil(np.log2(peak / 2.0**13))))
 
 
 def _rtol(out_dtype):
@@ -136,6 +147,8 @@ class GpuScaledTest(parameterized.TestCase):
         self.assertLen(seen, 1)
         self.assertEqual(seen[0].plan.kernel, planning.KERNEL_SM90_SCALED, seen[0].note)
         self.assertEqual(seen[0].plan.scaled_overlap, overlap)
+        if seen[0].plan.m == 2000 and not overlap:
+            self.assertEqual(seen[0].plan.cta_tile_mnk, (128, 192, 128))
 
     @parameterized.named_parameters(
         _cases([
@@ -145,6 +158,7 @@ class GpuScaledTest(parameterized.TestCase):
             (3, 256, 384, 512),  # batched: one scale set per batch
             (1, 128, 7168, 2048),  # skinny, a row of tiles (issue 19's decode-like shape)
             (1, 2048, 2048, 4096),  # many tiles per CTA (persistent schedule)
+            (1, 2000, 3008, 384),  # 128 x 192 tiles (the default loop), m and n ragged
         ])
     )  # fmt: skip
     def test_matches_float64(self, shape, dtype, out_dtype, overlap):
@@ -152,6 +166,7 @@ class GpuScaledTest(parameterized.TestCase):
         ka, kb = jax.random.split(jax.random.key(m * n + k + batch))
         lhs, ls = _quantize(_operand(ka, batch, m, k), dtype)
         rhs, rs = _quantize(_operand(kb, batch, n, k), dtype)
+        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
         out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
         self.assert_on_kernel(seen, overlap)
         self.assertEqual((out.shape, out.dtype), ((batch, m, n), jnp.dtype(out_dtype)))
@@ -176,6 +191,7 @@ class GpuScaledTest(parameterized.TestCase):
             (1, 2048, 2048, 4096),
             (1, 8192, 2176, 512),  # stream-K on 132 SMs (test_stream_k)
             (1, 256, 384, 640),  # 5 k-blocks: two trips of the overlapped loop, an odd tail
+            (1, 2000, 3008, 384),  # 128 x 192 tiles: scales read during the promotion
         ])
     )  # fmt: skip
     def test_exact_on_integer_data(self, shape, dtype, out_dtype, overlap):
@@ -209,6 +225,7 @@ class GpuScaledTest(parameterized.TestCase):
         ka, kb = jax.random.split(jax.random.key(11))
         lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
         rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
+        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
         out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
         self.assert_on_kernel(seen, overlap)
         if not seen[0].plan.stream_k:
@@ -227,6 +244,7 @@ class GpuScaledTest(parameterized.TestCase):
         block_scale = amax / float(jnp.finfo(E4M3).max)
         rhs = (w / block_scale[:, :, None, :, None]).reshape(1, n, k).astype(E4M3)
         rs = jnp.repeat(block_scale, 128, axis=1)  # [1, n, k / 128]
+        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
         out, seen = _run(lhs, rhs, ls, rs, out_dtype)
         self.assert_on_kernel(seen)
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)

@@ -5,7 +5,7 @@
 The dense SM90 family (sm90_gemm.py) with two things added, through its stage hooks:
 
 * Each A/B stage also holds the k-block's scales: one float32 per row of the tile's A (128)
-  and one per row of its B (column of D: 128 or 64), loaded by the producer warp with two more
+  and one per row of its B (column of D: 192, 128 or 64), loaded by the producer warp with two more
   TMA copies under the stage's barrier (their bytes in its transaction count). The scales come
   transposed, [L, k/128, rows] with rows contiguous (the lowering transposes jax's
   [L, rows, k/128] layout: TMA cannot load a column of 4-byte elements), so each is one box.
@@ -13,21 +13,24 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
 * The consumers' main loop. A 128-element fp8 k-tile is exactly one scale block, so per
   k-tile each consumer warp group (64 rows of a cooperative 128 x N tile) runs its wgmma batch
   into a fresh float32 fragment (the first instruction of the batch overwrites it), waits for
-  it, releases the stage, and promotes it into the main accumulators:
-  acc += frag * (sfa[row] * sfb[col]). The scales of the thread's rows and columns are read
-  from shared memory before the wgmma batch is issued, so their latency hides under it. The
-  other warp group's wgmma batch runs on the tensor cores while this one promotes (the
-  fastest published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the
-  same); the promotion costs two float32 instructions per accumulator per k-tile.
-* With `plan.scaled_overlap` (opt-in; not yet run on a GPU) each warp group also keeps the
-  tensor cores fed itself: two fragments take the k-tiles in turn, and k-tile i + 1's batch is
-  issued before k-tile i's is waited for (`wait_group(1)`), so k-tile i's promotion runs under
-  it; its stage is released after the promotion, which reads the scales from it as it goes
-  (loaded up front, they would not fit the registers beside three fragments: ptxas spilled).
-  Three 64 x N fragments per warp group (acc, two k-tiles) fit 232 registers at N <= 128.
-  The H200 measured the default loop at 726-757 TF/s where our unscaled fp8 kernel runs
-  1276-1282 (benchmarks/RESULTS.md). A likely reason, not measured: the two warp groups wait
-  on the same stages, so they tend to promote at the same time, and the tensor cores idle then.
+  it, and promotes it into the main accumulators: acc += frag * (sfa[row] * sfb[col]); the
+  stage is released as soon as nothing more is read from it. Up to 128 columns the scales of
+  the thread's rows and columns are read from shared memory before the wgmma batch is issued,
+  so their latency hides under it; at 192 columns (the planner's widest tile) they would spill
+  beside the two fragments (192 registers), so they are read during the promotion. The other
+  warp group's wgmma batch runs on the tensor cores while this one promotes (the fastest
+  published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the same); the
+  promotion costs two float32 instructions per accumulator per k-tile.
+* With `plan.scaled_overlap` (opt-in) each warp group also keeps the tensor cores fed itself:
+  two fragments take the k-tiles in turn, and k-tile i + 1's batch is issued before k-tile i's
+  is waited for (`wait_group(1)`), so k-tile i's promotion runs under it; its stage is released
+  after the promotion, which reads the scales from it as it goes (loaded up front, they would
+  not fit the registers beside three fragments: ptxas spilled). Three 64 x N fragments per
+  warp group (acc, two k-tiles) fit 232 registers at N <= 128.
+  The H200 (tenth session, benchmarks/RESULTS.md) ran the default loop at 744-830 TF/s on
+  128 x 128 tiles and 869 on 128 x 192, the overlapped one at 752-821 (128 x 128), where the
+  unscaled fp8 kernel runs 1270-1440 on the same data: the promotion is the cost. With the
+  promotion replaced by one add the default loop ran 1072-1172, with one FMA 1034-1055.
 
 Everything else (persistent schedule, clusters and multicast, TMA, epilogue through shared
 memory) is the dense family's, the stream-K schedule included (the float32 partial tiles two
@@ -53,6 +56,8 @@ from jax_sm100._src.kernels.sm90_gemm import (
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _KERNEL = "sm90_wgmma_scaled"
+# The widest tile whose serial main loop reads a k-block's scales into registers up front.
+_EARLY_SCALES_MAX_N = 128
 
 
 class Sm90ScaledGemmKernel(Sm90GemmKernel):
@@ -202,11 +207,15 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         frag = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         row_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         col_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        # Up to 128 columns the k-block's scales are read into registers before the batch
+        # (their latency hides under it); wider tiles would spill them beside the two
+        # fragments, so they are read during the promotion, from the stage (released after).
+        early = tn <= _EARLY_SCALES_MAX_N
         acc.fill(0.0)
         for kt in range(n_k):
             ab_pipe.consumer_wait(read)
-            # Read before the batch is issued: the loads' latency hides under it.
-            _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index)
+            if cutlass.const_expr(early):
+                _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(k_blocks):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -214,11 +223,17 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
-            if kt + 1 < n_k:
-                ab_pipe.consumer_release(release)
-                release.advance()
+            if cutlass.const_expr(early):
+                if kt + 1 < n_k:
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+                _promote(acc, frag, row_scale, col_scale)
+            else:
+                _promote_from(acc, frag, coords, sSFA, sSFB, read.index)
+                if kt + 1 < n_k:
+                    ab_pipe.consumer_release(release)
+                    release.advance()
             read.advance()
-            _promote(acc, frag, row_scale, col_scale)
         return read, release
 
     @cute.jit

@@ -8,16 +8,22 @@ documented math in XLA ops (scaled.reference), with the reason in the plan.
 
 The tile
 --------
-Cooperative 128 x 128: two consumer warp groups of 64 rows, each holding two 64 x 128 float32
-fragments (the main accumulators and the k-block's: 2 x 64 registers per thread) and the k-block's
-scales of its 2 rows and 32 columns, within the 232 registers a consumer thread gets. A 128 x 256
-tile would need 256 registers for the two fragments alone. While one warp group promotes its
-k-block (a multiply and a fused multiply-add per accumulator), the other's wgmma runs, so the
-promotion is hidden as long as it takes less time than the other warp group's k-block of MMAs.
-Wider tiles that fit the registers (128 x 160; 128 x 192 spills) are plan edits
-(`sm90_variant`), not measured yet. `GemmPlan.scaled_overlap` (JAX_SM100_SCALED_OVERLAP=1,
-`with_scaled_overlap`) makes each warp group promote k-tile i under its own k-tile i + 1's
-wgmma: a third fragment, so tiles of at most 128 columns; off until an H200 run measures it.
+Cooperative, 128 rows: two consumer warp groups of 64 rows, each holding two 64 x N float32
+fragments (the main accumulators and the k-block's: 2 x N / 2 registers per thread) within the
+232 registers a consumer thread gets. 128 x 192 is the widest that fits (192 registers of
+fragments; the k-block's scales are then read during the promotion, not held beforehand), and
+the wave model's first choice: the H200 ran it at 1.05-1.17x the TF/s of 128 x 128 (tenth
+session, `benchmarks/scaled_probe.py`), whose fixed costs per k-tile (the stage wait, the
+wgmma drain before each promotion) are spread over fewer MMAs. 128 x 256 would need 256
+registers for the two fragments alone. The promotion (a multiply and a fused multiply-add per
+accumulator and k-tile) is what separates this kernel from the unscaled fp8 one: with it
+replaced by one add the same kernel ran 1.3x faster (1072 against 830 TF/s at 128 x 128,
+4096x7168x16384), and with one FMA (a row scale only, as for weights scaled per 128 x 128
+block) 1.25x. `GemmPlan.scaled_overlap` (JAX_SM100_SCALED_OVERLAP=1, `with_scaled_overlap`)
+makes each warp group promote k-tile i under its own k-tile i + 1's wgmma: a third fragment, so
+tiles of at most 128 columns; the H200 measured it from 10 % slower to 10 % faster than the
+default loop at 128 x 128 depending on the run, never faster than the default at 128 x 192, so
+it stays opt-in.
 
 Where 128 x 128 tiles leave most SMs idle (a few rows against many columns: 128 x 7168 is 56
 tiles for 132 SMs), 128 x 64 tiles double the CTAs at the same k-loop (the wave model of the
@@ -45,10 +51,18 @@ from jax_sm100._src.planning.gemm_plan import (
     _wave_cost,
     mma_operand_dtype,
 )
-from jax_sm100._src.planning.sm90 import _fill_sm90_smem, _sm90_stream_k, _sm90_swizzle
+from jax_sm100._src.planning.sm90 import (
+    _fill_sm90_smem,
+    _sm90_stream_k,
+    _sm90_swizzle,
+    sm90_variant,
+)
 
-# (tile_m, tile_n, efficiency) for the wave model (`_wave_cost`).
-SCALED_TILES = ((128, 128, 1.0), (128, 64, 0.8))
+# (tile_m, tile_n, efficiency) for the wave model (`_wave_cost`). 128 x 192 ran 1.05-1.17x the
+# TF/s of 128 x 128 at 4096x7168x16384 and 1.07x at 8192^3 (H200, tenth session,
+# benchmarks/scaled_probe.py; RESULTS.md): its k-tile's fixed costs (barrier waits, the
+# wgmma drain before each promotion) spread over 1.5x the MMAs.
+SCALED_TILES = ((128, 192, 1.1), (128, 128, 1.0), (128, 64, 0.8))
 
 
 def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
@@ -78,22 +92,18 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
     return _plan_scaled(scaled, arch, num_sms or 0, sm90_scaled_out_dtypes(), overlap_requested())
 
 
-# The outputs the sm_90a block-scaled kernel is verified for on the H200 (ninth session: 13 of
-# 13 bfloat16-output cases right, one tile to 2048x2048x4096, stream-K included).
-SM90_SCALED_OUT_DTYPES = ("bfloat16",)
+# The outputs the sm_90a block-scaled kernel is verified for on the H200. bfloat16: 13 of 13 cases
+# right in the ninth session. float32: its first run missed float32's own tolerance by 2-8x,
+# which is the fp8 wgmma's accumulator, not the epilogue (Hopper sums each k32 fp8 wgmma in 13
+# mantissa bits, truncating: the DeepSeek-V3 report, 3.5.2; benchmarks/scaled_accuracy.py
+# emulates it); checked to that accuracy, and exactly on integer data, it passed every case of
+# tests/test_gpu_scaled.py in the tenth session (120 passed, both main loops).
+SM90_SCALED_OUT_DTYPES = ("bfloat16", "float32")
 
 # Outputs the kernel takes only with JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in the environment:
-# for the GPU run that verifies them (tests/test_gpu_scaled.py), not for use. float32 missed its
-# first H200 check (ninth session) by 2-8x a tolerance of 2e-5 * max|D|, in every case, a single
-# 128^3 tile too. That is the fp8 wgmma's own accumulator, not the float32 epilogue (issue 19,
-# tenth session): Hopper sums each k32 fp8 wgmma in 13 mantissa bits, truncating (the
-# DeepSeek-V3 report, 3.5.2), which emulated on the test's cases on CPU gives 1-16x that
-# tolerance, where exact float32 sums of each 128-k block give under 0.005x and a misplaced
-# element 10^4 x (benchmarks/scaled_accuracy.py); and the float32 epilogue's code and PTX are
-# the dense family's, whose float32 results pass on the H200. The test now asks float32 results
-# of fp8 products for the MMA's accuracy (2^-10 * max|D|), and for exact results on integer
-# data the MMA sums exactly; float32 moves to SM90_SCALED_OUT_DTYPES once an H200 run passes.
-SM90_SCALED_UNVERIFIED_OUT_DTYPES = ("float32",)
+# for the GPU run that verifies them (tests/test_gpu_scaled.py), not for use. float16 has not
+# run on a GPU.
+SM90_SCALED_UNVERIFIED_OUT_DTYPES = ("float16",)
 UNVERIFIED_OUTPUTS_ENV = "JAX_SM100_SCALED_UNVERIFIED_OUTPUTS"
 
 
@@ -105,45 +115,58 @@ def sm90_scaled_out_dtypes() -> tuple[str, ...]:
     return SM90_SCALED_OUT_DTYPES
 
 
-# JAX_SM100_SCALED_OVERLAP=1 in the environment: the planner's kernel plans take the overlapped
-# main loop (`GemmPlan.scaled_overlap`, kernels/sm90_scaled.py), for the H200 runs that check and
-# time it against the default (`python -m jax_sm100.bench --scaled --overlap both`). Off by
-# default until those runs say it is right and faster.
+# JAX_SM100_SCALED_OVERLAP in the environment: "1" puts the planner's kernel plans on the
+# overlapped main loop (`GemmPlan.scaled_overlap`, kernels/sm90_scaled.py; tiles of at most 128
+# columns), "0" on the default one; unset, the planner overlaps 128 x 64 tiles only. On the H200
+# (tenth session; `python -m jax_sm100.bench --scaled --overlap both`) the overlapped loop ran
+# 128 x 64 tiles (128x7168x16384) 1.07-1.09x faster in both runs that timed it, and 128 x 128
+# tiles from 0.9x to 1.1x by run, never faster than the default loop's 128 x 192 tiles.
 OVERLAP_ENV = "JAX_SM100_SCALED_OVERLAP"
+# The widest tile the planner overlaps unless told.
+OVERLAP_DEFAULT_MAX_TILE_N = 64
 
 
-def overlap_requested() -> bool:
-    """True when JAX_SM100_SCALED_OVERLAP=1; False when it is unset, empty or 0.
+def overlap_requested() -> bool | None:
+    """True when JAX_SM100_SCALED_OVERLAP=1, False when it is 0; None (the planner's choice)
+    when it is unset or empty.
 
     Raises:
       PlanError: any other value.
     """
     value = os.environ.get(OVERLAP_ENV, "")
     if value not in ("", "0", "1"):
-        raise C.PlanError(f"{OVERLAP_ENV}={value!r} must be '1' (on), '0' or unset (off)")
-    return value == "1"
+        raise C.PlanError(
+            f"{OVERLAP_ENV}={value!r} must be '1' (on), '0' (off) or unset (the planner's choice)"
+        )
+    return None if value == "" else value == "1"
 
 
 def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
     """`plan` (the sm_90a block-scaled kernel's) with its consumers' k-tile promotion
-    overlapped with the next k-tile's wgmma batch (`overlap=True`), or not. The tiles, stages
-    and schedule stay; for tuning and tests (`scaled_matmul` takes no plan: its calls ask the
-    planner with JAX_SM100_SCALED_OVERLAP=1).
+    overlapped with the next k-tile's wgmma batch (`overlap=True`), or not; for tuning and
+    tests (`scaled_matmul` takes no plan: its calls ask the planner with
+    JAX_SM100_SCALED_OVERLAP=1). The schedule stays, and the tile unless it is wider than the
+    overlap's registers hold (`constraints.SCALED_OVERLAP_MAX_TILE_N` columns, three fragments
+    of 64 x N a consumer thread): a wider one (the planner's 128 x 192) becomes 128 x 128, its
+    stages refilled (`sm90_variant`).
 
     Raises:
-      PlanError: a plan of another kernel, or a tile too wide for the overlap's registers.
+      PlanError: a plan of another kernel.
     """
     if plan.kernel != KERNEL_SM90_SCALED and overlap:
         raise C.PlanError(
             f"with_scaled_overlap takes a plan of the {KERNEL_SM90_SCALED!r} kernel; this one is "
             f"{plan.kernel!r} ({plan.reason})"
         )
+    tm, tn, _ = plan.cta_tile_mnk
+    if overlap and tn > C.SCALED_OVERLAP_MAX_TILE_N:
+        plan = sm90_variant(plan, tile_mn=(tm, C.SCALED_OVERLAP_MAX_TILE_N))
     return dataclasses.replace(plan, scaled_overlap=bool(overlap))
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
-                 out_dtypes: tuple[str, ...], overlap: bool = False) -> GemmPlan:  # fmt: skip
+                 out_dtypes: tuple[str, ...], overlap: bool | None = None) -> GemmPlan:  # fmt: skip
     common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
     m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
     why_not = C.kernel_support(
@@ -155,9 +178,8 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     if why_not is None and arch == "sm_90a" and problem.out_dtype not in out_dtypes:
         why_not = (
             f"XLA ops: the sm_90a block-scaled kernel's {problem.out_dtype} output has not passed "
-            "an H200 check (tests/test_gpu_scaled.py; float32's first run missed a tolerance "
-            "tighter than the fp8 MMA's accumulation: rerun with "
-            f"{UNVERIFIED_OUTPUTS_ENV}=1), so it runs bfloat16 outputs only until one does"
+            f"an H200 check (tests/test_gpu_scaled.py, run with {UNVERIFIED_OUTPUTS_ENV}=1), so "
+            f"it runs {' and '.join(out_dtypes)} outputs only until one does"
         )
     ktile = 1024 // C.DTYPE_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
     tm, tn = SCALED_TILES[0][:2]
@@ -172,8 +194,12 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         (_wave_cost(math.ceil(m / tm) * math.ceil(n / tn) * batch, 1, num_sms or
                     DEFAULT_NUM_SMS[arch], tm * tn, eff), tm, tn)
         for tm, tn, eff in SCALED_TILES
+        if not overlap or tn <= C.SCALED_OVERLAP_MAX_TILE_N
     ]  # fmt: skip
     _, tm, tn = min(costs)
+    asked = overlap is not None
+    if not asked:
+        overlap = tn <= OVERLAP_DEFAULT_MAX_TILE_N
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
     # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
@@ -189,9 +215,8 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     if stream_k:
         reason += "; stream-K over the last waves (they do not divide evenly)"
     if overlap:
-        reason += (
-            f"; each k-tile promoted while the next one's wgmma runs ({OVERLAP_ENV}=1; not yet "
-            "measured on a GPU)"
+        reason += "; each k-tile promoted while the next one's wgmma runs" + (
+            f" ({OVERLAP_ENV}=1)" if asked else f" (tiles of {tn} columns: measured faster)"
         )
     plan = GemmPlan(
         **common,

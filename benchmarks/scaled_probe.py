@@ -1,0 +1,142 @@
+"""Plan variants of the block-scaled and unscaled fp8 kernels on one problem, timed side by side
+or run inside a CUDA profiler range for Nsight Compute:
+
+    python3 benchmarks/scaled_probe.py --shape 4096x7168x16384 \\
+        --variants scaled,scaled:128x128:overlap,scaled:128x192,fp8,fp8:128x128
+    ncu --profile-from-start off --section SpeedOfLight --csv \\
+        python3 benchmarks/scaled_probe.py --shape ... --variants ... --profile
+
+A variant is `kind[:TMxTN][:overlap]`: kind `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
+with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) or `cublas`
+(`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); the
+tile edits the planner's plan (`tuning.sm90_variant`, stages refilled); `overlap` turns on
+`GemmPlan.scaled_overlap`. Every variant runs on the same quantized data with a bfloat16 result.
+Timing is `python -m jax_sm100.bench`'s device method (median of 5 rounds); each variant's
+result is checked against the planner's scaled plan's (the first `scaled` variant's) before
+timing, so a broken variant is reported, not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sm100
+from jax_sm100 import bench
+from jax_sm100._src import ffi, planning, scaled_gpu
+from jax_sm100._src import primitive as P
+from jax_sm100._src.planning import sm90_scaled
+
+E4M3 = "float8_e4m3fn"
+
+
+def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
+    kind, *edits = spec.split(":")
+    if kind == "scaled":
+        plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
+                              b_major="k", scale_dtype="float32", scale_block=128,
+                              arch="sm_90a")  # fmt: skip
+    elif kind in ("fp8", "cublas"):
+        plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
+                              b_major="k", arch="sm_90a")  # fmt: skip
+    else:
+        raise SystemExit(f"unknown kind {kind!r} in {spec!r}")
+    for edit in edits:
+        if edit == "overlap":
+            plan = sm90_scaled.with_scaled_overlap(plan)
+        else:
+            plan = planning.sm90_variant(plan, tile_mn=tuple(int(v) for v in edit.split("x")))
+    return plan
+
+
+def product(spec: str, plan: planning.GemmPlan):
+    """(a [m, k], (w [n, k], ls, rs)) -> [m, n] bfloat16 on `plan`'s kernel (cuBLAS for a
+    `cublas` variant: `lax.dot_general`, unscaled)."""
+    ffi.register()
+    if spec.split(":")[0] == "cublas":
+        return lambda a, b: jax.lax.dot_general(
+            a, b[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
+        )
+    if plan.kernel == planning.KERNEL_SM90_SCALED:
+
+        def scaled(a, b):
+            w, ls, rs = b
+            one = 1.0 + 0.0 * a[0, 0].astype(jnp.float32)  # keeps the scales loop-variant
+            return scaled_gpu._call_sm90(plan, a[None], w[None], (ls * one)[None],
+                                         (rs * one)[None])[0]  # fmt: skip
+
+        return scaled
+
+    def unscaled(a, b):
+        (out,) = P.matmul_p.bind(
+            a, b[0], plan=plan, transpose_a=False, transpose_b=True, alpha=1.0, beta=1.0,
+            activation=None, out_dtype=np.dtype(jnp.bfloat16), has_bias=False, has_c=False,
+            save_preact=False, act_grad=None,
+        )  # fmt: skip
+        return out
+
+    return unscaled
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", default="4096x7168x16384")
+    ap.add_argument("--variants", default="scaled,scaled:128x128:overlap,fp8,fp8:128x128")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="one call of each variant inside cudaProfilerStart/Stop, no timing",
+    )
+    ap.add_argument("--device-ms", type=float, default=20.0)
+    args = ap.parse_args()
+    m, n, k = (int(v) for v in args.shape.split("x"))
+    ka, kb = jax.random.split(jax.random.key(0))
+    a, ls = jax_sm100.quantize(jax.random.normal(ka, (m, k), jnp.float32), "fp8_block128")
+    w, rs = jax_sm100.quantize(jax.random.normal(kb, (n, k), jnp.float32), "fp8_block128")
+    b = (w, ls, rs)
+    specs = args.variants.split(",")
+    plans = [variant_plan(s, m, n, k) for s in specs]
+    fns = [jax.jit(product(s, p)) for s, p in zip(specs, plans, strict=True)]
+    outs = [np.asarray(f(a, b).astype(jnp.float32)) for f in fns]
+    ref = next((o for o, s in zip(outs, specs, strict=True) if s.startswith("scaled")), None)
+    ok = []
+    for s, o in zip(specs, outs, strict=True):
+        if s.startswith("scaled") and ref is not None:
+            err = float(np.max(np.abs(o - ref)) / max(np.max(np.abs(ref)), 1e-30))
+            ok.append(err < 1e-2)
+            print(f"{s}: max |diff| / max |ref| = {err:.2e} against the first scaled variant")
+        else:
+            ok.append(bool(np.isfinite(o).all()))
+    if args.profile:
+        from cuda.bindings import runtime as cudart  # noqa: PLC0415
+
+        for f in fns:
+            f(a, b).block_until_ready()
+        cudart.cudaProfilerStart()
+        for f in fns:
+            f(a, b).block_until_ready()
+        cudart.cudaProfilerStop()
+        print("profiled one call of each:", ", ".join(specs))
+        return
+    timed = [(s, p, f) for s, p, f, good in zip(specs, plans, fns, ok, strict=True) if good]
+    timings = bench.time_device([f for _, _, f in timed], a, b, min_seconds=args.device_ms / 1e3)
+    print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of 5")
+    for (s, p, _), t in zip(timed, timings, strict=True):
+        tm, tn, _ = p.cta_tile_mnk
+        print(
+            f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s   {tm}x{tn} "
+            f"{p.cluster_shape_mn} {p.num_ab_stages} stages stream_k={p.stream_k} "
+            f"pingpong={p.pingpong}"
+        )
+    for s, good in zip(specs, ok, strict=True):
+        if not good:
+            print(f"{s}: WRONG result, not timed")
+
+
+if __name__ == "__main__":
+    main()
