@@ -9,7 +9,10 @@ DeepSeek-V3 recipe) and a bfloat16 result, four products on the same fp8 data:
   transposes that its lowering adds run every call and count);
 - jax.nn.scaled_matmul, the same operands (XLA's block-scaled path);
 - unscaled fp8 through `lax.dot_general` (cuBLAS): the product a scaled GEMM costs extra over;
-- ours unscaled: `jax_sm100.dot_general` on the same data (the dense SM90 fp8 kernel).
+- ours unscaled: `jax_sm100.dot_general` on the same data (the dense SM90 fp8 kernel);
+- ours w128x128: `jax_sm100.scaled_matmul` on the same lhs and the same weights quantized per
+  128 x 128 tile (`quantize(w, "fp8_block128x128")`, DeepSeek-V3's weight recipe), which the
+  sm_90a kernel promotes with one FMA per accumulator instead of two.
 
 Timed by the device method of `python -m jax_sm100.bench` (bench.py's docstring): R dependent
 products in one XLA while loop, U per iteration, the median call over R. Each product's scales
@@ -44,7 +47,10 @@ from jax_sm100._src.planning import sm90_scaled as scaled_planning
 
 PROBLEMS = ((8192, 8192, 8192), (4096, 7168, 16384), (128, 7168, 16384))
 SMALL = ((256, 256, 512), (64, 384, 256))
-SIDES = ("ours", "jax.nn", "cublas fp8", "ours fp8")
+# The side on DeepSeek-V3's weight recipe (`quantize(w, "fp8_block128x128")`): the same lhs, the
+# same weights quantized per 128 x 128 tile.
+TILES = "ours w128x128"
+SIDES = ("ours", "jax.nn", "cublas fp8", "ours fp8", TILES)
 # `--overlap`: the JAX_SM100_SCALED_OVERLAP value ours is lowered under, for each of ours' rows
 # (None: the environment's).
 OVERLAP = {"off": ("0",), "on": ("1",), "both": ("0", "1")}
@@ -56,11 +62,12 @@ def _one(a):
     return 1.0 + 0.0 * a[0, 0].astype(jnp.float32)
 
 
-def _scaled(fn):
-    """(a [m, k], (rhs, ls, rs)) -> [m, n] of a jax.nn.scaled_matmul-like `fn`."""
+def _scaled(fn, weights="rows"):
+    """(a [m, k], (rhs, ls, rs, tiled rhs, its rs)) -> [m, n] of a jax.nn.scaled_matmul-like
+    `fn`, on rhs scaled per row or (`weights="tiles"`) per 128 x 128 tile."""
 
     def product(a, b):
-        rhs, ls, rs = b
+        rhs, ls, rs = b[:3] if weights == "rows" else (b[3], b[1], b[4])
         one = _one(a)
         out = fn(a[None], rhs[None], (ls * one)[None], (rs * one)[None],
                  preferred_element_type=jnp.bfloat16)  # fmt: skip
@@ -80,6 +87,7 @@ def products(with_jax_nn: bool):
         "jax.nn": _scaled(jax.nn.scaled_matmul),
         "cublas fp8": _unscaled(lax.dot_general),
         "ours fp8": _unscaled(jax_sm100.dot_general),
+        TILES: _scaled(jax_sm100.scaled_matmul, "tiles"),
     }
     if not with_jax_nn:
         del sides["jax.nn"]
@@ -89,8 +97,10 @@ def products(with_jax_nn: bool):
 def operands(seed: int, m: int, n: int, k: int):
     ka, kb = jax.random.split(jax.random.key(seed))
     a, ls = jax_sm100.quantize(jax.random.normal(ka, (m, k), jnp.float32), "fp8_block128")
-    w, rs = jax_sm100.quantize(jax.random.normal(kb, (n, k), jnp.float32), "fp8_block128")
-    return a, (w, ls, rs)
+    w32 = jax.random.normal(kb, (n, k), jnp.float32)
+    w, rs = jax_sm100.quantize(w32, "fp8_block128")
+    wt, rst = jax_sm100.quantize(w32, "fp8_block128x128")
+    return a, (w, ls, rs, wt, rst)
 
 
 @contextlib.contextmanager
@@ -122,9 +132,12 @@ def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool, overlap
         a, b = operands(i, m, n, k)
         seen = [[] for _ in overlap]
         contexts = [lambda v=v, s=s: _lowered(v, s) for v, s in zip(overlap, seen, strict=True)]
+        tiles_seen = []
+        contexts += [(lambda t=tiles_seen: _lowered(None, t)) if name == TILES else None
+                     for name in sides]  # fmt: skip
         timings = bench.time_device(
             [ours] * len(overlap) + list(sides.values()), a, b, min_seconds=min_seconds,
-            unroll=unroll, contexts=contexts + [None] * len(sides),
+            unroll=unroll, contexts=contexts,
         )  # fmt: skip
         theirs = dict(zip(sides, timings[len(overlap) :], strict=True))
         for value, mine, lowered in zip(overlap, timings[: len(overlap)], seen, strict=True):
@@ -135,6 +148,9 @@ def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool, overlap
                 if problems_:
                     notes[name] = "; ".join(problems_)
             path = "; ".join(sorted({_path(x) for x in lowered if "scaled_matmul" in x.note}))
+            tiles = "; ".join(sorted({_path(x) for x in tiles_seen if "scaled_matmul" in x.note}))
+            if tiles:
+                path = f"{path or 'XLA ops (no CUDA lowering)'}\n    {TILES}: {tiles}"
             label = f"{m}x{n}x{k}" + (" overlap" if value == "1" else "")
             rows.append((label, (m, n, k), {name: t.seconds for name, t in timed.items()},
                          path or "XLA ops (no CUDA lowering)", notes))  # fmt: skip
@@ -156,13 +172,13 @@ def _path(lowered) -> str:
 def report(rows) -> None:
     names = list(rows[0][2]) if rows else []
     others = [n for n in names if n != "ours"]
-    head = "".join(f"{n:>12s}" for n in names)
-    ratios = "".join(f"{'/' + n:>12s}" for n in others)
+    head = "".join(f"{n:>15s}" for n in names)
+    ratios = "".join(f"{'/' + n:>15s}" for n in others)
     print(f"{'m x n x k':22s}|{head} (TF/s) |{ratios} (ours / ...)")
     for label, (m, n, k), seconds, path, notes in rows:
         flop = 2 * m * n * k
-        tfs = "".join(f"{flop / seconds[x] / 1e12:12.4g}" for x in names)
-        rel = "".join(f"{seconds[x] / seconds['ours']:12.3f}" for x in others)
+        tfs = "".join(f"{flop / seconds[x] / 1e12:15.4g}" for x in names)
+        rel = "".join(f"{seconds[x] / seconds['ours']:15.3f}" for x in others)
         print(label.ljust(22) + f"|{tfs}        |{rel}")
         print(f"    ours: {path}")
         for name, note in notes.items():

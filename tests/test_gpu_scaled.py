@@ -9,9 +9,8 @@ B's scales ignored, is checked to miss the reference by far more than the tolera
 data with power-of-two scales, which the fp8 MMA sums exactly, must come out exactly right.
 
 A float32 result of an fp8 product is checked to the fp8 MMA's accuracy (`FP8_MMA_RTOL`), not
-float32's. bfloat16 and float32 results run on the kernel; float16 ones only with
-JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 in the environment (planning/sm90_scaled.py): the run
-that verifies them.
+float32's. float16 cases scale lhs by a power of two where the product would overflow it
+(`_in_range`).
 
 The correctness tests run twice: on the default main loop and on the overlapped one
 (`GemmPlan.scaled_overlap`, JAX_SM100_SCALED_OVERLAP=1: each k-block promoted under the next
@@ -36,9 +35,8 @@ from tests import test_util as tu
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
-# The outputs the kernel takes in this process: bfloat16 and float32, and float16 for a
-# verification run.
-OUT_DTYPES = [getattr(jnp, d) for d in scaled_planning.sm90_scaled_out_dtypes()]
+# The kernel's outputs.
+OUT_DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
 
 # Hopper's fp8 wgmma accumulates in 13 mantissa bits, truncating each k32 instruction's aligned
 # products and sum (the DeepSeek-V3 report, 3.5.2); the kernel promotes each 128-k block's sum
@@ -80,6 +78,8 @@ def _operand(key, batch, rows, k):
 def _reference64(lhs, rhs, ls, rs):
     def dequantized(data, scales):
         data, scales = np.asarray(data, np.float64), np.asarray(scales, np.float64)
+        if scales.shape[-2] != data.shape[-2]:  # one scale per 128 rows
+            scales = np.repeat(scales, 128, axis=-2)[..., : data.shape[-2], :]
         return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
 
     return np.matmul(dequantized(lhs, ls), dequantized(rhs, rs).transpose(0, 2, 1))
@@ -147,7 +147,7 @@ class GpuScaledTest(parameterized.TestCase):
         self.assertLen(seen, 1)
         self.assertEqual(seen[0].plan.kernel, planning.KERNEL_SM90_SCALED, seen[0].note)
         self.assertEqual(seen[0].plan.scaled_overlap, overlap)
-        if seen[0].plan.m == 2000 and not overlap:
+        if seen[0].plan.m == 2000 and seen[0].plan.b_scale_rows == 1 and not overlap:
             self.assertEqual(seen[0].plan.cta_tile_mnk, (128, 192, 128))
 
     @parameterized.named_parameters(
@@ -248,6 +248,54 @@ class GpuScaledTest(parameterized.TestCase):
         out, seen = _run(lhs, rhs, ls, rs, out_dtype)
         self.assert_on_kernel(seen)
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
+
+    @parameterized.named_parameters(
+        (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}_{loop}", shape, out, loop)
+        for shape in ((1, 2000, 3008, 384), (1, 128, 7168, 2048), (1, 1000, 520, 1024),
+                      (3, 256, 384, 512))
+        for out in OUT_DTYPES
+        for loop in ("planner", "default", "overlap")
+    )  # fmt: skip
+    def test_weights_per_128x128_tile(self, shape, out_dtype, loop):
+        # rhs scaled per 128 x 128 tile ([B, ceil(n / 128), k / 128], `quantize`'s
+        # "fp8_block128x128"): the kernel reads one B scale per tile and k-block (its tiles of
+        # 128 or 64 columns lie within one scale tile). n = 520: the last tile of 8 rows.
+        batch, m, n, k = shape
+        ka, kb = jax.random.split(jax.random.key(n + k))
+        lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_operand(kb, batch, n, k), "fp8_block128x128")
+        self.assertEqual(rs.shape, (batch, -(-n // 128), k // 128))
+        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
+        if loop == "planner":
+            fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
+            with jax_sm100.lowerings() as seen:
+                out = fn(lhs, rhs, ls, rs)
+        else:
+            out, seen = _run(lhs, rhs, ls, rs, out_dtype, loop == "overlap")
+            self.assert_on_kernel(seen, loop == "overlap")
+        self.assertEqual((seen[0].plan.kernel, seen[0].plan.b_scale_rows),
+                         (planning.KERNEL_SM90_SCALED, 128))  # fmt: skip
+        _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
+
+    @parameterized.parameters(*[(d,) for d in OUT_DTYPES])
+    def test_weights_per_128x128_tile_exact_on_integer_data(self, out_dtype):
+        # Integer data, power-of-two scales per tile (`_integer_operand`): exactly the float64
+        # product rounded once, so a B scale of the wrong tile or k-block shows.
+        batch, m, n, k = 1, 600, 392, 512
+        ka, kb, ks = jax.random.split(jax.random.key(13), 3)
+        lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
+        rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
+        rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
+        for overlap in (False, True):
+            out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
+            self.assertEqual(seen[0].plan.b_scale_rows, 128)
+            want = (
+                _reference64(lhs, rhs, ls, rs)
+                .astype(np.float32)
+                .astype(out_dtype)
+                .astype(np.float64)
+            )
+            np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
 
     def test_agrees_with_jax_nn_scaled_matmul(self):
         m, n, k = 1024, 1024, 2048

@@ -37,6 +37,8 @@ def _reference64(lhs, rhs, lhs_scales, rhs_scales):
         if scales.ndim == 6:
             scales = _unblock64(data, scales)
         data, scales = np.asarray(data, np.float64), np.asarray(scales, np.float64)
+        if scales.shape[-2] != data.shape[-2]:  # one scale per 128 rows
+            scales = np.repeat(scales, 128, axis=-2)[..., : data.shape[-2], :]
         return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
 
     return np.einsum("bmk,bnk->bmn", dequantize(lhs, lhs_scales), dequantize(rhs, rhs_scales))
@@ -49,7 +51,7 @@ def _normal(seed, shape):
 # Largest error of a dequantized element relative to its block's largest magnitude: half a unit
 # in the last place of the data format at its top binade (e4m3: 3 mantissa bits; e2m1: 1), and
 # for mxfp8 up to twice that (its power-of-two scale leaves the block's top below the format's).
-_QUANT_TOL = {"fp8_block128": 2**-4, "mxfp8": 2**-3, "nvfp4": 2**-1}
+_QUANT_TOL = {"fp8_block128": 2**-4, "fp8_block128x128": 2**-4, "mxfp8": 2**-3, "nvfp4": 2**-1}
 
 
 class ScaledMatmulTest(parameterized.TestCase):
@@ -61,7 +63,7 @@ class ScaledMatmulTest(parameterized.TestCase):
         r = scaled.RECIPES[recipe]
         self.assertEqual((lhs.dtype, lhs_scales.dtype), (jnp.dtype(r.data_dtype),
                                                           jnp.dtype(r.scale_dtype)))  # fmt: skip
-        plain = (b, m, k // r.block)
+        plain = (b, m if r.row_block == 1 else -(-m // 128), k // r.block)
         if r.layout == "blocked":  # 512-scale atoms: 128 rows by 4 blocks, padded
             plain = (b, -(-m // 128), -(-(k // r.block) // 4), 32, 4, 4)
         self.assertEqual(lhs_scales.shape, plain)
@@ -79,6 +81,9 @@ class ScaledMatmulTest(parameterized.TestCase):
         r = scaled.RECIPES[recipe]
         back = np.asarray(scaled._dequantized(data, scales))
         blocks = np.abs(np.asarray(x)).reshape(4, 8, -1, r.block).max(-1)
+        if r.row_block > 1:  # one scale per tile of (up to) 128 rows: its largest magnitude
+            self.assertEqual(scales.shape, (4, 1, 4))
+            blocks = np.broadcast_to(blocks.max(-2, keepdims=True), blocks.shape)
         err = np.abs(back - np.asarray(x)).reshape(4, 8, -1, r.block).max(-1)
         self.assertTrue(np.all(err <= _QUANT_TOL[recipe] * blocks), np.max(err / blocks))
         if recipe == "mxfp8":  # e8m0 holds powers of two only
@@ -131,6 +136,36 @@ class ScaledMatmulTest(parameterized.TestCase):
         x = _normal(4, (256, 16))  # k first, as a [k, n] weight is stored
         data, scales = jax_sm100.quantize(x, "fp8_block128", axis=0)
         self.assertEqual((data.shape, scales.shape), ((256, 16), (2, 16)))
+
+    def test_weights_scaled_per_128x128_tile(self):
+        # DeepSeek-V3's weight recipe: one scale per 128 x 128 tile, [B, ceil(n / 128), k / 128]
+        # (300 rows: three tiles, the last of 44 rows). The same product as those scales
+        # repeated per row, gradients (the tiles' scales summed over their rows) and vmap too.
+        w = _normal(9, (1, 300, 256)) * jnp.exp2(jnp.arange(300.0) % 7 - 3)[None, :, None]
+        data, scales = jax_sm100.quantize(w, "fp8_block128x128")
+        self.assertEqual((data.shape, scales.shape), ((1, 300, 256), (1, 3, 2)))
+        tiles = np.abs(np.asarray(w)).reshape(1, 300, 2, 128).max(-1)
+        want = [tiles[:, 128 * t : 128 * (t + 1)].max(1) / 448.0 for t in range(3)]
+        np.testing.assert_allclose(np.asarray(scales), np.stack(want, 1), rtol=1e-6)
+        lhs, ls = jax_sm100.quantize(_normal(10, (1, 64, 256)), "fp8_block128")
+        per_row = jnp.repeat(scales, 128, axis=1)[:, :300]
+        out = jax.jit(jax_sm100.scaled_matmul)(lhs, data, ls, scales)
+        np.testing.assert_array_equal(out, jax_sm100.scaled_matmul(lhs, data, ls, per_row))
+        tu.assert_close(self, out, _reference64(lhs, data, ls, scales), "float32", 256)
+        loss = lambda rs: jnp.sum(jax_sm100.scaled_matmul(lhs, data, ls, rs) ** 2)  # noqa: E731
+        g = jax.grad(loss)(scales)
+        g_rows = jax.grad(loss)(per_row)
+        want = np.stack(
+            [np.asarray(g_rows)[:, 128 * t : 128 * (t + 1)].sum(1) for t in range(3)], 1
+        )
+        tu.assert_close(self, g, want, "float32", 300)
+        both = jax.vmap(jax_sm100.scaled_matmul, (None, None, None, 0))(
+            lhs, data, ls, jnp.stack([scales, 2 * scales])
+        )  # fmt: skip
+        tu.assert_close(self, both[1], 2 * out, "float32", 256)
+        # Another count of rows is neither layout.
+        with self.assertRaisesRegex(ValueError, "128-row tiles"):
+            jax_sm100.scaled_matmul(lhs, data, ls, scales[:, :2])
 
     def test_gradients_and_vmap(self):
         with jax.enable_x64(False):

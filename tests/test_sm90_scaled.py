@@ -138,32 +138,17 @@ def _events(ptx: str) -> str:
 
 
 class ScaledPtxTest(parameterized.TestCase):
-    def test_unverified_outputs_run_on_xla(self):
-        # bfloat16 and float32 passed their H200 checks; float16 has not run there.
-        self.assertEqual(_plan(4096, 4096, 4096, out_dtype="float32").kernel,
-                         planning.KERNEL_SM90_SCALED)  # fmt: skip
-        p = _plan(4096, 4096, 4096, out_dtype="float16")
-        self.assertEqual(p.kernel, planning.KERNEL_XLA)
-        self.assertIn("H200 check", p.reason)
-        self.assertIn(scaled_planning.UNVERIFIED_OUTPUTS_ENV, p.reason)
-
-    def test_unverified_outputs_on_request(self):
-        # JAX_SM100_SCALED_UNVERIFIED_OUTPUTS=1 (the H200 run that verifies them) puts float16
-        # results on the kernel; the plan cache keeps the two settings apart.
-        with mock.patch.dict(os.environ, {scaled_planning.UNVERIFIED_OUTPUTS_ENV: "1"}):
-            p = _plan(4096, 4096, 4096, out_dtype="float16")
-        self.assertEqual(p.kernel, planning.KERNEL_SM90_SCALED)
-        self.assertEqual(_plan(4096, 4096, 4096, out_dtype="float16").kernel, planning.KERNEL_XLA)
-        with mock.patch.dict(os.environ, {scaled_planning.UNVERIFIED_OUTPUTS_ENV: "0"}):
-            self.assertEqual(_plan(4096, 4096, 4096, out_dtype="float16").kernel,
-                             planning.KERNEL_XLA)  # fmt: skip
+    @parameterized.parameters("bfloat16", "float16", "float32")
+    def test_every_output_on_the_kernel(self, out_dtype):
+        # All three passed their H200 checks (tests/test_gpu_scaled.py).
+        p = _plan(4096, 4096, 4096, out_dtype=out_dtype)
+        self.assertEqual((p.kernel, p.out_dtype), (planning.KERNEL_SM90_SCALED, out_dtype))
 
     def test_float32_epilogue_is_the_dense_familys(self):
         # A float32 D leaves the registers by 64-bit shared stores, not stmatrix (16-bit
         # elements), in the dense family's float32 epilogue for the same tile (whose float32
         # results pass on the H200): 4 sub-tiles of 128 x 32, 8 stores of 2 per thread each.
-        with mock.patch.dict(os.environ, {scaled_planning.UNVERIFIED_OUTPUTS_ENV: "1"}):
-            p = _plan(4096, 4096, 4096, out_dtype="float32")
+        p = _plan(4096, 4096, 4096, out_dtype="float32")
         self.assertEqual((p.cta_tile_mnk, p.epi_tile), ((128, 128, 128), (128, 32)))
         dense = planning.replace_fitting(
             jax_sm100.plan(4096, 4096, 4096, a_dtype=E4M3, b_dtype=E4M3, out_dtype="float32",
@@ -355,6 +340,60 @@ class ScaledOverlapTest(parameterized.TestCase):
         for shape in ((8192, 8192, 8192), (4096, 4096, 4096), (128, 7168, 16384)):
             p = jax_sm100.tuning.with_scaled_overlap(_plan(*shape))
             self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0), shape)
+
+
+class WeightTilesTest(parameterized.TestCase):
+    """B scaled per 128 x 128 tile (`b_scale_rows=128`, DeepSeek-V3's weights): tiles of D's
+    columns within one scale tile, one FMA per accumulator in the promotion."""
+
+    @parameterized.named_parameters(
+        ("square", (8192, 8192, 8192), (128, 128, 128), False),
+        ("wide", (4096, 7168, 16384), (128, 128, 128), False),
+        ("skinny", (128, 7168, 16384), (128, 64, 128), True),
+    )
+    def test_plan_and_promotion(self, shape, tile, overlap):
+        p = _plan(*shape, b_scale_rows=128)
+        self.assertEqual((p.kernel, p.cta_tile_mnk, p.b_scale_rows, p.scaled_overlap),
+                         (planning.KERNEL_SM90_SCALED, tile, 128, overlap))  # fmt: skip
+        self.assertIn("one FMA per accumulator", p.reason)
+        self.assertIn("each 128 rows of B (b_scale_rows)", str(p))
+        serial = jax_sm100.tuning.with_scaled_overlap(p, False)
+        ptx = _ptx(serial)
+        # One promotion of a thread's tile[1] / 2 accumulators: an FMA each, the products of
+        # the 2 row scales and the tile's one B scale (2 multiplies), 3 shared loads.
+        regs = tile[1] // 2
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), regs)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 2)
+        self.assertEqual(len(re.findall(r"ld\.shared(\.v2)?\.b32", ptx)), 3)
+        # Per-row B scales at the same tile: a multiply per accumulator.
+        rows = planning.replace_fitting(serial, b_scale_rows=1)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", _ptx(rows))), regs)
+        if shutil.which("ptxas"):
+            self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0))
+
+    def test_rules(self):
+        with self.assertRaisesRegex(planning.C.PlanError, "must be one of"):
+            _plan(4096, 4096, 4096, b_scale_rows=64)
+        with self.assertRaisesRegex(planning.C.PlanError, "needs a block-scaled problem"):
+            jax_sm100.plan(256, 256, 256, a_dtype=E4M3, b_dtype=E4M3, arch="sm_90a",
+                           b_scale_rows=128)  # fmt: skip
+        wide = _plan(8192, 8192, 8192)
+        self.assertEqual(wide.cta_tile_mnk[1], 192)
+        with self.assertRaisesRegex(planning.C.PlanError, "tile_n=192 must divide"):
+            dataclasses.replace(wide, b_scale_rows=128)
+        # sm_100a has no kernel for them: the documented math in XLA ops.
+        self.assertEqual(_plan(4096, 4096, 4096, arch="sm_100a", b_scale_rows=128).kernel,
+                         planning.KERNEL_XLA)  # fmt: skip
+
+    def test_lowering_plans_the_weight_tiles(self):
+        a, b, sa, _ = _avals(1, 4096, 1008, 1024)
+        tiles = jax.ShapeDtypeStruct((1, 8, 8), jnp.float32)  # ceil(1008 / 128) tiles of rows
+        text, how = _export((a, b, sa, tiles))
+        self.assertIn("jax_sm100_gemm", text)
+        self.assertEqual((how.plan.b_scale_rows, how.plan.cta_tile_mnk[1] in (64, 128)),
+                         (128, True))  # fmt: skip
+        _, per_row = _export(_avals(1, 4096, 1008, 1024))
+        self.assertEqual(per_row.plan.b_scale_rows, 1)
 
 
 def _avals(batch, m, n, k, dtype=jnp.float8_e4m3fn, block=128, scale=jnp.float32):

@@ -399,6 +399,26 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
         )
 
 
+# The rows of B one B scale may cover (GemmProblem.b_scale_rows): each row (jax.nn.scaled_matmul),
+# or tiles of 128 (DeepSeek-V3's weights).
+B_SCALE_ROWS = (1, 128)
+
+
+def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int) -> None:
+    """B's scales cover 1 or 128 of its rows (`B_SCALE_ROWS`), 1 when unscaled; on the
+    block-scaled kernel a tile of D's columns then lies within one scale tile (its width divides
+    128), so each k-tile's promotion takes one B scale."""
+    if b_scale_rows not in B_SCALE_ROWS or (scale_dtype is None and b_scale_rows != 1):
+        raise PlanError(
+            f"b_scale_rows={b_scale_rows!r} must be one of {B_SCALE_ROWS} (1 when unscaled)"
+        )
+    if kernel_scaled and b_scale_rows > 1 and b_scale_rows % tile_n:
+        raise PlanError(
+            f"b_scale_rows={b_scale_rows}: the block-scaled kernel's tile_n={tile_n} must divide "
+            "it (each tile within one scale tile of B)"
+        )
+
+
 # The block-scaled kernel's overlapped main loop holds three 64 x N float32 fragments per
 # consumer warp group (the main accumulators and two k-tile fragments used in turn: 3 N / 2
 # registers per thread): 192 at N = 128, leaving 40 of the 232 a consumer thread gets for the

@@ -15,6 +15,11 @@ with k fastest, and lays each atom out as 32 lanes of 16 values:
 (a row-major array of that shape; leading batch dims go in front). This is cuBLAS's and
 CUTLASS's "128x4 swizzled" scale layout. The padding holds 1.0 (a finite value: padded
 blocks multiply data that is not there, and zero times a NaN scale would not be zero).
+
+Plain scales may also cover 128 rows each: [..., ceil(rows / 128), k / block], one scale per
+128 x block tile of the data (DeepSeek-V3 scales its weights per 128 x 128 block; `quantize`'s
+"fp8_block128x128"). `row_block` tells them apart from per-row scales by their shape (the two
+coincide only for one row, where they mean the same), and `plain` repeats them per row.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ ATOM_ROWS = 128
 ATOM_BLOCKS = 4
 LANES = 32
 GROUPS = ATOM_ROWS // LANES
+# The rows one scale covers in plain scales of 128-row tiles ("fp8_block128x128").
+ROW_BLOCK = 128
 # The k elements one scale covers in a blocked layout, by scale dtype: the OCP MX formats'
 # e8m0 per 32 (mxfp8), NVFP4's e4m3 per 16. The blocked shape pads blocks to a multiple of 4,
 # so it cannot say the block itself.
@@ -91,7 +98,8 @@ def scale_block(data_shape, scales_shape, scales_dtype) -> int:
         return block
     if (
         len(scales_shape) != len(data_shape)
-        or scales_shape[:-1] != data_shape[:-1]
+        or scales_shape[:-2] != data_shape[:-2]
+        or scales_shape[-2] not in (rows, -(-rows // ROW_BLOCK))
         or scales_shape[-1] < 1
         or k % scales_shape[-1]
     ):
@@ -99,9 +107,21 @@ def scale_block(data_shape, scales_shape, scales_dtype) -> int:
     return k // scales_shape[-1]
 
 
+def row_block(data_shape, scales_shape) -> int:
+    """The rows one scale covers: `ROW_BLOCK` for plain scales of 128-row tiles
+    ([..., ceil(rows / 128), k / block] with rows > 1), else 1 (per row, or blocked)."""
+    rows = tuple(data_shape)[-2]
+    if is_blocked(len(data_shape), len(scales_shape)) or tuple(scales_shape)[-2] == rows:
+        return 1
+    return ROW_BLOCK
+
+
 def plain(data_shape, scales):
-    """`scales` of data [..., rows, k] in the plain layout [..., rows, k / block]."""
+    """`scales` of data [..., rows, k] in the plain layout [..., rows, k / block]: blocked ones
+    unpacked, those of 128-row tiles repeated per row."""
     *_, rows, k = data_shape
-    if not is_blocked(len(data_shape), scales.ndim):
-        return scales
-    return from_blocked(scales, rows, k // scale_block(data_shape, scales.shape, scales.dtype))
+    if is_blocked(len(data_shape), scales.ndim):
+        return from_blocked(scales, rows, k // scale_block(data_shape, scales.shape, scales.dtype))
+    if row_block(data_shape, scales.shape) > 1:
+        return jnp.repeat(scales, ROW_BLOCK, axis=-2)[..., :rows, :]
+    return scales

@@ -4,7 +4,9 @@
                       rhs_scales [B, n, k / block_b]                  -> out [B, m, n]
 
 with `jax.nn.scaled_matmul`'s meaning (both operands K-major; the block of each operand inferred
-from its scales):
+from its scales). Either operand's scales may instead cover tiles of 128 rows,
+[B, ceil(rows / 128), k / block] (DeepSeek-V3's weights: `quantize(w, "fp8_block128x128")`),
+which means the same as those scales repeated per row:
 
     out = einsum("bmk,bnk->bmn", lhs * repeat(lhs_scales, block_a), rhs * repeat(rhs_scales,
                  block_b))
@@ -54,10 +56,14 @@ class Recipe:
     scale_dtype: str
     block: int
     layout: str = "plain"
+    row_block: int = 1  # rows one scale covers (plain layout)
 
 
 RECIPES = {
     "fp8_block128": Recipe("float8_e4m3fn", "float32", 128),
+    # DeepSeek-V3's weights: one scale per 128 x 128 tile (rows x k), [..., ceil(rows / 128),
+    # k / 128].
+    "fp8_block128x128": Recipe("float8_e4m3fn", "float32", 128, row_block=128),
     "mxfp8": Recipe("float8_e4m3fn", "float8_e8m0fnu", 32, "blocked"),
     "nvfp4": Recipe("float4_e2m1fn", "float8_e4m3fn", 16, "blocked"),
 }
@@ -101,13 +107,15 @@ def quantize(x, recipe: str, *, axis: int = -1):
     finite value (mxfp8: the power of two at or above that, as e8m0 holds only powers of two).
 
     The data keeps x's shape. fp8_block128's scales are x's shape with the axis divided by the
-    block; mxfp8's and nvfp4's are in the blocked layout of the SM100 MMA (scale_layout.py) for
-    x with the axis moved last, [..., rows, k]: [..., ceil(rows / 128), ceil(k / block / 4), 32,
-    4, 4], the padding 1.0.
+    block; fp8_block128x128's (for weights, x [..., rows, k]) also have the rows divided by 128,
+    rounded up: [..., ceil(rows / 128), k / 128], one scale per tile for its largest magnitude.
+    mxfp8's and nvfp4's are in the blocked layout of the SM100 MMA (scale_layout.py) for x with
+    the axis moved last, [..., rows, k]: [..., ceil(rows / 128), ceil(k / block / 4), 32, 4, 4],
+    the padding 1.0.
 
     Raises:
       ValueError: an unknown recipe, an axis whose length the block does not divide, or a 1-D x
-        for a blocked recipe.
+        for a blocked or 128 x 128 recipe.
     """
     if recipe not in RECIPES:
         raise ValueError(f"jax_sm100.quantize: {recipe=} is not one of {tuple(RECIPES)}")
@@ -123,6 +131,17 @@ def quantize(x, recipe: str, *, axis: int = -1):
     blocks = x.reshape((*x.shape[:-1], x.shape[-1] // r.block, r.block))
     top = float(jnp.finfo(r.data_dtype).max)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
+    if r.row_block > 1:
+        if x.ndim < 2:
+            raise ValueError(f"jax_sm100.quantize: {recipe} scales tiles of a matrix; x is 1-D")
+        # The largest magnitude of each row_block x block tile, given to each of its rows.
+        rows = x.shape[-2]
+        tiles = -(-rows // r.row_block)
+        padded = jnp.pad(
+            amax, [(0, 0)] * (amax.ndim - 2) + [(0, tiles * r.row_block - rows), (0, 0)]
+        )
+        tile_amax = jnp.max(padded.reshape((*amax.shape[:-2], tiles, r.row_block, -1)), axis=-2)
+        amax = jnp.repeat(tile_amax, r.row_block, axis=-2)[..., :rows, :]
     scale = jnp.where(amax > 0, amax / top, 1.0)
     if r.scale_dtype == "float8_e8m0fnu":
         scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
@@ -130,6 +149,8 @@ def quantize(x, recipe: str, *, axis: int = -1):
     data = (blocks / scale.astype(jnp.float32)[..., None]).reshape(x.shape).astype(r.data_dtype)
     if r.layout == "blocked":
         return jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale)
+    if r.row_block > 1:
+        scale = scale[..., :: r.row_block, :]  # one per tile
     return jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis)
 
 
@@ -155,7 +176,8 @@ def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
         except ValueError as e:
             raise ValueError(
                 f"jax_sm100.scaled_matmul: {name}_scales {tuple(scales.shape)} must be [B, rows, "
-                f"k / block] (or that in the blocked layout) for {name} {tuple(data.shape)}, "
+                f"k / block], [B, ceil(rows / 128), k / block] (128-row tiles) or the first in the "
+                f"blocked layout, for {name} {tuple(data.shape)}, "
                 f"with the block dividing k={data.shape[2]} ({e})"
             ) from None
 

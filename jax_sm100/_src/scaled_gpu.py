@@ -64,7 +64,12 @@ def scaled_problem(lhs, rhs, lhs_scales, rhs_scales, out_dtype) -> planning.Gemm
         m, n, k, a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype, batch=batch,
         a_major="k", b_major="k",
     )  # fmt: skip
-    return dataclasses.replace(problem, scale_dtype=scale_dtypes.pop(), scale_block=blocks.pop())
+    # rhs scales per 128 x 128 tile (DeepSeek-V3's weights) plan as such (one FMA per
+    # accumulator on sm_90a); lhs scales per 128-row tile go to the kernel repeated per row.
+    return dataclasses.replace(
+        problem, scale_dtype=scale_dtypes.pop(), scale_block=blocks.pop(),
+        b_scale_rows=scale_layout.row_block(rhs.shape, rhs_scales.shape),
+    )  # fmt: skip
 
 
 def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
@@ -95,8 +100,10 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
 
     compiled = compile_mod.compile_plan(plan)
     batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
-    sfa, ld_a = _transposed(lhs_scales, plan.scale_dtype)
-    sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
+    # Scales of 128-row tiles go repeated per row (one XLA fusion with the transpose): the
+    # kernel reads B's of a 128 x 128 tile once per k-tile, from its first column.
+    sfa, ld_a = _transposed(scale_layout.plain(lhs.shape, lhs_scales), plan.scale_dtype)
+    sfb, ld_b = _transposed(scale_layout.plain(rhs.shape, rhs_scales), plan.scale_dtype)
     blocks = k // plan.scale_block
     modes = {
         "a": ((m, k, batch), (k, 1, m * k)),

@@ -75,6 +75,9 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         super().__init__(plan, spec)
         self.scale_dtype = common.cutlass_dtype(plan.scale_dtype)
         self.overlap = bool(plan.scaled_overlap)
+        # B scaled per 128 x 128 tile: the tile's columns share one B scale per k-block (its
+        # first column's), so the promotion multiplies by one scale per row.
+        self.b_tiled = plan.b_scale_rows > 1
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -215,7 +218,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         for kt in range(n_k):
             ab_pipe.consumer_wait(read)
             if cutlass.const_expr(early):
-                _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index)
+                _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
             warpgroup.fence()
             for kb in cutlass.range_constexpr(k_blocks):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
@@ -229,7 +232,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                     release.advance()
                 _promote(acc, frag, row_scale, col_scale)
             else:
-                _promote_from(acc, frag, coords, sSFA, sSFB, read.index)
+                _promote_from(acc, frag, coords, sSFA, sSFB, read.index, self.b_tiled)
                 if kt + 1 < n_k:
                     ab_pipe.consumer_release(release)
                     release.advance()
@@ -253,7 +256,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         coords = tiled_mma.get_slice(ctidx).partition_C(cute.make_identity_tensor((tm, tn)))
         fa = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         fb = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        scales = (coords, sSFA, sSFB)
+        scales = (coords, sSFA, sSFB, self.b_tiled)
         acc.fill(0.0)
         # k-tile 0 into fa; it stays in flight. `release` now names its stage, `read` the next.
         tiled_mma = self._issue(ab_pipe, tiled_mma, tCrA, tCrB, fa, k_blocks, read)
@@ -274,10 +277,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             read.advance()
             release.advance()
             warpgroup.wait_group(0)
-            _promote_from(acc, fb, coords, sSFA, sSFB, release.index)
+            _promote_from(acc, fb, coords, sSFA, sSFB, release.index, self.b_tiled)
         else:
             warpgroup.wait_group(0)
-            _promote_from(acc, fa, coords, sSFA, sSFB, release.index)
+            _promote_from(acc, fa, coords, sSFA, sSFB, release.index, self.b_tiled)
         return read, release
 
     @cute.jit
@@ -300,10 +303,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         """One k-tile of the overlapped loop: the batch of stage `read` into `into`, then the
         promotion of `done` (the previous k-tile's, of stage `release`, released once its
         scales are read). The caller advances both states."""
-        coords, sSFA, sSFB = scales
+        coords, sSFA, sSFB, b_tiled = scales
         tiled_mma = self._issue(ab_pipe, tiled_mma, tCrA, tCrB, into, k_blocks, read)
         warpgroup.wait_group(1)
-        _promote_from(acc, done, coords, sSFA, sSFB, release.index)
+        _promote_from(acc, done, coords, sSFA, sSFB, release.index, b_tiled)
         ab_pipe.consumer_release(release)
         return tiled_mma
 
@@ -311,24 +314,27 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
 # Plain Python over the registers (unrolled as the kernel is traced, one instruction each).
 
 
-def _read_scales(row_scale, col_scale, coords, sSFA, sSFB, stage):
+def _read_scales(row_scale, col_scale, coords, sSFA, sSFB, stage, b_tiled=False):
     """Each accumulator's row scale (A's) and column scale (B's) of k-block `stage`. Registers
     that share a row or column read the same word: the compiler loads each distinct word once
-    (2 rows and tn / 4 columns per thread, as 16 pairs of columns)."""
+    (2 rows and tn / 4 columns per thread, as 16 pairs of columns; with `b_tiled`, B scaled per
+    128 x 128 tile, one column: the tile's first)."""
     for i in range(cute.size(coords)):
         row_scale[i] = sSFA[(coords[i][0], 0, stage)]
-        col_scale[i] = sSFB[(coords[i][1], 0, stage)]
+        col_scale[i] = sSFB[(0 if b_tiled else coords[i][1], 0, stage)]
 
 
 def _promote(acc, frag, row_scale, col_scale):
-    """acc += frag * (row scale * column scale): a multiply and a fused multiply-add each."""
+    """acc += frag * (row scale * column scale): a multiply and a fused multiply-add each (the
+    multiplies shared where the scales are: one per row with B scaled per 128 x 128 tile)."""
     for i in range(cute.size(acc)):
         acc[i] = acc[i] + frag[i] * (row_scale[i] * col_scale[i])
 
 
-def _promote_from(acc, frag, coords, sSFA, sSFB, stage):
+def _promote_from(acc, frag, coords, sSFA, sSFB, stage, b_tiled=False):
     """`_promote` with the scales read from stage `stage` as they are needed (each distinct
     word once), not held in registers beforehand."""
     for i in range(cute.size(acc)):
-        scale = sSFA[(coords[i][0], 0, stage)] * sSFB[(coords[i][1], 0, stage)]
+        col = 0 if b_tiled else coords[i][1]
+        scale = sSFA[(coords[i][0], 0, stage)] * sSFB[(col, 0, stage)]
         acc[i] = acc[i] + frag[i] * scale

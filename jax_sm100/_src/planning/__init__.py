@@ -137,6 +137,7 @@ def plan(
     num_sms: int | None = None,
     scale_dtype=None,
     scale_block: int = 0,
+    b_scale_rows: int = 1,
     groups: int = 0,
     ragged: str = "",
 ) -> GemmPlan:
@@ -165,6 +166,9 @@ def plan(
         per 128 on its block-scaled kernel, `planning/sm90_scaled.py`); None and 0 otherwise.
         sm_100a runs mxfp8 (float8_e8m0fnu per 32) and nvfp4 (float4_e2m1fn data,
         float8_e4m3fn per 16) on its block-scaled tcgen05 kernel (`planning/sm100_blockscaled.py`).
+      b_scale_rows: with scales, the rows of B one B scale covers: 1 (each row, as
+        `jax.nn.scaled_matmul`) or 128 (B scaled per 128 x 128 tile, DeepSeek-V3's weights,
+        which sm_90a promotes with one FMA per accumulator instead of two).
       groups, ragged: a grouped problem (`ragged_dot`): `groups` matrices, and "m" when the
         groups partition m (rows of A and D; B holds one [k, n] matrix per group) or "k" when
         they partition k (D holds one [m, n] matrix per group). 0 and "" for a dense problem.
@@ -176,7 +180,7 @@ def plan(
       PlanError: for an unknown arch or non-positive sizes.
       TypeError: for dtypes the primitive does not take.
     """
-    if (scale_dtype is not None or scale_block) and arch == "sm_100a":
+    if (scale_dtype is not None or scale_block) and arch == "sm_100a" and b_scale_rows == 1:
         return sm100_blockscaled.plan_sm100_scaled(
             m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
             batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
@@ -186,7 +190,10 @@ def plan(
         p = make_problem(m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
                          c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
                          preact_out=preact_out)  # fmt: skip
-        return sm90_scaled.plan_scaled(p, scale_dtype, scale_block, arch, num_sms=num_sms)
+        return sm90_scaled.plan_scaled(p, scale_dtype, scale_block, arch, num_sms=num_sms,
+                                       b_scale_rows=b_scale_rows)  # fmt: skip
+    if b_scale_rows != 1:
+        raise C.PlanError(f"{b_scale_rows=} needs a block-scaled problem (scale_dtype)")
     p = make_problem(
         m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
         batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out, groups=groups,

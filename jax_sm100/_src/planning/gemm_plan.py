@@ -196,6 +196,9 @@ class GemmProblem:
     # per `scale_block` elements of k by factors of `scale_dtype`; None and 0 when unscaled.
     scale_dtype: str | None = None
     scale_block: int = 0
+    # The rows of B (columns of D) one of B's scales covers: 1, or 128 for weights scaled per
+    # 128 x 128 tile (DeepSeek-V3's; `quantize(w, "fp8_block128x128")`). 1 when unscaled.
+    b_scale_rows: int = 1
     # A grouped problem (ragged_dot): `groups` matrices, `ragged` says which extent the groups
     # partition (RAGGED_MODES); 0 and "" for a dense one. With "m", m is every group's rows
     # together and B holds one matrix per group; with "k", k is every group's rows together
@@ -259,10 +262,14 @@ class GemmPlan:
     # KERNEL_SM90_SCALED (or XLA).
     scale_dtype: str | None = None
     scale_block: int = 0
+    # GemmProblem.b_scale_rows: 128 for B scaled per 128 x 128 tile, which the block-scaled
+    # kernel promotes with one FMA per accumulator (tiles of at most 128 columns, within one
+    # scale tile).
+    b_scale_rows: int = 1
     # KERNEL_SM90_SCALED only: each consumer warp group promotes k-tile i's fragment while its
     # wgmma batch of k-tile i + 1 runs (two fragments used in turn) instead of waiting for each
-    # batch before promoting it. Opt-in (`tuning.with_scaled_overlap`,
-    # JAX_SM100_SCALED_OVERLAP=1): not yet measured on a GPU.
+    # batch before promoting it (`tuning.with_scaled_overlap`, JAX_SM100_SCALED_OVERLAP; the
+    # planner's choice for 128 x 64 tiles).
     scaled_overlap: bool = False
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
@@ -328,6 +335,8 @@ class GemmPlan:
                        self.kernel in (KERNEL_XLA, KERNEL_SM100_BLOCKSCALED),
                        self.scale_dtype, self.scale_block, self.mma_tiler_mnk[0], self.pingpong,
                        self.split_k, self.stream_k, self.stage_c)  # fmt: skip
+        C.check_b_scale_rows(self.scale_dtype, self.b_scale_rows,
+                             self.kernel == KERNEL_SM90_SCALED, self.mma_tiler_mnk[1])  # fmt: skip
         C.check_scaled_overlap(self.kernel == KERNEL_SM90_SCALED, self.scaled_overlap,
                                self.mma_tiler_mnk[1])  # fmt: skip
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
@@ -491,10 +500,15 @@ class GemmPlan:
             ("kernel", self.kernel),
             ("reason", self.reason),
         ]  # fmt: skip
-        scales = "none (unscaled; scale_block 0)"
+        scales = "none (unscaled; scale_block 0, b_scale_rows 1)"
         if self.scale_dtype is not None:
+            b_rows = (
+                "each row of B (b_scale_rows 1)"
+                if self.b_scale_rows == 1
+                else f"each {self.b_scale_rows} rows of B (b_scale_rows)"
+            )
             scales = (f"{self.scale_dtype} per {self.scale_block} of k (scale_block), for each "
-                      "row of A and each row of B")  # fmt: skip
+                      f"row of A and {b_rows}")  # fmt: skip
         rows.insert(2, ("scale_dtype", scales))
         if self.kernel == KERNEL_XLA:
             # XLA's dot runs it: no arch's hardware is involved, and the tile fields are
