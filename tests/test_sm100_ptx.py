@@ -175,9 +175,9 @@ def _expect_tx_bytes(ptx: str) -> set[int]:
     return set(_constant_operands(ptx, r"mbarrier\.arrive\.expect_tx"))
 
 
-def ptxas_spill_bytes(ptx: str, arch: str = "sm_100a") -> tuple[int, int] | None:
-    """(spill store bytes, spill load bytes) ptxas reports for `ptx` on `arch`, or None without
-    a ptxas that takes the arch."""
+def _ptxas_log(ptx: str, arch: str) -> str | None:
+    """What `ptxas -v` prints compiling `ptx` for `arch`, or None without a ptxas that takes
+    the arch."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         return None
@@ -192,9 +192,31 @@ def ptxas_spill_bytes(ptx: str, arch: str = "sm_100a") -> tuple[int, int] | None
         )
     if run.returncode != 0:
         return None  # a ptxas too old for the arch; the DSL's own compile already passed
-    stores = re.findall(r"(\d+) bytes spill stores", run.stderr)
-    loads = re.findall(r"(\d+) bytes spill loads", run.stderr)
+    return run.stderr
+
+
+def ptxas_spill_bytes(ptx: str, arch: str = "sm_100a") -> tuple[int, int] | None:
+    """(spill store bytes, spill load bytes) ptxas reports for `ptx` on `arch`, or None without
+    a ptxas that takes the arch."""
+    log = _ptxas_log(ptx, arch)
+    if log is None:
+        return None
+    stores = re.findall(r"(\d+) bytes spill stores", log)
+    loads = re.findall(r"(\d+) bytes spill loads", log)
     return sum(int(x) for x in stores), sum(int(x) for x in loads)
+
+
+def wgmma_serialized(ptx: str) -> list[str] | None:
+    """ptxas's notes that it serialized the wgmma instructions of `ptx` (sm_90a: "Potential
+    Performance Loss: wgmma.mma_async instructions are serialized due to ..."), [] when it did
+    not, None without a ptxas. Serialized, each wgmma waits for the previous one: the SM90
+    grouped kernels ran so until the tenth session (their accumulators read on a path ptxas
+    could not rule out while a batch was in flight; a thread-index branch it took for
+    divergent)."""
+    log = _ptxas_log(ptx, "sm_90a")
+    if log is None:
+        return None
+    return re.findall(r"wgmma\.mma_async instructions are serialized due to [^']*", log)
 
 
 def _ptxas_spill_bytes(ptx: str) -> int | None:

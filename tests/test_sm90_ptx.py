@@ -10,6 +10,7 @@ from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import planning
 from jax_sm100._src.kernels import sm90_gemm
 from jax_sm100._src.kernels.spec import KernelSpec
+from tests.test_sm100_ptx import wgmma_serialized
 
 
 def _plan(m, n, k, dtype="bfloat16", **kw):
@@ -70,6 +71,25 @@ class Sm90PtxTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "preact_out"):
             sm90_gemm.Sm90GemmKernel(planning.sm90_variant(bwd, stage_c=False), dataclasses.replace(
                 spec, act_grad=None, c_dtype=None, activation="relu", preact_out=True))  # fmt: skip
+
+    @parameterized.named_parameters(
+        ("cooperative", dict(tile_mn=(128, 256), pingpong=False), None),
+        ("pingpong", dict(tile_mn=(128, 160), pingpong=True), None),
+        ("stream_k", dict(tile_mn=(128, 256), pingpong=False, stream_k=True), None),
+        ("staged_c_act_grad", dict(stage_c=True, stream_k=False),
+         KernelSpec("bfloat16", "bfloat16", "bfloat16", b_major="k", c_dtype="bfloat16",
+                    act_grad="gelu")),
+    )  # fmt: skip
+    def test_wgmma_not_serialized(self, edit, spec):
+        # ptxas keeps every family's wgmma batches asynchronous: it serializes them (each
+        # waiting for the previous) when a path may read the accumulators while a batch is in
+        # flight (tests/test_sm100_ptx.py `wgmma_serialized`; the grouped kernels did).
+        c = "bfloat16" if spec is not None else None
+        p = _plan(8192, 14336, 4096, c_dtype=c, b_major="k")
+        ptx = compile_mod.compile_plan(planning.sm90_variant(p, **edit), spec).ptx
+        self.assertIn(wgmma_serialized(ptx), ([], None))
+        split = planning.with_split(_plan(128, 4096, 16384), 4)
+        self.assertIn(wgmma_serialized(compile_mod.compile_plan(split).ptx), ([], None))
 
     @parameterized.parameters(False, True)
     def test_staged_c(self, pingpong):

@@ -21,7 +21,7 @@ from jax_sm100._src import dispatch, ffi, kernel_key, planning
 from jax_sm100._src.kernels import sm90_scaled
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
-from tests.test_sm100_ptx import ptxas_spill_bytes
+from tests.test_sm100_ptx import ptxas_spill_bytes, wgmma_serialized
 
 E4M3, E5M2 = "float8_e4m3fn", "float8_e5m2"
 
@@ -209,6 +209,14 @@ class ScaledPtxTest(parameterized.TestCase):
         # One promotion of a thread's 96 accumulators (64 x 192 over 128 threads).
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 96)
         self.assertEqual(len(re.findall(r"wgmma\.mma_async", ptx)), 4)
+
+    def test_wgmma_not_serialized(self):
+        # Both main loops, both tile widths, both B scale layouts: ptxas keeps the wgmma batches
+        # asynchronous (tests/test_sm100_ptx.py `wgmma_serialized`).
+        for rows in (1, 128):
+            p = _plan(8192, 8192, 8192, b_scale_rows=rows)
+            for q in (p, jax_sm100.tuning.with_scaled_overlap(p, not p.scaled_overlap)):
+                self.assertIn(wgmma_serialized(_ptx(q)), ([], None), (rows, q.scaled_overlap))
 
     def test_no_spills(self):
         # The two accumulator sets and the scales fit a consumer thread's 232 registers at

@@ -144,7 +144,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_grouped(ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp,
-                                  tidx - _THREADS_PER_WG)  # fmt: skip
+                                  wg - 1, tidx - _THREADS_PER_WG)  # fmt: skip
 
     # ---------------------------------------------------------------- producer
 
@@ -187,14 +187,17 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     # ---------------------------------------------------------------- consumers
 
     @cute.jit
-    def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp, ctidx):
+    def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp,
+                         consumer_wg, ctidx):  # fmt: skip
         """The consumer warp groups. Cooperative: both take every tile of the CTA, 64 rows
         each. Ping-pong: warp group c takes the CTA's tiles c, c + 2, ... whole, and the two
         take turns at the stage ring (a named barrier each), so one's epilogue runs under the
         other's main loop; each skips the stages of the other's tiles, whose k-block counts it
         reads off the same schedule."""
         tm, tn, tk = self.tile_mnk
-        consumer_wg = ctidx // _THREADS_PER_WG
+        # `consumer_wg` comes warp-uniform (make_warp_uniform), as in the dense kernel: computed
+        # here from the thread index, ptxas took the ping-pong schedule's branches on it for
+        # divergent paths and serialized every wgmma (its note C7520).
         etidx, mma_base, store_warp, epi_group = self._consumer_roles(consumer_wg, ctidx)
         thr_mma = tiled_mma.get_slice(mma_base)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -233,17 +236,17 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             n_k = self._k_tiles(sched, rows, zeros)
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
-            acc.fill(0.0)
+            # The main loop and its final wait run on every path, as in the dense kernel (a
+            # zero tile's n_k = 0 leaves the zeroed accumulators and an empty wait); only the
+            # release of the last stage depends on n_k. With the main loop and the wait each
+            # under its own `if n_k > 0`, ptxas could not prove that no path reads the
+            # accumulators while a batch is in flight, and serialized every wgmma of the kernel
+            # (its notes C7514, cooperative, and C7520, ping-pong).
+            read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k,
+                                           read, release)  # fmt: skip
+            self._hand_turn(their_turn, w + stride < num)
+            warpgroup.wait_group(0)
             if n_k > 0:
-                read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                               n_k, read, release)  # fmt: skip
-            if cutlass.const_expr(self.pingpong):
-                # This tile's stages have all landed: the other group's tile is next in the
-                # ring. Hand it the turn, if it has a tile, and skip that tile's stages.
-                if w + stride < num:
-                    their_turn.arrive()
-            if n_k > 0:
-                warpgroup.wait_group(0)
                 ab_pipe.consumer_release(release)
                 release.advance()
             if cutlass.const_expr(self.pingpong):
@@ -263,6 +266,15 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             tiles_done += 1
             w += step
         store_pipe.producer_tail()
+
+    @cute.jit
+    def _hand_turn(self, their_turn, other_has_tile):
+        """Ping-pong: this tile's stages have all landed, so the other group's tile is next in
+        the ring: hand it the turn if it has a tile (the caller then skips that tile's stages).
+        Nothing in the cooperative schedule."""
+        if cutlass.const_expr(self.pingpong):
+            if other_has_tile:
+                their_turn.arrive()
 
     @cute.jit
     def _skip(self, sched, w, read, release):
