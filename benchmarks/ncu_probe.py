@@ -45,6 +45,8 @@ def main():
     b = jax.random.normal(kb, (k, n), jnp.float32).astype(args.dtype)
     if args.groups:
         g = args.groups
+        if m % g or args.tile or args.cluster or args.pingpong:
+            raise SystemExit("--groups takes an m it divides, and the planner's plans only")
         experts = jax.random.normal(kb, (g, k, n), jnp.float32).astype(args.dtype)
         sizes = jnp.full((g,), m // g, jnp.int32)
         grouped = jax.jit(lambda a, w: jax_sm100.ragged_dot(a, w, sizes))

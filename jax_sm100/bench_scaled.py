@@ -3,7 +3,8 @@
 
 For each problem, out[m, n] = sum_k lhs[m, k] rhs[n, k] with normal random data quantized to
 float8_e4m3fn with float32 scales per 128 of k (`jax_sm100.quantize(x, "fp8_block128")`, the
-DeepSeek-V3 recipe) and a bfloat16 result, four products on the same fp8 data:
+DeepSeek-V3 recipe) and a bfloat16 result, five products (the last with the same weights
+quantized per 128 x 128 tile instead):
 
 - ours: `jax_sm100.scaled_matmul` (on sm_90a the block-scaled wgmma kernel; the scales'
   transposes that its lowering adds run every call and count);
@@ -12,7 +13,8 @@ DeepSeek-V3 recipe) and a bfloat16 result, four products on the same fp8 data:
 - ours unscaled: `jax_sm100.dot_general` on the same data (the dense SM90 fp8 kernel);
 - ours w128x128: `jax_sm100.scaled_matmul` on the same lhs and the same weights quantized per
   128 x 128 tile (`quantize(w, "fp8_block128x128")`, DeepSeek-V3's weight recipe), which the
-  sm_90a kernel promotes with one FMA per accumulator instead of two.
+  sm_90a kernel promotes with one FMA per accumulator instead of two. It is lowered with the
+  environment's JAX_SM100_SCALED_OVERLAP (`--overlap` sets ours' rows only).
 
 Timed by the device method of `python -m jax_sm100.bench` (bench.py's docstring): R dependent
 products in one XLA while loop, U per iteration, the median call over R. Each product's scales
@@ -81,7 +83,8 @@ def _unscaled(dot):
 
 
 def products(with_jax_nn: bool):
-    """The sides to time, by name: (a, (rhs, lhs_scales, rhs_scales)) -> [m, n] bfloat16."""
+    """The sides to time, by name: (a, (rhs, lhs_scales, rhs_scales, rhs quantized per
+    128 x 128 tile, its scales)) -> [m, n] bfloat16 (`operands`)."""
     sides = {
         "ours": _scaled(jax_sm100.scaled_matmul),
         "jax.nn": _scaled(jax.nn.scaled_matmul),

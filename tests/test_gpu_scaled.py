@@ -189,7 +189,7 @@ class GpuScaledTest(parameterized.TestCase):
             (1, 1000, 520, 1024),
             (1, 128, 7168, 2048),
             (1, 2048, 2048, 4096),
-            (1, 8192, 2176, 512),  # stream-K on 132 SMs (test_stream_k)
+            (1, 8192, 2176, 512),  # 128 x 192 tiles, n ragged (stream-K when overlapped)
             (1, 256, 384, 640),  # 5 k-blocks: two trips of the overlapped loop, an odd tail
             (1, 2000, 3008, 384),  # 128 x 192 tiles: scales read during the promotion
         ])
@@ -219,23 +219,24 @@ class GpuScaledTest(parameterized.TestCase):
         for loop in ("default", "overlap")
     )
     def test_stream_k(self, out_dtype, overlap):
-        # 544 cluster tiles of 2 x (128 x 128) for 66 clusters (8.2 waves on 132 SMs): the last
-        # waves' tiles are shared out by k-blocks between clusters, which meet in the workspace.
-        m, n, k = 8192, 2176, 512
+        # 128 x 192 tiles (default loop) or 128 x 128 (overlapped) that do not divide into
+        # waves on 132 SMs: the last waves' tiles are shared out by k-blocks between clusters,
+        # which meet in the workspace.
+        m, n, k = 7168, 3840, 512
         ka, kb = jax.random.split(jax.random.key(11))
         lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
         rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), "fp8_block128")
         ls = _in_range(lhs, rhs, ls, rs, out_dtype)
         out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
         self.assert_on_kernel(seen, overlap)
-        if not seen[0].plan.stream_k:
-            self.skipTest(f"no stream-K on {seen[0].plan.num_sms} SMs for this shape")
+        self.assertTrue(seen[0].plan.stream_k, seen[0].plan)
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
 
     @parameterized.parameters(*[(d,) for d in OUT_DTYPES])
     def test_weight_blocks_of_128x128(self, out_dtype):
         # DeepSeek-V3 quantizes weights per 128 x 128 block: one scale for 128 rows of rhs,
-        # which scaled_matmul takes repeated per row.
+        # here passed repeated per row (the per-row path; test_weights_per_128x128_tile passes
+        # the tiles' scales themselves).
         m, n, k = 512, 640, 1024
         ka, kb = jax.random.split(jax.random.key(3))
         lhs, ls = jax_sm100.quantize(_operand(ka, 1, m, k), "fp8_block128")
@@ -252,14 +253,15 @@ class GpuScaledTest(parameterized.TestCase):
     @parameterized.named_parameters(
         (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}_{loop}", shape, out, loop)
         for shape in ((1, 2000, 3008, 384), (1, 128, 7168, 2048), (1, 1000, 520, 1024),
-                      (3, 256, 384, 512))
+                      (3, 256, 384, 512), (1, 8192, 2176, 512))
         for out in OUT_DTYPES
         for loop in ("planner", "default", "overlap")
     )  # fmt: skip
     def test_weights_per_128x128_tile(self, shape, out_dtype, loop):
         # rhs scaled per 128 x 128 tile ([B, ceil(n / 128), k / 128], `quantize`'s
         # "fp8_block128x128"): the kernel reads one B scale per tile and k-block (its tiles of
-        # 128 or 64 columns lie within one scale tile). n = 520: the last tile of 8 rows.
+        # 128 or 64 columns lie within one scale tile). n = 520: the last tile of 8 rows;
+        # 8192x2176x512: stream-K (128 x 128 tiles).
         batch, m, n, k = shape
         ka, kb = jax.random.split(jax.random.key(n + k))
         lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
@@ -288,6 +290,7 @@ class GpuScaledTest(parameterized.TestCase):
         rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
         for overlap in (False, True):
             out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
+            self.assert_on_kernel(seen, overlap)
             self.assertEqual(seen[0].plan.b_scale_rows, 128)
             want = (
                 _reference64(lhs, rhs, ls, rs)

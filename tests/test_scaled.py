@@ -1,5 +1,5 @@
 """`jax_sm100.scaled_matmul` and `jax_sm100.quantize` on CPU: the documented math against float64,
-the three recipes' layouts and accuracy, transformations, errors."""
+the recipes' layouts and accuracy, transformations, errors."""
 
 from __future__ import annotations
 
@@ -166,6 +166,21 @@ class ScaledMatmulTest(parameterized.TestCase):
         # Another count of rows is neither layout.
         with self.assertRaisesRegex(ValueError, "128-row tiles"):
             jax_sm100.scaled_matmul(lhs, data, ls, scales[:, :2])
+
+    @parameterized.parameters("mxfp8", "nvfp4")
+    def test_sm100_packs_tile_scales_per_row(self, recipe):
+        # Scales of 128-row tiles reach the sm_100a kernel repeated per row, then blocked: the
+        # buffer its lowering passes holds every row's scale (200 rows: two tiles).
+        from jax_sm100._src import scale_layout, scaled_sm100  # noqa: PLC0415
+
+        data, blocked = jax_sm100.quantize(_normal(11, (1, 200, 256)), recipe)
+        plain = scale_layout.plain(data.shape, blocked)  # [1, 200, blocks]
+        tiles = plain[:, ::128]  # one row's scales per tile, as if per 128 x block tile
+        flat = scaled_sm100.blocked_flat(data, tiles)
+        want = scale_layout.to_blocked(jnp.repeat(tiles, 128, axis=1)[:, :200])
+        np.testing.assert_array_equal(np.asarray(flat, np.float32),
+                                      np.asarray(want, np.float32).reshape(-1))  # fmt: skip
+        self.assertEqual(flat.shape, (np.prod(blocked.shape),))
 
     def test_gradients_and_vmap(self):
         with jax.enable_x64(False):

@@ -220,8 +220,8 @@ class ScaledPtxTest(parameterized.TestCase):
 
     def test_no_spills(self):
         # The two accumulator sets and the scales fit a consumer thread's 232 registers at
-        # 128 x 128 and 128 x 160, and at 128 x 192 with the scales read during the promotion
-        # (ptxas, where the machine has it).
+        # 128 x 128 (the scales read before the batch), 128 x 160 and 128 x 192 (read during
+        # the promotion; ptxas, where the machine has it).
         if shutil.which("ptxas") is None:
             self.skipTest("ptxas is not on PATH")
         for tn in (128, 160, 192):

@@ -19,7 +19,8 @@ open work). Each CUDA lowering records which it took in `jax_sm100.lowerings()`.
 `jax.nn.scaled_matmul` itself has no CPU lowering in JAX 0.10.
 
 `quantize(x, recipe)` makes data and scales in exactly the layouts `scaled_matmul` reads, for
-three recipes (`RECIPES`): float8_e4m3fn with float32 scales per 128 along k (DeepSeek-V3's),
+four recipes (`RECIPES`): float8_e4m3fn with float32 scales per 128 along k (DeepSeek-V3's
+activations) or per 128 x 128 tile (its weights),
 mxfp8 (float8_e4m3fn data, float8_e8m0fnu power-of-two scales per 32) and nvfp4 (float4_e2m1fn
 data, float8_e4m3fn scales per 16). mxfp8's and nvfp4's scales come in the "blocked" layout
 the SM100 block-scaled MMA reads (scale_layout.py: [B, ceil(rows / 128), ceil(k / block / 4),
@@ -74,8 +75,10 @@ RECIPES = {
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
     """`jax.nn.scaled_matmul` (see the module docstring): lhs [B, m, k] and rhs [B, n, k], each
-    scaled per block of k by its scales ([B, m, k / block] and [B, n, k / block], or those in
-    the blocked layout `quantize` makes for mxfp8 and nvfp4: scale_layout.py).
+    scaled per block of k by its scales ([B, m, k / block] and [B, n, k / block]; either may
+    instead cover 128-row tiles, [B, ceil(rows / 128), k / block], as `quantize(w,
+    "fp8_block128x128")` makes them; or be in the blocked layout `quantize` makes for mxfp8 and
+    nvfp4: scale_layout.py).
 
     Differentiable with respect to every operand (the backward runs in XLA ops), and under
     `vmap`.

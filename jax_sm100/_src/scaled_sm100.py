@@ -51,7 +51,8 @@ def call(plan, lhs, rhs, lhs_scales, rhs_scales):
 
 
 def blocked_flat(data, scales):
-    """`scales` of `data` in the blocked layout, as the 1-D buffer the kernel reads."""
+    """`scales` of `data` in the blocked layout, as the 1-D buffer the kernel reads (plain ones
+    of 128-row tiles repeated per row first)."""
     if not scale_layout.is_blocked(data.ndim, scales.ndim):
-        scales = scale_layout.to_blocked(scales)
+        scales = scale_layout.to_blocked(scale_layout.plain(data.shape, scales))
     return scales.reshape(math.prod(scales.shape))

@@ -21,12 +21,17 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   warp group's wgmma batch runs on the tensor cores while this one promotes (the fastest
   published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the same); the
   promotion costs two float32 instructions per accumulator per k-tile.
-* With `plan.scaled_overlap` (opt-in) each warp group also keeps the tensor cores fed itself:
-  two fragments take the k-tiles in turn, and k-tile i + 1's batch is issued before k-tile i's
-  is waited for (`wait_group(1)`), so k-tile i's promotion runs under it; its stage is released
-  after the promotion, which reads the scales from it as it goes (loaded up front, they would
-  not fit the registers beside three fragments: ptxas spilled). Three 64 x N fragments per
-  warp group (acc, two k-tiles) fit 232 registers at N <= 128.
+* With `plan.scaled_overlap` (the planner's choice for 128 x 64 tiles) each warp group also
+  keeps the tensor cores fed itself: two fragments take the k-tiles in turn, and k-tile i + 1's
+  batch is issued before k-tile i's is waited for (`wait_group(1)`), so k-tile i's promotion
+  runs under it; its stage is released after the promotion, which reads the scales from it as
+  it goes (loaded up front, they would not fit the registers beside three fragments: ptxas
+  spilled). Three 64 x N fragments per warp group (acc, two k-tiles) fit 232 registers at
+  N <= 128.
+* B scaled per 128 x 128 tile (`plan.b_scale_rows == 128`, DeepSeek-V3's weights): the tile's
+  columns (128 or 64, inside one scale tile) share one B scale per k-block, read from the
+  stage's first column, so the promotion is one multiply per row of the thread and one FMA per
+  accumulator (the lowering repeats those scales per row for the stage's TMA box).
   The H200 (tenth session, benchmarks/RESULTS.md) ran the default loop at 744-830 TF/s on
   128 x 128 tiles and 869 on 128 x 192, the overlapped one at 752-821 (128 x 128), where the
   unscaled fp8 kernel runs 1270-1440 on the same data: the promotion is the cost. With the
@@ -208,8 +213,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         ctidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         coords = tiled_mma.get_slice(ctidx).partition_C(cute.make_identity_tensor((tm, tn)))
         frag = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        row_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        col_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+        row_scale = col_scale = None
+        if cutlass.const_expr(tn <= _EARLY_SCALES_MAX_N):
+            row_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
+            col_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         # Up to 128 columns the k-block's scales are read into registers before the batch
         # (their latency hides under it); wider tiles would spill them beside the two
         # fragments, so they are read during the promotion, from the stage (released after).
@@ -314,7 +321,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
 # Plain Python over the registers (unrolled as the kernel is traced, one instruction each).
 
 
-def _read_scales(row_scale, col_scale, coords, sSFA, sSFB, stage, b_tiled=False):
+def _read_scales(row_scale, col_scale, coords, sSFA, sSFB, stage, b_tiled):
     """Each accumulator's row scale (A's) and column scale (B's) of k-block `stage`. Registers
     that share a row or column read the same word: the compiler loads each distinct word once
     (2 rows and tn / 4 columns per thread, as 16 pairs of columns; with `b_tiled`, B scaled per
@@ -331,7 +338,7 @@ def _promote(acc, frag, row_scale, col_scale):
         acc[i] = acc[i] + frag[i] * (row_scale[i] * col_scale[i])
 
 
-def _promote_from(acc, frag, coords, sSFA, sSFB, stage, b_tiled=False):
+def _promote_from(acc, frag, coords, sSFA, sSFB, stage, b_tiled):
     """`_promote` with the scales read from stage `stage` as they are needed (each distinct
     word once), not held in registers beforehand."""
     for i in range(cute.size(acc)):

@@ -168,7 +168,8 @@ def plan(
         float8_e4m3fn per 16) on its block-scaled tcgen05 kernel (`planning/sm100_blockscaled.py`).
       b_scale_rows: with scales, the rows of B one B scale covers: 1 (each row, as
         `jax.nn.scaled_matmul`) or 128 (B scaled per 128 x 128 tile, DeepSeek-V3's weights,
-        which sm_90a promotes with one FMA per accumulator instead of two).
+        which sm_90a promotes with one FMA per accumulator instead of two; sm_100a plans them
+        as per-row scales, which its lowering repeats them to).
       groups, ragged: a grouped problem (`ragged_dot`): `groups` matrices, and "m" when the
         groups partition m (rows of A and D; B holds one [k, n] matrix per group) or "k" when
         they partition k (D holds one [m, n] matrix per group). 0 and "" for a dense problem.
@@ -180,7 +181,11 @@ def plan(
       PlanError: for an unknown arch or non-positive sizes.
       TypeError: for dtypes the primitive does not take.
     """
-    if (scale_dtype is not None or scale_block) and arch == "sm_100a" and b_scale_rows == 1:
+    if b_scale_rows not in C.B_SCALE_ROWS:
+        raise C.PlanError(f"{b_scale_rows=} must be one of {C.B_SCALE_ROWS}")
+    if (scale_dtype is not None or scale_block) and arch == "sm_100a":
+        # B's scales per 128 x 128 tile reach the sm_100a kernel repeated per row (its
+        # lowering packs them so): the plan is the per-row one.
         return sm100_blockscaled.plan_sm100_scaled(
             m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
             batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
