@@ -6,11 +6,12 @@ or run inside a CUDA profiler range for Nsight Compute:
     ncu --profile-from-start off --section SpeedOfLight --csv \\
         python3 benchmarks/scaled_probe.py --shape ... --variants ... --profile
 
-A variant is `kind[:TMxTN][:overlap]`: kind `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
+A variant is `kind[:TMxTN][:overlap|:pp]`: kind `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
 with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) or `cublas`
 (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); the
 tile edits the planner's plan (`tuning.sm90_variant`, stages refilled); `overlap` turns on
-`GemmPlan.scaled_overlap`. Every variant runs on the same quantized data with a bfloat16 result.
+`GemmPlan.scaled_overlap`; `pp` the ping-pong schedule (unscaled kinds; put it after the tile, e.g.
+`fp8:128x160:pp`). Every variant runs on the same quantized data with a bfloat16 result.
 Timing is `python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing,
 each `scaled` variant's result is compared with the first `scaled` variant's (within 1e-2 of
 its largest magnitude: bfloat16 rounding apart) and the others are checked finite, so a broken
@@ -48,6 +49,8 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     for edit in edits:
         if edit == "overlap":
             plan = sm90_scaled.with_scaled_overlap(plan)
+        elif edit == "pp":
+            plan = planning.sm90_variant(plan, pingpong=True)
         else:
             plan = planning.sm90_variant(plan, tile_mn=tuple(int(v) for v in edit.split("x")))
     return plan
