@@ -28,7 +28,17 @@ TILES = ((128, 256), (128, 192), (128, 160), (128, 128), (64, 256))
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kind", default="equal", choices=("equal", "skewed"))
+    ap.add_argument(
+        "--epi-stages",
+        type=int,
+        default=0,
+        help="the epilogue's store ring this deep (the planner's grouped plans: 2; "
+        "its swizzled dense plans use what shared memory is left, up to 4)",
+    )
     args = ap.parse_args(argv)
+    depth = mock.patch.object(
+        sm90, "GROUPED_EPI_STAGES", args.epi_stages or sm90.GROUPED_EPI_STAGES
+    )
     for i, (g, m, k, n) in enumerate(PROBLEMS):
         keys = jax.random.split(jax.random.key(i), 2)
         lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -40,12 +50,14 @@ def main(argv=None):
             with (
                 mock.patch.object(sm90, "_SM90_CANDIDATES", only),
                 mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ()),
+                depth,
             ):
                 planning._plan_cached.cache_clear()
                 f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
                 with jax_sm100.lowerings() as seen:
                     t = time_steps(f, lhs, rhs, sizes)
-                ran = {low.plan.cta_tile_mnk[:2] for low in seen if low.plan}
+                ran = {(low.plan.cta_tile_mnk[:2], low.plan.num_epi_stages)
+                       for low in seen if low.plan}  # fmt: skip
             row.append(f"{tm}x{tn}: {2 * m * k * n / t / 1e12:6.1f}{'' if ran else '?'}")
         print(f"{g:3d} x {m}x{k}x{n} ({args.kind}): " + "  ".join(row), flush=True)
     planning._plan_cached.cache_clear()
