@@ -16,6 +16,7 @@ from jax import lax
 
 import jax_sm100
 from jax_sm100._src import dispatch
+from jax_sm100._src import primitive as P
 
 GROUPED = "sm90_wgmma_grouped"
 
@@ -175,6 +176,32 @@ class GroupedGpuTest(parameterized.TestCase):
         self.assertEqual(seen[-1].plan.kernel, GROUPED)
         empty, _ = self.lower_and_run("", f, lhs, rhs, jnp.zeros((g,), jnp.int32))
         self.assertEqual(float(jnp.max(jnp.abs(empty))), 0.0)
+
+    @parameterized.product(
+        activation=["relu", "gelu", "silu"],
+        fused=["", "1"],
+        schedule=["cooperative", "pingpong"],
+    )
+    def test_activation(self, activation, fused, schedule):
+        # act of each float32 sum in the epilogue (JAX_SM100_RAGGED_FUSED_ACTIVATION=1), or
+        # after the kernel's float32 product (the default until this test passes on an H200);
+        # rows past the groups act(0) = 0.
+        g, m, k, n = 8, 1500, 256, 264
+        rng = np.random.default_rng(11)
+        lhs = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(jax.random.key(6), (g, k, n), jnp.float32).astype(jnp.bfloat16)
+        gs = _sizes(rng, g, m, 0.8)
+        f = lambda a, b, s: jax_sm100.ragged_dot(a, b, s, activation=activation)  # noqa: E731
+        env = {"JAX_SM100_RAGGED_FUSED_ACTIVATION": fused}
+        with mock.patch.dict(os.environ, env):
+            out, seen = self.lower_and_run(schedule, f, lhs, rhs, gs)
+        want = P.apply_activation(_reference(lhs, rhs, gs), activation)
+        self.assertLess(_rel(out, want), _TOL["bfloat16"])
+        total = int(np.sum(np.asarray(gs)))
+        self.assertEqual(float(jnp.max(jnp.abs(out[total:].astype(jnp.float32)))), 0.0)
+        (low,) = [x for x in seen if x.plan is not None]
+        self.assertEqual(low.plan.kernel, GROUPED)
+        self.assertEqual(f"{activation} in the epilogue" in low.note, bool(fused))
 
     @parameterized.parameters("cooperative", "pingpong")
     def test_many_groups_small(self, schedule):

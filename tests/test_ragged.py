@@ -16,6 +16,7 @@ from absl.testing import absltest, parameterized
 from jax import lax
 
 import jax_sm100
+from jax_sm100._src import primitive as P
 from jax_sm100._src import ragged
 from tests import test_util as tu
 
@@ -46,6 +47,11 @@ def _dense(lhs, rhs, group_sizes):
     rows = jnp.arange(lhs.shape[0])[:, None]
     member = ((rows >= (ends - group_sizes)[None]) & (rows < ends[None])).astype(lhs.dtype)
     return jnp.einsum("mk,gkn,mg->mn", lhs, rhs, member)
+
+
+def _export(fn, *avals):
+    checks = jax_sm100.export_disabled_checks()
+    return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*avals)
 
 
 class RaggedDotTest(parameterized.TestCase):
@@ -257,6 +263,72 @@ class RaggedDotTest(parameterized.TestCase):
             self.assertEqual(obj[:4], b"\x7fELF")
             self.assertIn(arch_tag, obj)
             self.assertIn(family, obj)
+
+    @parameterized.product(activation=("relu", "gelu", "silu"), dtype=("bfloat16", "float32"))
+    def test_activation(self, activation, dtype):
+        # act of each float32 sum, rounded once; its gradients (through the float32 product and
+        # act') and vmap; rows past the groups give act(0) = 0.
+        m, k, n, g = 100, 24, 40, 7
+        rng = np.random.default_rng(5)
+        lhs, rhs = tu.rand(rng, (m, k), dtype), tu.rand(rng, (g, k, n), dtype)
+        sizes = _groups(rng, m, g, fill=False)
+        out = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s, activation=activation))(
+            lhs, rhs, sizes
+        )  # fmt: skip
+        self.assertEqual(out.dtype, jnp.dtype(dtype))
+        z = jnp.asarray(_reference(lhs, rhs, sizes), jnp.float32)
+        want = P.apply_activation(z, activation)
+        tu.assert_close(self, out, want, dtype, k)
+
+        def loss(f, a, b):
+            return jnp.sum(jnp.sin(f(a, b).astype(jnp.float32)))
+
+        ours = lambda a, b: jax_sm100.ragged_dot(a, b, sizes, activation=activation)  # noqa: E731
+        ref = lambda a, b: P.apply_activation(  # noqa: E731
+            _dense(a.astype(jnp.float32), b.astype(jnp.float32), sizes), activation
+        ).astype(dtype)
+        got = jax.jit(jax.grad(lambda a, b: loss(ours, a, b), (0, 1)))(lhs, rhs)
+        exp = jax.grad(lambda a, b: loss(ref, a, b), (0, 1))(lhs, rhs)
+        for x, y in zip(got, exp, strict=True):
+            tu.assert_close(self, x, y, dtype, k)
+        both = jax.vmap(ours)(jnp.stack([lhs, -lhs]), jnp.stack([rhs, rhs]))
+        tu.assert_close(self, both[0], want, dtype, k)
+        with self.assertRaisesRegex(ValueError, "activation='tanh' must be one of"):
+            jax_sm100.ragged_dot(lhs, rhs, sizes, activation="tanh")
+
+    @parameterized.parameters("", "1")
+    def test_activation_lowering(self, fused):
+        # sm_90a: unfused (the default until an H200 run verifies the epilogue), the kernel
+        # writes the float32 product and XLA applies the activation; with
+        # JAX_SM100_RAGGED_FUSED_ACTIVATION=1 the kernel's epilogue applies it. Under grad the
+        # products are the three grouped kernels either way (the JVP binds the plain product).
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+        fwd = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s, activation="gelu"))
+        env = {"JAX_SM100_TARGET_ARCH": "sm_90a", "JAX_SM100_RAGGED_FUSED_ACTIVATION": fused}
+        with mock.patch.dict(os.environ, env), jax_sm100.lowerings() as seen:
+            _export(fwd, lhs, rhs, sizes)
+        (low,) = [x for x in seen if x.plan is not None]
+        self.assertEqual(low.plan.kernel, "sm90_wgmma_grouped")
+        if fused:
+            self.assertEqual(low.plan.out_dtype, "bfloat16")
+            self.assertIn("gelu in the epilogue", low.note)
+        else:
+            self.assertEqual(low.plan.out_dtype, "float32")
+            self.assertNotIn("epilogue", low.note)
+
+        def step(a, b, s):
+            loss = lambda a, b: jnp.sum(  # noqa: E731
+                jax_sm100.ragged_dot(a, b, s, activation="gelu").astype(jnp.float32) ** 2
+            )
+            return jax.value_and_grad(loss, argnums=(0, 1))(a, b)
+
+        with mock.patch.dict(os.environ, env), jax_sm100.lowerings() as seen:
+            _export(jax.jit(step), lhs, rhs, sizes)
+        plans = [x.plan for x in seen if x.plan is not None]
+        self.assertEqual([p.kernel for p in plans], ["sm90_wgmma_grouped"] * 3)
+        self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
 
     @parameterized.named_parameters(
         ("rank", (8, 4, 2), (2, 4, 3), (2,), ValueError, "lhs must be"),

@@ -26,6 +26,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as PS
 
 import jax_sm100
+from jax_sm100._src import primitive as P
 from jax_sm100._src import ragged
 from tests import test_util as tu
 
@@ -173,6 +174,21 @@ class ForwardTest(RaggedCase):
             counts(all_reduce=reduces("model")),
             reference=reference_dot,
         )
+
+    @parameterized.named_parameters(
+        ("k_reduced", (PS(None, "model"), PS(None, "model"), PS()), ("model",)),
+        ("experts_reduced", (PS(), PS("model"), PS()), ("model",)),
+        ("rows_local", (PS("data"), PS(), PS()), ()),
+    )
+    def test_activation_after_the_reduction(self, specs, reduced):
+        # An activated ragged_dot whose partials are summed across devices applies its
+        # activation once, to the sum (applied to each device's partial, gelu would be wrong).
+        lhs, rhs = operands(20)
+        sizes = groups(21)
+        f = lambda a, b, s: jax_sm100.ragged_dot(a, b, s, activation="gelu")  # noqa: E731
+        ref = lambda a, b, s: P.apply_activation(reference_dot(a, b, s), "gelu")  # noqa: E731
+        want = counts(all_reduce=reduces(*reduced)) if reduced else counts()
+        self.check(f, (lhs, rhs, sizes), specs, want, reference=ref)
 
     def test_n_is_local(self):
         lhs, rhs = operands(12)

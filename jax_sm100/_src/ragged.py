@@ -3,7 +3,9 @@
     ragged_dot_p       lhs [*B, m, k], rhs [*B, g, k, n] ([*B, g, n, k] with transpose_rhs),
                        group_sizes [*B, g]          -> out [*B, m, n]
                        rows [s_i, s_i + group_sizes[i]) of lhs times rhs[i], where s_i is the
-                       sum of the sizes before group i; rows past the last group are zero
+                       sum of the sizes before group i; rows past the last group are zero;
+                       then `activation` (None, "relu", "gelu" (tanh form) or "silu") of each
+                       float32 sum, rounded once
     ragged_outer_p     lhs [*B, m, k], rhs [*B, m, n], group_sizes [*B, g]
                                                      -> out [*B, g, k, n]
                        out[i] = lhs[rows of group i]^T @ rhs[rows of group i]: the weight
@@ -14,6 +16,11 @@ each other's transposes, so a training step differentiates into these two primit
 
     d lhs = ragged_dot(ct, rhs, transpose_rhs=not transpose_rhs)
     d rhs = ragged_outer(lhs, ct)                  ([g, n, k] order under transpose_rhs)
+
+An activation makes ragged_dot_p nonlinear: its JVP takes the float32 product z of the same
+operands without it (ragged_dot_p again), returns act(z) and scales the tangent by act'(z), so
+a training step still differentiates into the two bilinear primitives. Only a call that is not
+differentiated runs the activation in the grouped kernel's epilogue (ragged_gpu.py).
 
 The batch dims `B` come from `vmap` (the batching rules move every mapped dim to the front and
 broadcast the unmapped operands). On CUDA each primitive lowers through `ragged_gpu.py` to the
@@ -35,6 +42,7 @@ from jax.interpreters import ad, batching, mlir
 from jax_sm100._src import autodiff, dispatch, ragged_sharding
 from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
+from jax_sm100._src.kernels.spec import ACTIVATIONS
 
 ragged_dot_p = jex_core.Primitive("jax_sm100_ragged_dot")
 ragged_outer_p = jex_core.Primitive("jax_sm100_ragged_outer")
@@ -50,9 +58,14 @@ def ragged_dot(
     precision=None,
     preferred_element_type=None,
     group_offset=None,
+    *,
+    activation=None,
 ) -> jax.Array:
     """`jax.lax.ragged_dot`: lhs [m, k] rows in consecutive groups, group i (of `group_sizes[i]`
-    rows) multiplied by rhs[i] ([g, k, n]); rows past the last group give zeros.
+    rows) multiplied by rhs[i] ([g, k, n]); rows past the last group give zeros. With
+    `activation` ("relu", "gelu": the tanh form, or "silu"), that of each float32 sum, rounded
+    once: `act(lax.ragged_dot(...))` in one product (an extension of lax.ragged_dot's
+    signature, as `jax_sm100.matmul`'s activation is of jnp.matmul's).
 
     Differences from `lax.ragged_dot`, as for `jax_sm100.matmul`: products accumulate in float32
     and round once; float32 operands with `Precision.HIGHEST` run on XLA's `ragged_dot` (recorded
@@ -60,11 +73,17 @@ def ragged_dot(
     cannot take one either).
 
     Raises:
-      ValueError: ranks or sizes that do not match (named in the message).
+      ValueError: ranks or sizes that do not match (named in the message), or an unknown
+        activation.
       TypeError: non-floating operands, or group sizes that are not integers.
       NotImplementedError: a `group_offset`.
     """
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"jax_sm100.ragged_dot: {activation=} must be one of {ACTIVATIONS} (None: the plain "
+            "product)"
+        )
     a_name, b_name = D.operand_dtype_name(lhs.dtype, "lhs"), D.operand_dtype_name(rhs.dtype, "rhs")
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(
@@ -99,12 +118,17 @@ def ragged_dot(
         dispatch.record(
             dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({fallback})")
         )
-        return lax.ragged_dot(
-            lhs, rhs, group_sizes, precision=precision, preferred_element_type=out_dtype
-        )
+        if activation is None:
+            return lax.ragged_dot(
+                lhs, rhs, group_sizes, precision=precision, preferred_element_type=out_dtype
+            )
+        acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+        z = lax.ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=acc)
+        return P.apply_activation(z, activation).astype(out_dtype)
     return ragged_dot_p.bind(
-        lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=out_dtype
-    )
+        lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=out_dtype,
+        activation=activation,
+    )  # fmt: skip
 
 
 def _highest(precision) -> bool:
@@ -122,7 +146,7 @@ def _check_groups(group_sizes, batch, g):
         raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected {(*batch, g)}")
 
 
-def _ragged_dot_abstract(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+def _ragged_dot_abstract(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activation=None):
     *batch, m, k = lhs.shape
     *rbatch, g, r1, r2 = rhs.shape
     kb, n = (r2, r1) if transpose_rhs else (r1, r2)
@@ -164,12 +188,13 @@ def _operands(x, y, acc):
     return x.astype(acc), y.astype(acc)
 
 
-def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activation=None):
     nb = lhs.ndim - 2
     if rhs.shape[-3] == 0:
         # No groups: every row is past the last group (XLA's ragged dot cannot lower this).
         n = rhs.shape[-2] if transpose_rhs else rhs.shape[-1]
-        return jnp.zeros((*lhs.shape[:-1], n), out_dtype)
+        zeros = jnp.zeros((*lhs.shape[:-1], n), jnp.float32)
+        return P.apply_activation(zeros, activation).astype(out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
     if transpose_rhs:
@@ -183,6 +208,7 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
     out = lax.ragged_dot_general(
         l3, r4, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
     )
+    out = P.apply_activation(out, activation)
     return out.reshape((*lhs.shape[:-1], out.shape[-1])).astype(out_dtype)
 
 
@@ -248,7 +274,9 @@ batching.primitive_batchers[ragged_outer_p] = lambda a, d, **p: _batch(ragged_ou
 # --- differentiation: bilinear in (lhs, rhs); group sizes are integers -------------------------
 
 
-def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype):
+def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activation=None):
+    # Only the linear product is transposed: the JVP of an activated one binds it without.
+    assert activation is None, activation
     if type(ct) is ad.Zero:
         return [_zero(lhs), _zero(rhs), None]
     d_lhs = d_rhs = None
@@ -256,7 +284,7 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype
     if ad.is_undefined_primal(lhs):
         d_lhs = ragged_dot_p.bind(
             ct.astype(cd), rhs.astype(cd), group_sizes, transpose_rhs=not transpose_rhs,
-            out_dtype=np.dtype(lhs.aval.dtype),
+            out_dtype=np.dtype(lhs.aval.dtype), activation=None,
         )  # fmt: skip
         d_lhs = ragged_sharding.cotangent_like(d_lhs, lhs)
     if ad.is_undefined_primal(rhs):
@@ -277,13 +305,13 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
     if ad.is_undefined_primal(lhs):
         d_lhs = ragged_dot_p.bind(
             rhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=not transpose_out,
-            out_dtype=np.dtype(lhs.aval.dtype),
+            out_dtype=np.dtype(lhs.aval.dtype), activation=None,
         )  # fmt: skip
         d_lhs = ragged_sharding.cotangent_like(d_lhs, lhs)
     if ad.is_undefined_primal(rhs):
         d_rhs = ragged_dot_p.bind(
             lhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=transpose_out,
-            out_dtype=np.dtype(rhs.aval.dtype),
+            out_dtype=np.dtype(rhs.aval.dtype), activation=None,
         )  # fmt: skip
         d_rhs = ragged_sharding.cotangent_like(d_rhs, rhs)
     return [d_lhs, d_rhs, None]
@@ -300,7 +328,10 @@ def _compute_dtype(x, y):
 
 
 def _jvp(prim, primals, tangents, **params):
-    """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs)."""
+    """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs). With an activation:
+    z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z."""
+    if params.get("activation") is not None:
+        return _jvp_activated(primals, tangents, **params)
     lhs, rhs, group_sizes = primals
     d_lhs, d_rhs, _ = tangents
     out = prim.bind(lhs, rhs, group_sizes, **params)
@@ -312,6 +343,16 @@ def _jvp(prim, primals, tangents, **params):
     if not terms:
         return out, ad.Zero.from_primal_value(out)
     return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def _jvp_activated(primals, tangents, *, activation, out_dtype, **params):
+    lhs, rhs, _ = primals
+    acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+    z, dz = _jvp(ragged_dot_p, primals, tangents, out_dtype=acc, activation=None, **params)
+    out = P.apply_activation(z, activation).astype(out_dtype)
+    if type(dz) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, (P.activation_grad(z, activation) * dz).astype(out_dtype)
 
 
 for _prim, _transpose in (

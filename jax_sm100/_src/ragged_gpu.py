@@ -11,15 +11,31 @@ plan_call` decides, one compiled binary (`compile_plan`, the family `plan.kernel
 call of the same FFI handler the dense kernels use, with the group sizes as a device buffer.
 Batched operands (vmap), mixed dtypes and anything the planner sends to XLA (`plan.reason`) run
 on XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
+
+ragged_dot's `activation` runs in the grouped kernel's epilogue (on each float32 sum, before the
+one rounding) only with JAX_SM100_RAGGED_FUSED_ACTIVATION=1 in the environment, until an H200
+run of tests/test_gpu_ragged.py verifies that epilogue (added in the tenth session, after its
+last device call); otherwise the kernel writes the float32 product and XLA applies the
+activation, which means the same.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import numpy as np
 
 from jax_sm100._src import dispatch, ffi_checks, planning
+from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
+
+FUSED_ACTIVATION_ENV = "JAX_SM100_RAGGED_FUSED_ACTIVATION"
+
+
+def fused_activation() -> bool:
+    """Whether ragged_dot's activation runs in the grouped kernel's epilogue (module docstring)."""
+    return os.environ.get(FUSED_ACTIVATION_ENV, "") == "1"
 
 
 def _kernel_problem(name, lhs, rhs, group_sizes, params):
@@ -67,6 +83,13 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
     if target is None:
         dispatch.record(dispatch.Lowered(None, f"{name}: no sm_90a/sm_100a device: XLA"))
         return xla_fn(lhs, rhs, group_sizes, **params)
+    activation = params.get("activation")
+    if activation is not None and not fused_activation():
+        # The kernel's float32 product, then XLA's activation and one rounding.
+        acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
+        plain = dict(params, out_dtype=acc, activation=None)
+        z = lower(name, xla_fn, lhs, rhs, group_sizes, **plain)
+        return P.apply_activation(z, activation).astype(params["out_dtype"])
     made = _kernel_problem(name, lhs, rhs, group_sizes, params)
     if isinstance(made, str):
         dispatch.record(dispatch.Lowered(None, made))
@@ -82,7 +105,7 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
 
     spec = KernelSpec(
         a_dtype=plan.a_dtype, b_dtype=plan.b_dtype, out_dtype=plan.out_dtype,
-        a_major=plan.a_major, b_major=plan.b_major,
+        a_major=plan.a_major, b_major=plan.b_major, activation=activation,
     )  # fmt: skip
     compiled = compile_plan(plan, spec)
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32"}
@@ -101,5 +124,6 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
     out_type = jax.ShapeDtypeStruct(out_shape, params["out_dtype"])
     gs = group_sizes.astype(np.int32)
     out = gpu_lowering._ffi(compiled, out_type, [*operands, gs], layouts, order)
-    dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(decision.notes or ("",))))
+    notes = (*decision.notes, f"{activation} in the epilogue") if activation else decision.notes
+    dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(notes or ("",))))
     return out

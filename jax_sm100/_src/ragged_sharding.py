@@ -394,6 +394,13 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
     partial = any(f in decision.local for f in roles.reductions if f != "g")
     local_dtype = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype) if partial else out_dtype
     local_params = dict(params, out_dtype=local_dtype)
+    # ragged_dot's activation applies to the whole sum: after any reduction, to the float32
+    # partials summed, never to one device's partial.
+    activation = params.get("activation")
+    late = activation is not None and bool(partial or decision.scatter or decision.psum)
+    if late:
+        acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+        local_params = dict(params, out_dtype=acc, activation=None)
     if g_axes:
         lhs = _roll_rows(lhs, -lead)
         if roles.name == "ragged_outer":
@@ -407,6 +414,8 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
         )
     if decision.psum:
         out = lax.psum(out, sharding._entry(decision.psum))
+    if late:
+        out = P.apply_activation(out, activation)
     return out.astype(out_dtype)
 
 
