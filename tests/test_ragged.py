@@ -293,6 +293,7 @@ class RaggedDotTest(parameterized.TestCase):
             tu.assert_close(self, x, y, dtype, k)
         both = jax.vmap(ours)(jnp.stack([lhs, -lhs]), jnp.stack([rhs, rhs]))
         tu.assert_close(self, both[0], want, dtype, k)
+        tu.assert_close(self, both[1], P.apply_activation(-z, activation), dtype, k)
         with self.assertRaisesRegex(ValueError, "activation='tanh' must be one of"):
             jax_sm100.ragged_dot(lhs, rhs, sizes, activation="tanh")
 
@@ -308,15 +309,18 @@ class RaggedDotTest(parameterized.TestCase):
         fwd = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s, activation="gelu"))
         env = {"JAX_SM100_TARGET_ARCH": "sm_90a", "JAX_SM100_RAGGED_FUSED_ACTIVATION": fused}
         with mock.patch.dict(os.environ, env), jax_sm100.lowerings() as seen:
-            _export(fwd, lhs, rhs, sizes)
+            text = _export(fwd, lhs, rhs, sizes).mlir_module()
         (low,) = [x for x in seen if x.plan is not None]
         self.assertEqual(low.plan.kernel, "sm90_wgmma_grouped")
         if fused:
             self.assertEqual(low.plan.out_dtype, "bfloat16")
             self.assertIn("gelu in the epilogue", low.note)
+            self.assertNotIn("stablehlo.tanh", text)
         else:
+            # The kernel's float32 product, then XLA's gelu (its tanh) and one rounding.
             self.assertEqual(low.plan.out_dtype, "float32")
-            self.assertNotIn("epilogue", low.note)
+            self.assertIn("gelu by XLA after the float32 product", low.note)
+            self.assertIn("stablehlo.tanh", text)
 
         def step(a, b, s):
             loss = lambda a, b: jnp.sum(  # noqa: E731

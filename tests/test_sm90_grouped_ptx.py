@@ -25,6 +25,7 @@ from absl.testing import absltest, parameterized
 import jax_sm100
 from jax_sm100._src import planning
 from jax_sm100._src.compile import compile_plan
+from jax_sm100._src.kernels.spec import KernelSpec
 from tests.test_sm100_ptx import _expect_tx_bytes, wgmma_serialized
 
 GROUPED = planning.KERNEL_SM90_GROUPED
@@ -99,6 +100,19 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertRegex(ptx, r"shfl\.sync\.up")  # the group table's running sums
         # ptxas keeps the wgmma batches asynchronous (it serialized them in both schedules
         # until the tenth session; tests/test_sm100_ptx.py `wgmma_serialized`).
+        self.assertIn(wgmma_serialized(ptx), ([], None))
+
+    @parameterized.product(schedule=("", "pingpong"), activation=("gelu", "silu"))
+    def test_activation_in_the_epilogue(self, schedule, activation):
+        # ragged_dot's fused activation (JAX_SM100_RAGGED_FUSED_ACTIVATION=1): the epilogue's
+        # tanh (gelu) or exp2 (silu's sigmoid) before the store; wgmma not serialized.
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
+            plan = jax_sm100.plan(8192, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
+                                  arch="sm_90a", groups=16, ragged="m")  # fmt: skip
+        spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", activation=activation)
+        ptx = compile_plan(plan, spec).ptx
+        self.assertIn("tanh.approx.f32" if activation == "gelu" else "ex2.approx", ptx)
+        self.assertNotIn("tanh.approx.f32", compile_plan(plan).ptx)
         self.assertIn(wgmma_serialized(ptx), ([], None))
 
     def test_no_pingpong_by_default(self):

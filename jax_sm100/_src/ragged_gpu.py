@@ -76,29 +76,33 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
     return problem, operands, modes, out_shape
 
 
-def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
+def lower(name, xla_fn, lhs, rhs, group_sizes, *, _after="", **params):
     """The CUDA lowering of `name` ("ragged_dot" or "ragged_outer"): the grouped kernel where
-    the plan takes it, else `xla_fn` (XLA's ragged dot), recorded either way."""
+    the plan takes it, else `xla_fn` (XLA's ragged dot), recorded either way (with `_after`,
+    what follows the product, appended to the note)."""
     target = dispatch.lowering_target()
     if target is None:
-        dispatch.record(dispatch.Lowered(None, f"{name}: no sm_90a/sm_100a device: XLA"))
+        dispatch.record(
+            dispatch.Lowered(None, _noted(f"{name}: no sm_90a/sm_100a device: XLA", _after))
+        )
         return xla_fn(lhs, rhs, group_sizes, **params)
     activation = params.get("activation")
     if activation is not None and not fused_activation():
         # The kernel's float32 product, then XLA's activation and one rounding.
         acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
         plain = dict(params, out_dtype=acc, activation=None)
-        z = lower(name, xla_fn, lhs, rhs, group_sizes, **plain)
+        after = f"{activation} by XLA after the {np.dtype(acc).name} product"
+        z = lower(name, xla_fn, lhs, rhs, group_sizes, _after=after, **plain)
         return P.apply_activation(z, activation).astype(params["out_dtype"])
     made = _kernel_problem(name, lhs, rhs, group_sizes, params)
     if isinstance(made, str):
-        dispatch.record(dispatch.Lowered(None, made))
+        dispatch.record(dispatch.Lowered(None, _noted(made, _after)))
         return xla_fn(lhs, rhs, group_sizes, **params)
     problem, operands, modes, out_shape = made
     decision = dispatch.plan_call(problem, target)
     plan = decision.plan
     if plan.kernel == planning.KERNEL_XLA:
-        dispatch.record(dispatch.Lowered(plan, f"{name}: {plan.reason}"))
+        dispatch.record(dispatch.Lowered(plan, _noted(f"{name}: {plan.reason}", _after)))
         return xla_fn(lhs, rhs, group_sizes, **params)
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415
     from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
@@ -125,5 +129,10 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, **params):
     gs = group_sizes.astype(np.int32)
     out = gpu_lowering._ffi(compiled, out_type, [*operands, gs], layouts, order)
     notes = (*decision.notes, f"{activation} in the epilogue") if activation else decision.notes
+    notes = (*notes, _after) if _after else notes
     dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(notes or ("",))))
     return out
+
+
+def _noted(note: str, after: str) -> str:
+    return f"{note}; {after}" if after else note

@@ -34,7 +34,9 @@ nothing when they are replicated, as router outputs computed from replicated tok
     nonzero on one device only, so the sum is exact in the output dtype and is done in it);
     ragged_outer's result is split along g as wanted, with no communication.
   * k of ragged_dot (row-parallel weight): partial products in the accumulator dtype, one
-    reduction (all-reduce, or reduce-scatter as above), rounded once, as matmul's.
+    reduction (all-reduce, or reduce-scatter as above), rounded once, as matmul's; an
+    activation is applied to the reduced sum, before that rounding (over experts, each device
+    applies it to its rows: act(0) = 0 for every activation ragged_dot takes).
   * a mesh axis serves one factor at most; a sharding that does not divide its dim evenly is
     dropped, and whatever is not named above is gathered: replicated rather than wrong.
 
@@ -394,10 +396,12 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
     partial = any(f in decision.local for f in roles.reductions if f != "g")
     local_dtype = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype) if partial else out_dtype
     local_params = dict(params, out_dtype=local_dtype)
-    # ragged_dot's activation applies to the whole sum: after any reduction, to the float32
-    # partials summed, never to one device's partial.
+    # ragged_dot's activation applies to the whole sum: with partial sums over k it comes
+    # after their reduction (float32 partials summed, then the activation, one rounding). A
+    # sum over experts needs nothing: each row is nonzero on one device and every activation
+    # has act(0) = 0, so the local binds apply it (in the kernel's epilogue where fused).
     activation = params.get("activation")
-    late = activation is not None and bool(partial or decision.scatter or decision.psum)
+    late = activation is not None and partial
     if late:
         acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
         local_params = dict(params, out_dtype=acc, activation=None)
