@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sm100
-from jax_sm100 import bench
+from jax_sm100 import bench, bench_scaled
 from jax_sm100._src import ffi, planning, scaled_gpu
 from jax_sm100._src import primitive as P
 from jax_sm100._src.planning import sm90_scaled
@@ -57,18 +57,16 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
 
 
 def product(spec: str, plan: planning.GemmPlan):
-    """(a [m, k], (w [n, k], ls, rs)) -> [m, n] bfloat16 on `plan`'s kernel (cuBLAS for a
-    `cublas` variant: `lax.dot_general`, unscaled)."""
+    """(a [m, k], (w [n, k], ls, rs, ...)) -> [m, n] bfloat16 on `plan`'s kernel (cuBLAS for a
+    `cublas` variant: `lax.dot_general`, unscaled), on `bench_scaled.operands`."""
     ffi.register()
     if spec.split(":")[0] == "cublas":
-        return lambda a, b: jax.lax.dot_general(
-            a, b[0], (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16
-        )
+        return bench_scaled._unscaled(jax.lax.dot_general)
     if plan.kernel == planning.KERNEL_SM90_SCALED:
 
         def scaled(a, b):
-            w, ls, rs = b
-            one = 1.0 + 0.0 * a[0, 0].astype(jnp.float32)  # keeps the scales loop-variant
+            w, ls, rs = b[:3]
+            one = bench_scaled._one(a)  # keeps the scales loop-variant
             return scaled_gpu._call_sm90(plan, a[None], w[None], (ls * one)[None],
                                          (rs * one)[None])[0]  # fmt: skip
 
@@ -99,10 +97,7 @@ def main():
     ap.add_argument("--device-ms", type=float, default=20.0)
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split("x"))
-    ka, kb = jax.random.split(jax.random.key(0))
-    a, ls = jax_sm100.quantize(jax.random.normal(ka, (m, k), jnp.float32), "fp8_block128")
-    w, rs = jax_sm100.quantize(jax.random.normal(kb, (n, k), jnp.float32), "fp8_block128")
-    b = (w, ls, rs)
+    a, b = bench_scaled.operands(0, m, n, k)
     specs = args.variants.split(",")
     plans = [variant_plan(s, m, n, k) for s in specs]
     fns = [jax.jit(product(s, p)) for s, p in zip(specs, plans, strict=True)]

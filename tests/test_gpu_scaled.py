@@ -32,6 +32,7 @@ import jax_sm100
 from jax_sm100._src import dispatch, planning
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
 from tests import test_util as tu
+from tests.test_scaled import _reference64
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -73,16 +74,6 @@ def _operand(key, batch, rows, k):
     per_row = jax.random.randint(kr, (batch, rows, 1), -3, 4).astype(jnp.float32)
     per_block = jax.random.randint(kb, (batch, rows, k // 128), -3, 4).astype(jnp.float32)
     return x * jnp.exp2(per_row + jnp.repeat(per_block, 128, axis=-1))
-
-
-def _reference64(lhs, rhs, ls, rs):
-    def dequantized(data, scales):
-        data, scales = np.asarray(data, np.float64), np.asarray(scales, np.float64)
-        if scales.shape[-2] != data.shape[-2]:  # one scale per 128 rows
-            scales = np.repeat(scales, 128, axis=-2)[..., : data.shape[-2], :]
-        return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
-
-    return np.matmul(dequantized(lhs, ls), dequantized(rhs, rs).transpose(0, 2, 1))
 
 
 def _in_range(lhs, rhs, ls, rs, out_dtype):

@@ -31,7 +31,8 @@ def _unblock64(data, blocked):
 
 
 def _reference64(lhs, rhs, lhs_scales, rhs_scales):
-    """jax.nn.scaled_matmul's documented math in float64 numpy."""
+    """jax.nn.scaled_matmul's documented math in float64 numpy (scales plain, of 128-row tiles
+    or blocked); tests/test_gpu_scaled.py checks the kernel against it too."""
 
     def dequantize(data, scales):
         if scales.ndim == 6:
@@ -41,7 +42,7 @@ def _reference64(lhs, rhs, lhs_scales, rhs_scales):
             scales = np.repeat(scales, 128, axis=-2)[..., : data.shape[-2], :]
         return data * np.repeat(scales, data.shape[-1] // scales.shape[-1], axis=-1)
 
-    return np.einsum("bmk,bnk->bmn", dequantize(lhs, lhs_scales), dequantize(rhs, rhs_scales))
+    return np.matmul(dequantize(lhs, lhs_scales), dequantize(rhs, rhs_scales).transpose(0, 2, 1))
 
 
 def _normal(seed, shape):

@@ -397,14 +397,14 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
     local_dtype = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype) if partial else out_dtype
     local_params = dict(params, out_dtype=local_dtype)
     # ragged_dot's activation applies to the whole sum: with partial sums over k it comes
-    # after their reduction (float32 partials summed, then the activation, one rounding). A
-    # sum over experts needs nothing: each row is nonzero on one device and every activation
-    # has act(0) = 0, so the local binds apply it (in the kernel's epilogue where fused).
+    # after their reduction (the accumulator-dtype partials summed, then the activation, one
+    # rounding). A sum over experts needs nothing: each row is nonzero on one device and every
+    # activation has act(0) = 0, so the local binds apply it (in the kernel's epilogue where
+    # fused).
     activation = params.get("activation")
     late = activation is not None and partial
     if late:
-        acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
-        local_params = dict(params, out_dtype=acc, activation=None)
+        local_params["activation"] = None
     if g_axes:
         lhs = _roll_rows(lhs, -lead)
         if roles.name == "ragged_outer":
