@@ -179,13 +179,13 @@ class GroupedGpuTest(parameterized.TestCase):
 
     @parameterized.product(
         activation=["relu", "gelu", "silu"],
-        fused=["", "1"],
+        fused=["0", "1"],
         schedule=["cooperative", "pingpong"],
     )
     def test_activation(self, activation, fused, schedule):
-        # act of each float32 sum in the epilogue (JAX_SM100_RAGGED_FUSED_ACTIVATION=1), or
-        # after the kernel's float32 product (the default until this test passes on an H200);
-        # rows past the groups act(0) = 0.
+        # act of each float32 sum in the epilogue (the default, JAX_SM100_RAGGED_FUSED_ACTIVATION
+        # unset or 1), or after the kernel's float32 product (=0); rows past the groups
+        # act(0) = 0.
         g, m, k, n = 8, 1500, 256, 264
         rng = np.random.default_rng(11)
         lhs = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -201,7 +201,7 @@ class GroupedGpuTest(parameterized.TestCase):
         self.assertEqual(float(jnp.max(jnp.abs(out[total:].astype(jnp.float32)))), 0.0)
         (low,) = [x for x in seen if x.plan is not None]
         self.assertEqual(low.plan.kernel, GROUPED)
-        self.assertEqual(f"{activation} in the epilogue" in low.note, bool(fused))
+        self.assertEqual(f"{activation} in the epilogue" in low.note, fused == "1")
 
     @parameterized.parameters("cooperative", "pingpong")
     def test_many_groups_small(self, schedule):

@@ -297,11 +297,11 @@ class RaggedDotTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "activation='tanh' must be one of"):
             jax_sm100.ragged_dot(lhs, rhs, sizes, activation="tanh")
 
-    @parameterized.parameters("", "1")
+    @parameterized.parameters("0", "", "1")
     def test_activation_lowering(self, fused):
-        # sm_90a: unfused (the default until an H200 run verifies the epilogue), the kernel
-        # writes the float32 product and XLA applies the activation; with
-        # JAX_SM100_RAGGED_FUSED_ACTIVATION=1 the kernel's epilogue applies it. Under grad the
+        # sm_90a: by default (or with JAX_SM100_RAGGED_FUSED_ACTIVATION=1) the kernel's epilogue
+        # applies the activation; with =0 the kernel writes the float32 product and XLA applies
+        # it. Under grad the
         # products are the three grouped kernels either way (the JVP binds the plain product).
         lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
@@ -312,7 +312,7 @@ class RaggedDotTest(parameterized.TestCase):
             text = _export(fwd, lhs, rhs, sizes).mlir_module()
         (low,) = [x for x in seen if x.plan is not None]
         self.assertEqual(low.plan.kernel, "sm90_wgmma_grouped")
-        if fused:
+        if fused != "0":
             self.assertEqual(low.plan.out_dtype, "bfloat16")
             self.assertIn("gelu in the epilogue", low.note)
             self.assertNotIn("stablehlo.tanh", text)

@@ -104,7 +104,7 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
 
     @parameterized.product(schedule=("", "pingpong"), activation=("gelu", "silu"))
     def test_activation_in_the_epilogue(self, schedule, activation):
-        # ragged_dot's fused activation (JAX_SM100_RAGGED_FUSED_ACTIVATION=1): the epilogue's
+        # ragged_dot's fused activation (the default): the epilogue's
         # tanh (gelu) or exp2 (silu's sigmoid) before the store; wgmma not serialized.
         with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
             plan = jax_sm100.plan(8192, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16",

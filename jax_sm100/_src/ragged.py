@@ -20,8 +20,8 @@ each other's transposes, so a training step differentiates into these two primit
 An activation makes ragged_dot_p nonlinear: its JVP takes the float32 product z of the same
 operands without it (ragged_dot_p again), returns act(z) and scales the tangent by act'(z), so
 a training step still differentiates into the two bilinear primitives. Only a call that is not
-differentiated can run the activation in the grouped kernel's epilogue, and only with
-JAX_SM100_RAGGED_FUSED_ACTIVATION=1 until an H200 run verifies it (ragged_gpu.py); sharded
+differentiated runs the activation in the grouped kernel's epilogue (unless
+JAX_SM100_RAGGED_FUSED_ACTIVATION=0; ragged_gpu.py); sharded
 partial sums over k take it after their reduction (ragged_sharding.py).
 
 The batch dims `B` come from `vmap` (the batching rules move every mapped dim to the front and

@@ -1,0 +1,91 @@
+"""Where the grouped kernel loses to the dense one: `python benchmarks/grouped_gap.py`.
+
+At each problem (G equal groups, [m, k] @ [G, k, n], normal bfloat16 data) it times, by wall
+clock (`bench_train.time_steps`), `jax_sm100.ragged_dot` with G groups and with one group of all
+m rows, each restricted to one tile and schedule, beside `jax_sm100.matmul` at the same m, k, n
+on the same tile and schedule with 1 x 1 and 2 x 1 clusters and with the grouped kernel's raster
+(along M, no swizzle) or the planner's. The differences between rows separate what grouping
+costs (the table, the ragged TMA views, group boundaries) from what the grouped plans lack
+(clusters, raster). Prints TF/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+import jax_sm100
+from jax_sm100._src import planning
+from jax_sm100._src.planning import sm90
+from jax_sm100.bench_ragged import group_sizes
+from jax_sm100.bench_train import time_steps
+
+PROBLEMS = ((64, 65536, 2048, 1408), (128, 16384, 2048, 768))
+SCHEDULES = ((128, 256, False), (128, 160, True))
+
+
+def _grouped(lhs, rhs, sizes, tm, tn, pingpong):
+    table = ((tm, tn, 1.0),)
+    patches = [mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ())]
+    if pingpong:
+        patches.append(mock.patch.object(sm90, "_SM90_GROUPED_PINGPONG", table))
+        patches.append(mock.patch.dict("os.environ", {"JAX_SM100_GROUPED_SCHEDULE": "pingpong"}))
+    else:
+        patches.append(mock.patch.object(sm90, "_SM90_CANDIDATES", table))
+    for p in patches:
+        p.start()
+    try:
+        planning._plan_cached.cache_clear()
+        f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
+        with jax_sm100.lowerings() as seen:
+            t = time_steps(f, lhs, rhs, sizes)
+        tiles = {low.plan.cta_tile_mnk[:2] for low in seen if low.plan}
+        if tiles != {(tm, tn)}:
+            return float("nan")
+        return t
+    finally:
+        for p in reversed(patches):
+            p.stop()
+        planning._plan_cached.cache_clear()
+
+
+def _dense(a, b, tm, tn, pingpong, cluster, grouped_raster):
+    base = jax_sm100.plan(a.shape[0], b.shape[1], a.shape[1], a_dtype=a.dtype,
+                          b_dtype=b.dtype, arch="sm_90a")  # fmt: skip
+    changes = {"stream_k": False}
+    if grouped_raster:
+        changes.update(raster_along_m=True, swizzle_size=1)
+    plan = planning.sm90_variant(base, tile_mn=(tm, tn), cluster_mn=cluster,
+                                 pingpong=pingpong, **changes)  # fmt: skip
+    f = jax.jit(lambda x, y: jax_sm100.matmul(x, y, plan=plan))
+    return time_steps(f, a, b)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.parse_args(argv)
+    for i, (g, m, k, n) in enumerate(PROBLEMS):
+        keys = jax.random.split(jax.random.key(i), 2)
+        lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        flops = 2 * m * k * n
+        tf = lambda t: f"{flops / t / 1e12:6.1f}"  # noqa: E731
+        for tm, tn, pp in SCHEDULES:
+            kind = f"{tm}x{tn} {'ping-pong' if pp else 'cooperative'}"
+            row = {
+                f"{g} groups": _grouped(lhs, rhs, group_sizes(i, g, m), tm, tn, pp),
+                "1 group": _grouped(lhs, rhs[:1], jnp.array([m], jnp.int32), tm, tn, pp),
+            }
+            for cluster in ((1, 1), (2, 1)):
+                for raster in (True, False):
+                    name = f"dense {cluster[0]}x{cluster[1]} {'M,1' if raster else 'plan'}"
+                    row[name] = _dense(lhs, rhs[0], tm, tn, pp, cluster, raster)
+            cells = "  ".join(f"{name}: {tf(t)}" for name, t in row.items())
+            print(f"{g:3d} x {m}x{k}x{n} {kind}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
