@@ -72,7 +72,6 @@ def main(argv=None):
         lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
         rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
         flops = 2 * m * k * n
-        tf = lambda t: f"{flops / t / 1e12:6.1f}"  # noqa: E731
         for tm, tn, pp in SCHEDULES:
             kind = f"{tm}x{tn} {'ping-pong' if pp else 'cooperative'}"
             row = {
@@ -83,7 +82,7 @@ def main(argv=None):
                 for raster in (True, False):
                     name = f"dense {cluster[0]}x{cluster[1]} {'M,1' if raster else 'plan'}"
                     row[name] = _dense(lhs, rhs[0], tm, tn, pp, cluster, raster)
-            cells = "  ".join(f"{name}: {tf(t)}" for name, t in row.items())
+            cells = "  ".join(f"{name}: {flops / t / 1e12:6.1f}" for name, t in row.items())
             print(f"{g:3d} x {m}x{k}x{n} {kind}: {cells}", flush=True)
 
 

@@ -15,8 +15,9 @@ from absl.testing import absltest, parameterized
 from jax import lax
 
 import jax_sm100
-from jax_sm100._src import dispatch
+from jax_sm100._src import dispatch, planning
 from jax_sm100._src import primitive as P
+from jax_sm100._src.planning import sm90
 
 GROUPED = "sm90_wgmma_grouped"
 
@@ -56,20 +57,33 @@ _TOL = {"bfloat16": 1e-2, "float16": 2e-3}
 class GroupedGpuTest(parameterized.TestCase):
     def lower_and_run(self, schedule, fn, *args):
         """`fn(*args)` lowered with the grouped planner restricted to `schedule` ("" for the
-        planner's choice); returns (result, the lowerings)."""
-        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
-            with jax_sm100.lowerings() as seen:
+        planner's choice), and to a cluster if it names one ("pingpong/2x1": CTA pairs along M,
+        B multicast; "/1x1": none); returns (result, the lowerings)."""
+        schedule, _, cluster = schedule.partition("/")
+        gain = {"": sm90.GROUPED_MULTICAST_GAIN, "1x1": 1e-6, "2x1": 1e6}[cluster]
+        planning._plan_cached.cache_clear()
+        try:
+            with (
+                mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}),
+                mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
+                jax_sm100.lowerings() as seen,
+            ):
                 out = jax.jit(fn)(*args)
+        finally:
+            planning._plan_cached.cache_clear()
         for low in seen:
-            if low.plan is not None and low.plan.kernel == GROUPED and schedule:
-                self.assertEqual(low.plan.pingpong, schedule == "pingpong")
+            if low.plan is not None and low.plan.kernel == GROUPED:
+                if schedule:
+                    self.assertEqual(low.plan.pingpong, schedule == "pingpong")
+                if cluster:
+                    self.assertEqual("x".join(map(str, low.plan.cluster_shape_mn)), cluster)
         return out, seen
 
     @parameterized.product(
         shape=[(8, 1024, 256, 512), (5, 777, 136, 264), (16, 4096, 512, 256), (3, 300, 64, 520)],
         fill=[1.0, 0.7],
         transpose_rhs=[False, True],
-        schedule=["cooperative", "pingpong"],
+        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/1x1", "pingpong/2x1"],
     )
     def test_forward(self, shape, fill, transpose_rhs, schedule):
         self._forward(shape, fill, "bfloat16", transpose_rhs, schedule)
@@ -98,7 +112,7 @@ class GroupedGpuTest(parameterized.TestCase):
     @parameterized.product(
         shape=[(8, 1024, 256, 512), (6, 999, 200, 136), (32, 2048, 128, 256)],
         fill=[1.0, 0.6],
-        schedule=["cooperative", "pingpong"],
+        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/1x1", "pingpong/2x1"],
     )
     def test_gradients(self, shape, fill, schedule):
         g, m, k, n = shape
@@ -127,19 +141,20 @@ class GroupedGpuTest(parameterized.TestCase):
         ran = {x.note.split(":")[0] for x in seen if x.plan and x.plan.kernel == GROUPED}
         self.assertEqual(ran, {"ragged_dot", "ragged_outer"}, [x.note for x in seen])
 
-    def test_sizes_past_m_are_clamped(self):
+    @parameterized.parameters("pingpong/1x1", "cooperative/2x1")
+    def test_sizes_past_m_are_clamped(self, schedule):
         # Sizes summing past m: rows are assigned in order until m runs out (no out-of-bounds
         # access), as the running sum clamped to m gives them.
         g, m, k, n = 4, 512, 128, 256
         lhs = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(jnp.bfloat16)
         rhs = jax.random.normal(jax.random.key(1), (g, k, n), jnp.float32).astype(jnp.bfloat16)
         gs = jnp.asarray([300, 0, 400, 100], jnp.int32)
-        out, _ = self.lower_and_run("pingpong", jax_sm100.ragged_dot, lhs, rhs, gs)
+        out, _ = self.lower_and_run(schedule, jax_sm100.ragged_dot, lhs, rhs, gs)
         ref = _reference(lhs, rhs, jnp.asarray([300, 0, 212, 0], jnp.int32))
         self.assertLess(_rel(out, ref), 1e-2)
 
-    @parameterized.parameters(False, True)
-    def test_weight_gradient_layouts(self, transpose_out):
+    @parameterized.product(transpose_out=[False, True], cluster=["/1x1", "/2x1"])
+    def test_weight_gradient_layouts(self, transpose_out, cluster):
         # The ragged-contraction primitive itself, both output orders ([g, k, n] and, as the
         # transpose of a transposed-rhs product gives it, [g, n, k]: the operands swap roles).
         from jax_sm100._src import ragged  # noqa: PLC0415
@@ -152,7 +167,7 @@ class GroupedGpuTest(parameterized.TestCase):
         fn = lambda a, b, s: ragged.ragged_outer_p.bind(  # noqa: E731
             a, b, s, out_dtype=np.dtype(jnp.bfloat16), transpose_out=transpose_out
         )
-        out, seen = self.lower_and_run("", fn, lhs, ct, gs)
+        out, seen = self.lower_and_run(cluster, fn, lhs, ct, gs)
         f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
         starts = np.concatenate([[0], np.cumsum(np.asarray(gs))])
         want = np.stack([
@@ -180,7 +195,7 @@ class GroupedGpuTest(parameterized.TestCase):
     @parameterized.product(
         activation=["relu", "gelu", "silu"],
         fused=["0", "1"],
-        schedule=["cooperative", "pingpong"],
+        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/2x1"],
     )
     def test_activation(self, activation, fused, schedule):
         # act of each float32 sum in the epilogue (the default, JAX_SM100_RAGGED_FUSED_ACTIVATION
@@ -203,7 +218,7 @@ class GroupedGpuTest(parameterized.TestCase):
         self.assertEqual(low.plan.kernel, GROUPED)
         self.assertEqual(f"{activation} in the epilogue" in low.note, fused == "1")
 
-    @parameterized.parameters("cooperative", "pingpong")
+    @parameterized.parameters("cooperative/1x1", "cooperative/2x1", "pingpong/1x1", "pingpong/2x1")
     def test_many_groups_small(self, schedule):
         # More groups than rows per tile: most tiles straddle boundaries; many groups empty.
         g, m, k, n = 256, 4096, 256, 384

@@ -178,7 +178,9 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
         # A CTA pair or a cluster: refused by the plan itself, and by the family.
         for edit in (dict(use_2cta=True, mma_tiler_mnk=(256, 256, 64)),
                      dict(cluster_shape_mn=(2, 1))):  # fmt: skip
-            with self.assertRaisesRegex(constraints.PlanError, "1x1 cluster and 1-CTA"):
+            with self.assertRaisesRegex(
+                constraints.PlanError, r"a cluster in \(\(1, 1\),\) and 1-CTA"
+            ):
                 dataclasses.replace(plan, **edit)
         pair = dataclasses.replace(plan, groups=0, ragged="", kernel=planning.KERNEL_SM100)
         self.assertIn("not a grouped plan", sm100_grouped.Sm100GroupedGemmKernel.why_not(

@@ -4,7 +4,8 @@ The H200 runs tests/test_gpu_ragged.py against this family; these CPU cases pin 
 binaries hold so that CI notices when a change moves them: for both ragged modes ("m": rows in
 groups, B N- or K-major; "k": the contraction in groups), both schedules and fp8:
 
-  * wgmma of the operands' kind (the tile's N), no multicast (grouped plans run 1x1 clusters);
+  * wgmma of the operands' kind (the tile's N); in 2x1 clusters B's loads multicast to both
+    CTAs of the pair and each stage is released to both, in 1x1 clusters nothing multicasts;
   * TMA loads through the rank-4 ragged views (cp.async.bulk.tensor.4d for each operand whose
     rows come in groups; 3d for "m" mode's B, addressed by its group in the L mode) and stores
     of D (4d through the ragged view in "m" mode, 3d into (M, N, G) in "k" mode);
@@ -26,6 +27,7 @@ import jax_sm100
 from jax_sm100._src import planning
 from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.planning import sm90
 from tests.test_sm100_ptx import _expect_tx_bytes, wgmma_serialized
 
 GROUPED = planning.KERNEL_SM90_GROUPED
@@ -33,8 +35,20 @@ _KIND = {"bfloat16": "bf16.bf16", "float16": "f16.f16", "float8_e4m3fn": "e4m3.e
 
 CASES = [
     dict(testcase_name="m_bf16_Bmajor_n", m=8192, n=4096, k=4096, ragged="m", b_major="n"),
+    dict(
+        testcase_name="m_bf16_Bmajor_n_1x1",
+        m=8192,
+        n=4096,
+        k=4096,
+        ragged="m",
+        b_major="n",
+        cluster="1x1",
+    ),  # fmt: skip
     dict(testcase_name="m_bf16_Bmajor_k", m=8192, n=4096, k=4096, ragged="m", b_major="k"),
     dict(testcase_name="k_bf16", m=4096, n=4096, k=32768, ragged="k", b_major="n"),
+    dict(
+        testcase_name="k_bf16_1x1", m=4096, n=4096, k=32768, ragged="k", b_major="n", cluster="1x1"
+    ),  # fmt: skip
     dict(
         testcase_name="m_fp16_pingpong",
         m=8192,
@@ -44,6 +58,7 @@ CASES = [
         b_major="n",
         dtype="float16",
         schedule="pingpong",
+        cluster="2x1",
     ),  # fmt: skip
     dict(
         testcase_name="k_bf16_pingpong",
@@ -68,24 +83,46 @@ CASES = [
 
 class Sm90GroupedPtxTest(parameterized.TestCase):
     @parameterized.named_parameters(*CASES)
-    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule=""):
-        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
+    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule="", cluster=""):
+        # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny).
+        gain = {"": sm90.GROUPED_MULTICAST_GAIN, "1x1": 1e-6, "2x1": 1e6}[cluster]
+        with (
+            mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}),
+            mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
+        ):
+            planning._plan_cached.cache_clear()
             plan = jax_sm100.plan(
                 m, n, k, a_dtype=dtype, b_dtype=dtype, out_dtype="bfloat16", arch="sm_90a",
                 groups=16, ragged=ragged, a_major="k" if ragged == "m" else "m",
                 b_major=b_major,
             )  # fmt: skip
+        planning._plan_cached.cache_clear()
         self.assertEqual(plan.kernel, GROUPED, plan.reason)
         self.assertEqual(plan.pingpong, schedule == "pingpong")
+        pair = plan.cluster_shape_mn[0]
+        if cluster:
+            self.assertEqual(plan.cluster_shape_mn, (int(cluster[0]), 1))
         ptx = compile_plan(plan).ptx
         tm, tn, tk = plan.cta_tile_mnk
         self.assertRegex(
             ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{tn}k\d+\.f32\.{_KIND[dtype]}"
         )
-        self.assertNotIn("multicast", ptx)
         loads = re.findall(
-            r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cta\.global\.tile\.mbarrier", ptx
+            r"cp\.async\.bulk\.tensor\.(\d)d\.shared::(?:cta|cluster)\.global\.tile\.mbarrier",
+            ptx,
         )
+        multicast = re.findall(
+            r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cluster\.global\.tile\.mbarrier::"
+            r"complete_tx::bytes\.multicast::cluster", ptx
+        )  # fmt: skip
+        if pair == 1:
+            self.assertNotIn("multicast", ptx)
+            self.assertNotIn("mbarrier.arrive.shared::cluster", ptx)
+        else:
+            # B's loads only (3d by group in "m" mode, 4d ragged in "k" mode); A's stay local.
+            self.assertEqual(set(multicast), {"3" if ragged == "m" else "4"})
+            self.assertIn("mbarrier.arrive.shared::cluster", ptx)  # releases to both CTAs
+            self.assertIn("%cluster_ctarank", ptx)
         stores = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.global\.shared::cta", ptx)
         if ragged == "m":
             self.assertEqual(set(loads), {"3", "4"})  # A ragged, B by group in L

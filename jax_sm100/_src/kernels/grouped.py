@@ -17,10 +17,13 @@ mixin each family puts before its dense kernel class) and two functions:
 * The schedule. Every CTA first builds a table in shared memory from the group sizes (one warp,
   32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
   extent the groups partition, so bad sizes never address outside the buffers) and, in "m"
-  mode, its first work tile. A work tile is (group, m tile, n tile); CTA c takes work tiles c,
-  c + grid, ..., and a binary search of the table gives a work index its group. In "m" mode a
-  group of g_j rows has ceil(g_j / tile_m) x tiles_n work tiles, a group boundary falls inside
-  a tile anywhere, and an empty group has none; a last pseudo-group covers the rows past the
+  mode, its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles
+  c, c + clusters, ..., and a binary search of the table gives a work index its group. A
+  cluster of `pair` CTAs along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA
+  r takes the rows from r * tile_m on, so both CTAs of a pair stay inside one group and share
+  its B tile by multicast; a CTA whose rows start past the group's end loads zeros and stores
+  nothing. In "m" mode a group of g_j rows has ceil(g_j / (pair x tile_m)) x tiles_n work
+  tiles, a group boundary falls inside a tile anywhere, and an empty group has none; a last pseudo-group covers the rows past the
   groups (zeros, no main loop). In "k" mode the tiles are G x tiles_m x tiles_n and each runs
   ceil(g_j / tile_k) k-blocks (none for an empty group: it stores zeros). Every warp role of a
   CTA walks the same work indices and reads the same table, so they agree on each tile's group,
@@ -49,6 +52,7 @@ from cutlass import cute
 
 from jax_sm100._src.kernels import common, family
 from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS
 
 # The ragged view (module docstring): the ragged mode's extent, and the extra modes' extent.
 _RAGGED_EXTENT = 2**30
@@ -97,8 +101,11 @@ class GroupedGemm:
     def _init_grouped(self, plan):
         self.groups = int(plan.groups)
         self.ragged = plan.ragged
-        # A work tile's (rows, columns, k-block) of D and the operands: the CTA tile.
-        self.work_tile = tuple(plan.cta_tile_mnk)
+        # A work tile's (rows, columns, k-block) of D and the operands: the cluster's, whose
+        # `pair` CTAs (the cluster's M extent) take its consecutive m tiles.
+        self.pair = int(plan.cluster_shape_mn[0])
+        tm, tn, tk = plan.cta_tile_mnk
+        self.work_tile = (tm * self.pair, tn, tk)
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -107,8 +114,9 @@ class GroupedGemm:
             return "not a grouped plan (plan.groups, plan.ragged)"
         if plan.split_k != 1 or plan.stream_k or plan.stage_c:
             return "grouped plans run without split-K, stream-K or a staged C"
-        if tuple(plan.cluster_shape_mn) != (1, 1):
-            return f"grouped plans run 1x1 clusters, not {plan.cluster_shape_mn}"
+        clusters = GROUPED_CLUSTERS.get(plan.kernel, ((1, 1),))
+        if tuple(plan.cluster_shape_mn) not in clusters:
+            return f"{plan.kernel} runs clusters in {clusters}, not {plan.cluster_shape_mn}"
         if spec.has_c or spec.has_bias or spec.preact_out or spec.act_grad:
             return "the grouped epilogue takes alpha and an activation only"
         if plan.ragged == "m" and spec.a_major != "k":
@@ -241,9 +249,11 @@ class GroupedGemm:
         return num
 
     @cute.jit
-    def _work(self, sched, w):
-        """Work tile `w` as (group, first row, rows, m tile, n tile, zeros): `zeros` when the
-        tile has no main loop (the rows past the groups, or an empty group's D)."""
+    def _work(self, sched, w, rank=0):
+        """Work tile `w` as (group, first row, rows, m tile, n tile, zeros) for the CTA of rank
+        `rank` along the cluster's M (its m tile is `rank` of the work tile's `pair`; past the
+        group's rows it loads zeros and stores nothing): `zeros` when the tile has no main loop
+        (the rows past the groups, or an empty group's D)."""
         table, tiles_m, tiles_n, _ = sched
         g = self.groups
         tm, _, tk = self.work_tile
@@ -271,7 +281,7 @@ class GroupedGemm:
         if cutlass.const_expr(self.ragged == "m"):
             m_tiles = (rows + tm - 1) // tm
         n_tile = local // m_tiles
-        m_tile = local - n_tile * m_tiles
+        m_tile = (local - n_tile * m_tiles) * self.pair + rank
         zeros = rows == 0
         if cutlass.const_expr(self.ragged == "m"):
             zeros = group == g

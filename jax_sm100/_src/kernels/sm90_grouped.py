@@ -8,6 +8,9 @@ shared with the SM100 family (sm100_grouped.py).
 The warp roles, stage ring, main loop and epilogue are the dense SM90 family's (sm90_gemm.py):
 a producer warp walking the work tiles with per-group TMA coordinates, and consumer warp groups
 that are cooperative (a warp group per 64 rows of the tile) or ping-pong (whole tiles in turn).
+In 2x1 clusters (`plan.cluster_shape_mn`) the two CTAs take the two m tiles of each work tile,
+inside one group: each loads half of the group's B tile for both (TMA multicast), and every
+consumer warp of both releases each stage to both producers.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         tm, tn, tk = self.tile_mnk
         a_view, b_view, d_view, extent, tiles_m, tiles_n, max_work = self._grouped_views(a, b, d)
         tma_a, ta = self._tma_load(a_view, self.a_smem_staged, (tm, tk), 1)
-        tma_b, tb = self._tma_load(b_view, self.b_smem_staged, (tn, tk), 1)
+        # A 2x1 cluster's CTAs share the B tile: each loads half of it for both.
+        tma_b, tb = self._tma_load(b_view, self.b_smem_staged, (tn, tk), self.pair)
         tma_d, td = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), d_view,
             cute.slice_(self.d_smem_staged, (None, None, 0)), self.epi_tile,
@@ -71,13 +75,13 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             ],
         }
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
-        grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1)
+        grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.kernel(
             tma_a, ta, tma_b, tb, tma_d, td, gs, extent, a.shape[1], tiles_m, tiles_n,
             self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=(1, 1, 1),
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=(self.pair, 1, 1),
             min_blocks_per_mp=1, stream=stream,
         )  # fmt: skip
 
@@ -105,6 +109,15 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // _THREADS_PER_WG)
+        # The CTA's rank along the cluster's M: its m tile within each work tile (0 in 1x1
+        # clusters). Both CTAs of a pair walk the same work tiles, so they agree on each tile's
+        # group and k-block count, and so on the stages they share.
+        rank = cutlass.Int32(0)
+        b_mask = 0
+        if cutlass.const_expr(self.pair > 1):
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cluster = cute.make_layout((self.pair, 1, 1))
+            b_mask = cute.make_layout_image_mask(cluster, cluster.get_flat_coord(rank), mode=0)
 
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -116,20 +129,24 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         stage_bytes = cute.size_in_bytes(
             self.a_dtype, cute.slice_(a_smem_staged, (None, None, 0))
         ) + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem_staged, (None, None, 0)))
+        # Every consumer warp of both CTAs reads a stage whose B half came from either CTA, so
+        # every one of them releases it to both producers.
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.pair * self.mma_wgs * 4
+            ),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.pair, 1, 1)),
             defer_sync=True,
         )
         table = storage.table.get_tensor(cute.make_layout(2 * (self.groups + 2)))
         if warp == 0:
             self._build_table(mGs, table, extent, tiles_n)
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.pair, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.pair, 1))
         cute.arch.sync_threads()
 
         sA = storage.sa.get_tensor(a_smem_staged.outer, swizzle=a_smem_staged.inner)
@@ -140,25 +157,31 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         if wg == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp == 0:
-                self._produce_grouped(ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB)
+                self._produce_grouped(ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank,
+                                      b_mask)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_grouped(ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp,
-                                  wg - 1, tidx - _THREADS_PER_WG)  # fmt: skip
+                                  wg - 1, tidx - _THREADS_PER_WG, rank)  # fmt: skip
 
     # ---------------------------------------------------------------- producer
 
     @cute.jit
-    def _produce_grouped(self, ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB):
+    def _first_work(self):
+        """(this cluster's first work tile, the stride to its next): clusters take work tiles
+        c, c + clusters, ..."""
+        return cute.arch.block_idx()[0] // self.pair, cute.arch.grid_dim()[0] // self.pair
+
+    @cute.jit
+    def _produce_grouped(self, ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank, b_mask):
         tm, tn, tk = self.tile_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         num = self._num_work(sched)
-        w = cute.arch.block_idx()[0]
-        stride = cute.arch.grid_dim()[0]
+        w, stride = self._first_work()
         sAg = cute.group_modes(sA, 0, 2)
         sBg = cute.group_modes(sB, 0, 2)
         while w < num:
-            group, start, rows, m_tile, n_tile, zeros = self._work(sched, w)
+            group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, rank)
             if cutlass.const_expr(self.ragged == "m"):
                 a_mk = ragged_slice(mA, 0, start, rows)
                 b_nk = mB[(None, None, group)]
@@ -171,14 +194,15 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 tma_a, 0, cute.make_layout(1), sAg, cute.group_modes(gA, 0, 2)
             )
             tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), sBg, cute.group_modes(gB, 0, 2)
+                tma_b, rank, cute.make_layout(self.pair), sBg, cute.group_modes(gB, 0, 2)
             )
             n_k = self._k_tiles(sched, rows, zeros)
             for kt in range(n_k):
                 ab_pipe.producer_acquire(state)
                 barrier = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
-                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
+                          mcast_mask=b_mask)  # fmt: skip
                 ab_pipe.producer_commit(state)
                 state.advance()
             w += stride
@@ -188,7 +212,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
 
     @cute.jit
     def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp,
-                         consumer_wg, ctidx):  # fmt: skip
+                         consumer_wg, ctidx, rank):  # fmt: skip
         """The consumer warp groups. Cooperative: both take every tile of the CTA, 64 rows
         each. Ping-pong: warp group c takes the CTA's tiles c, c + 2, ... whole, and the two
         take turns at the stage ring (a named barrier each), so one's epilogue runs under the
@@ -219,8 +243,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         num = self._num_work(sched)
-        w = cute.arch.block_idx()[0]
-        stride = cute.arch.grid_dim()[0]
+        w, stride = self._first_work()
         step = stride
         if cutlass.const_expr(self.pingpong):
             step = 2 * stride
@@ -232,7 +255,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 w += stride
         tiles_done = cutlass.Int32(0)
         while w < num:
-            group, start, rows, m_tile, n_tile, zeros = self._work(sched, w)
+            group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, rank)
             n_k = self._k_tiles(sched, rows, zeros)
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()

@@ -43,6 +43,9 @@ KERNELS = (
 RAGGED_MODES = ("", "m", "k")
 # The kernels of grouped problems, one per arch (kernels/grouped.py holds what they share).
 GROUPED_KERNELS = (KERNEL_SM90_GROUPED, KERNEL_SM100_GROUPED)
+# The clusters each grouped kernel takes (kernels/grouped.py): CTAs paired along M inside one
+# group on sm_90a, none on sm_100a.
+GROUPED_CLUSTERS = {KERNEL_SM90_GROUPED: ((1, 1), (2, 1)), KERNEL_SM100_GROUPED: ((1, 1),)}
 # Grouped problems: more groups than this keep the group table from leaving room for the stage
 # ring, so they run on XLA's ragged dot; and the running row sums of the table (and the ragged
 # TMA view's extent, kernels/grouped.py) hold fewer than 2^30 rows.
@@ -317,14 +320,17 @@ class GemmPlan:
                 f"kernel={self.kernel!r}: grouped problems run on one of {GROUPED_KERNELS} (or "
                 f"{KERNEL_XLA!r}), dense ones never do"
             )
-        # A grouped work tile's rows may end anywhere inside it, at a group boundary: the CTAs
-        # of a cluster, or the two of a 2-CTA MMA's pair, would not share one group's operand.
+        # A grouped work tile's rows may end anywhere inside it, at a group boundary. The SM90
+        # kernel pairs CTAs along M inside one group (the two m tiles of a 2x1 cluster's work
+        # tile share the group's B tile by multicast); the SM100 one runs 1x1 clusters and
+        # 1-CTA MMAs only.
+        clusters = GROUPED_CLUSTERS.get(self.kernel, ((1, 1),))
         if self.groups and (self.batch != 1 or self.split_k != 1 or self.stream_k
-                            or self.cluster_shape_mn != (1, 1) or self.use_2cta):  # fmt: skip
+                            or self.cluster_shape_mn not in clusters or self.use_2cta):  # fmt: skip
             raise C.PlanError(
-                "a grouped plan has batch 1, no split-K or stream-K, a 1x1 cluster and 1-CTA "
-                f"MMAs; got {self.batch=}, {self.split_k=}, {self.stream_k=}, "
-                f"{self.cluster_shape_mn=}, {self.use_2cta=}"
+                "a grouped plan has batch 1, no split-K or stream-K, a cluster in "
+                f"{clusters} and 1-CTA MMAs; got {self.batch=}, {self.split_k=}, "
+                f"{self.stream_k=}, {self.cluster_shape_mn=}, {self.use_2cta=}"
             )
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_GROUPED) and (
             self.arch != "sm_90a"
@@ -473,11 +479,14 @@ class GemmPlan:
         return math.ceil(self.m / cm) * math.ceil(self.n / cn) * self.batch
 
     def _grouped_tiles_text(self) -> str:
+        """CTA tiles: a cluster's work tile is `cluster_shape_mn[0]` of them along M."""
         cm, cn, _ = self.cta_tile_mnk
-        tn = math.ceil(self.n / cn)
+        pair = self.cluster_shape_mn[0]
+        tn = math.ceil(self.n / cn) * pair
+        rows = math.ceil(self.m / (cm * pair))
         if self.ragged == "k":
-            return f"{self.groups * math.ceil(self.m / cm) * tn} ({self.groups} x the [m, n] grid)"
-        low, high = math.ceil(self.m / cm) * tn, (math.ceil(self.m / cm) + self.groups + 1) * tn
+            return f"{self.groups * rows * tn} ({self.groups} x the [m, n] grid)"
+        low, high = rows * tn, (rows + self.groups + 1) * tn
         return f"{low} to {high} (by the group sizes, read on the device)"
 
     def __str__(self) -> str:

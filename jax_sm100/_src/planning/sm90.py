@@ -350,12 +350,20 @@ GROUPED_SCHEDULES = ("", "pingpong", "cooperative")
 GROUPED_EPI_STAGES = 2
 
 
+# A 2x1 cluster's CTAs take two m tiles of one group and share its B tile by multicast; the
+# weight the planner gives that (our dense kernel at 65536x2048x1408, 128x256 cooperative, 2x1
+# against 1x1 clusters: 1.08x; benchmarks/grouped_gap.py, eleventh session). A group with an
+# odd number of m tiles leaves one CTA of its last pair idle (its rows are past the group: zero
+# loads, no stores), which the wave count below charges.
+GROUPED_MULTICAST_GAIN = 1.08
+
+
 def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
-    cooperative tile with the fewest weighted waves for groups of equal size (in ragged-rows
-    mode each group's last m tile is partial), one CTA per cluster (the work tiles of a CTA
-    pair would not share operands across group boundaries), as many A/B stages as fit beside the
-    group table and a 2-deep store ring."""
+    cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
+    the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
+    tile, or pair of tiles, is partial), as many A/B stages as fit beside the group table and a
+    2-deep store ring."""
     g, num_sms = common["groups"], common["num_sms"]
     why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
@@ -368,23 +376,25 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
         candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
     best = None
     for tm, tn, pingpong, eff in candidates:
-        cost = _wave_cost(grouped_work_tiles(common, tm, tn), 1, num_sms, tm * tn, eff)
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, tm, tn, pingpong)
-    _, tm, tn, pingpong = best
+        for pair, gain in ((1, 1.0), (2, GROUPED_MULTICAST_GAIN)):
+            tiles = grouped_work_tiles(common, pair * tm, tn) * pair
+            cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff * gain)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, tm, tn, pingpong, pair)
+    _, tm, tn, pingpong, pair = best
     kind = "ping-pong" if pingpong else "cooperative"
     kernel, reason = KERNEL_SM90_GROUPED, (
-        f"grouped wgmma {tm}x{tn} {kind} tile over {g} groups (ragged {common['ragged']}): "
-        f"fewest weighted waves on {num_sms} SMs"
+        f"grouped wgmma {tm}x{tn} {kind} tile in {pair}x1 clusters over {g} groups (ragged "
+        f"{common['ragged']}): fewest weighted waves on {num_sms} SMs"
     )  # fmt: skip
     if why_not is not None:
-        kernel, reason = KERNEL_XLA, why_not
+        kernel, reason, pair = KERNEL_XLA, why_not, 1
     plan = GemmPlan(
         **common,
         kernel=kernel,
         reason=reason,
         mma_tiler_mnk=(tm, tn, ktile),
-        cluster_shape_mn=(1, 1),
+        cluster_shape_mn=(pair, 1),
         use_2cta=False,
         num_ab_stages=C.MIN_AB_STAGES,
         num_acc_stages=1,
