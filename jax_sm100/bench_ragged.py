@@ -15,11 +15,15 @@ calls blocked once):
 - the dense product of the same FLOPs ([m, k] @ [k, n]) on our kernel (`jax_sm100.matmul`,
   forward and vjp) and on XLA (`jnp.dot`, forward): the ceiling a grouped GEMM is held to.
 
-Prints TFLOP/s (2 m k n per forward, three times that per forward + vjp counted as the vjp's
-two products) and the ratios: ours / lax, and ours / our dense product. The default problems
-are issue 18's (8 x 32768x4096x4096, 64 x 65536x2048x1408, 128 x 16384x2048x768) and 256
-groups of 128 rows (32768x2048x768); `--small` runs tiny ones (a CPU smoke test). Which path
-ours took is printed from `jax_sm100.lowerings()`.
+Prints TFLOP/s (2 m k n per forward, three times that per forward + vjp counted as the vjp's two
+products) and the ratios: ours / lax, and ours / our dense product. A second line per row times
+our three products alone (forward, d lhs, d rhs) beside the memory floor: each moves at least
+the bytes of A, the G weight matrices and D once (the same count for all three), which at the
+device's measured copy bandwidth (a 1 GiB `x * 2`, read and written) caps TFLOP/s where the
+groups are short (128 rows: 128 FLOPs per weight byte, under the H200's ~200 per byte). The
+default problems are issue 18's (8 x 32768x4096x4096, 64 x 65536x2048x1408, 128 x
+16384x2048x768) and 256 groups of 128 rows (32768x2048x768); `--small` runs tiny ones (a CPU
+smoke test). Which path ours took is printed from `jax_sm100.lowerings()`.
 """
 
 from __future__ import annotations
@@ -63,6 +67,19 @@ def _vjp_of(f, nargs=3):
     return jax.jit(lambda a, b, s, t: jax.vjp(lambda u, v: f(u, v, s), a, b)[1](t))
 
 
+# One of our vjp's two products alone (jit drops the other and the forward).
+_D_LHS = jax.jit(lambda a, b, s, t: jax.vjp(lambda u: jax_sm100.ragged_dot(u, b, s), a)[1](t)[0])
+_D_RHS = jax.jit(lambda a, b, s, t: jax.vjp(lambda v: jax_sm100.ragged_dot(a, v, s), b)[1](t)[0])
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second that `x * 2` moves (read + write) over 1 GiB of bfloat16 (16 MiB off
+    GPUs: a smoke test's)."""
+    nbytes = 1 << 30 if jax.default_backend() == "gpu" else 1 << 24
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    return 2 * nbytes / time_steps(jax.jit(lambda v: v * 2), x)
+
+
 def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None):
     rows = []
     for i, (g, m, k, n) in enumerate(problems):
@@ -84,6 +101,8 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None):
                 t = {
                     "ours": time_steps(ours, lhs, rhs, sizes),
                     "ours_vjp": time_steps(_vjp_of(ours), lhs, rhs, sizes, ct),
+                    "d_lhs": time_steps(_D_LHS, lhs, rhs, sizes, ct),
+                    "d_rhs": time_steps(_D_RHS, lhs, rhs, sizes, ct),
                 }
             t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
             t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
@@ -93,6 +112,8 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None):
                    else "")
                 for low in seen
             })) or "XLA (no CUDA lowering)"  # fmt: skip
+            if "bandwidth" not in dense:
+                dense["bandwidth"] = copy_bandwidth()
             rows.append(((g, m, k, n), kind, 2 * m * k * n, t, dense, path))
             if on_row is not None:
                 on_row(rows[-1])
@@ -129,6 +150,11 @@ def _row(row) -> None:
               f"{tf(3 * flop, fb_l):6.1f} {fb_l / fb_o:6.1f} {fb_d / fb_o:6.3f} | "
               f"{tf(flop, dense['ours']):6.1f} {tf(3 * flop, fb_d):6.1f} "
               f"{tf(flop, dense['xla']):6.1f}")  # fmt: skip
+        bw = dense["bandwidth"]
+        floor = (m * k + g * k * n + m * n) * 2 / bw  # bfloat16 bytes at the copy bandwidth
+        print(f"    products alone: forward {tf(flop, t['ours']):.1f}, d lhs "
+              f"{tf(flop, t['d_lhs']):.1f}, d rhs {tf(flop, t['d_rhs']):.1f} TF/s; memory floor "
+              f"{tf(flop, floor):.1f} TF/s (copy bandwidth {bw / 1e12:.2f} TB/s)")  # fmt: skip
         print(f"    path: {path}")
 
 

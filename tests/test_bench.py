@@ -237,6 +237,9 @@ class RaggedBenchTest(absltest.TestCase):
         self.assertEqual(text.count(" equal |"), 2, text)
         self.assertEqual(text.count(" skewed|"), 2, text)
         self.assertIn("/dense", text)
+        # Our three products timed alone, beside the memory floor.
+        self.assertEqual(text.count("products alone: forward"), 4, text)
+        self.assertIn("memory floor", text)
 
 
 class ScaledBenchTest(absltest.TestCase):

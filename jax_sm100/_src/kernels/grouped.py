@@ -16,18 +16,18 @@ mixin each family puts before its dense kernel class) and two functions:
 
 * The schedule. Every CTA first builds a table in shared memory from the group sizes (one warp,
   32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
-  extent the groups partition, so bad sizes never address outside the buffers) and, in "m"
-  mode, its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles
-  c, c + clusters, ..., and a binary search of the table gives a work index its group. A
-  cluster of `pair` CTAs along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA
-  r takes the rows from r * tile_m on, so both CTAs of a pair stay inside one group and share
-  its B tile by multicast; a CTA whose rows start past the group's end loads zeros and stores
-  nothing. In "m" mode a group of g_j rows has ceil(g_j / (pair x tile_m)) x tiles_n work
-  tiles, a group boundary falls inside a tile anywhere, and an empty group has none; a last pseudo-group covers the rows past the
-  groups (zeros, no main loop). In "k" mode the tiles are G x tiles_m x tiles_n and each runs
-  ceil(g_j / tile_k) k-blocks (none for an empty group: it stores zeros). Every warp role of a
-  CTA walks the same work indices and reads the same table, so they agree on each tile's group,
-  rows and k-block count without talking to each other.
+  extent the groups partition, so bad sizes never address outside the buffers) and, in "m" mode,
+  its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles c, c +
+  clusters, ..., and a binary search of the table gives a work index its group. A cluster of
+  `pair` CTAs along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA r takes the
+  rows from r * tile_m on, so both CTAs of a pair stay inside one group and share its B tile by
+  multicast; a CTA whose rows start past the group's end loads zeros and stores nothing. In "m"
+  mode a group of g_j rows has ceil(g_j / (pair x tile_m)) x tiles_n work tiles, a group
+  boundary falls inside a tile anywhere, and an empty group has none; a last pseudo-group covers
+  the rows past the groups (zeros, no main loop). In "k" mode the tiles are G x tiles_m x
+  tiles_n and each runs ceil(g_j / tile_k) k-blocks (none for an empty group: it stores zeros).
+  Every warp role of a CTA walks the same work indices and reads the same table, so they agree
+  on each tile's group, rows and k-block count without talking to each other.
 * Group boundaries through TMA's bounds checks, with one static descriptor per operand
   (`ragged_view`, `ragged_slice`). The ragged extent is presented to TMA as a rank-4 view: the
   ragged mode of extent 2^30 and two extra modes whose strides are (2^34 - s, s) elements (s:
