@@ -344,10 +344,13 @@ _SM90_GROUPED_PINGPONG = ((128, 192, 1.0), (128, 160, 1.0))
 GROUPED_SCHEDULES = ("", "pingpong", "cooperative")
 
 
-# The grouped plans' store ring depth (2: 16 KB of shared memory stays free at 128 x 256 bf16,
-# which the swizzled dense plans spend on a 4-deep ring; `benchmarks/grouped_tiles.py
-# --epi-stages` times the difference, not yet run).
-GROUPED_EPI_STAGES = 2
+# The grouped plans' store ring depth, as the swizzled dense plans' (4; 2 where that leaves
+# fewer than GROUPED_MIN_AB_STAGES A/B stages). H200, eleventh session (`python -m jax_sm100.bench
+# --ragged`, 4 against 2): the weight gradient of 128-row groups 1.08-1.10x (285 -> 314 and 308
+# -> 333 TF/s at 128 and 256 groups), forward + vjp at 64 groups 0.938 -> 0.991 of our dense
+# product, the forwards within run-to-run spread.
+GROUPED_EPI_STAGES = 4
+GROUPED_MIN_AB_STAGES = 3
 
 
 # A 2x1 cluster's CTAs take two m tiles of one group and share its B tile by multicast; the
@@ -398,11 +401,17 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
         use_2cta=False,
         num_ab_stages=C.MIN_AB_STAGES,
         num_acc_stages=1,
-        num_epi_stages=GROUPED_EPI_STAGES,
+        num_epi_stages=2,
         pingpong=pingpong,
     )
-    free = smem_capacity(plan.arch) - C.SMEM_RESERVED_BYTES - (plan.smem_bytes
-                                                              - C.SMEM_RESERVED_BYTES
-                                                              - plan.num_ab_stages
-                                                              * plan.ab_stage_bytes)  # fmt: skip
-    return dataclasses.replace(plan, num_ab_stages=free // plan.ab_stage_bytes)
+    for depth in (GROUPED_EPI_STAGES, 2):
+        try:
+            deep = dataclasses.replace(plan, num_epi_stages=depth)
+        except C.PlanError:
+            continue  # that ring does not fit beside the fewest A/B stages
+        # Everything but the A/B stages, then as many of those as fit.
+        fixed = deep.smem_bytes - deep.num_ab_stages * deep.ab_stage_bytes
+        stages = (smem_capacity(plan.arch) - fixed) // deep.ab_stage_bytes
+        if stages >= GROUPED_MIN_AB_STAGES or depth == 2:
+            return dataclasses.replace(deep, num_ab_stages=stages)
+    raise AssertionError("unreachable: the 2-deep ring fits (the plan above was made with it)")
