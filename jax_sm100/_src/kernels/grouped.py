@@ -52,7 +52,7 @@ from cutlass import cute
 
 from jax_sm100._src.kernels import common, family
 from jax_sm100._src.kernels.spec import KernelSpec
-from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS
+from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS, GROUPED_TILE_COST
 
 # The ragged view (module docstring): the ragged mode's extent, and the extra modes' extent.
 _RAGGED_EXTENT = 2**30
@@ -106,6 +106,7 @@ class GroupedGemm:
         self.pair = int(plan.cluster_shape_mn[0])
         tm, tn, tk = plan.cta_tile_mnk
         self.work_tile = (tm * self.pair, tn, tk)
+        self.balanced = bool(plan.balanced)
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -222,6 +223,9 @@ class GroupedGemm:
             if lane == 0:
                 start = carry_rows
             tiles = (end - start + rows_per_tile - 1) // rows_per_tile * tiles_n
+            if cutlass.const_expr(self.balanced):
+                # "k" mode: group j's tiles each cost its k-blocks plus an epilogue.
+                tiles = tiles + GROUPED_TILE_COST * tiles_n
             last = tiles
             for d in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_up(last, 1 << d)
@@ -239,6 +243,55 @@ class GroupedGemm:
             rest = (extent - carry_rows + rows_per_tile - 1) // rows_per_tile * tiles_n
             table[2 * g + 3] = carry_tiles + rest
         cute.arch.sync_warp()
+
+    @cute.jit
+    def _work_range(self, sched):
+        """(first work tile, end, stride) of this CTA's cluster: tiles first, first + stride,
+        ... below end. Round-robin (cluster c of C: c, c + C, ...), or with `plan.balanced`
+        one contiguous run of about 1 / C of the total cost (`_run_start`)."""
+        cluster = cute.arch.block_idx()[0] // self.pair
+        clusters = cute.arch.grid_dim()[0] // self.pair
+        first = cluster
+        end = self._num_work(sched)
+        stride = clusters
+        if cutlass.const_expr(self.balanced):
+            first = self._run_start(sched, cluster, clusters)
+            end = self._run_start(sched, cluster + 1, clusters)
+            stride = cutlass.Int32(1)
+        return first, end, stride
+
+    @cute.jit
+    def _run_start(self, sched, c, clusters):
+        """The first work tile of cluster c's run ("k" mode, `plan.balanced`): the first tile w
+        whose cost before it, S(w), reaches c / clusters of the total T. The table holds each
+        group's cost before it over one row of tiles_n tiles (`_build_table`); a work tile of
+        group j costs u_j (its k-blocks plus GROUPED_TILE_COST), every u_j >= 1, so S is
+        strictly increasing and the runs of consecutive clusters meet without a gap."""
+        table, tiles_m, tiles_n, _ = sched
+        g = self.groups
+        per_group = tiles_m * tiles_n
+        total = cutlass.Int64(table[2 * g + 2]) * tiles_m
+        target = cutlass.Int64(c) * total  # S(w) * clusters >= target
+        scale = cutlass.Int64(clusters) * tiles_m
+        first = cutlass.Int32(0)
+        if c >= clusters:
+            first = per_group * g
+        elif c > 0:
+            # The last group j whose first tile costs S < target / clusters (group 0's is 0).
+            lo = cutlass.Int32(0)
+            hi = cutlass.Int32(g)
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if cutlass.Int64(table[g + 2 + mid]) * scale < target:
+                    lo = mid
+                else:
+                    hi = mid
+            before = cutlass.Int64(table[g + 2 + lo]) * scale
+            per_tile = cutlass.Int64((table[g + 3 + lo] - table[g + 2 + lo]) // tiles_n)
+            step = per_tile * clusters
+            local = (target - before + step - 1) // step
+            first = lo * per_group + cutlass.Int32(cutlass.min(local, cutlass.Int64(per_group)))
+        return first
 
     @cute.jit
     def _num_work(self, sched):

@@ -167,20 +167,13 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     # ---------------------------------------------------------------- producer
 
     @cute.jit
-    def _first_work(self):
-        """(this cluster's first work tile, the stride to its next): clusters take work tiles
-        c, c + clusters, ..."""
-        return cute.arch.block_idx()[0] // self.pair, cute.arch.grid_dim()[0] // self.pair
-
-    @cute.jit
     def _produce_grouped(self, ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank, b_mask):
         tm, tn, tk = self.tile_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        num = self._num_work(sched)
-        w, stride = self._first_work()
+        w, end, stride = self._work_range(sched)
         sAg = cute.group_modes(sA, 0, 2)
         sBg = cute.group_modes(sB, 0, 2)
-        while w < num:
+        while w < end:
             group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, rank)
             if cutlass.const_expr(self.ragged == "m"):
                 a_mk = ragged_slice(mA, 0, start, rows)
@@ -242,19 +235,18 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
 
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-        num = self._num_work(sched)
-        w, stride = self._first_work()
+        w, end, stride = self._work_range(sched)
         step = stride
         if cutlass.const_expr(self.pingpong):
             step = 2 * stride
             if consumer_wg == 1:
                 # Group 1 lets group 0 start on the CTA's first tile, then skips its stages.
-                if w < num:
+                if w < end:
                     their_turn.arrive()
                     read, release = self._skip(sched, w, read, release)
                 w += stride
         tiles_done = cutlass.Int32(0)
-        while w < num:
+        while w < end:
             group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, rank)
             n_k = self._k_tiles(sched, rows, zeros)
             if cutlass.const_expr(self.pingpong):
@@ -267,13 +259,13 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             # (its notes C7514, cooperative, and C7520, ping-pong).
             read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k,
                                            read, release)  # fmt: skip
-            self._hand_turn(their_turn, w + stride < num)
+            self._hand_turn(their_turn, w + stride < end)
             warpgroup.wait_group(0)
             if n_k > 0:
                 ab_pipe.consumer_release(release)
                 release.advance()
             if cutlass.const_expr(self.pingpong):
-                if w + stride < num:
+                if w + stride < end:
                     read, release = self._skip(sched, w + stride, read, release)
             if cutlass.const_expr(self.ragged == "m"):
                 d_mn = ragged_slice(mD, 0, start, rows)

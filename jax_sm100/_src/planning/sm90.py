@@ -361,12 +361,14 @@ GROUPED_MIN_AB_STAGES = 3
 GROUPED_MULTICAST_GAIN = 1.08
 
 
-def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
+def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
     the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
-    tile, or pair of tiles, is partial), as many A/B stages as fit beside the group table and a
-    2-deep store ring."""
+    tile, or pair of tiles, is partial), and the store ring and A/B stages that fit beside the
+    group table (GROUPED_EPI_STAGES). With `balance` (JAX_SM100_GROUPED_BALANCE=1) a weight
+    gradient's plan gives each cluster one run of work tiles of about equal cost
+    (`GemmPlan.balanced`)."""
     g, num_sms = common["groups"], common["num_sms"]
     why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
@@ -403,6 +405,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
         num_acc_stages=1,
         num_epi_stages=2,
         pingpong=pingpong,
+        balanced=bool(balance) and kernel == KERNEL_SM90_GROUPED and common["ragged"] == "k",
     )
     for depth in (GROUPED_EPI_STAGES, 2):
         try:
