@@ -1,12 +1,12 @@
 """Where the grouped kernel loses to the dense one: `python benchmarks/grouped_gap.py`.
 
 At each problem (G equal groups, [m, k] @ [G, k, n], normal bfloat16 data) it times, by wall
-clock (`bench_train.time_steps`), `jax_sm100.ragged_dot` with G groups and with one group of all
-m rows, each restricted to one tile and schedule, beside `jax_sm100.matmul` at the same m, k, n
-on the same tile and schedule with 1 x 1 and 2 x 1 clusters and with the grouped kernel's raster
-(along M, no swizzle) or the planner's. The differences between rows separate what grouping
-costs (the table, the ragged TMA views, group boundaries) from what the grouped plans lack
-(clusters, raster). Prints TF/s.
+clock (`bench_train.time_steps`), `jax_sm100.ragged_dot` with G groups (in 1x1 and 2x1 clusters)
+and with one group of all m rows, each restricted to one tile and schedule, beside
+`jax_sm100.matmul` at the same m, k, n on the same tile and schedule with 1 x 1 and 2 x 1
+clusters and with the grouped kernel's raster (along M, no swizzle) or the planner's. The
+differences between rows separate what grouping costs (the table, the ragged TMA views, group
+boundaries) from what the grouped plans lack (clusters, raster). Prints TF/s.
 """
 
 from __future__ import annotations
@@ -27,9 +27,15 @@ PROBLEMS = ((64, 65536, 2048, 1408), (128, 16384, 2048, 768))
 SCHEDULES = ((128, 256, False), (128, 160, True))
 
 
-def _grouped(lhs, rhs, sizes, tm, tn, pingpong):
+def _grouped(lhs, rhs, sizes, tm, tn, pingpong, pair):
+    """Seconds per `ragged_dot`, planned on this tile and schedule in `pair` x 1 clusters
+    (forced through the planner's weight for a multicast pair); NaN if another plan ran."""
     table = ((tm, tn, 1.0),)
-    patches = [mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ())]
+    gain = 1e6 if pair == 2 else 1e-6
+    patches = [
+        mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ()),
+        mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
+    ]
     if pingpong:
         patches.append(mock.patch.object(sm90, "_SM90_GROUPED_PINGPONG", table))
         patches.append(mock.patch.dict("os.environ", {"JAX_SM100_GROUPED_SCHEDULE": "pingpong"}))
@@ -42,8 +48,8 @@ def _grouped(lhs, rhs, sizes, tm, tn, pingpong):
         f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
         with jax_sm100.lowerings() as seen:
             t = time_steps(f, lhs, rhs, sizes)
-        tiles = {low.plan.cta_tile_mnk[:2] for low in seen if low.plan}
-        if tiles != {(tm, tn)}:
+        ran = {(low.plan.cta_tile_mnk[:2], low.plan.cluster_shape_mn) for low in seen if low.plan}
+        if ran != {((tm, tn), (pair, 1))}:
             return float("nan")
         return t
     finally:
@@ -75,8 +81,9 @@ def main(argv=None):
         for tm, tn, pp in SCHEDULES:
             kind = f"{tm}x{tn} {'ping-pong' if pp else 'cooperative'}"
             row = {
-                f"{g} groups": _grouped(lhs, rhs, group_sizes(i, g, m), tm, tn, pp),
-                "1 group": _grouped(lhs, rhs[:1], jnp.array([m], jnp.int32), tm, tn, pp),
+                f"{g} groups 1x1": _grouped(lhs, rhs, group_sizes(i, g, m), tm, tn, pp, 1),
+                f"{g} groups 2x1": _grouped(lhs, rhs, group_sizes(i, g, m), tm, tn, pp, 2),
+                "1 group 1x1": _grouped(lhs, rhs[:1], jnp.array([m], jnp.int32), tm, tn, pp, 1),
             }
             for cluster in ((1, 1), (2, 1)):
                 for raster in (True, False):

@@ -3,7 +3,8 @@
 For each problem (G groups of equal size, [m, k] @ [G, k, n], normal bfloat16 data) and each
 candidate tile, the planner is restricted to that one tile and `jax_sm100.ragged_dot`'s forward
 is timed by wall clock (`bench_train.time_steps`: warm-up, then the median of 5 rounds of 10
-async calls). Prints TF/s per tile, to check the grouped planner's choice
+async calls). Prints TF/s per tile, with the cluster the planner paired it with, to check the
+grouped planner's choice
 (`planning/sm90.py: plan_sm90_grouped`).
 """
 
@@ -32,8 +33,8 @@ def main(argv=None):
         "--epi-stages",
         type=int,
         default=0,
-        help="the epilogue's store ring this deep (the planner's grouped plans: 2; "
-        "its swizzled dense plans use what shared memory is left, up to 4)",
+        help="the epilogue's store ring this deep (the planner's grouped plans: "
+        "planning/sm90.py GROUPED_EPI_STAGES where it fits, else 2)",
     )
     args = ap.parse_args(argv)
     depth = mock.patch.object(
@@ -56,9 +57,9 @@ def main(argv=None):
                 f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
                 with jax_sm100.lowerings() as seen:
                     t = time_steps(f, lhs, rhs, sizes)
-                ran = {(low.plan.cta_tile_mnk[:2], low.plan.num_epi_stages)
-                       for low in seen if low.plan}  # fmt: skip
-            row.append(f"{tm}x{tn}: {2 * m * k * n / t / 1e12:6.1f}{'' if ran else '?'}")
+                ran = {low.plan.cluster_shape_mn for low in seen if low.plan}
+            pair = "/".join("x".join(map(str, c)) for c in sorted(ran)) or "?"
+            row.append(f"{tm}x{tn} ({pair}): {2 * m * k * n / t / 1e12:6.1f}")
         print(f"{g:3d} x {m}x{k}x{n} ({args.kind}): " + "  ".join(row), flush=True)
     planning._plan_cached.cache_clear()
 

@@ -68,9 +68,13 @@ class GroupedGpuTest(parameterized.TestCase):
                 mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
                 jax_sm100.lowerings() as seen,
             ):
-                out = jax.jit(fn)(*args)
+                # A new function each call: jit of the same `fn` (jax_sm100.ragged_dot itself)
+                # at the same shapes would reuse the first case's binary and never plan again.
+                out = jax.jit(lambda *a: fn(*a))(*args)
         finally:
             planning._plan_cached.cache_clear()
+        if schedule or cluster:
+            self.assertIn(GROUPED, [x.plan.kernel for x in seen if x.plan is not None])
         for low in seen:
             if low.plan is not None and low.plan.kernel == GROUPED:
                 if schedule:

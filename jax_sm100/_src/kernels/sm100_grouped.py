@@ -21,10 +21,10 @@ k-blocks (the rows past the groups in "m" mode, an empty group in "k" mode) take
 accumulator stage: the MMA warp skips it and the epilogue stores the epilogue of zeros.
 
 1-CTA MMAs in 1x1 clusters only: a work tile's rows end at its group's end, anywhere inside
-the tile, and the next tile may belong to another group, so the two CTAs of a cta_group::2
-pair (one 256-row tile, one B tile split between them) and the CTAs of a multicast cluster
-(one A or B tile shared) would have to be scheduled onto tiles of one group, which the
-table-driven schedule does not promise. (planning/sm100.py plans 128x256 or 128x128.)
+the tile, so the two CTAs of a cta_group::2 pair (one 256-row tile, one B tile split between
+them) or of a multicast cluster would have to take tiles of one group. The shared schedule
+does that for sm_90a's 2x1 clusters (`GroupedGemm.pair`: a work tile two CTA tiles tall);
+this family does not use it yet. (planning/sm100.py plans 128x256 or 128x128.)
 
 TMA descriptors: one static descriptor per operand, built on the host over the ragged views
 (`cute.nvgpu.make_tiled_tma_atom_A/B`, `cpasync.make_tiled_tma_atom`), covers every group, since

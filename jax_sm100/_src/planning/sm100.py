@@ -104,8 +104,9 @@ def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
 # Grouped problems (ragged_dot): 1-CTA tiles only, with the dense table's efficiencies. A
 # grouped work tile's rows end at its group's end, anywhere inside the tile, and its B is that
 # group's: the two CTAs of a cta_group::2 pair (256 rows, one B tile split between them) would
-# both have to hold rows of one group, which the schedule cannot promise, so the pair, like a
-# multicast cluster, has nothing to share; 1x1 clusters (as on sm_90a).
+# both have to hold rows of one group. The shared schedule can promise that (sm_90a's 2x1
+# clusters take a work tile two CTA tiles tall inside one group, kernels/grouped.py), but the
+# SM100 grouped kernel is not built for it: 1-CTA MMAs in 1x1 clusters.
 _SM100_GROUPED_CANDIDATES = (
     # (mma_m, mma_n, efficiency)
     (128, 256, 0.96),

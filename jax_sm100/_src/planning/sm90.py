@@ -124,6 +124,31 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False):
     return tm, tn, cluster, False
 
 
+def _unpadded_cluster(m, n, tm, tn, cluster):
+    """`cluster`, or the other pairing, or none: the first that adds at most CLUSTER_PAD_MAX
+    of a tiles_m x tiles_n grid. The DSL's scheduler runs whole clusters, so a pair over an odd
+    tile count adds a CTA that runs its main loop on zero-filled tiles outside the matrix
+    (n = 768 in 256-column tiles: 4 CTA columns for 3, a third more work)."""
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    for choice in (cluster, cluster[::-1], (1, 1)):
+        if _cluster_pad(tiles_m, tiles_n, choice) <= CLUSTER_PAD_MAX:
+            return choice
+    return (1, 1)
+
+
+# The share of extra (zero-filled) CTA tiles a cluster shape may add to the grid.
+CLUSTER_PAD_MAX = 1 / 16
+
+
+def _cluster_pad(tiles_m: int, tiles_n: int, cluster) -> float:
+    """The CTA tiles `cluster` adds to a tiles_m x tiles_n grid, as a share of the grid."""
+    cm, cn = cluster
+    if (cm > 1 and tiles_m < 2) or (cn > 1 and tiles_n < 2):
+        return math.inf  # a cluster along a single tile shares nothing
+    padded = math.ceil(tiles_m / cm) * cm * math.ceil(tiles_n / cn) * cn
+    return padded / (tiles_m * tiles_n) - 1
+
+
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
     """Split factor for skinny shapes whose output tiles leave most SMs idle."""
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
@@ -290,6 +315,8 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     pingpong_ok = pingpong_ok and ab_bits == 16 and out_bits == 16
     tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
+    if split == 1 and not pingpong:
+        cluster = _unpadded_cluster(m, n, tm, tn, cluster)
     if why_not is None and not force_kernel:
         why_not = sm90_too_small(m, n, k, batch, split)
         split = 1 if why_not else split
@@ -309,6 +336,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
             if plan is not None:
                 return plan
             tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
+            cluster = _unpadded_cluster(m, n, tm, tn, cluster)
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
     stream_k = kernel == KERNEL_SM90 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms)
     if stream_k:
@@ -335,20 +363,22 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
 # (benchmarks/grouped_tiles.py, ninth session: 565 / 549 against 567 TF/s at 64 groups of
 # 1024 x 2048 x 1408), so the grouped planner does not add them.
 _SM90_GROUPED_EXTRA = ()
-# Ping-pong tiles for grouped problems (one warp group's epilogue under the other's main loop,
-# 1x1 clusters): on the H200 they ran 0.63-0.96x the cooperative plans' speed at issue 18's
-# shapes (benchmarks/RESULTS.md, ninth session), so the planner takes them only when asked.
+# Ping-pong tiles for grouped problems (one warp group's epilogue under the other's main loop):
+# on the H200 they ran 0.63-0.96x the cooperative plans' speed at issue 18's shapes in 1x1
+# clusters (ninth session); in 2x1 clusters (eleventh) ahead with equal groups (0.940 against
+# 0.907 of dense at 64 groups) but behind with skewed ones at every g (benchmarks/RESULTS.md),
+# so the planner takes them only when asked.
 _SM90_GROUPED_PINGPONG = ((128, 192, 1.0), (128, 160, 1.0))
 # JAX_SM100_GROUPED_SCHEDULE: "pingpong" or "cooperative" restricts the grouped planner to that
 # schedule (tests and tuning); unset, it plans cooperative tiles.
 GROUPED_SCHEDULES = ("", "pingpong", "cooperative")
 
 
-# The grouped plans' store ring depth, as the swizzled dense plans' (4; 2 where that leaves
-# fewer than GROUPED_MIN_AB_STAGES A/B stages). H200, eleventh session (`python -m jax_sm100.bench
-# --ragged`, 4 against 2): the weight gradient of 128-row groups 1.08-1.10x (285 -> 314 and 308
-# -> 333 TF/s at 128 and 256 groups), forward + vjp at 64 groups 0.938 -> 0.991 of our dense
-# product, the forwards within run-to-run spread.
+# The grouped plans' store ring depth, as the swizzled dense plans' (4; 2 where that leaves fewer
+# than GROUPED_MIN_AB_STAGES A/B stages, and for float32 outputs, unmeasured). H200, eleventh
+# session (`python -m jax_sm100.bench --ragged`, 4 against 2): the weight gradient of 128-row
+# groups 1.08-1.10x (285 -> 314 and 308 -> 333 TF/s at 128 and 256 groups), forward + vjp at 64
+# groups 0.938 -> 0.991 of our dense product, the forwards within run-to-run spread.
 GROUPED_EPI_STAGES = 4
 GROUPED_MIN_AB_STAGES = 3
 
@@ -382,8 +412,9 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> Gem
     best = None
     for tm, tn, pingpong, eff in candidates:
         for pair, gain in ((1, 1.0), (2, GROUPED_MULTICAST_GAIN)):
-            tiles = grouped_work_tiles(common, pair * tm, tn) * pair
-            cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff * gain)
+            # Work tiles of pair CTA tiles each, on num_sms // pair clusters.
+            tiles = grouped_work_tiles(common, pair * tm, tn)
+            cost = _wave_cost(tiles, pair, num_sms, pair * tm * tn, eff * gain)
             if best is None or cost < best[0] - 1e-9:
                 best = (cost, tm, tn, pingpong, pair)
     _, tm, tn, pingpong, pair = best
@@ -407,7 +438,9 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> Gem
         pingpong=pingpong,
         balanced=bool(balance) and kernel == KERNEL_SM90_GROUPED and common["ragged"] == "k",
     )
-    for depth in (GROUPED_EPI_STAGES, 2):
+    # The deeper ring was measured for 16-bit outputs only; a float32 D would pay an A/B stage.
+    deepest = GROUPED_EPI_STAGES if C.DTYPE_BITS[common["out_dtype"]] == 16 else 2
+    for depth in (deepest, 2):
         try:
             deep = dataclasses.replace(plan, num_epi_stages=depth)
         except C.PlanError:

@@ -56,6 +56,7 @@ from jax_sm100._src.planning.sm90 import (
     _fill_sm90_smem,
     _sm90_stream_k,
     _sm90_swizzle,
+    _unpadded_cluster,
     sm90_variant,
 )
 
@@ -198,6 +199,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
     # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
     cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
+    cluster = _unpadded_cluster(m, n, tm, tn, cluster)  # no pair over an odd tile count
     # Stream-K over the last waves where they leave clusters idle (the dense planner's rule,
     # `_sm90_stream_k`: 8192^3 is 20.8 waves of 128 x 192 tiles on 132 SMs).
     sms = num_sms or DEFAULT_NUM_SMS[arch]
