@@ -17,6 +17,7 @@ from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import constraints as C
 from jax_sm100._src import dispatch, planning
 from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.planning import sm90
 
 SHAPES = [
     (1, 1, 1),
@@ -358,6 +359,22 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.p = planning.plan(
             4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
         )
+
+    def test_no_pair_over_an_odd_tile_count(self):
+        # The scheduler runs whole clusters: a pair over 3 tile columns runs 4 (the fourth on
+        # zero-filled tiles). 16384x768 in 128x256 tiles pairs along M instead of N, and no
+        # cooperative, unsplit plan of a sweep adds more than CLUSTER_PAD_MAX of its tiles.
+        p = planning.plan(16384, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertEqual((p.cta_tile_mnk[:2], p.cluster_shape_mn), ((128, 256), (2, 1)))
+        for m, n in itertools.product((1024, 4096, 16384, 65536), (768, 1280, 1408, 1792, 4096)):
+            for dtype in ("bfloat16", "float8_e4m3fn"):
+                p = planning.plan(m, n, 4096, a_dtype=dtype, b_dtype=dtype, out_dtype="bfloat16",
+                                  arch="sm_90a", b_major="k", force_kernel=True)  # fmt: skip
+                if p.pingpong or p.split_k > 1:
+                    continue
+                tm, tn = p.cta_tile_mnk[:2]
+                pad = sm90._cluster_pad(math.ceil(m / tm), math.ceil(n / tn), p.cluster_shape_mn)
+                self.assertLessEqual(pad, sm90.CLUSTER_PAD_MAX, (m, n, dtype, p.cluster_shape_mn))
 
     def test_planner_default_is_cooperative(self):
         self.assertFalse(self.p.pingpong)
