@@ -363,7 +363,8 @@ class Sm90ScheduleTest(parameterized.TestCase):
     def test_no_pair_over_an_odd_tile_count(self):
         # The scheduler runs whole clusters: a pair over 3 tile columns runs 4 (the fourth on
         # zero-filled tiles). 16384x768 in 128x256 tiles pairs along M instead of N, and no
-        # cooperative, unsplit plan of a sweep adds more than CLUSTER_PAD_MAX of its tiles.
+        # cooperative, unsplit plan of a sweep adds more than CLUSTER_PAD_MAX of its tiles
+        # (ping-pong plans keep their measured 2x1 clusters).
         p = planning.plan(16384, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
         self.assertEqual((p.cta_tile_mnk[:2], p.cluster_shape_mn), ((128, 256), (2, 1)))
         for m, n in itertools.product((1024, 4096, 16384, 65536), (768, 1280, 1408, 1792, 4096)):

@@ -18,7 +18,9 @@ mixin each family puts before its dense kernel class) and two functions:
   32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
   extent the groups partition, so bad sizes never address outside the buffers) and, in "m" mode,
   its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles c, c +
-  clusters, ..., and a binary search of the table gives a work index its group. A cluster of
+  clusters, ... (or, for a weight gradient with `plan.balanced`, one contiguous run of about
+  1 / clusters of the cost, possibly empty), and a binary search of the table gives a work index
+  its group. A cluster of
   `pair` CTAs along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA r takes the
   rows from r * tile_m on, so both CTAs of a pair stay inside one group and share its B tile by
   multicast; a CTA whose rows start past the group's end loads zeros and stores nothing. In "m"
@@ -197,8 +199,10 @@ class GroupedGemm:
     @cute.jit
     def _build_table(self, mGs, table, extent, tiles_n):
         """Fills `table` (one warp): entry j of [0, G + 2) holds group j's first row, entry
-        G + 2 + j its first work tile ("m" mode); entry G is where the groups end and G + 1 the
-        extent. Sizes are clamped so that every row range lies inside [0, extent)."""
+        G + 2 + j its first work tile ("m" mode), or with `plan.balanced` ("k" mode) the cost of
+        the groups before it over one row of tiles_n tiles (`_run_start`); entry G is where the
+        groups end and G + 1 the extent. Sizes are clamped so that every row range lies inside
+        [0, extent)."""
         g = self.groups
         rows_per_tile = self.work_tile[0] if self.ragged == "m" else self.work_tile[2]
         lane = cute.arch.lane_idx()

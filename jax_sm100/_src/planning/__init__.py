@@ -213,8 +213,16 @@ def plan(
         p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
         preact_out=p.preact_out, num_sms=int(num_sms or 0), groups=p.groups, ragged=p.ragged,
         grouped_schedule=os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else "",
-        grouped_balance=bool(p.groups) and os.environ.get("JAX_SM100_GROUPED_BALANCE", "") == "1",
+        grouped_balance=bool(p.groups) and _grouped_balance(),
     )  # fmt: skip
+
+
+def _grouped_balance() -> bool:
+    """JAX_SM100_GROUPED_BALANCE: "1" plans balanced weight-gradient runs, "" or "0" does not."""
+    value = os.environ.get("JAX_SM100_GROUPED_BALANCE", "")
+    if value not in ("", "0", "1"):
+        raise C.PlanError(f"JAX_SM100_GROUPED_BALANCE={value!r}: '1', '0' or unset")
+    return value == "1"
 
 
 def make_problem(

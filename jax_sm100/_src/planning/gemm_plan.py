@@ -283,8 +283,9 @@ class GemmPlan:
     # KERNEL_SM90_GROUPED in ragged-contraction mode ("k", the weight gradient): each cluster
     # takes one contiguous run of work tiles of about equal cost (k-blocks of its group's rows
     # plus GROUPED_TILE_COST for the epilogue) instead of every clusters-th tile, so that skewed
-    # group sizes do not pile a heavy group's tiles onto a window of clusters. Planned with
-    # JAX_SM100_GROUPED_BALANCE=1 until an H200 run verifies it.
+    # group sizes do not pile a heavy group's tiles onto a window of clusters (a run may be
+    # empty). Planned with JAX_SM100_GROUPED_BALANCE=1 until an H200 run verifies and times it
+    # (round-robin lets the clusters running at once share one group's rows in L2; runs do not).
     balanced: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)

@@ -128,7 +128,9 @@ def _unpadded_cluster(m, n, tm, tn, cluster):
     """`cluster`, or the other pairing, or none: the first that adds at most CLUSTER_PAD_MAX
     of a tiles_m x tiles_n grid. The DSL's scheduler runs whole clusters, so a pair over an odd
     tile count adds a CTA that runs its main loop on zero-filled tiles outside the matrix
-    (n = 768 in 256-column tiles: 4 CTA columns for 3, a third more work)."""
+    (n = 768 in 256-column tiles: 4 CTA columns for 3, a third more work). For cooperative
+    plans; ping-pong plans keep the 2x1 clusters they were measured with (they need 8 waves,
+    so an odd row count pads at most a few percent)."""
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     for choice in (cluster, cluster[::-1], (1, 1)):
         if _cluster_pad(tiles_m, tiles_n, choice) <= CLUSTER_PAD_MAX:

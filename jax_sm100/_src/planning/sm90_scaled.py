@@ -152,7 +152,8 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
     reason = plan.reason.split(_OVERLAP_NOTE)[0]  # the note, when there is one, comes last
     if overlap and tn > C.SCALED_OVERLAP_MAX_TILE_N:
         narrow = C.SCALED_OVERLAP_MAX_TILE_N
-        plan = sm90_variant(plan, tile_mn=(tm, narrow))
+        cluster = _unpadded_cluster(plan.m, plan.n, tm, narrow, plan.cluster_shape_mn)
+        plan = sm90_variant(plan, tile_mn=(tm, narrow), cluster_mn=cluster)
         reason = reason.replace(
             f"{tm}x{tn} cooperative tile",
             f"{tm}x{narrow} cooperative tile (narrowed from {tm}x{tn})",
