@@ -19,7 +19,16 @@ def _arch():
 @absltest.skipIf(_arch() != "sm_90a", "needs an SM90 (Hopper) CUDA device and jax[cuda]")
 class GpuTest(parameterized.TestCase):
     @parameterized.product(
-        shape=[(128, 256, 64), (200, 136, 520), (1, 8, 16), (1024, 1024, 1024), (64, 4096, 4096)],
+        # (4096, 768, 256): 3 tile columns of 256, so the planner pairs CTAs along M (a 1x2
+        # cluster would run a fourth column of zero-filled tiles).
+        shape=[
+            (128, 256, 64),
+            (200, 136, 520),
+            (1, 8, 16),
+            (1024, 1024, 1024),
+            (64, 4096, 4096),
+            (4096, 768, 256),
+        ],
         dtype=["bfloat16", "float16"],
         activation=[None, "gelu"],
     )
