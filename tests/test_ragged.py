@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from jax import lax
+from jax.test_util import check_grads
 
 import jax_sm100
 from jax_sm100._src import primitive as P
@@ -297,6 +298,89 @@ class RaggedDotTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "activation='tanh' must be one of"):
             jax_sm100.ragged_dot(lhs, rhs, sizes, activation="tanh")
 
+    @parameterized.product(activation=(None, "gelu"), dtype=("bfloat16", "float32"))
+    def test_bias(self, activation, dtype):
+        # bias [g, n]: each row of group i gets bias[i] before the activation, rows past the
+        # groups stay zero; one rounding; gradients (the bias's is the per-group sum of the
+        # cotangent's rows, an empty group's zero) and vmap over the bias.
+        m, k, n, g = 100, 24, 40, 7
+        rng = np.random.default_rng(8)
+        lhs, rhs = tu.rand(rng, (m, k), dtype), tu.rand(rng, (g, k, n), dtype)
+        bias = tu.rand(rng, (g, n), "float32")
+        sizes = jnp.asarray([20, 0, 13, 30, 1, 0, 21], jnp.int32)  # 85 rows in groups
+        rows = np.repeat(np.arange(g), np.asarray(sizes))
+        per_row = np.concatenate([np.asarray(bias)[rows], np.zeros((m - 85, n))])
+        z = _reference(lhs, rhs, sizes) + per_row
+        want = P.apply_activation(jnp.asarray(z, jnp.float32), activation)
+
+        def ours(a, b, c):
+            return jax_sm100.ragged_dot(a, b, sizes, bias=c, activation=activation)
+
+        out = jax.jit(ours)(lhs, rhs, bias)
+        self.assertEqual(out.dtype, jnp.dtype(dtype))
+        tu.assert_close(self, out, want, dtype, k)
+        self.assertEqual(float(jnp.max(jnp.abs(out[85:].astype(jnp.float32)))), 0.0)
+
+        def ref(a, b, c):
+            member = np.zeros((m, g), np.float32)
+            member[np.arange(85), rows] = 1
+            y = _dense(a.astype(jnp.float32), b.astype(jnp.float32), sizes) + member @ c
+            return P.apply_activation(y, activation).astype(dtype)
+
+        def loss(f, a, b, c):
+            return jnp.sum(jnp.sin(f(a, b, c).astype(jnp.float32)))
+
+        got = jax.jit(jax.grad(lambda a, b, c: loss(ours, a, b, c), (0, 1, 2)))(lhs, rhs, bias)
+        exp = jax.grad(lambda a, b, c: loss(ref, a, b, c), (0, 1, 2))(lhs, rhs, bias)
+        for x, y in zip(got, exp, strict=True):
+            tu.assert_close(self, x, y, dtype, k)
+        self.assertEqual(float(jnp.max(jnp.abs(got[2][1]))), 0.0)  # empty group
+        both = jax.vmap(ours, (None, None, 0))(lhs, rhs, jnp.stack([bias, 2 * bias]))
+        tu.assert_close(self, both[0], want, dtype, k)
+
+    def test_bias_differentiates_to_second_order(self):
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(9)
+            lhs, rhs = tu.rand(rng, (10, 4), "float64"), tu.rand(rng, (3, 4, 5), "float64")
+            bias = tu.rand(rng, (3, 5), "float64")
+            sizes = jnp.asarray([4, 0, 5], jnp.int32)
+            check_grads(
+                lambda a, b, c: jax_sm100.ragged_dot(a, b, sizes, bias=c, activation="silu"),
+                (lhs, rhs, bias), order=2, modes=("fwd", "rev"),
+            )  # fmt: skip
+
+    def test_bias_errors_name_the_fix(self):
+        lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
+        sizes = jnp.asarray([4, 4], jnp.int32)
+        with self.assertRaisesRegex(ValueError, r"bias.shape=\(3,\), expected \(g, n\)"):
+            jax_sm100.ragged_dot(lhs, rhs, sizes, bias=jnp.ones((3,)))
+        with self.assertRaisesRegex(TypeError, "bias must be floating"):
+            jax_sm100.ragged_dot(lhs, rhs, sizes, bias=jnp.ones((2, 3), jnp.int32))
+
+    def test_bias_training_step_runs_the_grouped_kernels(self):
+        # sm_90a export of a training step with a bias and an activation: the three products
+        # are still the grouped kernel's (the bias and activation are XLA's, around the float32
+        # product), no XLA ragged dot is left.
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((8, 48), jnp.float32)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+        def step(a, b, c, s):
+            def loss(a, b, c):
+                y = jax_sm100.ragged_dot(a, b, s, bias=c, activation="gelu")
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(a, b, c)
+
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                text = _export(jax.jit(step), lhs, rhs, bias, sizes).mlir_module()
+        plans = [x.plan for x in seen if x.plan is not None]
+        self.assertEqual([p.kernel for p in plans], ["sm90_wgmma_grouped"] * 3, seen)
+        self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
+        self.assertFalse(re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text))
+
     @parameterized.parameters("0", "", "1")
     def test_activation_lowering(self, fused):
         # sm_90a: by default (or with JAX_SM100_RAGGED_FUSED_ACTIVATION=1) the kernel's epilogue
@@ -355,6 +439,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp, numpy as np
 from jax import lax
+from jax.test_util import check_grads
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jax_sm100
 rng = np.random.default_rng(0)

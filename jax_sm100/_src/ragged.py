@@ -61,13 +61,18 @@ def ragged_dot(
     preferred_element_type=None,
     group_offset=None,
     *,
+    bias=None,
     activation=None,
 ) -> jax.Array:
     """`jax.lax.ragged_dot`: lhs [m, k] rows in consecutive groups, group i (of `group_sizes[i]`
     rows) multiplied by rhs[i] ([g, k, n]); rows past the last group give zeros. With
     `activation` ("relu", "gelu": the tanh form, or "silu"), that of each float32 sum, rounded
     once: `act(lax.ragged_dot(...))` in one product (an extension of lax.ragged_dot's
-    signature, as `jax_sm100.matmul`'s activation is of jnp.matmul's).
+    signature, as `jax_sm100.matmul`'s activation is of jnp.matmul's). With `bias` [g, n] (one
+    row per group, as experts with biases have), each row of group i gets bias[i] added to its
+    float32 sum before the activation (rows past the last group stay zero); the product runs
+    on the grouped kernel in float32 and XLA adds the bias, applies the activation and rounds
+    (one fused pass; its gradient is the per-group sum of the cotangent's rows).
 
     Differences from `lax.ragged_dot`, as for `jax_sm100.matmul`: products accumulate in float32
     and round once; float32 operands with `Precision.HIGHEST` run on XLA's `ragged_dot` (recorded
@@ -75,9 +80,9 @@ def ragged_dot(
     cannot take one either).
 
     Raises:
-      ValueError: ranks or sizes that do not match (named in the message), or an unknown
-        activation.
-      TypeError: non-floating operands, or group sizes that are not integers.
+      ValueError: ranks or sizes that do not match (named in the message), a bias not [g, n],
+        or an unknown activation.
+      TypeError: non-floating operands or bias, or group sizes that are not integers.
       NotImplementedError: a `group_offset`.
     """
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
@@ -113,6 +118,14 @@ def ragged_dot(
             f"take one in JAX {jax.__version__}); for experts held locally, pass rhs and "
             "group_sizes sliced to them and the rows routed to them"
         )
+    if bias is not None:
+        bias = _check_bias(bias, g, rhs.shape[2])
+        # The float32 product (the grouped kernel, or lax.ragged_dot as below), then the bias
+        # of each row's group, the activation and one rounding, in XLA ops.
+        acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+        z = ragged_dot(lhs, rhs, group_sizes, precision, acc)
+        z = z + group_rows(bias.astype(acc), group_sizes, lhs.shape[0])
+        return P.apply_activation(z, activation).astype(out_dtype)
     fallback = None
     if _highest(precision) and "float32" in (a_name, b_name):
         fallback = "precision=HIGHEST with float32 operands"
@@ -131,6 +144,26 @@ def ragged_dot(
         lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=out_dtype,
         activation=activation,
     )  # fmt: skip
+
+
+def _check_bias(bias, g: int, n: int):
+    bias = jnp.asarray(bias)
+    if bias.shape != (g, n):
+        raise ValueError(
+            f"jax_sm100.ragged_dot: bias.shape={bias.shape}, expected (g, n) = {(g, n)}: one "
+            "row per group (for one bias shared by all groups, add it to the result instead)"
+        )
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"jax_sm100.ragged_dot: bias must be floating, got {bias.dtype}")
+    return bias
+
+
+def group_rows(per_group, group_sizes, m: int):
+    """[m, ...]: row r holds per_group[i] for the group i it belongs to (the sizes clamped at 0
+    and their running sum at m, as the grouped kernels read them), zeros past the last group."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    ids = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
+    return jnp.take(per_group, ids, axis=0, mode="fill", fill_value=0)
 
 
 def _highest(precision) -> bool:
