@@ -8,8 +8,9 @@ the PTX:
   * tcgen05.mma of the operands' kind, cta_group::1 only (grouped plans are 1-CTA);
   * tcgen05.alloc and tcgen05.dealloc of the plan's `tmem_alloc_cols`, tcgen05.ld out of TMEM;
   * TMA loads through the rank-4 ragged views (cp.async.bulk.tensor.4d for the operand whose
-    rows are in groups, 3d for "m" mode's B), completing on an mbarrier, never multicast; TMA
-    stores of D (4d through the ragged view in "m" mode, 3d into (M, N, G) in "k" mode);
+    rows are in groups, 3d for "m" mode's B), completing on an mbarrier; in 2x1 clusters B's
+    loads multicast to both CTAs (A's never) and each stage's release is committed to both;
+    TMA stores of D (4d through the ragged view in "m" mode, 3d into (M, N, G) in "k" mode);
   * one static descriptor per operand (three prefetched, none modified on the device);
   * each stage's mbarrier expects the whole A and B tiles' bytes, computed here from the plan
     (TMA counts the zero-filled bytes past a group's end too), whatever the group sizes;
@@ -111,7 +112,9 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
     def test_ptx(self, problem, force=None):
         plan = _plan(problem, force)
         self.assertEqual(plan.kernel, GROUPED, plan.reason)
-        self.assertEqual((plan.use_2cta, plan.cluster_shape_mn), (False, (1, 1)))
+        self.assertFalse(plan.use_2cta)
+        self.assertIn(plan.cluster_shape_mn, ((1, 1), (2, 1)))
+        pair = plan.cluster_shape_mn[0]
         spec = KernelSpec.for_plan(plan)
         self.assertIsNone(sm100_grouped.Sm100GroupedGemmKernel.why_not(plan, spec))
 
@@ -142,9 +145,19 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
         # D; "k": A and B), "m" mode's B is (N, K, G) and "k" mode's D (M, N, G).
         loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.[\w:.]+", ptx)
         self.assertTrue(loads and all("mbarrier::complete_tx::bytes" in x for x in loads), loads)
-        self.assertFalse(any("multicast" in x for x in loads), loads)
         ragged_m = plan.ragged == "m"
-        self.assertEqual(_tma_dims(ptx, "load"), {3, 4} if ragged_m else {4})
+        multicast = {x.split(".")[4] for x in loads if "multicast::cluster" in x}
+        if pair == 1:
+            self.assertFalse(multicast, loads)
+        else:
+            # B only: 3d by group in "m" mode, 4d ragged in "k" mode; A stays local, and each
+            # stage is released to both CTAs (a multicast commit).
+            self.assertEqual(multicast, {"3d" if ragged_m else "4d"}, loads)
+            self.assertTrue(any("shared::cta" in x for x in loads), loads)
+            self.assertRegex(ptx, r"tcgen05\.commit\.cta_group::1\.[\w:.]*multicast::cluster")
+        self.assertEqual(
+            _tma_dims(ptx, "load") | {int(d[0]) for d in multicast}, {3, 4} if ragged_m else {4}
+        )
         self.assertEqual(_tma_dims(ptx, "store"), {4} if ragged_m else {3})
         # One static descriptor each for A, B and D (prefetched once), none built or patched
         # on the device: a group's bounds travel in the TMA coordinates.
@@ -175,11 +188,11 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
     def test_legality(self):
         plan = _plan(CASES[0]["problem"])
         spec = KernelSpec.for_plan(plan)
-        # A CTA pair or a cluster: refused by the plan itself, and by the family.
+        # A CTA pair, or a cluster other than 1x1 and 2x1: refused by the plan itself.
         for edit in (dict(use_2cta=True, mma_tiler_mnk=(256, 256, 64)),
-                     dict(cluster_shape_mn=(2, 1))):  # fmt: skip
+                     dict(cluster_shape_mn=(1, 2))):  # fmt: skip
             with self.assertRaisesRegex(
-                constraints.PlanError, r"a cluster in \(\(1, 1\),\) and 1-CTA"
+                constraints.PlanError, r"a cluster in \(\(1, 1\), \(2, 1\)\) and 1-CTA"
             ):
                 dataclasses.replace(plan, **edit)
         pair = dataclasses.replace(plan, groups=0, ragged="", kernel=planning.KERNEL_SM100)
@@ -210,17 +223,23 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
     def test_tile_by_equal_groups_waves(self, m, n, k, g, ragged):
         p = _plan(dict(m=m, n=n, k=k, groups=g, ragged=ragged))
         self.assertEqual(p.kernel, GROUPED, p.reason)
-        self.assertEqual((p.use_2cta, p.cluster_shape_mn, p.num_acc_stages), (False, (1, 1), 2))
-        # The tile is the candidate with the fewest weighted waves for equal groups: the same
-        # model (`grouped_work_tiles`) as the sm_90a grouped planner's.
+        self.assertEqual((p.use_2cta, p.num_acc_stages), (False, 2))
+        # The tile and cluster with the fewest weighted waves for equal groups: the same model
+        # (`grouped_work_tiles`, pairs of CTA tiles weighed by the multicast gain) as the sm_90a
+        # grouped planner's.
         common = dict(m=m, n=n, groups=g, ragged=ragged)
+        gain = planning.sm90.GROUPED_MULTICAST_GAIN
 
-        def cost(tm, tn, eff):
-            tiles = gemm_plan.grouped_work_tiles(common, tm, tn)
-            return gemm_plan._wave_cost(tiles, 1, p.num_sms, tm * tn, eff)
+        def cost(choice):
+            (tm, tn, eff), pair = choice
+            tiles = gemm_plan.grouped_work_tiles(common, pair * tm, tn)
+            weight = eff * (gain if pair == 2 else 1.0)
+            return gemm_plan._wave_cost(tiles, pair, p.num_sms, pair * tm * tn, weight)
 
-        best = min(planning.sm100._SM100_GROUPED_CANDIDATES, key=lambda c: cost(*c))
+        choices = [(c, pair) for c in planning.sm100._SM100_GROUPED_CANDIDATES for pair in (1, 2)]
+        best, pair = min(choices, key=cost)
         self.assertEqual(p.mma_tiler_mnk[:2], best[:2])
+        self.assertEqual(p.cluster_shape_mn, (pair, 1))
         self.assertIn(p.mma_tiler_mnk[:2], ((128, 256), (128, 128)))
         # TMEM: two accumulators of the tile's N; SMEM: the group table beside the deepest
         # stage ring that fits.

@@ -20,11 +20,12 @@ address the group's rows through `ragged_slice` of the ragged views, and a tile 
 k-blocks (the rows past the groups in "m" mode, an empty group in "k" mode) takes no
 accumulator stage: the MMA warp skips it and the epilogue stores the epilogue of zeros.
 
-1-CTA MMAs in 1x1 clusters only: a work tile's rows end at its group's end, anywhere inside
-the tile, so the two CTAs of a cta_group::2 pair (one 256-row tile, one B tile split between
-them) or of a multicast cluster would have to take tiles of one group. The shared schedule
-does that for sm_90a's 2x1 clusters (`GroupedGemm.pair`: a work tile two CTA tiles tall);
-this family does not use it yet. (planning/sm100.py plans 128x256 or 128x128.)
+1-CTA MMAs, in 1x1 or 2x1 clusters. A work tile's rows end at its group's end, anywhere inside
+the tile; in a 2x1 cluster the shared schedule makes the work tile two CTA tiles tall inside
+one group (`GroupedGemm.pair`, as on sm_90a, where the H200 runs it), so the two CTAs share
+the group's B tile by multicast (the dense family's partition and masks) and each loads its
+own m tile of A. A cta_group::2 pair (one 256-row MMA) is not built for grouped plans.
+(planning/sm100.py plans 128x256 or 128x128.)
 
 TMA descriptors: one static descriptor per operand, built on the host over the ragged views
 (`cute.nvgpu.make_tiled_tma_atom_A/B`, `cpasync.make_tiled_tma_atom`), covers every group, since
@@ -105,13 +106,13 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             cute.slice_(self.d_smem_staged, (None, None, 0)),
             self.epi_tile,
         )
-        grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1)
+        grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.grouped_kernel(
             self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, gs, extent,
             a.shape[1], tiles_m, tiles_n, self.cluster_layout_vmnk, self.a_smem_staged,
             self.b_smem_staged, self.d_smem_staged, self.epi_tile,
         ).launch(
-            grid=[grid, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=(1, 1, 1),
+            grid=[grid, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=(self.pair, 1, 1),
             stream=stream,
         )  # fmt: skip
 
@@ -140,6 +141,11 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        # In a 2x1 cluster the CTA's rank along M is its m tile within each work tile (both
+        # CTAs walk the same work tiles, inside one group: grouped.py), and B's loads multicast
+        # to both CTAs, as in the dense family's clusters.
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        coord_vmnk = cluster.get_flat_coord(rank)
 
         if warp == _AB_LOAD_WARP:
             cpasync.prefetch_descriptor(tma_atom_a)
@@ -157,12 +163,17 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
 
         # The SMEM side of the A/B TMA partitions is the same for every work tile (group 0's
         # empty slice stands in for the global side here).
-        tAsA, _, tBsB, _ = self._ab_tiles(tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, 0, 0, 0)
+        tAsA, _, tBsB, _ = self._ab_tiles(
+            tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, 0, 0, 0, cluster, coord_vmnk
+        )
+        # Every MMA warp that reads a stage (the CTAs B is multicast to) releases it.
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.num_ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.mcast_ctas_a + self.mcast_ctas_b - 1
+            ),
             tx_count=_tma_copy_bytes(tma_atom_a, tAsA[(None, 0)])
             + _tma_copy_bytes(tma_atom_b, tBsB[(None, 0)]),
             cta_layout_vmnk=cluster,
@@ -196,23 +207,26 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         cute.arch.sync_threads()
 
         sched = (table, tiles_m, tiles_n, k_extent)
-        num = self._num_work(sched)
-        first = cute.arch.block_idx()[0]
-        stride = cute.arch.grid_dim()[0]
+        first, num, stride = self._work_range(sched)
+        m_rank = coord_vmnk[1]  # this CTA's m tile of a work tile (0 in a 1x1 cluster)
 
         # ------------------------------------------------------------ A/B TMA producer warp
         if warp == _AB_LOAD_WARP:
+            mask_b = None
+            if cutlass.const_expr(self.mcast_ctas_b > 1):
+                mask_b = cpasync.create_tma_multicast_mask(cluster, coord_vmnk, mcast_mode=1)
             w = first
             while w < num:
-                group, start, rows, m_tile, n_tile, zeros = self._work(sched, w)
+                group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
                 n_k = self._k_tiles(sched, rows, zeros)
                 _, tAgA, _, tBgB = self._ab_tiles(
-                    tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows
-                )
+                    tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows, cluster,
+                    coord_vmnk,
+                )  # fmt: skip
                 ab_producer.reset()
                 ab_producer = self._load_k_tiles(
                     ab_producer, n_k, (tma_atom_a, tAgA[(None, m_tile, None)], tAsA, None),
-                    (tma_atom_b, tBgB[(None, n_tile, None)], tBsB, None),
+                    (tma_atom_b, tBgB[(None, n_tile, None)], tBsB, mask_b),
                 )  # fmt: skip
                 w += stride
             ab_producer.tail()
@@ -265,7 +279,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             d_stage = cutlass.Int32(0)
             w = first
             while w < num:
-                group, start, rows, m_tile, n_tile, zeros = self._work(sched, w)
+                group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
                 n_k = self._k_tiles(sched, rows, zeros)
                 d_tiles, tile = None, (m_tile, n_tile, group)
                 if cutlass.const_expr(self.ragged == "m"):
@@ -287,10 +301,12 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     # ---------------------------------------------------------------- per work tile
 
     @cute.jit
-    def _ab_tiles(self, tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows):
+    def _ab_tiles(self, tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows,
+                  cluster, coord_vmnk):  # fmt: skip
         """The TMA partitions of A and B for a tile of `group` (rows [start, start + rows) of
         the ragged extent): (tAsA, tAgA, tBsB, tBgB), the global sides indexed
-        ((box values, boxes), m or n tile, k-block)."""
+        ((box values, boxes), m or n tile, k-block); each CTA of a multicast group loads its
+        share of the box for all of them (the dense family's partition)."""
         if cutlass.const_expr(self.ragged == "m"):
             a_mk = ragged_slice(mA, 0, start, rows)
             b_nk = mB[(None, None, group)]
@@ -301,15 +317,15 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         gB = cute.local_tile(b_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None))
         tAsA, tAgA = cpasync.tma_partition(
             tma_atom_a,
-            0,
-            cute.make_layout(1),
+            coord_vmnk[2],
+            cute.make_layout(cute.slice_(cluster, (0, 0, None, 0)).shape),
             cute.group_modes(sA, 0, 3),
             cute.group_modes(thr_mma.partition_A(gA), 0, 3),
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_atom_b,
-            0,
-            cute.make_layout(1),
+            coord_vmnk[1],
+            cute.make_layout(cute.slice_(cluster, (0, None, 0, 0)).shape),
             cute.group_modes(sB, 0, 3),
             cute.group_modes(thr_mma.partition_B(gB), 0, 3),
         )

@@ -44,8 +44,8 @@ RAGGED_MODES = ("", "m", "k")
 # The kernels of grouped problems, one per arch (kernels/grouped.py holds what they share).
 GROUPED_KERNELS = (KERNEL_SM90_GROUPED, KERNEL_SM100_GROUPED)
 # The clusters each grouped kernel takes (kernels/grouped.py): CTAs paired along M inside one
-# group on sm_90a, none on sm_100a.
-GROUPED_CLUSTERS = {KERNEL_SM90_GROUPED: ((1, 1), (2, 1)), KERNEL_SM100_GROUPED: ((1, 1),)}
+# group (B multicast), with 1-CTA MMAs on sm_100a.
+GROUPED_CLUSTERS = {KERNEL_SM90_GROUPED: ((1, 1), (2, 1)), KERNEL_SM100_GROUPED: ((1, 1), (2, 1))}
 # A balanced plan's cost of a work tile's epilogue, in k-blocks (GemmPlan.balanced): a 128 x 256
 # tile stores 64 KB of bfloat16, about what one and a half 48 KB k-blocks load.
 GROUPED_TILE_COST = 2
@@ -330,10 +330,9 @@ class GemmPlan:
                 f"kernel={self.kernel!r}: grouped problems run on one of {GROUPED_KERNELS} (or "
                 f"{KERNEL_XLA!r}), dense ones never do"
             )
-        # A grouped work tile's rows may end anywhere inside it, at a group boundary. The SM90
-        # kernel pairs CTAs along M inside one group (the two m tiles of a 2x1 cluster's work
-        # tile share the group's B tile by multicast); the SM100 one runs 1x1 clusters and
-        # 1-CTA MMAs only.
+        # A grouped work tile's rows may end anywhere inside it, at a group boundary. The
+        # grouped kernels pair CTAs along M inside one group (the two m tiles of a 2x1 cluster's
+        # work tile share the group's B tile by multicast); the SM100 one with 1-CTA MMAs only.
         clusters = GROUPED_CLUSTERS.get(self.kernel, ((1, 1),))
         if self.groups and (self.batch != 1 or self.split_k != 1 or self.stream_k
                             or self.cluster_shape_mn not in clusters or self.use_2cta):  # fmt: skip

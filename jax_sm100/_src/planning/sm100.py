@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from jax_sm100._src import constraints as C
+from jax_sm100._src.planning import sm90
 from jax_sm100._src.planning.gemm_plan import (
     KERNEL_SM100,
     KERNEL_SM100_GROUPED,
@@ -103,10 +104,10 @@ def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
 
 # Grouped problems (ragged_dot): 1-CTA tiles only, with the dense table's efficiencies. A
 # grouped work tile's rows end at its group's end, anywhere inside the tile, and its B is that
-# group's: the two CTAs of a cta_group::2 pair (256 rows, one B tile split between them) would
-# both have to hold rows of one group. The shared schedule can promise that (sm_90a's 2x1
-# clusters take a work tile two CTA tiles tall inside one group, kernels/grouped.py), but the
-# SM100 grouped kernel is not built for it: 1-CTA MMAs in 1x1 clusters.
+# group's. 2x1 clusters take a work tile two CTA tiles tall inside one group
+# (kernels/grouped.py) and multicast its B tile, weighed as on sm_90a
+# (planning/sm90.py GROUPED_MULTICAST_GAIN); a cta_group::2 pair (one 256-row MMA) is not built
+# for grouped plans.
 _SM100_GROUPED_CANDIDATES = (
     # (mma_m, mma_n, efficiency)
     (128, 256, 0.96),
@@ -124,25 +125,28 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
     why_not = grouped_support(common) or why_not
     best = None
     for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
-        cost = _wave_cost(grouped_work_tiles(common, mm, mn), 1, num_sms, mm * mn, eff)
-        if best is None or cost < best[0] - 1e-9:
-            best = (cost, mm, mn)
-    _, mm, mn = best
+        for pair, gain in ((1, 1.0), (2, sm90.GROUPED_MULTICAST_GAIN)):
+            tiles = grouped_work_tiles(common, pair * mm, mn)
+            cost = _wave_cost(tiles, pair, num_sms, pair * mm * mn, eff * gain)
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, mm, mn, pair)
+    _, mm, mn, pair = best
+    pair = 1 if why_not is not None else pair
     reserved = group_table_bytes(g) if why_not is None else 0
     acc_stages, stages = _sm100_stages(
         common["arch"], False, mm, mn, ktile, ab_bits, common["out_dtype"], out_bits, None, 0,
         False, reserved,
     )  # fmt: skip
     reason = why_not or (
-        f"grouped tcgen05 1-CTA {mm}x{mn} MMA over {g} groups (ragged {common['ragged']}): "
-        f"fewest weighted waves on {num_sms} SMs"
+        f"grouped tcgen05 1-CTA {mm}x{mn} MMA in {pair}x1 clusters over {g} groups (ragged "
+        f"{common['ragged']}): fewest weighted waves on {num_sms} SMs"
     )
     return GemmPlan(
         **common,
         kernel=KERNEL_SM100_GROUPED if why_not is None else KERNEL_XLA,
         reason=reason,
         mma_tiler_mnk=(mm, mn, ktile),
-        cluster_shape_mn=(1, 1),
+        cluster_shape_mn=(pair, 1),
         use_2cta=False,
         num_ab_stages=stages,
         num_acc_stages=acc_stages,
