@@ -1,4 +1,5 @@
-"""Grouped GEMMs beside XLA: `python -m jax_sm100.bench --ragged [--shapes G:MxKxN,...] [--small]`.
+"""Grouped GEMMs beside XLA: `python -m jax_sm100.bench --ragged [--shapes G:MxKxN,...] [--small]
+[--bias]`.
 
 For each problem (G groups, m rows split among them, [m, k] @ [G, k, n]), with normal random
 bfloat16 data, and for two kinds of group sizes:
@@ -26,7 +27,9 @@ short (128 rows: 128 FLOPs per weight byte, under the H200's ~200 per byte of pe
 With skewed sizes it counts every group's weights, which the forward and d lhs do not read for
 an empty group. The default problems are issue 18's (8 x 32768x4096x4096, 64 x 65536x2048x1408,
 128 x 16384x2048x768) and 256 groups of 128 rows (32768x2048x768); `--small` runs tiny ones (a
-CPU smoke test). Which path ours took is printed from `jax_sm100.lowerings()`.
+CPU smoke test). Which path ours took is printed from `jax_sm100.lowerings()`. `--bias` also times
+ours with a per-group bias and gelu (forward, and forward + vjp), whose bias XLA adds around the
+kernel's float32 product.
 """
 
 from __future__ import annotations
@@ -75,6 +78,17 @@ _D_LHS = jax.jit(lambda a, b, s, t: jax.vjp(lambda u: jax_sm100.ragged_dot(u, b,
 _D_RHS = jax.jit(lambda a, b, s, t: jax.vjp(lambda v: jax_sm100.ragged_dot(a, v, s), b)[1](t)[0])
 
 
+def _biased(a, w, s, c):
+    return jax_sm100.ragged_dot(a, w, s, bias=c, activation="gelu")
+
+
+_BIASED = jax.jit(_biased)
+# Its vjp with respect to lhs, rhs and the bias (gelu' needs the forward's float32 product).
+_BIASED_VJP = jax.jit(
+    lambda a, w, s, c, u: jax.vjp(lambda x, y, z: _biased(x, y, s, z), a, w, c)[1](u)
+)
+
+
 def copy_bandwidth() -> float:
     """Bytes per second that `x * 2` moves (read + write) over 1 GiB of bfloat16 (16 MiB off
     GPUs: a smoke test's)."""
@@ -83,7 +97,7 @@ def copy_bandwidth() -> float:
     return 2 * nbytes / time_steps(jax.jit(lambda v: v * 2), x)
 
 
-def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None):
+def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bias=False):
     rows = []
     for i, (g, m, k, n) in enumerate(problems):
         keys = jax.random.split(jax.random.key(i), 4)
@@ -107,6 +121,11 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None):
                     "d_lhs": time_steps(_D_LHS, lhs, rhs, sizes, ct),
                     "d_rhs": time_steps(_D_RHS, lhs, rhs, sizes, ct),
                 }
+            if bias:
+                # A per-group bias and gelu: the kernel's float32 product, then XLA's pass.
+                b = jax.random.normal(keys[3], (g, n), jnp.float32)
+                t["bias"] = time_steps(_BIASED, lhs, rhs, sizes, b)
+                t["bias_vjp"] = time_steps(_BIASED_VJP, lhs, rhs, sizes, b, ct)
             t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
             t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
             path = "; ".join(sorted({
@@ -159,6 +178,9 @@ def _row(row) -> None:
         print(f"    products alone: forward {tf(flop, t['ours']):.1f}, d lhs "
               f"{tf(flop, t['d_lhs']):.1f}, d rhs {tf(flop, t['d_rhs']):.1f} TF/s; the bytes "
               f"at copy speed {tf(flop, copy):.1f} TF/s ({bw / 1e12:.2f} TB/s)")  # fmt: skip
+        if "bias" in t:
+            print(f"    with a per-group bias and gelu: forward {tf(flop, t['bias']):.1f}, "
+                  f"forward+vjp {tf(3 * flop, t['bias'] + t['bias_vjp']):.1f} TF/s")  # fmt: skip
         print(f"    path: {path}")
 
 
@@ -167,6 +189,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--shapes", default=None, help="G:MxKxN,... (default: issue 18's)")
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
+    ap.add_argument("--bias", action="store_true",
+                    help="also time ragged_dot with a per-group bias and gelu")  # fmt: skip
     args = ap.parse_args(argv)
     problems = SMALL if args.small else PROBLEMS
     if args.shapes:
@@ -178,7 +202,7 @@ def main(argv=None) -> int:
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16, "
           "wall clock, median of 5 rounds of 10 calls")  # fmt: skip
     _header()
-    run(problems, on_row=_row)
+    run(problems, on_row=_row, bias=args.bias)
     return 0
 
 

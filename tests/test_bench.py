@@ -231,7 +231,7 @@ class RaggedBenchTest(absltest.TestCase):
         # problem and kind of group sizes (equal, skewed).
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            self.assertEqual(bench.main(["--ragged", "--small"]), 0)
+            self.assertEqual(bench.main(["--ragged", "--small", "--bias"]), 0)
         text = out.getvalue()
         self.assertEqual(text.count("path:"), 4, text)
         self.assertEqual(text.count(" equal |"), 2, text)
@@ -240,6 +240,7 @@ class RaggedBenchTest(absltest.TestCase):
         # Our three products timed alone, beside their bytes at copy speed.
         self.assertEqual(text.count("products alone: forward"), 4, text)
         self.assertIn("the bytes at copy speed", text)
+        self.assertEqual(text.count("with a per-group bias and gelu: forward"), 4, text)
 
 
 class ScaledBenchTest(absltest.TestCase):
