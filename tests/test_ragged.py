@@ -337,6 +337,8 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual(float(jnp.max(jnp.abs(got[2][1]))), 0.0)  # empty group
         both = jax.vmap(ours, (None, None, 0))(lhs, rhs, jnp.stack([bias, 2 * bias]))
         tu.assert_close(self, both[0], want, dtype, k)
+        want2 = P.apply_activation(jnp.asarray(z + per_row, jnp.float32), activation)
+        tu.assert_close(self, both[1], want2, dtype, k)
 
     def test_bias_differentiates_to_second_order(self):
         with jax.enable_x64(True):
@@ -348,6 +350,19 @@ class RaggedDotTest(parameterized.TestCase):
                 lambda a, b, c: jax_sm100.ragged_dot(a, b, sizes, bias=c, activation="silu"),
                 (lhs, rhs, bias), order=2, modes=("fwd", "rev"),
             )  # fmt: skip
+
+    def test_bias_edge_cases(self):
+        # No groups: zeros, as without a bias. Sizes whose running sum overflows int32 saturate
+        # at m as the kernels read them: all 10 rows in group 0.
+        out = jax_sm100.ragged_dot(jnp.ones((4, 2)), jnp.ones((0, 2, 3)),
+                                   jnp.zeros((0,), jnp.int32), bias=jnp.ones((0, 3)))  # fmt: skip
+        self.assertEqual(float(jnp.max(jnp.abs(out))), 0.0)
+        rows = ragged.group_rows(jnp.asarray([[1.0], [2.0], [3.0]]),
+                                 jnp.asarray([2**31 - 1, 5, 1], jnp.int32), 10)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(rows)[:, 0], np.ones(10))
+        rows = ragged.group_rows(jnp.asarray([[1.0], [2.0], [3.0]]),
+                                 jnp.asarray([3, -2, 4], jnp.int32), 10)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(rows)[:, 0], [1] * 3 + [3] * 4 + [0] * 3)
 
     def test_bias_errors_name_the_fix(self):
         lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 3))

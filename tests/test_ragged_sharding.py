@@ -99,6 +99,34 @@ class RaggedCase(ts.ShardedTestCase):
         self.assertEqual(ts.collectives(hlo), want_counts)
         return got, hlo
 
+    def check_bias(self, specs):
+        """ragged_dot's per-group bias (XLA's gather of each row's group row around the sharded
+        product, the bias gathered whole first) with a gelu, on (lhs, rhs, bias) laid out as
+        `specs`: values and the three gradients equal the unsharded reference's."""
+        lhs, rhs = operands(60)
+        bias = tu.rand(np.random.default_rng(61), (G, N), "float32")
+        sizes = groups(62)
+
+        def ours(a, b, c):
+            return jnp.sin(jax_sm100.ragged_dot(a, b, sizes, bias=c, activation="gelu")).sum()
+
+        def reference(a, b, c):
+            ends = jnp.cumsum(sizes)
+            rows = jnp.arange(M)[:, None]
+            member = ((rows >= ends - sizes) & (rows < ends)).astype(jnp.float32)
+            y = reference_dot(a, b, sizes) + member @ c
+            return jnp.sin(jax.nn.gelu(y, approximate=True)).sum()
+
+        sharded = [self.put(x, sp) for x, sp in zip((lhs, rhs, bias), specs, strict=True)]
+        for f, ref in ((ours, reference),
+                       (jax.grad(ours, (0, 1, 2)), jax.grad(reference, (0, 1, 2)))):  # fmt: skip
+            got = jax.jit(f)(*sharded)
+            want = jax.jit(ref)(lhs, rhs, bias)
+            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                y = np.asarray(y, np.float64)
+                scale = max(float(np.max(np.abs(y))), 1e-6)
+                np.testing.assert_allclose(np.asarray(x, np.float64), y, atol=1e-4 * scale)
+
 
 # --- forward -----------------------------------------------------------------------------------
 
@@ -303,6 +331,17 @@ class GradTest(RaggedCase):
             self.assertEqual(same_spec(g.sharding.spec), same_spec(spec))
         return hlo
 
+    @parameterized.parameters(
+        (PS("data"), PS("model"), PS("model")),
+        (PS(), PS("model"), PS("model")),
+        (PS("data"), PS(), PS(None, "model")),
+        (PS("data"), PS("model"), PS()),
+    )
+    def test_bias(self, *specs):
+        # Under Explicit axes a bias split over experts is gathered whole before each row's
+        # group row is read (it failed to type before).
+        self.check_bias(specs)
+
     def test_rows(self):
         # The weight gradient's sum over rows is the only reduction.
         self.check_grads((PS("data"), PS(), PS()), counts(all_reduce=reduces("data")), 30)
@@ -378,33 +417,7 @@ class AutoAxesTest(RaggedCase):
             jax.config.update("jax_use_shardy_partitioner", before)
 
     def test_bias_with_rows_and_experts(self):
-        # ragged_dot's per-group bias (XLA's gather of each row's group row around the sharded
-        # product) on rows over "data", experts and their biases over "model": values and the
-        # three gradients equal the unsharded reference's.
-        lhs, rhs = operands(60)
-        bias = tu.rand(np.random.default_rng(61), (G, N), "float32")
-        sizes = groups(62)
-
-        def ours(a, b, c):
-            return jnp.sin(jax_sm100.ragged_dot(a, b, sizes, bias=c, activation="gelu")).sum()
-
-        def reference(a, b, c):
-            ends = jnp.cumsum(sizes)
-            rows = jnp.arange(M)[:, None]
-            member = ((rows >= ends - sizes) & (rows < ends)).astype(jnp.float32)
-            y = reference_dot(a, b, sizes) + member @ c
-            return jnp.sin(jax.nn.gelu(y, approximate=True)).sum()
-
-        specs = (PS("data"), PS("model"), PS("model"))
-        sharded = [self.put(x, sp) for x, sp in zip((lhs, rhs, bias), specs, strict=True)]
-        for f, ref in ((ours, reference),
-                       (jax.grad(ours, (0, 1, 2)), jax.grad(reference, (0, 1, 2)))):  # fmt: skip
-            got = jax.jit(f)(*sharded)
-            want = jax.jit(ref)(lhs, rhs, bias)
-            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                y = np.asarray(y, np.float64)
-                scale = max(float(np.max(np.abs(y))), 1e-6)
-                np.testing.assert_allclose(np.asarray(x, np.float64), y, atol=1e-4 * scale)
+        self.check_bias((PS("data"), PS("model"), PS("model")))
 
     def test_experts_reduce_scatter_onto_rows(self):
         self.require("model")

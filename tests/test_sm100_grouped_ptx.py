@@ -24,6 +24,7 @@ computes the right numbers, or how fast it runs. Those need an SM100 GPU
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -54,6 +55,11 @@ CASES = [
     dict(
         testcase_name="k_bf16_128x256",
         problem=dict(m=4096, n=4096, k=32768, groups=8, ragged="k"),
+    ),
+    dict(
+        testcase_name="k_bf16_128x256_1x1",
+        problem=dict(m=4096, n=4096, k=32768, groups=8, ragged="k"),
+        force=dict(cluster_shape_mn=(1, 1)),
     ),
     dict(
         testcase_name="m_fp16_Bmajor_k_128x128",
@@ -98,6 +104,13 @@ def _plan(problem, force=None):
             if "shared memory" not in str(e):
                 raise
     raise AssertionError(f"no stage count fits {force}")
+
+
+def _mbarrier_init_counts(ptx: str) -> collections.Counter:
+    """How many mbarriers the PTX initialises with each arrival count."""
+    regs = dict(re.findall(r"mov\.b32 \t(%r\d+), (\d+);", ptx))
+    found = re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64 \t\[[^\]]+\], (%r\d+|\d+);", ptx)
+    return collections.Counter(int(regs.get(v, v)) for v in found)
 
 
 def _tma_dims(ptx: str, direction: str) -> set[int]:
@@ -147,6 +160,12 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
         self.assertTrue(loads and all("mbarrier::complete_tx::bytes" in x for x in loads), loads)
         ragged_m = plan.ragged == "m"
         multicast = {x.split(".")[4] for x in loads if "multicast::cluster" in x}
+        # The A/B ring's empty barriers count one release per CTA that reads the stage: both
+        # CTAs of a pair (B is theirs), one alone; the multicast mask names both CTAs (0b11).
+        inits = _mbarrier_init_counts(ptx)
+        self.assertEqual(inits.get(2, 0), plan.num_ab_stages if pair == 2 else 0, inits)
+        masks = set(re.findall(r"mov\.b16 \t%rs\d+, (\d+);", ptx))
+        self.assertEqual(masks, {"3"} if pair == 2 else set())
         if pair == 1:
             self.assertFalse(multicast, loads)
         else:
@@ -257,8 +276,9 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
     def test_which_tile(self):
         # Big equal groups fill 148 SMs with 128x256 tiles; 64 groups of 64 rows over N=1408
         # waste less of a 128x128 tile's partial N.
-        self.assertEqual(_plan(CASES[0]["problem"]).mma_tiler_mnk, (128, 256, 64))
-        self.assertEqual(_plan(CASES[3]["problem"]).mma_tiler_mnk, (128, 128, 64))
+        case = {c["testcase_name"]: c["problem"] for c in CASES}
+        self.assertEqual(_plan(case["m_bf16_Bmajor_n_128x256"]).mma_tiler_mnk, (128, 256, 64))
+        self.assertEqual(_plan(case["m_fp16_Bmajor_k_128x128"]).mma_tiler_mnk, (128, 128, 64))
 
     def test_what_runs_on_xla(self):
         # Too many groups for the group table (the kernel's limit on both archs) run on XLA's

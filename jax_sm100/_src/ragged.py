@@ -159,10 +159,15 @@ def _check_bias(bias, g: int, n: int):
 
 
 def group_rows(per_group, group_sizes, m: int):
-    """[m, ...]: row r holds per_group[i] for the group i it belongs to (the sizes clamped at 0
-    and their running sum at m, as the grouped kernels read them), zeros past the last group."""
-    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    """[m, ...]: row r holds per_group[i] for the group i it belongs to (the sizes clamped to
+    [0, m] and their running sum saturating at m, as the grouped kernels read them), zeros past
+    the last group."""
+    if per_group.shape[0] == 0:
+        return jnp.zeros((m, *per_group.shape[1:]), per_group.dtype)
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)
     ids = jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right")
+    per_group = ragged_sharding.whole_groups(per_group)
     return jnp.take(per_group, ids, axis=0, mode="fill", fill_value=0)
 
 

@@ -208,6 +208,16 @@ def group_sizes_like(group_sizes, rhs):
     return jax.sharding.reshard(group_sizes, target)
 
 
+def whole_groups(per_group):
+    """`per_group` ([g, ...]: ragged_dot's bias) with g unsplit under Explicit axes, so that a
+    gather of each row's group row can read any group (the bias is small: a gather)."""
+    have = _explicit_type(per_group)
+    if have is None or not have.spec or have.spec[0] is None:
+        return per_group
+    spec = jax.sharding.PartitionSpec(None, *have.spec[1:])
+    return jax.sharding.reshard(per_group, have.update(spec=spec))
+
+
 def _explicit_type(x):
     """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
     aval = x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
