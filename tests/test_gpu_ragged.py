@@ -17,7 +17,7 @@ from jax import lax
 import jax_sm100
 from jax_sm100._src import dispatch, planning
 from jax_sm100._src import primitive as P
-from jax_sm100._src.planning import sm90
+from tests import test_util as tu
 
 GROUPED = "sm90_wgmma_grouped"
 
@@ -60,12 +60,11 @@ class GroupedGpuTest(parameterized.TestCase):
         planner's choice), and to a cluster if it names one ("pingpong/2x1": CTA pairs along M,
         B multicast; "/1x1": none); returns (result, the lowerings)."""
         schedule, _, cluster = schedule.partition("/")
-        gain = {"": sm90.GROUPED_MULTICAST_GAIN, "1x1": 1e-6, "2x1": 1e6}[cluster]
         planning._plan_cached.cache_clear()
         try:
             with (
                 mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}),
-                mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
+                tu.grouped_cluster(cluster),
                 jax_sm100.lowerings() as seen,
             ):
                 # A new function each call: jit of the same `fn` (jax_sm100.ragged_dot itself)

@@ -28,7 +28,7 @@ import jax_sm100
 from jax_sm100._src import constraints, planning
 from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.kernels.spec import KernelSpec
-from jax_sm100._src.planning import sm90
+from tests import test_util as tu
 from tests.test_sm100_ptx import _expect_tx_bytes, wgmma_serialized
 
 GROUPED = planning.KERNEL_SM90_GROUPED
@@ -98,11 +98,10 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
                  balance=""):  # fmt: skip
         # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny);
         # `balance` plans a weight gradient's cost-balanced runs (GemmPlan.balanced).
-        gain = {"": sm90.GROUPED_MULTICAST_GAIN, "1x1": 1e-6, "2x1": 1e6}[cluster]
         env = {"JAX_SM100_GROUPED_SCHEDULE": schedule, "JAX_SM100_GROUPED_BALANCE": balance}
         with (
             mock.patch.dict(os.environ, env),
-            mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
+            tu.grouped_cluster(cluster),
         ):
             planning._plan_cached.cache_clear()
             plan = jax_sm100.plan(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from unittest import mock
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -79,3 +80,13 @@ def subprocess_env(**overrides) -> dict[str, str]:
     )
     env.update(overrides)
     return env
+
+
+def grouped_cluster(cluster: str):
+    """A patch under which the grouped planners plan `cluster`: "1x1" or "2x1" (their weight for
+    a multicast pair made tiny or huge), or "" (unchanged). Plans are cached: clear
+    `planning._plan_cached` around its use."""
+    from jax_sm100._src.planning import sm90  # noqa: PLC0415
+
+    gain = {"": sm90.GROUPED_MULTICAST_GAIN, "1x1": 1e-6, "2x1": 1e6}[cluster]
+    return mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain)

@@ -226,12 +226,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             ab_pipe.consumer_wait(read)
             if cutlass.const_expr(early):
                 _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(k_blocks):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                crd = (None, None, kb, read.index)
-                cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
-            warpgroup.commit_group()
+            tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
             warpgroup.wait_group(0)
             if cutlass.const_expr(early):
                 if kt + 1 < n_k:
@@ -296,6 +291,12 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         first instruction overwrites it) as one commit group. Returns `tiled_mma` (its
         accumulate field set here), for the caller's loop to carry."""
         ab_pipe.consumer_wait(read)
+        return self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
+
+    @cute.jit
+    def _batch(self, tiled_mma, tCrA, tCrB, frag, k_blocks, read):
+        """Issues the wgmma batch of stage `read` (landed) into `frag` (the first instruction
+        overwrites it) as one commit group. Returns `tiled_mma`, its accumulate field set."""
         warpgroup.fence()
         for kb in cutlass.range_constexpr(k_blocks):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)

@@ -20,7 +20,6 @@ from jax_sm100._src.planning.gemm_plan import (
     epi_smem_bytes,
     group_table_bytes,
     grouped_support,
-    grouped_work_tiles,
 )
 
 # Relative tensor-core efficiency of each tile (see the module docstring).
@@ -125,11 +124,9 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
     why_not = grouped_support(common) or why_not
     best = None
     for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
-        for pair, gain in ((1, 1.0), (2, sm90.GROUPED_MULTICAST_GAIN)):
-            tiles = grouped_work_tiles(common, pair * mm, mn)
-            cost = _wave_cost(tiles, pair, num_sms, pair * mm * mn, eff * gain)
-            if best is None or cost < best[0] - 1e-9:
-                best = (cost, mm, mn, pair)
+        cost, pair = sm90.grouped_cluster_cost(common, mm, mn, eff)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, mm, mn, pair)
     _, mm, mn, pair = best
     pair = 1 if why_not is not None else pair
     reserved = group_table_bytes(g) if why_not is None else 0

@@ -393,6 +393,19 @@ GROUPED_MIN_AB_STAGES = 3
 GROUPED_MULTICAST_GAIN = 1.08
 
 
+def grouped_cluster_cost(common, tm: int, tn: int, eff: float) -> tuple[float, int]:
+    """(weighted waves, pair) of a grouped problem on tm x tn CTA tiles in the better of 1x1
+    and 2x1 clusters (both grouped planners): a pair's work tiles are two CTA tiles tall, run
+    on num_sms // 2 clusters and weighed by GROUPED_MULTICAST_GAIN."""
+    best = None
+    for pair, gain in ((1, 1.0), (2, GROUPED_MULTICAST_GAIN)):
+        tiles = grouped_work_tiles(common, pair * tm, tn)
+        cost = _wave_cost(tiles, pair, common["num_sms"], pair * tm * tn, eff * gain)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, pair)
+    return best
+
+
 def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
@@ -413,12 +426,9 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> Gem
         candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
     best = None
     for tm, tn, pingpong, eff in candidates:
-        for pair, gain in ((1, 1.0), (2, GROUPED_MULTICAST_GAIN)):
-            # Work tiles of pair CTA tiles each, on num_sms // pair clusters.
-            tiles = grouped_work_tiles(common, pair * tm, tn)
-            cost = _wave_cost(tiles, pair, num_sms, pair * tm * tn, eff * gain)
-            if best is None or cost < best[0] - 1e-9:
-                best = (cost, tm, tn, pingpong, pair)
+        cost, pair = grouped_cluster_cost(common, tm, tn, eff)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, tm, tn, pingpong, pair)
     _, tm, tn, pingpong, pair = best
     kind = "ping-pong" if pingpong else "cooperative"
     kernel, reason = KERNEL_SM90_GROUPED, (
