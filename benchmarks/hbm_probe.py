@@ -44,12 +44,16 @@ def main():
         "write 1 GiB (fill)": _rate(gib, lambda c: jnp.full((gib // 2,), c), fill),
         "copy 1 GiB (x * 2)": _rate(2 * gib, lambda v: v * 2, x),
         "read 478 MB, write 25 MB (column sum)": _rate(
-            r.size * 2 + cols * 2, lambda v: jnp.sum(v, axis=0, dtype=jnp.float32).astype(v.dtype), r
+            r.size * 2 + cols * 2,
+            lambda v: jnp.sum(v, axis=0, dtype=jnp.float32).astype(v.dtype),
+            r,
         ),
         "read 92 MB, write 403 MB (broadcast)": _rate(
             lhs.size * 2 + 128 * 2048 * 768 * 2,
-            lambda a, s: (a[: 2048 * 768].reshape(1, 2048, 768) * s)
-            + jnp.sum(a[2048 * 768 :], dtype=jnp.float32).astype(a.dtype),
+            lambda a, s: (
+                (a[: 2048 * 768].reshape(1, 2048, 768) * s)
+                + jnp.sum(a[2048 * 768 :], dtype=jnp.float32).astype(a.dtype)
+            ),
             lhs,
             scale,
         ),

@@ -144,33 +144,6 @@ class GroupedGpuTest(parameterized.TestCase):
         ran = {x.note.split(":")[0] for x in seen if x.plan and x.plan.kernel == GROUPED}
         self.assertEqual(ran, {"ragged_dot", "ragged_outer"}, [x.note for x in seen])
 
-    @parameterized.product(
-        shape=[(8, 1024, 256, 512), (6, 999, 200, 136), (64, 8192, 384, 256)],
-        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/1x1", "pingpong/2x1"],
-    )
-    def test_balanced_weight_gradient(self, shape, schedule):
-        # JAX_SM100_GROUPED_BALANCE=1: each cluster takes one run of weight-gradient tiles of
-        # about equal cost (GemmPlan.balanced); skewed sizes with empty groups, so the runs
-        # start inside groups and some clusters' runs hold only empty groups' zero tiles.
-        g, m, k, n = shape
-        rng = np.random.default_rng(5 * m + g)
-        lhs = jax.random.normal(jax.random.key(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-        ct = jax.random.normal(jax.random.key(n), (m, n), jnp.float32).astype(jnp.bfloat16)
-        rhs = jnp.zeros((g, k, n), jnp.bfloat16)
-        gs = _sizes(rng, g, m, 0.9)
-        vjp = lambda a, b, s, t: jax.vjp(lambda v: jax_sm100.ragged_dot(a, v, s), b)[1](t)[0]  # noqa: E731
-        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_BALANCE": "1"}):
-            db, seen = self.lower_and_run(schedule, vjp, lhs, rhs, gs, ct)
-        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-        want = jax.vjp(lambda v: lax.ragged_dot(f32(lhs), v, gs), f32(rhs))[1](f32(ct))[0]
-        self.assertLess(_rel(db, want), 1e-2)
-        for j in np.flatnonzero(np.asarray(gs) == 0):
-            self.assertEqual(float(jnp.max(jnp.abs(f32(db[j])))), 0.0)
-        (low,) = [x for x in seen if x.plan is not None]
-        self.assertEqual(
-            (low.plan.kernel, low.plan.ragged, low.plan.balanced), (GROUPED, "k", True)
-        )
-
     @parameterized.parameters("pingpong/1x1", "cooperative/2x1")
     def test_sizes_past_m_are_clamped(self, schedule):
         # Sizes summing past m: rows are assigned in order until m runs out (no out-of-bounds

@@ -48,15 +48,6 @@ CASES = [
     dict(testcase_name="m_bf16_Bmajor_k", m=8192, n=4096, k=4096, ragged="m", b_major="k"),
     dict(testcase_name="k_bf16", m=4096, n=4096, k=32768, ragged="k", b_major="n"),
     dict(
-        testcase_name="k_bf16_balanced",
-        m=4096,
-        n=4096,
-        k=32768,
-        ragged="k",
-        b_major="n",
-        balance="1",
-    ),  # fmt: skip
-    dict(
         testcase_name="k_bf16_1x1", m=4096, n=4096, k=32768, ragged="k", b_major="n", cluster="1x1"
     ),  # fmt: skip
     dict(
@@ -78,7 +69,6 @@ CASES = [
         ragged="k",
         b_major="n",
         schedule="pingpong",
-        balance="1",
     ),  # fmt: skip
     dict(
         testcase_name="m_e4m3_Bmajor_k",
@@ -94,13 +84,10 @@ CASES = [
 
 class Sm90GroupedPtxTest(parameterized.TestCase):
     @parameterized.named_parameters(*CASES)
-    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule="", cluster="",
-                 balance=""):  # fmt: skip
-        # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny);
-        # `balance` plans a weight gradient's cost-balanced runs (GemmPlan.balanced).
-        env = {"JAX_SM100_GROUPED_SCHEDULE": schedule, "JAX_SM100_GROUPED_BALANCE": balance}
+    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule="", cluster=""):
+        # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny).
         with (
-            mock.patch.dict(os.environ, env),
+            mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}),
             tu.grouped_cluster(cluster),
         ):
             planning._plan_cached.cache_clear()
@@ -113,7 +100,6 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertEqual(plan.kernel, GROUPED, plan.reason)
         self.assertEqual(plan.pingpong, schedule == "pingpong")
         pair = plan.cluster_shape_mn[0]
-        self.assertEqual(plan.balanced, bool(balance))
         if cluster:
             self.assertEqual(plan.cluster_shape_mn, (int(cluster[0]), 1))
         ptx = compile_plan(plan).ptx
@@ -174,13 +160,11 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertFalse(plan.pingpong)
         self.assertEqual(plan.cta_tile_mnk[:2], (128, 256))
 
-    def test_clusters_and_balance_planned(self):
+    def test_clusters_planned(self):
         # 2x1 clusters where groups hold an even number of m tiles (64 groups of 1024 rows),
-        # 1x1 for 128-row groups (a pair would idle one CTA); the weight gradient's
-        # cost-balanced runs only with JAX_SM100_GROUPED_BALANCE=1, and only in "k" mode.
-        def plan(m, n, k, g, ragged, balance=""):
-            env = {"JAX_SM100_GROUPED_SCHEDULE": "", "JAX_SM100_GROUPED_BALANCE": balance}
-            with mock.patch.dict(os.environ, env):
+        # 1x1 for 128-row groups (a pair would idle one CTA).
+        def plan(m, n, k, g, ragged):
+            with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
                 return jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16",
                                       arch="sm_90a", groups=g, ragged=ragged,
                                       a_major="k" if ragged == "m" else "m")  # fmt: skip
@@ -188,13 +172,6 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertEqual(plan(65536, 1408, 2048, 64, "m").cluster_shape_mn, (2, 1))
         self.assertEqual(plan(16384, 768, 2048, 128, "m").cluster_shape_mn, (1, 1))
         self.assertIn("in 2x1 clusters", plan(65536, 1408, 2048, 64, "m").reason)
-        self.assertFalse(plan(2048, 768, 16384, 128, "k").balanced)
-        balanced = plan(2048, 768, 16384, 128, "k", "1")
-        self.assertTrue(balanced.balanced)
-        self.assertRegex(str(balanced), r"balanced\s+True")
-        self.assertFalse(plan(16384, 768, 2048, 128, "m", "1").balanced)
-        with self.assertRaisesRegex(constraints.PlanError, "True only for"):
-            dataclasses.replace(plan(16384, 768, 2048, 128, "m"), balanced=True)
         with self.assertRaisesRegex(constraints.PlanError, "a cluster in"):
             dataclasses.replace(plan(16384, 768, 2048, 128, "m"), cluster_shape_mn=(1, 2))
 

@@ -18,9 +18,7 @@ mixin each family puts before its dense kernel class) and two functions:
   32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
   extent the groups partition, so bad sizes never address outside the buffers) and, in "m" mode,
   its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles c, c +
-  clusters, ... (or, for a weight gradient with `plan.balanced`, one contiguous run of about
-  1 / clusters of the cost, possibly empty), and a binary search of the table gives a work index
-  its group. A cluster of
+  clusters, ..., and a binary search of the table gives a work index its group. A cluster of
   `pair` CTAs along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA r takes the
   rows from r * tile_m on, so both CTAs of a pair stay inside one group and share its B tile by
   multicast; a CTA whose rows start past the group's end loads zeros and stores nothing. In "m"
@@ -54,7 +52,7 @@ from cutlass import cute
 
 from jax_sm100._src.kernels import common, family
 from jax_sm100._src.kernels.spec import KernelSpec
-from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS, GROUPED_TILE_COST
+from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS
 
 # The ragged view (module docstring): the ragged mode's extent, and the extra modes' extent.
 _RAGGED_EXTENT = 2**30
@@ -108,7 +106,6 @@ class GroupedGemm:
         self.pair = int(plan.cluster_shape_mn[0])
         tm, tn, tk = plan.cta_tile_mnk
         self.work_tile = (tm * self.pair, tn, tk)
-        self.balanced = bool(plan.balanced)
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -199,10 +196,8 @@ class GroupedGemm:
     @cute.jit
     def _build_table(self, mGs, table, extent, tiles_n):
         """Fills `table` (one warp): entry j of [0, G + 2) holds group j's first row, entry
-        G + 2 + j its first work tile ("m" mode), or with `plan.balanced` ("k" mode) the cost of
-        the groups before it over one row of tiles_n tiles (`_run_start`); entry G is where the
-        groups end and G + 1 the extent. Sizes are clamped so that every row range lies inside
-        [0, extent)."""
+        G + 2 + j its first work tile ("m" mode); entry G is where the groups end and G + 1 the
+        extent. Sizes are clamped so that every row range lies inside [0, extent)."""
         g = self.groups
         rows_per_tile = self.work_tile[0] if self.ragged == "m" else self.work_tile[2]
         lane = cute.arch.lane_idx()
@@ -227,9 +222,6 @@ class GroupedGemm:
             if lane == 0:
                 start = carry_rows
             tiles = (end - start + rows_per_tile - 1) // rows_per_tile * tiles_n
-            if cutlass.const_expr(self.balanced):
-                # "k" mode: group j's tiles each cost its k-blocks plus an epilogue.
-                tiles = tiles + GROUPED_TILE_COST * tiles_n
             last = tiles
             for d in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_up(last, 1 << d)
@@ -250,52 +242,10 @@ class GroupedGemm:
 
     @cute.jit
     def _work_range(self, sched):
-        """(first work tile, end, stride) of this CTA's cluster: tiles first, first + stride,
-        ... below end. Round-robin (cluster c of C: c, c + C, ...), or with `plan.balanced`
-        one contiguous run of about 1 / C of the total cost (`_run_start`)."""
-        cluster = cute.arch.block_idx()[0] // self.pair
+        """(first work tile, end, stride) of this CTA's cluster, round-robin: cluster c of C
+        takes tiles c, c + C, ... below end."""
         clusters = cute.arch.grid_dim()[0] // self.pair
-        first = cluster
-        end = self._num_work(sched)
-        stride = clusters
-        if cutlass.const_expr(self.balanced):
-            first = self._run_start(sched, cluster, clusters)
-            end = self._run_start(sched, cluster + 1, clusters)
-            stride = cutlass.Int32(1)
-        return first, end, stride
-
-    @cute.jit
-    def _run_start(self, sched, c, clusters):
-        """The first work tile of cluster c's run ("k" mode, `plan.balanced`): the first tile w
-        whose cost before it, S(w), reaches c / clusters of the total T. The table holds each
-        group's cost before it over one row of tiles_n tiles (`_build_table`); a work tile of
-        group j costs u_j (its k-blocks plus GROUPED_TILE_COST), every u_j >= 1, so S is
-        strictly increasing and the runs of consecutive clusters meet without a gap."""
-        table, tiles_m, tiles_n, _ = sched
-        g = self.groups
-        per_group = tiles_m * tiles_n
-        total = cutlass.Int64(table[2 * g + 2]) * tiles_m
-        target = cutlass.Int64(c) * total  # S(w) * clusters >= target
-        scale = cutlass.Int64(clusters) * tiles_m
-        first = cutlass.Int32(0)
-        if c >= clusters:
-            first = per_group * g
-        elif c > 0:
-            # The last group j whose first tile costs S < target / clusters (group 0's is 0).
-            lo = cutlass.Int32(0)
-            hi = cutlass.Int32(g)
-            while hi - lo > 1:
-                mid = (lo + hi) >> 1
-                if cutlass.Int64(table[g + 2 + mid]) * scale < target:
-                    lo = mid
-                else:
-                    hi = mid
-            before = cutlass.Int64(table[g + 2 + lo]) * scale
-            per_tile = cutlass.Int64((table[g + 3 + lo] - table[g + 2 + lo]) // tiles_n)
-            step = per_tile * clusters
-            local = (target - before + step - 1) // step
-            first = lo * per_group + cutlass.Int32(cutlass.min(local, cutlass.Int64(per_group)))
-        return first
+        return cute.arch.block_idx()[0] // self.pair, self._num_work(sched), clusters
 
     @cute.jit
     def _num_work(self, sched):

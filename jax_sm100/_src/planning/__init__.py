@@ -92,7 +92,6 @@ __all__ = [
 def _plan_cached(
     m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
     allow_pingpong=True, preact_out=False, num_sms=0, groups=0, ragged="", grouped_schedule="",
-    grouped_balance=False,
 ):  # fmt: skip
     C.check_arch(arch)
     num_sms = num_sms or DEFAULT_NUM_SMS[arch]
@@ -113,7 +112,7 @@ def _plan_cached(
         common |= dict(groups=groups, ragged=ragged)
         if arch == "sm_100a":
             return sm100.plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits)
-        return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule, grouped_balance)
+        return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule)
     if arch == "sm_100a":
         return sm100.plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits)
     return sm90.plan_sm90(
@@ -213,16 +212,7 @@ def plan(
         p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
         preact_out=p.preact_out, num_sms=int(num_sms or 0), groups=p.groups, ragged=p.ragged,
         grouped_schedule=os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else "",
-        grouped_balance=bool(p.groups) and _grouped_balance(),
     )  # fmt: skip
-
-
-def _grouped_balance() -> bool:
-    """JAX_SM100_GROUPED_BALANCE: "1" plans balanced weight-gradient runs, "" or "0" does not."""
-    value = os.environ.get("JAX_SM100_GROUPED_BALANCE", "")
-    if value not in ("", "0", "1"):
-        raise C.PlanError(f"JAX_SM100_GROUPED_BALANCE={value!r}: '1', '0' or unset")
-    return value == "1"
 
 
 def make_problem(

@@ -46,9 +46,6 @@ GROUPED_KERNELS = (KERNEL_SM90_GROUPED, KERNEL_SM100_GROUPED)
 # The clusters each grouped kernel takes (kernels/grouped.py): CTAs paired along M inside one
 # group (B multicast), with 1-CTA MMAs on sm_100a.
 GROUPED_CLUSTERS = {KERNEL_SM90_GROUPED: ((1, 1), (2, 1)), KERNEL_SM100_GROUPED: ((1, 1), (2, 1))}
-# A balanced plan's cost of a work tile's epilogue, in k-blocks (GemmPlan.balanced): a 128 x 256
-# tile stores 64 KB of bfloat16, about what one and a half 48 KB k-blocks load.
-GROUPED_TILE_COST = 2
 # Grouped problems: more groups than this keep the group table from leaving room for the stage
 # ring, so they run on XLA's ragged dot; and the running row sums of the table (and the ragged
 # TMA view's extent, kernels/grouped.py) hold fewer than 2^30 rows.
@@ -280,13 +277,6 @@ class GemmPlan:
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
     ragged: str = ""
-    # KERNEL_SM90_GROUPED in ragged-contraction mode ("k", the weight gradient): each cluster
-    # takes one contiguous run of work tiles of about equal cost (k-blocks of its group's rows
-    # plus GROUPED_TILE_COST for the epilogue) instead of every clusters-th tile, so that skewed
-    # group sizes do not pile a heavy group's tiles onto a window of clusters (a run may be
-    # empty). Planned with JAX_SM100_GROUPED_BALANCE=1 until an H200 run verifies and times it
-    # (round-robin lets the clusters running at once share one group's rows in L2; runs do not).
-    balanced: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -340,13 +330,6 @@ class GemmPlan:
                 "a grouped plan has batch 1, no split-K or stream-K, a cluster in "
                 f"{clusters} and 1-CTA MMAs; got {self.batch=}, {self.split_k=}, "
                 f"{self.stream_k=}, {self.cluster_shape_mn=}, {self.use_2cta=}"
-            )
-        if not isinstance(self.balanced, bool) or (
-            self.balanced and (self.kernel != KERNEL_SM90_GROUPED or self.ragged != "k")
-        ):
-            raise C.PlanError(
-                f"balanced={self.balanced!r}: a bool, True only for {KERNEL_SM90_GROUPED!r} "
-                f"plans in ragged mode 'k' (got kernel {self.kernel!r}, ragged {self.ragged!r})"
             )
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_GROUPED) and (
             self.arch != "sm_90a"
@@ -565,7 +548,6 @@ class GemmPlan:
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
             ("tiles", self.num_tiles if not self.groups else self._grouped_tiles_text()),
-            ("balanced", self.balanced),
         ]  # fmt: skip
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)

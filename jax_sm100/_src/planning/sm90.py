@@ -406,14 +406,12 @@ def grouped_cluster_cost(common, tm: int, tn: int, eff: float) -> tuple[float, i
     return best
 
 
-def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> GemmPlan:
+def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
     the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
     tile, or pair of tiles, is partial), and the store ring and A/B stages that fit beside the
-    group table (GROUPED_EPI_STAGES). With `balance` (JAX_SM100_GROUPED_BALANCE=1) a weight
-    gradient's plan gives each cluster one run of work tiles of about equal cost
-    (`GemmPlan.balanced`)."""
+    group table (GROUPED_EPI_STAGES)."""
     g, num_sms = common["groups"], common["num_sms"]
     why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
@@ -448,7 +446,6 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", balance=False) -> Gem
         num_acc_stages=1,
         num_epi_stages=2,
         pingpong=pingpong,
-        balanced=bool(balance) and kernel == KERNEL_SM90_GROUPED and common["ragged"] == "k",
     )
     # The deeper ring was measured for 16-bit outputs only; a float32 D would pay an A/B stage.
     deepest = GROUPED_EPI_STAGES if C.DTYPE_BITS[common["out_dtype"]] == 16 else 2
