@@ -6,16 +6,17 @@ or run inside a CUDA profiler range for Nsight Compute:
     ncu --profile-from-start off --section SpeedOfLight --csv \\
         python3 benchmarks/scaled_probe.py --shape ... --variants ... --profile
 
-A variant is `kind[:TMxTN][:overlap|:pp]`: kind `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
-with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) or `cublas`
-(`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); the
-tile edits the planner's plan (`tuning.sm90_variant`, stages refilled); `overlap` turns on
-`GemmPlan.scaled_overlap`; `pp` the ping-pong schedule (unscaled kinds; put it after the tile, e.g.
-`fp8:128x160:pp`). Every variant runs on the same quantized data with a bfloat16 result.
-Timing is `python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing,
-each `scaled` variant's result is compared with the first `scaled` variant's (within 1e-2 of
-its largest magnitude: bfloat16 rounding apart) and the others are checked finite, so a broken
-variant is reported, not timed.
+A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
+with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) and `cublas`
+(`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
+planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
+`GemmPlan.scaled_overlap`, `pp` the ping-pong schedule (unscaled kinds; after the tile, e.g.
+`fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle,
+`eN` the epilogue stages, `rm`/`rn` the raster along M/N. Every variant runs on the same
+quantized data with a bfloat16 result. Timing is `python -m jax_sm100.bench`'s device method
+(median of 5 rounds). Before timing, each `scaled` variant's result is compared with the first
+`scaled` variant's (within 1e-2 of its largest magnitude: bfloat16 rounding apart) and the
+others are checked finite, so a broken variant is reported, not timed.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
             plan = sm90_scaled.with_scaled_overlap(plan)
         elif edit == "pp":
             plan = planning.sm90_variant(plan, pingpong=True)
+        elif edit[0] == "c":  # cluster, e.g. c2x1
+            plan = planning.sm90_variant(
+                plan, cluster_mn=tuple(int(v) for v in edit[1:].split("x"))
+            )
+        elif edit.startswith("sk"):  # stream-K off / on: sk0, sk1
+            plan = planning.sm90_variant(plan, stream_k=bool(int(edit[2:])))
+        elif edit.startswith("swz"):  # raster swizzle, e.g. swz8
+            plan = planning.sm90_variant(plan, swizzle_size=int(edit[3:]))
+        elif edit[0] == "e":  # epilogue stages, e.g. e2
+            plan = planning.sm90_variant(plan, num_epi_stages=int(edit[1:]))
+        elif edit in ("rm", "rn"):  # raster along M / N
+            plan = planning.sm90_variant(plan, raster_along_m=edit == "rm")
         else:
             plan = planning.sm90_variant(plan, tile_mn=tuple(int(v) for v in edit.split("x")))
     return plan
