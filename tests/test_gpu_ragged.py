@@ -17,6 +17,7 @@ from jax import lax
 import jax_sm100
 from jax_sm100._src import dispatch, planning
 from jax_sm100._src import primitive as P
+from jax_sm100._src.planning import gemm_plan
 from tests import test_util as tu
 
 GROUPED = "sm90_wgmma_grouped"
@@ -91,6 +92,19 @@ class GroupedGpuTest(parameterized.TestCase):
     def test_forward(self, shape, fill, transpose_rhs, schedule):
         self._forward(shape, fill, "bfloat16", transpose_rhs, schedule)
 
+    @parameterized.product(
+        shape=[(5, 777, 136, 264), (16, 4096, 512, 256)],
+        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/2x1"],
+    )
+    def test_forward_m_first(self, shape, schedule):
+        # Groups' work tiles along M first, as the planner orders them for a group's B over
+        # GROUPED_N_FIRST_MAX_B_BYTES (these small problems get N first otherwise).
+        with mock.patch.object(gemm_plan, "GROUPED_N_FIRST_MAX_B_BYTES", -1):
+            seen = self._forward(shape, 0.7, "bfloat16", False, schedule)
+        self.assertEqual(
+            {x.plan.raster_along_m for x in seen if x.plan and x.plan.kernel == GROUPED}, {True}
+        )
+
     @parameterized.parameters((8, 1024, 256, 512), (5, 777, 136, 264))
     def test_forward_float16(self, *shape):
         self._forward(shape, 0.8, "float16", False, "")
@@ -111,6 +125,7 @@ class GroupedGpuTest(parameterized.TestCase):
         total = int(np.sum(np.asarray(gs)))
         self.assertEqual(float(jnp.max(jnp.abs(out[total:].astype(jnp.float32)))), 0.0)
         self.assertIn(GROUPED, [x.plan.kernel for x in seen if x.plan is not None])
+        return seen
 
     @parameterized.product(
         shape=[(8, 1024, 256, 512), (6, 999, 200, 136), (32, 2048, 128, 256)],

@@ -106,6 +106,8 @@ class GroupedGemm:
         self.pair = int(plan.cluster_shape_mn[0])
         tm, tn, tk = plan.cta_tile_mnk
         self.work_tile = (tm * self.pair, tn, tk)
+        # A group's work tiles along M first, or along N first (grouped_raster_along_m).
+        self.m_first = bool(plan.raster_along_m)
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -288,7 +290,11 @@ class GroupedGemm:
         if cutlass.const_expr(self.ragged == "m"):
             m_tiles = (rows + tm - 1) // tm
         n_tile = local // m_tiles
-        m_tile = (local - n_tile * m_tiles) * self.pair + rank
+        m_local = local - n_tile * m_tiles
+        if cutlass.const_expr(not self.m_first):
+            m_local = local // tiles_n
+            n_tile = local - m_local * tiles_n
+        m_tile = m_local * self.pair + rank
         zeros = rows == 0
         if cutlass.const_expr(self.ragged == "m"):
             zeros = group == g

@@ -50,6 +50,12 @@ GROUPED_CLUSTERS = {KERNEL_SM90_GROUPED: ((1, 1), (2, 1)), KERNEL_SM100_GROUPED:
 # ring, so they run on XLA's ragged dot; and the running row sums of the table (and the ragged
 # TMA view's extent, kernels/grouped.py) hold fewer than 2^30 rows.
 MAX_GROUPS = 4096
+# Ragged-rows mode walks a group's work tiles along N first (every n tile of an m tile, then the
+# next m tile) when one group's B is at most this many bytes: the clusters in flight then share
+# a few m tiles' rows of A and the group's whole B in L2, each read from memory about once. Along
+# M first (for larger B), the clusters in flight share one n tile of B, and a group of more rows
+# than L2 holds is read again for every n tile.
+GROUPED_N_FIRST_MAX_B_BYTES = 16 << 20
 MAX_GROUPED_ROWS = 2**30
 
 # SMs of the parts each arch is planned for by default: B200 (148) and H100/H200 SXM (132).
@@ -149,6 +155,16 @@ def grouped_support(common) -> str | None:
             "K-major (the input gradient, which reads them as [g, n, k], does run on the kernel)"
         )
     return None
+
+
+def grouped_raster_along_m(common) -> bool:
+    """The order of a group's work tiles (GemmPlan.raster_along_m of a grouped plan): along M
+    first, or along N first in ragged-rows mode when one group's B is small
+    (GROUPED_N_FIRST_MAX_B_BYTES). The weight gradient's tiles keep M first."""
+    if common["ragged"] != "m":
+        return True
+    b_bytes = common["k"] * common["n"] * C.DTYPE_BITS[common["b_dtype"]] // 8
+    return b_bytes > GROUPED_N_FIRST_MAX_B_BYTES
 
 
 def grouped_work_tiles(common, tile_m: int, tile_n: int) -> int:

@@ -19,6 +19,7 @@ from jax_sm100._src.planning.gemm_plan import (
     _wave_cost,
     epi_smem_bytes,
     group_table_bytes,
+    grouped_raster_along_m,
     grouped_support,
 )
 
@@ -147,4 +148,5 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
         use_2cta=False,
         num_ab_stages=stages,
         num_acc_stages=acc_stages,
+        raster_along_m=grouped_raster_along_m(common),
     )

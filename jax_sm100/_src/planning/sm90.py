@@ -15,6 +15,7 @@ from jax_sm100._src.planning.gemm_plan import (
     KERNEL_XLA,
     GemmPlan,
     _wave_cost,
+    grouped_raster_along_m,
     grouped_support,
     grouped_work_tiles,
     smem_capacity,
@@ -446,6 +447,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
         num_acc_stages=1,
         num_epi_stages=2,
         pingpong=pingpong,
+        raster_along_m=grouped_raster_along_m(common),
     )
     # The deeper ring was measured for 16-bit outputs only; a float32 D would pay an A/B stage.
     deepest = GROUPED_EPI_STAGES if C.DTYPE_BITS[common["out_dtype"]] == 16 else 2
