@@ -4,7 +4,7 @@ At each problem (G equal groups, [m, k] @ [G, k, n], normal bfloat16 data) it ti
 clock (`bench_train.time_steps`), `jax_sm100.ragged_dot` with G groups (in 1x1 and 2x1 clusters)
 and with one group of all m rows, each restricted to one tile and schedule, beside
 `jax_sm100.matmul` at the same m, k, n on the same tile and schedule with 1 x 1 and 2 x 1
-clusters and with the grouped kernel's raster (along M, no swizzle) or the planner's. The
+clusters and with the grouped kernel's raster (its plan's order, no swizzle) or the planner's. The
 differences between rows separate what grouping costs (the table, the ragged TMA views, group
 boundaries) from what the grouped plans lack (clusters, raster). Prints TF/s.
 """
@@ -59,11 +59,14 @@ def _grouped(lhs, rhs, sizes, tm, tn, pingpong, pair):
 
 
 def _dense(a, b, tm, tn, pingpong, cluster, grouped_raster):
+    """Our dense matmul on the tile and cluster; `grouped_raster` None keeps the dense
+    planner's raster, True / False walks the tiles along M / N (no swizzle), as the grouped
+    kernel walks one group's."""
     base = jax_sm100.plan(a.shape[0], b.shape[1], a.shape[1], a_dtype=a.dtype,
                           b_dtype=b.dtype, arch="sm_90a")  # fmt: skip
     changes = {"stream_k": False}
-    if grouped_raster:
-        changes.update(raster_along_m=True, swizzle_size=1)
+    if grouped_raster is not None:
+        changes.update(raster_along_m=grouped_raster, swizzle_size=1)
     plan = planning.sm90_variant(base, tile_mn=(tm, tn), cluster_mn=cluster,
                                  pingpong=pingpong, **changes)  # fmt: skip
     f = jax.jit(lambda x, y: jax_sm100.matmul(x, y, plan=plan))
@@ -85,9 +88,13 @@ def main(argv=None):
                 f"{g} groups 2x1": _grouped(lhs, rhs, group_sizes(i, g, m), tm, tn, pp, 2),
                 "1 group 1x1": _grouped(lhs, rhs[:1], jnp.array([m], jnp.int32), tm, tn, pp, 1),
             }
+            along_m = jax_sm100.plan(
+                m, n, k, a_dtype=lhs.dtype, b_dtype=rhs.dtype, arch="sm_90a", groups=g, ragged="m"
+            ).raster_along_m
             for cluster in ((1, 1), (2, 1)):
-                for raster in (True, False):
-                    name = f"dense {cluster[0]}x{cluster[1]} {'M,1' if raster else 'plan'}"
+                for raster in (along_m, None):
+                    order = "plan" if raster is None else ("M,1" if raster else "N,1")
+                    name = f"dense {cluster[0]}x{cluster[1]} {order}"
                     row[name] = _dense(lhs, rhs[0], tm, tn, pp, cluster, raster)
             cells = "  ".join(f"{name}: {flops / t / 1e12:6.1f}" for name, t in row.items())
             print(f"{g:3d} x {m}x{k}x{n} {kind}: {cells}", flush=True)

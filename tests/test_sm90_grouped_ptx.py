@@ -175,6 +175,23 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         with self.assertRaisesRegex(constraints.PlanError, "a cluster in"):
             dataclasses.replace(plan(16384, 768, 2048, 128, "m"), cluster_shape_mn=(1, 2))
 
+    def test_tile_order_planned(self):
+        # A group's tiles along N first for small experts (B of 2048 x 1408 bfloat16, 5.8 MB),
+        # along M first for large ones (4096 x 4096: 32 MiB) and for every weight gradient.
+        for arch in ("sm_90a", "sm_100a"):
+            with self.subTest(arch=arch):
+
+                def plan(m, n, k, g, ragged, arch=arch):
+                    return jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16",
+                                          arch=arch, groups=g, ragged=ragged,
+                                          a_major="k" if ragged == "m" else "m")  # fmt: skip
+
+                self.assertFalse(plan(65536, 1408, 2048, 64, "m").raster_along_m)
+                self.assertFalse(plan(16384, 768, 2048, 128, "m").raster_along_m)
+                self.assertTrue(plan(32768, 4096, 4096, 8, "m").raster_along_m)
+                self.assertTrue(plan(2048, 1408, 65536, 64, "k").raster_along_m)
+                self.assertRegex(str(plan(65536, 1408, 2048, 64, "m")), r"raster +along N")
+
 
 if __name__ == "__main__":
     absltest.main()

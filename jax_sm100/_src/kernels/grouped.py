@@ -201,10 +201,12 @@ class GroupedGemm:
     @cute.jit
     def _build_table(self, mGs, table, extent, tiles_n):
         """Fills `table` (one warp): entry j of [0, G + 2) holds group j's first row, entry
-        G + 2 + j its first work tile ("m" mode); entry G is where the groups end and G + 1 the
-        extent. Sizes are clamped so that every row range lies inside [0, extent)."""
+        G + 2 + j its first work tile ("m" mode only; "k" mode's tiles are G x tiles_m x
+        tiles_n); entry G is where the groups end and G + 1 the extent. Sizes are clamped so
+        that every row range lies inside [0, extent)."""
         g = self.groups
-        rows_per_tile = self.work_tile[0] if self.ragged == "m" else self.work_tile[2]
+        m_mode = self.ragged == "m"
+        rows_per_tile = self.work_tile[0]
         lane = cute.arch.lane_idx()
         carry_rows = cutlass.Int32(0)
         carry_tiles = cutlass.Int32(0)
@@ -223,26 +225,29 @@ class GroupedGemm:
                 if lane >= (1 << d):
                     end = cutlass.min(end + other, extent)
             end = cutlass.min(end + carry_rows, extent)
-            start = cute.arch.shuffle_sync_up(end, 1)
-            if lane == 0:
-                start = carry_rows
-            tiles = (end - start + rows_per_tile - 1) // rows_per_tile * tiles_n
-            last = tiles
-            for d in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(last, 1 << d)
-                if lane >= (1 << d):
-                    last = last + other
-            last = last + carry_tiles
             if j < g:
                 table[j + 1] = end
-                table[g + 2 + j + 1] = last
+            if cutlass.const_expr(m_mode):
+                # Each group's work tiles, and their running sum: its first work tile.
+                start = cute.arch.shuffle_sync_up(end, 1)
+                if lane == 0:
+                    start = carry_rows
+                last = (end - start + rows_per_tile - 1) // rows_per_tile * tiles_n
+                for d in cutlass.range_constexpr(5):
+                    other = cute.arch.shuffle_sync_up(last, 1 << d)
+                    if lane >= (1 << d):
+                        last = last + other
+                last = last + carry_tiles
+                if j < g:
+                    table[g + 2 + j + 1] = last
+                carry_tiles = cute.arch.shuffle_sync(last, 31)
             carry_rows = cute.arch.shuffle_sync(end, 31)
-            carry_tiles = cute.arch.shuffle_sync(last, 31)
         if lane == 0:
             # The rows past the groups: a last pseudo-group, written as zeros ("m" mode).
             table[g + 1] = extent
-            rest = (extent - carry_rows + rows_per_tile - 1) // rows_per_tile * tiles_n
-            table[2 * g + 3] = carry_tiles + rest
+            if cutlass.const_expr(m_mode):
+                rest = (extent - carry_rows + rows_per_tile - 1) // rows_per_tile * tiles_n
+                table[2 * g + 3] = carry_tiles + rest
         cute.arch.sync_warp()
 
     @cute.jit

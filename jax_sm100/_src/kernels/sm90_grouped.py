@@ -32,6 +32,9 @@ from jax_sm100._src.kernels.sm90_gemm import (
 )
 from jax_sm100._src.kernels.spec import KernelSpec
 
+# Rows of one wgmma: a cooperative tile's warp groups take them in turn along M.
+_WGMMA_M = 64
+
 
 class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     """A persistent grouped wgmma GEMM for one (GemmPlan with `groups`, KernelSpec).
@@ -287,8 +290,8 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
 
     @cute.jit
     def _rows_past_group(self, consumer_wg, m_tile, rows):
-        """Cooperative "m" mode: whether all of this warp group's rows of the tile (64 of them,
-        from consumer_wg x 64 on) lie past its group's end, as in a group's last tile when
+        """Cooperative "m" mode: whether all of this warp group's rows of the tile (64 of each
+        128, from consumer_wg x 64 on) lie past its group's end, as in a group's last tile when
         its rows end in the tile's first half, or in a pair's CTA past a short group. Such a
         warp group's products would be stored nowhere (TMA drops rows past the group), so it
         skips its wgmma and the other warp group has the tensor cores to itself. Skewed
@@ -296,8 +299,9 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         third fewer rows through the tensor cores). False otherwise."""
         past = False
         if cutlass.const_expr(self.ragged == "m" and not self.pingpong):
-            tm = self.tile_mnk[0]
-            past = m_tile * tm + consumer_wg * (tm // self.mma_wgs) >= rows
+            # Warp group c's first row is 64 c at every tile height: a 256-row tile gives it
+            # rows [64 c, 64 c + 64) and [128 + 64 c, ...), so the test holds for both.
+            past = m_tile * self.tile_mnk[0] + consumer_wg * _WGMMA_M >= rows
         return past
 
     @cute.jit
