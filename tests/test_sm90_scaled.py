@@ -238,6 +238,57 @@ class ScaledPtxTest(parameterized.TestCase):
         self.assertIn("is not", sm90_scaled.Sm90ScaledGemmKernel.why_not(dense, spec))
 
 
+class ScaledStaggerTest(parameterized.TestCase):
+    """`GemmPlan.scaled_stagger`: the default main loop's warp groups issue in turn."""
+
+    def test_from_the_environment_only(self):
+        p = _plan(8192, 8192, 8192)
+        self.assertFalse(p.scaled_stagger)
+        env = scaled_planning.STAGGER_ENV
+        with mock.patch.dict(os.environ, {env: "1"}):
+            q = _plan(8192, 8192, 8192)
+            skinny = _plan(128, 7168, 16384)  # the overlapped loop: not staggered
+        self.assertTrue(q.scaled_stagger)
+        self.assertIn(env, q.reason)
+        self.assertEqual(dataclasses.replace(q, scaled_stagger=False, reason=p.reason), p)
+        self.assertEqual((skinny.scaled_overlap, skinny.scaled_stagger), (True, False))
+        self.assertIn(("scaled_stagger", True), q.binary_fields())
+        with mock.patch.dict(os.environ, {env: "yes"}):
+            with self.assertRaisesRegex(planning.C.PlanError, env):
+                _plan(8192, 8192, 8192)
+
+    def test_rules(self):
+        p = _plan(4096, 4096, 4096)
+        dense = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                               arch="sm_90a")  # fmt: skip
+        with self.assertRaisesRegex(planning.C.PlanError, "block-scaled kernel"):
+            dataclasses.replace(dense, scaled_stagger=True)
+        with self.assertRaisesRegex(planning.C.PlanError, "set one of them"):
+            dataclasses.replace(p, scaled_stagger=True, scaled_overlap=True)
+        with self.assertRaisesRegex(planning.C.PlanError, "must be a bool"):
+            dataclasses.replace(p, scaled_stagger=1)
+        # Overlapping a staggered plan drops the stagger (the overlapped loop has none).
+        q = jax_sm100.tuning.with_scaled_overlap(dataclasses.replace(p, scaled_stagger=True))
+        self.assertEqual((q.scaled_overlap, q.scaled_stagger), (True, False))
+
+    @parameterized.parameters((128, 128), (128, 192))
+    def test_ptx(self, tm, tn):
+        # One wait on the group's own turn barrier (3 + group) before the batch, one arrival
+        # on the other's (4 - group) after it, both skipped where the turns start and end;
+        # no other change, wgmma still asynchronous, no spills.
+        p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(tm, tn))
+        plain, staggered = _ptx(p), _ptx(dataclasses.replace(p, scaled_stagger=True))
+        self.assertNotRegex(plain, r"bar\.arrive")
+        self.assertEqual(len(re.findall(r"bar\.sync\s+%r\d+, 256", staggered)), 1)
+        self.assertEqual(len(re.findall(r"bar\.arrive\s+%r\d+, 256", staggered)), 1)
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async", staggered)),
+                         len(re.findall(r"wgmma\.mma_async", plain)))  # fmt: skip
+        self.assertIn(wgmma_serialized(staggered), ([], None))
+        spills = _ptxas_spill_bytes(staggered)
+        if spills is not None:
+            self.assertEqual(spills[0] + spills[1], 0)
+
+
 class ScaledOverlapTest(parameterized.TestCase):
     """`GemmPlan.scaled_overlap`: k-tile i promoted under k-tile i + 1's wgmma batch."""
 

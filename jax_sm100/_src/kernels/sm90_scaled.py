@@ -28,6 +28,13 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   it goes (loaded up front, they would not fit the registers beside three fragments: ptxas
   spilled). Three 64 x N fragments per warp group (acc, two k-tiles) fit 232 registers at
   N <= 128.
+* With `plan.scaled_stagger` (JAX_SM100_SCALED_STAGGER=1; not yet measured) the default
+  loop's two consumer warp groups issue their batches in turn: group 1 issues k-tile i after
+  group 0 has, group 0 issues k-tile i + 1 after group 1 has issued i (the ping-pong turn
+  barriers, unused by cooperative plans). Both groups wait on the same stage barrier, so
+  without it they issue together, the tensor cores run the two batches interleaved, both
+  finish at once and both promote while the tensor cores idle. In turn, the tensor cores run
+  group 0's batch, then group 1's while group 0 promotes, and so on.
 * B scaled per 128 x 128 tile (`plan.b_scale_rows == 128`, DeepSeek-V3's weights): the tile's
   columns (128 or 64, inside one scale tile) share one B scale per k-block, read from the
   stage's first column, so the promotion is one multiply per row of the thread and one FMA per
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
+import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -80,6 +88,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         super().__init__(plan, spec)
         self.scale_dtype = common.cutlass_dtype(plan.scale_dtype)
         self.overlap = bool(plan.scaled_overlap)
+        self.stagger = bool(plan.scaled_stagger)
         # B scaled per 128 x 128 tile: the tile's columns share one B scale per k-block (its
         # first column's), so the promotion multiplies by one scale per row.
         self.b_tiled = plan.b_scale_rows > 1
@@ -221,12 +230,25 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         # (their latency hides under it); wider tiles would spill them beside the two
         # fragments, so they are read during the promotion, from the stage (released after).
         early = tn <= _EARLY_SCALES_MAX_N
+        my_turn = their_turn = None
+        wg = cutlass.Int32(0)
+        if cutlass.const_expr(self.stagger):
+            wg, my_turn, their_turn = _turns(ctidx)
         acc.fill(0.0)
         for kt in range(n_k):
             ab_pipe.consumer_wait(read)
+            if cutlass.const_expr(self.stagger):
+                # Group 1 issues k-tile kt after group 0 has; group 0 issues k-tile kt + 1
+                # after group 1 has issued kt (module docstring). Per tile: group 0 waits
+                # n_k - 1 times and arrives n_k times, group 1 the other way round.
+                if wg == 1 or kt > 0:
+                    my_turn.arrive_and_wait()
             if cutlass.const_expr(early):
                 _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
             tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
+            if cutlass.const_expr(self.stagger):
+                if wg == 0 or kt + 1 < n_k:
+                    their_turn.arrive()
             warpgroup.wait_group(0)
             if cutlass.const_expr(early):
                 if kt + 1 < n_k:
@@ -317,6 +339,20 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         _promote_from(acc, done, coords, sSFA, sSFB, release.index, b_tiled)
         ab_pipe.consumer_release(release)
         return tiled_mma
+
+
+@cute.jit
+def _turns(ctidx):
+    """(this consumer warp group, its turn barrier, the other's) for the staggered main loop:
+    the ping-pong schedule's turn barriers, which a cooperative plan leaves unused."""
+    wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
+    my_turn = pipeline.NamedBarrier(
+        barrier_id=common.SM90_TURN_BARRIER + wg, num_threads=2 * _THREADS_PER_WG
+    )
+    their_turn = pipeline.NamedBarrier(
+        barrier_id=common.SM90_TURN_BARRIER + 1 - wg, num_threads=2 * _THREADS_PER_WG
+    )
+    return wg, my_turn, their_turn
 
 
 # Plain Python over the registers (unrolled as the kernel is traced, one instruction each).

@@ -92,7 +92,7 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
     scaled = dataclasses.replace(problem, scale_dtype=scale_name, scale_block=scale_block,
                                  b_scale_rows=b_scale_rows)  # fmt: skip
     C.check_scaled(arch, False, True, scale_name, scale_block, 128, False, 1, False, False)
-    return _plan_scaled(scaled, arch, num_sms or 0, overlap_requested())
+    return _plan_scaled(scaled, arch, num_sms or 0, overlap_requested(), stagger_requested())
 
 
 # The kernel's outputs (bfloat16, float16, float32) all passed tests/test_gpu_scaled.py on the
@@ -131,6 +131,24 @@ def overlap_requested() -> bool | None:
     return None if value == "" else value == "1"
 
 
+# JAX_SM100_SCALED_STAGGER=1 in the environment: the planner's kernel plans on the default
+# main loop stagger their two consumer warp groups' batches (`GemmPlan.scaled_stagger`); unset
+# or "0", they do not. Not measured yet: the planner does not choose it by itself.
+STAGGER_ENV = "JAX_SM100_SCALED_STAGGER"
+
+
+def stagger_requested() -> bool:
+    """True when JAX_SM100_SCALED_STAGGER=1; False when it is 0, unset or empty.
+
+    Raises:
+      PlanError: any other value.
+    """
+    value = os.environ.get(STAGGER_ENV, "")
+    if value not in ("", "0", "1"):
+        raise C.PlanError(f"{STAGGER_ENV}={value!r} must be '1' (on), '0' or unset (off)")
+    return value == "1"
+
+
 def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
     """`plan` (the sm_90a block-scaled kernel's) with its consumers' k-tile promotion
     overlapped with the next k-tile's wgmma batch (`overlap=True`), or not; for tuning and
@@ -160,12 +178,14 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
         )
     if overlap:
         reason += _OVERLAP_NOTE + " (with_scaled_overlap)"
-    return dataclasses.replace(plan, scaled_overlap=bool(overlap), reason=reason)
+    stagger = plan.scaled_stagger and not overlap  # the overlapped loop is not staggered
+    return dataclasses.replace(plan, scaled_overlap=bool(overlap), scaled_stagger=stagger,
+                               reason=reason)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
-                 overlap: bool | None = None) -> GemmPlan:  # fmt: skip
+                 overlap: bool | None = None, stagger: bool = False) -> GemmPlan:  # fmt: skip
     common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
     m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
     why_not = C.kernel_support(
@@ -217,6 +237,9 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         reason += _OVERLAP_NOTE + (
             f" ({OVERLAP_ENV}=1)" if asked else f" (tiles of {tn} columns: measured faster)"
         )
+    stagger = stagger and not overlap
+    if stagger:
+        reason += f"; the warp groups' batches staggered ({STAGGER_ENV}=1)"
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM90_SCALED,
@@ -229,6 +252,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
         stream_k=stream_k,
         scaled_overlap=overlap,
+        scaled_stagger=stagger,
     )
     # A/B stages (each with its scales) as many as fit, then the store ring.
     return _fill_sm90_smem(plan)
