@@ -240,7 +240,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             if cutlass.const_expr(self.stagger):
                 # Group 1 issues k-tile kt after group 0 has; group 0 issues k-tile kt + 1
                 # after group 1 has issued kt (module docstring). Per tile: group 0 waits
-                # n_k - 1 times and arrives n_k times, group 1 the other way round.
+                # n_k - 1 times and arrives n_k times, group 1 the other way round. Group 0
+                # starts the next tile unasked: every tile (or stream-K segment) ends in a
+                # barrier over both groups (the epilogue's, or the partial's publication), so
+                # group 1 has taken its last turn by then and no arrival carries over.
                 if wg == 1 or kt > 0:
                     my_turn.arrive_and_wait()
             if cutlass.const_expr(early):
