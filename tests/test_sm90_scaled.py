@@ -242,18 +242,25 @@ class ScaledStaggerTest(parameterized.TestCase):
     """`GemmPlan.scaled_stagger`: the default main loop's warp groups issue in turn."""
 
     def test_from_the_environment_only(self):
-        p = _plan(8192, 8192, 8192)
-        self.assertFalse(p.scaled_stagger)
         env = scaled_planning.STAGGER_ENV
-        with mock.patch.dict(os.environ, {env: "1"}):
+        unset = {env: "", scaled_planning.OVERLAP_ENV: ""}
+        with mock.patch.dict(os.environ, unset):
+            p = _plan(8192, 8192, 8192)
+        self.assertFalse(p.scaled_stagger)
+        with mock.patch.dict(os.environ, unset | {env: "1"}):
             q = _plan(8192, 8192, 8192)
             skinny = _plan(128, 7168, 16384)  # the overlapped loop: not staggered
         self.assertTrue(q.scaled_stagger)
         self.assertIn(env, q.reason)
         self.assertEqual(dataclasses.replace(q, scaled_stagger=False, reason=p.reason), p)
         self.assertEqual((skinny.scaled_overlap, skinny.scaled_stagger), (True, False))
+        self.assertIn(f"{env}=1 not applied", skinny.reason)
         self.assertIn(("scaled_stagger", True), q.binary_fields())
-        with mock.patch.dict(os.environ, {env: "yes"}):
+        # Overlapping a staggered plan drops the stagger and its note.
+        r = jax_sm100.tuning.with_scaled_overlap(q)
+        self.assertFalse(r.scaled_stagger)
+        self.assertNotIn(env, r.reason)
+        with mock.patch.dict(os.environ, unset | {env: "yes"}):
             with self.assertRaisesRegex(planning.C.PlanError, env):
                 _plan(8192, 8192, 8192)
 
@@ -279,6 +286,14 @@ class ScaledStaggerTest(parameterized.TestCase):
         p = planning.sm90_variant(_plan(8192, 8192, 8192), tile_mn=(tm, tn))
         plain, staggered = _ptx(p), _ptx(dataclasses.replace(p, scaled_stagger=True))
         self.assertNotRegex(plain, r"bar\.arrive")
+        # In the loop, in this order: the stage's wait, the turn, the batch, the other's turn.
+        turn = re.search(
+            r"mbarrier\.try_wait[\s\S]*?bar\.sync\s+%r\d+, 256[\s\S]*?wgmma\.fence"
+            r"[\s\S]*?wgmma\.mma_async[\s\S]*?wgmma\.commit_group[\s\S]*?bar\.arrive\s+%r\d+, 256"
+            r"[\s\S]*?wgmma\.wait_group",
+            staggered,
+        )
+        self.assertIsNotNone(turn)
         self.assertEqual(len(re.findall(r"bar\.sync\s+%r\d+, 256", staggered)), 1)
         self.assertEqual(len(re.findall(r"bar\.arrive\s+%r\d+, 256", staggered)), 1)
         self.assertEqual(len(re.findall(r"wgmma\.mma_async", staggered)),

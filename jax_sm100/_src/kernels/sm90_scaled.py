@@ -112,6 +112,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 plan.cta_tile_mnk[0], plan.pingpong, plan.split_k, plan.stream_k, plan.stage_c,
             )  # fmt: skip
             constraints.check_scaled_overlap(True, plan.scaled_overlap, plan.cta_tile_mnk[1])
+            constraints.check_scaled_stagger(True, plan.scaled_stagger, plan.scaled_overlap)
         except constraints.PlanError as e:
             return str(e)
         return super().why_not(plan, spec)

@@ -135,6 +135,8 @@ def overlap_requested() -> bool | None:
 # main loop stagger their two consumer warp groups' batches (`GemmPlan.scaled_stagger`); unset
 # or "0", they do not. Not measured yet: the planner does not choose it by itself.
 STAGGER_ENV = "JAX_SM100_SCALED_STAGGER"
+# How a plan's reason says its batches are staggered.
+_STAGGER_NOTE = f"; the warp groups' batches staggered ({STAGGER_ENV}=1)"
 
 
 def stagger_requested() -> bool:
@@ -168,6 +170,8 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
         )
     tm, tn, _ = plan.cta_tile_mnk
     reason = plan.reason.split(_OVERLAP_NOTE)[0]  # the note, when there is one, comes last
+    if overlap:
+        reason = reason.replace(_STAGGER_NOTE, "")  # the overlapped loop is not staggered
     if overlap and tn > C.SCALED_OVERLAP_MAX_TILE_N:
         narrow = C.SCALED_OVERLAP_MAX_TILE_N
         cluster = _unpadded_cluster(plan.m, plan.n, tm, narrow, plan.cluster_shape_mn)
@@ -237,9 +241,11 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         reason += _OVERLAP_NOTE + (
             f" ({OVERLAP_ENV}=1)" if asked else f" (tiles of {tn} columns: measured faster)"
         )
+    if stagger and overlap:
+        reason += f" ({STAGGER_ENV}=1 not applied: the overlapped loop is not staggered)"
     stagger = stagger and not overlap
     if stagger:
-        reason += f"; the warp groups' batches staggered ({STAGGER_ENV}=1)"
+        reason += _STAGGER_NOTE
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM90_SCALED,
