@@ -10,9 +10,10 @@ A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel
 with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) and `cublas`
 (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
-`GemmPlan.scaled_overlap`, `stagger` `GemmPlan.scaled_stagger`, `pp` the ping-pong schedule (unscaled kinds; after the tile, e.g.
-`fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle,
-`eN` the epilogue stages, `rm`/`rn` the raster along M/N. Every variant runs on the same
+`GemmPlan.scaled_overlap`, `stagger` `GemmPlan.scaled_stagger`, `pp` the ping-pong schedule
+(unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1`
+stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the epilogue
+sub-tile width, `rm`/`rn` the raster along M/N. Every variant runs on the same
 quantized data with a bfloat16 result. Timing is `python -m jax_sm100.bench`'s device method
 (median of 5 rounds). Before timing, each `scaled` variant's result is compared with the first
 `scaled` variant's (within 1e-2 of its largest magnitude: bfloat16 rounding apart) and the
@@ -63,6 +64,8 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
             plan = planning.sm90_variant(plan, stream_k=bool(int(edit[2:])))
         elif edit.startswith("swz"):  # raster swizzle, e.g. swz8
             plan = planning.sm90_variant(plan, swizzle_size=int(edit[3:]))
+        elif edit.startswith("epi"):  # epilogue sub-tile width, e.g. epi64
+            plan = planning.sm90_variant(plan, epi_n=int(edit[3:]))
         elif edit[0] == "e":  # epilogue stages, e.g. e2
             plan = planning.sm90_variant(plan, num_epi_stages=int(edit[1:]))
         elif edit in ("rm", "rn"):  # raster along M / N
