@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_sm100.bench_ragged import copy_bandwidth
 from jax_sm100.bench_train import time_steps
 
 
@@ -42,7 +43,7 @@ def main():
     out = {
         "read 1 GiB (sum)": _rate(gib, lambda v: jnp.sum(v, dtype=jnp.float32), x),
         "write 1 GiB (fill)": _rate(gib, lambda c: jnp.full((gib // 2,), c), fill),
-        "copy 1 GiB (x * 2)": _rate(2 * gib, lambda v: v * 2, x),
+        "copy 1 GiB (x * 2)": copy_bandwidth(),
         "read 478 MB, write 25 MB (column sum)": _rate(
             r.size * 2 + cols * 2,
             lambda v: jnp.sum(v, axis=0, dtype=jnp.float32).astype(v.dtype),

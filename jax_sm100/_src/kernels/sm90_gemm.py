@@ -723,13 +723,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         epi_barrier = pipeline.NamedBarrier(
             barrier_id=_EPI_BARRIER_ID + epi_group, num_threads=self.epi_threads
         )
-        my_turn = pipeline.NamedBarrier(
-            barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
-        )
-        their_turn = pipeline.NamedBarrier(
-            barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
-        )
-        return store_pipe, epi_barrier, my_turn, their_turn
+        return store_pipe, epi_barrier, *turn_barriers(consumer_wg)
 
     @cute.jit
     def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
@@ -773,6 +767,19 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
 
     def _produce_stage_extra(self, extra, tile, k, state, barrier):
         """The producer's loads of the extras of k-block `k` of `tile` into stage `state`."""
+
+
+def turn_barriers(consumer_wg):
+    """(consumer warp group `consumer_wg`'s turn barrier, the other group's): two named
+    barriers over both groups' threads, by which the groups take turns (the ping-pong schedule's
+    main loops; the block-scaled kernel's staggered batches)."""
+    my_turn = pipeline.NamedBarrier(
+        barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
+    )
+    their_turn = pipeline.NamedBarrier(
+        barrier_id=_TURN_BARRIER_ID + 1 - consumer_wg, num_threads=2 * _THREADS_PER_WG
+    )
+    return my_turn, their_turn
 
 
 # ---------------------------------------------------------------- compile inputs

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -65,6 +64,7 @@ from jax_sm100._src.kernels.sm90_gemm import (
     _THREADS_PER_WG,
     Sm90GemmKernel,
     _fake_workspace,
+    turn_barriers,
 )
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -234,7 +234,9 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         my_turn = their_turn = None
         wg = cutlass.Int32(0)
         if cutlass.const_expr(self.stagger):
-            wg, my_turn, their_turn = _turns(ctidx)
+            # The ping-pong schedule's turn barriers, which a cooperative plan leaves unused.
+            wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
+            my_turn, their_turn = turn_barriers(wg)
         acc.fill(0.0)
         for kt in range(n_k):
             ab_pipe.consumer_wait(read)
@@ -343,20 +345,6 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         _promote_from(acc, done, coords, sSFA, sSFB, release.index, b_tiled)
         ab_pipe.consumer_release(release)
         return tiled_mma
-
-
-@cute.jit
-def _turns(ctidx):
-    """(this consumer warp group, its turn barrier, the other's) for the staggered main loop:
-    the ping-pong schedule's turn barriers, which a cooperative plan leaves unused."""
-    wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
-    my_turn = pipeline.NamedBarrier(
-        barrier_id=common.SM90_TURN_BARRIER + wg, num_threads=2 * _THREADS_PER_WG
-    )
-    their_turn = pipeline.NamedBarrier(
-        barrier_id=common.SM90_TURN_BARRIER + 1 - wg, num_threads=2 * _THREADS_PER_WG
-    )
-    return wg, my_turn, their_turn
 
 
 # Plain Python over the registers (unrolled as the kernel is traced, one instruction each).

@@ -123,11 +123,19 @@ def overlap_requested() -> bool | None:
     Raises:
       PlanError: any other value.
     """
-    value = os.environ.get(OVERLAP_ENV, "")
+    return _switch(OVERLAP_ENV, "the planner's choice")
+
+
+def _switch(name: str, unset: str) -> bool | None:
+    """The on/off switch `name` in the environment: True for "1", False for "0", None when it
+    is unset or empty (`unset` says what that means, for the error).
+
+    Raises:
+      PlanError: any other value.
+    """
+    value = os.environ.get(name, "")
     if value not in ("", "0", "1"):
-        raise C.PlanError(
-            f"{OVERLAP_ENV}={value!r} must be '1' (on), '0' (off) or unset (the planner's choice)"
-        )
+        raise C.PlanError(f"{name}={value!r} must be '1' (on), '0' (off) or unset ({unset})")
     return None if value == "" else value == "1"
 
 
@@ -145,10 +153,7 @@ def stagger_requested() -> bool:
     Raises:
       PlanError: any other value.
     """
-    value = os.environ.get(STAGGER_ENV, "")
-    if value not in ("", "0", "1"):
-        raise C.PlanError(f"{STAGGER_ENV}={value!r} must be '1' (on), '0' or unset (off)")
-    return value == "1"
+    return bool(_switch(STAGGER_ENV, "off"))
 
 
 def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
