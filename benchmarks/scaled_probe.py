@@ -10,20 +10,19 @@ A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel
 with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) and `cublas`
 (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
-`GemmPlan.scaled_overlap`, `stagger` `GemmPlan.scaled_stagger`, `pp` the ping-pong schedule
-(unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1`
-stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the epilogue
-sub-tile width, `rm`/`rn` the raster along M/N. Every variant runs on the same
-quantized data with a bfloat16 result. Timing is `python -m jax_sm100.bench`'s device method
-(median of 5 rounds). Before timing, each `scaled` variant's result is compared with the first
-`scaled` variant's (within 1e-2 of its largest magnitude: bfloat16 rounding apart) and the
-others are checked finite, so a broken variant is reported, not timed.
+`GemmPlan.scaled_overlap`, `pp` the ping-pong schedule (unscaled kinds; after the tile, e.g.
+`fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle,
+`eN` the epilogue stages, `epiN` the epilogue sub-tile width, `rm`/`rn` the raster along M/N.
+Every variant runs on the same quantized data with a bfloat16 result. Timing is
+`python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing, each `scaled`
+variant's result is compared with the first `scaled` variant's (within 1e-2 of its largest
+magnitude: bfloat16 rounding apart) and the others are checked finite, so a broken variant is
+reported, not timed.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +51,6 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     for edit in edits:
         if edit == "overlap":
             plan = sm90_scaled.with_scaled_overlap(plan)
-        elif edit == "stagger":
-            plan = dataclasses.replace(plan, scaled_stagger=True)
         elif edit == "pp":
             plan = planning.sm90_variant(plan, pingpong=True)
         elif edit[0] == "c":  # cluster, e.g. c2x1

@@ -109,12 +109,10 @@ def _integer_operand(key, batch, rows, k, dtype):
     return data, scales
 
 
-def _run(lhs, rhs, ls, rs, out_dtype, overlap=False, stagger=False):
-    """The product on the planner's kernel, lowered with JAX_SM100_SCALED_OVERLAP=`overlap`
-    and JAX_SM100_SCALED_STAGGER=`stagger`."""
+def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
+    """The product on the planner's kernel, lowered with JAX_SM100_SCALED_OVERLAP=`overlap`."""
     fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
-    env = {scaled_planning.OVERLAP_ENV: "1" if overlap else "0",
-           scaled_planning.STAGGER_ENV: "1" if stagger else "0"}  # fmt: skip
+    env = {scaled_planning.OVERLAP_ENV: "1" if overlap else "0"}
     with mock.patch.dict(os.environ, env), jax_sm100.lowerings() as seen:
         out = fn(lhs, rhs, ls, rs)
     return out, seen
@@ -224,31 +222,6 @@ class GpuScaledTest(parameterized.TestCase):
         self.assert_on_kernel(seen, overlap)
         self.assertTrue(seen[0].plan.stream_k, seen[0].plan)
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
-
-    @parameterized.product(
-        shape=[(1, 128, 128, 128), (1, 256, 384, 640), (3, 256, 384, 512), (1, 2048, 2048, 4096),
-               (1, 2000, 3008, 384), (1, 7168, 3840, 512)],
-        b_tiles=[False, True],
-    )  # fmt: skip
-    def test_staggered_loop_exact_on_integer_data(self, shape, b_tiles):
-        # `GemmPlan.scaled_stagger` (JAX_SM100_SCALED_STAGGER=1): the warp groups issue their
-        # batches in turn. One k-block (the turns start and end in one trip), an odd count,
-        # batches, many tiles per CTA, 128 x 192 tiles, stream-K (7168x3840x512), and B scaled
-        # per 128 x 128 tile; exact results as in test_exact_on_integer_data.
-        batch, m, n, k = shape
-        ka, kb, ks = jax.random.split(jax.random.key(m + 3 * n + k), 3)
-        lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
-        rhs, rs = _integer_operand(kb, batch, n, k, E4M3)
-        if b_tiles:
-            tiles = (batch, -(-n // 128), k // 128)
-            rs = jnp.exp2(jax.random.randint(ks, tiles, 0, 4).astype(jnp.float32))
-        out, seen = _run(lhs, rhs, ls, rs, jnp.bfloat16, stagger=True)
-        self.assert_on_kernel(seen)
-        self.assertTrue(seen[0].plan.scaled_stagger, seen[0].plan)
-        self.assertEqual(seen[0].plan.b_scale_rows, 128 if b_tiles else 1)
-        want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
-                                      np.asarray(want.astype(np.float32)))  # fmt: skip
 
     @parameterized.parameters(*[(d,) for d in OUT_DTYPES])
     def test_weight_blocks_of_128x128(self, out_dtype):

@@ -447,24 +447,6 @@ def check_scaled_overlap(kernel_scaled: bool, scaled_overlap, tile_n: int) -> No
         )
 
 
-def check_scaled_stagger(kernel_scaled: bool, scaled_stagger, scaled_overlap: bool) -> None:
-    """`GemmPlan.scaled_stagger`: the block-scaled kernel's default main loop with its two
-    consumer warp groups issuing their k-tile batches in turn (kernels/sm90_scaled.py). The
-    overlapped loop keeps its own batch in flight instead, so it takes no stagger."""
-    if not isinstance(scaled_stagger, bool):
-        raise PlanError(f"scaled_stagger={scaled_stagger!r} must be a bool")
-    if scaled_stagger and not kernel_scaled:
-        raise PlanError(
-            "scaled_stagger=True is a choice of the sm_90a block-scaled kernel "
-            "(kernel='sm90_wgmma_scaled') only; leave it False"
-        )
-    if scaled_stagger and scaled_overlap:
-        raise PlanError(
-            "scaled_stagger=True staggers the default main loop; with scaled_overlap=True the "
-            "overlapped loop runs instead: set one of them"
-        )
-
-
 def kernel_support(
     arch: str,
     m: int,

@@ -771,8 +771,8 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
 
 def turn_barriers(consumer_wg):
     """(consumer warp group `consumer_wg`'s turn barrier, the other group's): two named
-    barriers over both groups' threads, by which the groups take turns (the ping-pong schedule's
-    main loops; the block-scaled kernel's staggered batches)."""
+    barriers over both groups' threads, by which the groups take turns in the ping-pong
+    schedule's main loops."""
     my_turn = pipeline.NamedBarrier(
         barrier_id=_TURN_BARRIER_ID + consumer_wg, num_threads=2 * _THREADS_PER_WG
     )

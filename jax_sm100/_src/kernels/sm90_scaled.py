@@ -28,13 +28,6 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   it goes (loaded up front, they would not fit the registers beside three fragments: ptxas
   spilled). Three 64 x N fragments per warp group (acc, two k-tiles) fit 232 registers at
   N <= 128.
-* With `plan.scaled_stagger` (JAX_SM100_SCALED_STAGGER=1; not yet measured) the default
-  loop's two consumer warp groups issue their batches in turn: group 1 issues k-tile i after
-  group 0 has, group 0 issues k-tile i + 1 after group 1 has issued i (the ping-pong turn
-  barriers, unused by cooperative plans). Both groups wait on the same stage barrier, so
-  without it they issue together, the tensor cores run the two batches interleaved, both
-  finish at once and both promote while the tensor cores idle. In turn, the tensor cores run
-  group 0's batch, then group 1's while group 0 promotes, and so on.
 * B scaled per 128 x 128 tile (`plan.b_scale_rows == 128`, DeepSeek-V3's weights): the tile's
   columns (128 or 64, inside one scale tile) share one B scale per k-block, read from the
   stage's first column, so the promotion is one multiply per row of the thread and one FMA per
@@ -64,7 +57,6 @@ from jax_sm100._src.kernels.sm90_gemm import (
     _THREADS_PER_WG,
     Sm90GemmKernel,
     _fake_workspace,
-    turn_barriers,
 )
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -88,7 +80,6 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         super().__init__(plan, spec)
         self.scale_dtype = common.cutlass_dtype(plan.scale_dtype)
         self.overlap = bool(plan.scaled_overlap)
-        self.stagger = bool(plan.scaled_stagger)
         # B scaled per 128 x 128 tile: the tile's columns share one B scale per k-block (its
         # first column's), so the promotion multiplies by one scale per row.
         self.b_tiled = plan.b_scale_rows > 1
@@ -112,7 +103,6 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 plan.cta_tile_mnk[0], plan.pingpong, plan.split_k, plan.stream_k, plan.stage_c,
             )  # fmt: skip
             constraints.check_scaled_overlap(True, plan.scaled_overlap, plan.cta_tile_mnk[1])
-            constraints.check_scaled_stagger(True, plan.scaled_stagger, plan.scaled_overlap)
         except constraints.PlanError as e:
             return str(e)
         return super().why_not(plan, spec)
@@ -231,30 +221,12 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         # (their latency hides under it); wider tiles would spill them beside the two
         # fragments, so they are read during the promotion, from the stage (released after).
         early = tn <= _EARLY_SCALES_MAX_N
-        my_turn = their_turn = None
-        wg = cutlass.Int32(0)
-        if cutlass.const_expr(self.stagger):
-            # The ping-pong schedule's turn barriers, which a cooperative plan leaves unused.
-            wg = cute.arch.make_warp_uniform(ctidx // _THREADS_PER_WG)
-            my_turn, their_turn = turn_barriers(wg)
         acc.fill(0.0)
         for kt in range(n_k):
             ab_pipe.consumer_wait(read)
-            if cutlass.const_expr(self.stagger):
-                # Group 1 issues k-tile kt after group 0 has; group 0 issues k-tile kt + 1
-                # after group 1 has issued kt (module docstring). Per tile: group 0 waits
-                # n_k - 1 times and arrives n_k times, group 1 the other way round. Group 0
-                # starts the next tile unasked: every tile (or stream-K segment) ends in a
-                # barrier over both groups (the epilogue's, or the partial's publication), so
-                # group 1 has taken its last turn by then and no arrival carries over.
-                if wg == 1 or kt > 0:
-                    my_turn.arrive_and_wait()
             if cutlass.const_expr(early):
                 _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
             tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
-            if cutlass.const_expr(self.stagger):
-                if wg == 0 or kt + 1 < n_k:
-                    their_turn.arrive()
             warpgroup.wait_group(0)
             if cutlass.const_expr(early):
                 if kt + 1 < n_k:

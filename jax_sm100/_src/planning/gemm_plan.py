@@ -290,10 +290,6 @@ class GemmPlan:
     # batch before promoting it (`tuning.with_scaled_overlap`, JAX_SM100_SCALED_OVERLAP; the
     # planner's choice for 128 x 64 tiles).
     scaled_overlap: bool = False
-    # KERNEL_SM90_SCALED's default (serial) main loop only: the two consumer warp groups issue
-    # their k-tile batches in turn (a named barrier each), so one group's promotion runs while
-    # the other's batch is on the tensor cores (JAX_SM100_SCALED_STAGGER=1; not yet measured).
-    scaled_stagger: bool = False
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
     ragged: str = ""
@@ -364,8 +360,6 @@ class GemmPlan:
                              self.kernel == KERNEL_SM90_SCALED, self.mma_tiler_mnk[1])  # fmt: skip
         C.check_scaled_overlap(self.kernel == KERNEL_SM90_SCALED, self.scaled_overlap,
                                self.mma_tiler_mnk[1])  # fmt: skip
-        C.check_scaled_stagger(self.kernel == KERNEL_SM90_SCALED, self.scaled_stagger,
-                               self.scaled_overlap)  # fmt: skip
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
             raise C.PlanError(
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
@@ -565,7 +559,6 @@ class GemmPlan:
             ("preact_out", self.preact_out),
             ("stage_c", self.stage_c),
             ("scaled_overlap", self.scaled_overlap),
-            ("scaled_stagger", self.scaled_stagger),
             ("max_clusters", self._grid_text()),
             ("epi_n", self.epi_n or "auto"),
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "

@@ -271,6 +271,14 @@ def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
 
 SM90_STREAM_K_MIN_WAVES = 8
 
+# The dense planner's stream-K is for 16- and 32-bit operands. An fp8 tile's main loop takes
+# half a bf16 one's time while its partial costs the same, and on the H200 (2026-12-01,
+# benchmarks/RESULTS.md, thirteenth session; `scaled_probe.py`, two machine starts) stream-K
+# cost fp8 e4m3 2.7-3.1 % at 16384x4096x4096 (1206-1207 against 1239-1245 TF/s) and 0.6 % at
+# 8192^3, both 15.5 waves of 128x256 tiles. (The block-scaled kernel's slower tiles keep it:
+# 1.0-1.2 % faster with it at 8192^3 and 4096x7168x16384.)
+SM90_STREAM_K_MIN_AB_BITS = 16
+
 
 def _sm90_swizzle(m, n, batch, tm, tn, cluster) -> int:
     """Raster swizzle for SM90 grids with many more tile rows than columns (and >= 8 of each).
@@ -341,7 +349,8 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
             tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
             cluster = _unpadded_cluster(m, n, tm, tn, cluster)
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
-    stream_k = kernel == KERNEL_SM90 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms)
+    stream_k = (kernel == KERNEL_SM90 and ab_bits >= SM90_STREAM_K_MIN_AB_BITS
+                and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms))  # fmt: skip
     if stream_k:
         reason += "; stream-K over the last waves (they do not divide evenly)"
     plan = GemmPlan(

@@ -92,7 +92,7 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
     scaled = dataclasses.replace(problem, scale_dtype=scale_name, scale_block=scale_block,
                                  b_scale_rows=b_scale_rows)  # fmt: skip
     C.check_scaled(arch, False, True, scale_name, scale_block, 128, False, 1, False, False)
-    return _plan_scaled(scaled, arch, num_sms or 0, overlap_requested(), stagger_requested())
+    return _plan_scaled(scaled, arch, num_sms or 0, overlap_requested())
 
 
 # The kernel's outputs (bfloat16, float16, float32) all passed tests/test_gpu_scaled.py on the
@@ -123,37 +123,12 @@ def overlap_requested() -> bool | None:
     Raises:
       PlanError: any other value.
     """
-    return _switch(OVERLAP_ENV, "the planner's choice")
-
-
-def _switch(name: str, unset: str) -> bool | None:
-    """The on/off switch `name` in the environment: True for "1", False for "0", None when it
-    is unset or empty (`unset` says what that means, for the error).
-
-    Raises:
-      PlanError: any other value.
-    """
-    value = os.environ.get(name, "")
+    value = os.environ.get(OVERLAP_ENV, "")
     if value not in ("", "0", "1"):
-        raise C.PlanError(f"{name}={value!r} must be '1' (on), '0' (off) or unset ({unset})")
+        raise C.PlanError(
+            f"{OVERLAP_ENV}={value!r} must be '1' (on), '0' (off) or unset (the planner's choice)"
+        )
     return None if value == "" else value == "1"
-
-
-# JAX_SM100_SCALED_STAGGER=1 in the environment: the planner's kernel plans on the default
-# main loop stagger their two consumer warp groups' batches (`GemmPlan.scaled_stagger`); unset
-# or "0", they do not. Not measured yet: the planner does not choose it by itself.
-STAGGER_ENV = "JAX_SM100_SCALED_STAGGER"
-# How a plan's reason says its batches are staggered.
-_STAGGER_NOTE = f"; the warp groups' batches staggered ({STAGGER_ENV}=1)"
-
-
-def stagger_requested() -> bool:
-    """True when JAX_SM100_SCALED_STAGGER=1; False when it is 0, unset or empty.
-
-    Raises:
-      PlanError: any other value.
-    """
-    return bool(_switch(STAGGER_ENV, "off"))
 
 
 def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
@@ -175,8 +150,6 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
         )
     tm, tn, _ = plan.cta_tile_mnk
     reason = plan.reason.split(_OVERLAP_NOTE)[0]  # the note, when there is one, comes last
-    if overlap:
-        reason = reason.replace(_STAGGER_NOTE, "")  # the overlapped loop is not staggered
     if overlap and tn > C.SCALED_OVERLAP_MAX_TILE_N:
         narrow = C.SCALED_OVERLAP_MAX_TILE_N
         cluster = _unpadded_cluster(plan.m, plan.n, tm, narrow, plan.cluster_shape_mn)
@@ -187,14 +160,12 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
         )
     if overlap:
         reason += _OVERLAP_NOTE + " (with_scaled_overlap)"
-    stagger = plan.scaled_stagger and not overlap  # the overlapped loop is not staggered
-    return dataclasses.replace(plan, scaled_overlap=bool(overlap), scaled_stagger=stagger,
-                               reason=reason)  # fmt: skip
+    return dataclasses.replace(plan, scaled_overlap=bool(overlap), reason=reason)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
-                 overlap: bool | None = None, stagger: bool = False) -> GemmPlan:  # fmt: skip
+                 overlap: bool | None = None) -> GemmPlan:  # fmt: skip
     common = dataclasses.asdict(problem) | dict(arch=arch, num_sms=num_sms)
     m, n, k, batch = problem.m, problem.n, problem.k, problem.batch
     why_not = C.kernel_support(
@@ -246,11 +217,6 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         reason += _OVERLAP_NOTE + (
             f" ({OVERLAP_ENV}=1)" if asked else f" (tiles of {tn} columns: measured faster)"
         )
-    if stagger and overlap:
-        reason += f" ({STAGGER_ENV}=1 not applied: the overlapped loop is not staggered)"
-    stagger = stagger and not overlap
-    if stagger:
-        reason += _STAGGER_NOTE
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM90_SCALED,
@@ -263,7 +229,6 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
         stream_k=stream_k,
         scaled_overlap=overlap,
-        scaled_stagger=stagger,
     )
     # A/B stages (each with its scales) as many as fit, then the store ring.
     return _fill_sm90_smem(plan)
