@@ -7,8 +7,9 @@ or run inside a CUDA profiler range for Nsight Compute:
         python3 benchmarks/scaled_probe.py --shape ... --variants ... --profile
 
 A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
-with float32 scales per 128 of k), `fp8` (the dense fp8 kernel, unscaled, B K-major) and `cublas`
-(`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
+with float32 scales per 128 of k), `tiled` (scaled_matmul on the weights scaled per 128 x 128
+tile, the planner's plan, no edits), `fp8` (the dense fp8 kernel, unscaled, B K-major) and
+`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
 `GemmPlan.scaled_overlap`, `pp` the ping-pong schedule (unscaled kinds; after the tile, e.g.
 `fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle,
@@ -39,9 +40,10 @@ E4M3 = "float8_e4m3fn"
 
 def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     kind, *edits = spec.split(":")
-    if kind == "scaled":
+    if kind in ("scaled", "tiled"):
         plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
                               b_major="k", scale_dtype="float32", scale_block=128,
+                              b_scale_rows=128 if kind == "tiled" else 1,
                               arch="sm_90a")  # fmt: skip
     elif kind in ("fp8", "cublas"):
         plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
@@ -78,6 +80,10 @@ def product(spec: str, plan: planning.GemmPlan):
     ffi.register()
     if spec.split(":")[0] == "cublas":
         return bench_scaled._unscaled(jax.lax.dot_general)
+    if spec.startswith("tiled"):
+        if spec != "tiled":
+            raise SystemExit(f"{spec!r}: the tiled kind takes no edits (the planner's plan)")
+        return bench_scaled._scaled(jax_sm100.scaled_matmul, "tiles")
     if plan.kernel == planning.KERNEL_SM90_SCALED:
 
         def scaled(a, b):

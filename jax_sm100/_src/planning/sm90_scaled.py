@@ -105,10 +105,15 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
 
 # JAX_SM100_SCALED_OVERLAP in the environment: "1" puts the planner's kernel plans on the
 # overlapped main loop (`GemmPlan.scaled_overlap`, kernels/sm90_scaled.py; tiles of at most 128
-# columns), "0" on the default one; unset, the planner overlaps 128 x 64 tiles only. On the H200
-# (tenth session; `python -m jax_sm100.bench --scaled --overlap both`) the overlapped loop ran
-# 128 x 64 tiles (128x7168x16384) 1.07-1.09x faster in both runs that timed it, and 128 x 128
-# tiles from 0.9x to 1.1x by run, never faster than the default loop's 128 x 192 tiles.
+# columns), "0" on the default one; unset, the planner overlaps 128 x 64 tiles, and the 128 x 128
+# tiles of B scaled per 128 x 128 tile. On the H200 (tenth session; `python -m jax_sm100.bench
+# --scaled --overlap both`) the overlapped loop ran 128 x 64 tiles (128x7168x16384) 1.07-1.09x
+# faster in both runs that timed it, and 128 x 128 tiles of per-row scales from 0.9x to 1.1x by
+# run, never faster than the default loop's 128 x 192 tiles (thirteenth session: 0.99-1.0x
+# again). With B scaled per tile the promotion is one FMA per accumulator and its scales three
+# words, so the overlap's extra fragment costs little: 1.01x at 4096x7168x16384 (996 against 982
+# TF/s) and 1.05x at 8192^3 (946 against 902), thirteenth session, `scaled_probe.py` kind `tiled`
+# with JAX_SM100_SCALED_OVERLAP=1 and unset, one run each.
 OVERLAP_ENV = "JAX_SM100_SCALED_OVERLAP"
 # How a plan's reason says its promotion is overlapped (always its last part).
 _OVERLAP_NOTE = "; each k-tile promoted while the next one's wgmma runs"
@@ -195,7 +200,8 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     _, tm, tn = min(costs)
     asked = overlap is not None
     if not asked:
-        overlap = tn <= OVERLAP_DEFAULT_MAX_TILE_N
+        tiled = problem.b_scale_rows > 1 and tn <= C.SCALED_OVERLAP_MAX_TILE_N
+        overlap = tn <= OVERLAP_DEFAULT_MAX_TILE_N or tiled
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
     # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
@@ -215,8 +221,10 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         reason += "; stream-K over the last waves (they do not divide evenly)"
     if overlap:
         reason += _OVERLAP_NOTE + (
-            f" ({OVERLAP_ENV}=1)" if asked else f" (tiles of {tn} columns: measured faster)"
-        )
+            f" ({OVERLAP_ENV}=1)" if asked
+            else f" (tiles of {tn} columns: measured faster)" if tn <= OVERLAP_DEFAULT_MAX_TILE_N
+            else " (B scaled per tile: measured faster)"
+        )  # fmt: skip
     plan = GemmPlan(
         **common,
         kernel=KERNEL_SM90_SCALED,
