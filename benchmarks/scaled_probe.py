@@ -9,7 +9,8 @@ or run inside a CUDA profiler range for Nsight Compute:
 A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
 with float32 scales per 128 of k), `tiled` (scaled_matmul on the weights scaled per 128 x 128
 tile, the planner's plan, no edits), `fp8` (the dense fp8 kernel, unscaled, B K-major) and
-`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
+`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); `tiled`
+results are checked finite only (other weights). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
 `GemmPlan.scaled_overlap`, `pp` the ping-pong schedule (unscaled kinds; after the tile, e.g.
 `fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle,
@@ -40,6 +41,8 @@ E4M3 = "float8_e4m3fn"
 
 def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     kind, *edits = spec.split(":")
+    if kind == "tiled" and edits:
+        raise SystemExit(f"{spec!r}: the tiled kind takes no edits (the planner's plan)")
     if kind in ("scaled", "tiled"):
         plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
                               b_major="k", scale_dtype="float32", scale_block=128,
@@ -80,9 +83,7 @@ def product(spec: str, plan: planning.GemmPlan):
     ffi.register()
     if spec.split(":")[0] == "cublas":
         return bench_scaled._unscaled(jax.lax.dot_general)
-    if spec.startswith("tiled"):
-        if spec != "tiled":
-            raise SystemExit(f"{spec!r}: the tiled kind takes no edits (the planner's plan)")
+    if spec == "tiled":
         return bench_scaled._scaled(jax_sm100.scaled_matmul, "tiles")
     if plan.kernel == planning.KERNEL_SM90_SCALED:
 

@@ -355,16 +355,25 @@ class WeightTilesTest(parameterized.TestCase):
     columns within one scale tile, one FMA per accumulator in the promotion."""
 
     @parameterized.named_parameters(
-        # 128 x 128 tiles overlapped too (measured 1.01-1.05x the default loop).
-        ("square", (8192, 8192, 8192), (128, 128, 128), True),
-        ("wide", (4096, 7168, 16384), (128, 128, 128), True),
-        ("skinny", (128, 7168, 16384), (128, 64, 128), True),
+        # Every tile on the overlapped loop: 128 x 64 as for per-row scales, 128 x 128 too
+        # (measured 1.01-1.05x the default loop with weights per tile).
+        ("square", (8192, 8192, 8192), (128, 128, 128), "B scaled per tile: measured faster"),
+        ("wide", (4096, 7168, 16384), (128, 128, 128), "B scaled per tile: measured faster"),
+        ("skinny", (128, 7168, 16384), (128, 64, 128), "tiles of 64 columns: measured faster"),
     )
-    def test_plan_and_promotion(self, shape, tile, overlap):
+    def test_plan_and_promotion(self, shape, tile, why_overlap):
         p = _plan(*shape, b_scale_rows=128)
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.b_scale_rows, p.scaled_overlap),
-                         (planning.KERNEL_SM90_SCALED, tile, 128, overlap))  # fmt: skip
+                         (planning.KERNEL_SM90_SCALED, tile, 128, True))  # fmt: skip
         self.assertIn("one FMA per accumulator", p.reason)
+        self.assertTrue(p.reason.endswith(f"({why_overlap})"), p.reason)
+        # JAX_SM100_SCALED_OVERLAP=0 turns it off at the same tile: the plan
+        # with_scaled_overlap(p, False) gives, its note gone.
+        with mock.patch.dict(os.environ, {scaled_planning.OVERLAP_ENV: "0"}):
+            off = _plan(*shape, b_scale_rows=128)
+        self.assertEqual((off.cta_tile_mnk, off.scaled_overlap), (tile, False))
+        self.assertEqual(off, jax_sm100.tuning.with_scaled_overlap(p, False))
+        self.assertNotIn("measured faster", off.reason)
         self.assertIn("each 128 rows of B (b_scale_rows)", str(p))
         serial = jax_sm100.tuning.with_scaled_overlap(p, False)
         ptx = _ptx(serial)

@@ -21,7 +21,8 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   warp group's wgmma batch runs on the tensor cores while this one promotes (the fastest
   published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the same); the
   promotion costs two float32 instructions per accumulator per k-tile.
-* With `plan.scaled_overlap` (the planner's choice for 128 x 64 tiles) each warp group also
+* With `plan.scaled_overlap` (the planner's choice for 128 x 64 tiles, and for 128 x 128 tiles
+  of B scaled per 128 x 128 tile) each warp group also
   keeps the tensor cores fed itself: two fragments take the k-tiles in turn, and k-tile i + 1's
   batch is issued before k-tile i's is waited for (`wait_group(1)`), so k-tile i's promotion
   runs under it; its stage is released after the promotion, which reads the scales from it as

@@ -67,6 +67,7 @@ from jax_sm100._src.planning.sm90 import (
     SM90_MIN_FLOPS,
     SM90_PINGPONG_EPI_STAGES,
     SM90_SPLITK_MIN_FLOPS,
+    SM90_STREAM_K_MIN_AB_BITS,
     SM90_STREAM_K_MIN_WAVES,
     sm90_too_small,
     sm90_variant,
@@ -80,7 +81,8 @@ __all__ = [
     "KERNEL_SM100_GROUPED", "KERNEL_SM90", "KERNEL_SM90_GROUPED", "KERNEL_SM90_SCALED",
     "KERNEL_SM90_SPLITK",
     "KERNEL_XLA", "SM90_MAX_EPI_STAGES", "SM90_MIN_FLOPS", "SM90_PINGPONG_EPI_STAGES",
-    "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan", "GemmProblem",
+    "SM90_SPLITK_MIN_FLOPS", "SM90_STREAM_K_MIN_AB_BITS", "SM90_STREAM_K_MIN_WAVES", "GemmPlan",
+    "GemmProblem",
     "check_plan_fits", "cooperative", "epi_smem_bytes", "grid_clusters", "make_problem", "plan",
     "replace_fitting", "resident_clusters", "sm90_too_small", "sm90_variant",
     "small_problems_on_kernels", "smem_capacity", "swizzle_pads", "with_preact",
@@ -249,7 +251,7 @@ def make_problem(
 def cooperative(plan: GemmPlan) -> GemmPlan:
     """The planner's plan for `plan`'s problem with the ping-pong schedule ruled out: the
     cooperative tile, cluster and raster it picks for fewer waves or 32-bit outputs, with
-    stream-K where the last wave is partial. For tests and tuning."""
+    stream-K where the last wave is partial (16- and 32-bit operands). For tests and tuning."""
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
         plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),

@@ -273,10 +273,10 @@ SM90_STREAM_K_MIN_WAVES = 8
 
 # The dense planner's stream-K is for 16- and 32-bit operands. An fp8 tile's main loop takes
 # half a bf16 one's time while its partial costs the same, and on the H200 (2026-12-01,
-# benchmarks/RESULTS.md, thirteenth session; `scaled_probe.py`, two machine starts) stream-K
-# cost fp8 e4m3 2.7-3.1 % at 16384x4096x4096 (1206-1207 against 1239-1245 TF/s) and 0.6 % at
-# 8192^3, both 15.5 waves of 128x256 tiles. (The block-scaled kernel's slower tiles keep it:
-# 1.0-1.2 % faster with it at 8192^3 and 4096x7168x16384.)
+# benchmarks/RESULTS.md, thirteenth session; `scaled_probe.py`) stream-K cost fp8 e4m3 2.7-3.1 %
+# at 16384x4096x4096 (1206-1207 against 1239-1245 TF/s, two machine starts) and 0.7 % at 8192^3
+# (one run, within the spread), both 15.5 waves of 128x256 tiles. (The block-scaled kernel's
+# slower tiles keep it: 0.5-1.2 % faster with it at 8192^3 and 4096x7168x16384.)
 SM90_STREAM_K_MIN_AB_BITS = 16
 
 

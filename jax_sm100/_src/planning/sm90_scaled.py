@@ -23,8 +23,9 @@ block) 1.25x. `GemmPlan.scaled_overlap` (JAX_SM100_SCALED_OVERLAP=1, `with_scale
 makes each warp group promote k-tile i under its own k-tile i + 1's wgmma: a third fragment, so
 tiles of at most 128 columns; the H200 measured it from 10 % slower to 10 % faster than the
 default loop at 128 x 128 depending on the run, never faster than the default at 128 x 192, and
-1.07-1.09x the default at 128 x 64: the planner takes it for 128 x 64 tiles only
-(JAX_SM100_SCALED_OVERLAP forces it either way).
+1.07-1.09x the default at 128 x 64: the planner takes it for 128 x 64 tiles, and for the
+128 x 128 tiles of B scaled per 128 x 128 tile, whose one-FMA promotion it ran 1.01-1.05x faster
+(thirteenth session; JAX_SM100_SCALED_OVERLAP forces it either way).
 
 Where 128 x 128 tiles leave most SMs idle (a few rows against many columns: 128 x 7168 is 56
 tiles for 132 SMs), 128 x 64 tiles double the CTAs at the same k-loop (the wave model of the
@@ -117,7 +118,8 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
 OVERLAP_ENV = "JAX_SM100_SCALED_OVERLAP"
 # How a plan's reason says its promotion is overlapped (always its last part).
 _OVERLAP_NOTE = "; each k-tile promoted while the next one's wgmma runs"
-# The widest tile the planner overlaps unless told.
+# The widest tile the planner overlaps unless told, for per-row B scales (B scaled per 128 x 128
+# tile: up to constraints.SCALED_OVERLAP_MAX_TILE_N).
 OVERLAP_DEFAULT_MAX_TILE_N = 64
 
 
