@@ -294,12 +294,15 @@ class GroupedGemm:
             local = w - group * per_group
         start = table[group]
         rows = table[group + 1] - start
-        m_tiles = tiles_m
-        if cutlass.const_expr(self.ragged == "m"):
-            m_tiles = (rows + tm - 1) // tm
-        n_tile = local // m_tiles
-        m_local = local - n_tile * m_tiles
-        if cutlass.const_expr(not self.m_first):
+        if cutlass.const_expr(self.m_first):
+            # Along M first: the group's m tiles (its own count in "m" mode) of each n tile.
+            m_tiles = tiles_m
+            if cutlass.const_expr(self.ragged == "m"):
+                m_tiles = (rows + tm - 1) // tm
+            n_tile = local // m_tiles
+            m_local = local - n_tile * m_tiles
+        else:
+            # Along N first: every n tile of one m tile, then the next m tile.
             m_local = local // tiles_n
             n_tile = local - m_local * tiles_n
         m_tile = m_local * self.pair + rank
