@@ -163,12 +163,7 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
     def test_clusters_planned(self):
         # 2x1 clusters where groups hold an even number of m tiles (64 groups of 1024 rows),
         # 1x1 for 128-row groups (a pair would idle one CTA).
-        def plan(m, n, k, g, ragged):
-            with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
-                return jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16",
-                                      arch="sm_90a", groups=g, ragged=ragged,
-                                      a_major="k" if ragged == "m" else "m")  # fmt: skip
-
+        plan = _planned
         self.assertEqual(plan(65536, 1408, 2048, 64, "m").cluster_shape_mn, (2, 1))
         self.assertEqual(plan(16384, 768, 2048, 128, "m").cluster_shape_mn, (1, 1))
         self.assertIn("in 2x1 clusters", plan(65536, 1408, 2048, 64, "m").reason)
@@ -181,16 +176,23 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         for arch in ("sm_90a", "sm_100a"):
             with self.subTest(arch=arch):
 
-                def plan(m, n, k, g, ragged, arch=arch):
-                    return jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16",
-                                          arch=arch, groups=g, ragged=ragged,
-                                          a_major="k" if ragged == "m" else "m")  # fmt: skip
+                def plan(*problem, arch=arch):
+                    return _planned(*problem, arch=arch)
 
                 self.assertFalse(plan(65536, 1408, 2048, 64, "m").raster_along_m)
                 self.assertFalse(plan(16384, 768, 2048, 128, "m").raster_along_m)
                 self.assertTrue(plan(32768, 4096, 4096, 8, "m").raster_along_m)
                 self.assertTrue(plan(2048, 1408, 65536, 64, "k").raster_along_m)
                 self.assertRegex(str(plan(65536, 1408, 2048, 64, "m")), r"raster +along N")
+
+
+def _planned(m, n, k, g, ragged, arch="sm_90a"):
+    """The planner's bfloat16 plan of a grouped problem (A K-major in "m" mode, M-major in
+    "k" mode), with the grouped schedule left to the planner."""
+    with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
+        return jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16", arch=arch,
+                              groups=g, ragged=ragged,
+                              a_major="k" if ragged == "m" else "m")  # fmt: skip
 
 
 if __name__ == "__main__":
