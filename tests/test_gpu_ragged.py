@@ -236,6 +236,74 @@ class GroupedGpuTest(parameterized.TestCase):
         self.assertEqual(low.plan.kernel, GROUPED)
         self.assertEqual(f"{activation} in the epilogue" in low.note, fused == "1")
 
+    @parameterized.product(
+        activation=[None, "gelu"],
+        out=["bfloat16", "float32"],
+        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/1x1", "pingpong/2x1"],
+    )
+    def test_bias(self, activation, out, schedule):
+        # A per-group bias [g, n] in the epilogue: each row gets its group's row before the
+        # activation, rows past the groups stay exact zeros; n = 264 ends inside a tile (the
+        # bias's columns predicated), 20 % of the groups empty.
+        g, m, k, n = 8, 1500, 256, 264
+        rng = np.random.default_rng(12)
+        lhs = jax.random.normal(jax.random.key(9), (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(jax.random.key(10), (g, k, n), jnp.float32).astype(jnp.bfloat16)
+        bias = jax.random.normal(jax.random.key(11), (g, n), jnp.float32) * 4
+        gs = _sizes(rng, g, m, 0.8)
+        f = lambda a, b, s, c: jax_sm100.ragged_dot(  # noqa: E731
+            a, b, s, preferred_element_type=jnp.dtype(out), bias=c, activation=activation
+        )
+        out_, seen = self.lower_and_run(schedule, f, lhs, rhs, gs, bias)
+        self.assertEqual(out_.dtype, jnp.dtype(out))
+        total = int(np.sum(np.asarray(gs)))
+        rows = np.repeat(np.arange(g), np.asarray(gs))
+        per_row = np.concatenate([np.asarray(bias)[rows], np.zeros((m - total, n), np.float32)])
+        want = P.apply_activation(_reference(lhs, rhs, gs) + per_row, activation)
+        self.assertLess(_rel(out_, want), _TOL["bfloat16"] if out == "bfloat16" else 1e-4)
+        self.assertEqual(float(jnp.max(jnp.abs(out_[total:].astype(jnp.float32)))), 0.0)
+        (low,) = [x for x in seen if x.plan is not None]
+        self.assertEqual(low.plan.kernel, GROUPED)
+        fused = "bias and gelu" if activation else "bias"
+        self.assertIn(f"{fused} in the epilogue", low.note)
+
+    @parameterized.parameters("cooperative/2x1", "pingpong/1x1")
+    def test_bias_gradients(self, schedule):
+        # value_and_grad with respect to lhs, rhs and the bias (the forward's bias in the
+        # kernel, gelu' on its float32 sum), against the float32 reference's.
+        g, m, k, n = 6, 999, 200, 136
+        rng = np.random.default_rng(13)
+        lhs = jax.random.normal(jax.random.key(12), (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(jax.random.key(13), (g, k, n), jnp.float32).astype(jnp.bfloat16)
+        bias = jax.random.normal(jax.random.key(14), (g, n), jnp.float32)
+        gs = _sizes(rng, g, m, 0.7)
+
+        weights = jax.random.normal(jax.random.key(15), (m, n), jnp.float32)
+
+        def loss(fn):
+            return lambda a, b, c, s: jnp.sum(fn(a, b, s, c).astype(jnp.float32) * weights)
+
+        ours = jax.value_and_grad(loss(lambda a, b, s, c: jax_sm100.ragged_dot(
+            a, b, s, bias=c, activation="gelu")), (0, 1, 2))  # fmt: skip
+
+        def ref(a, b, s, c):
+            z = _reference(a, b, s) + jnp.take(
+                c, jnp.repeat(jnp.arange(g), s, total_repeat_length=m), axis=0, mode="fill",
+                fill_value=0)  # fmt: skip
+            total = jnp.sum(s)
+            z = jnp.where(jnp.arange(m)[:, None] < total, z, 0.0)
+            return P.apply_activation(z, "gelu")
+
+        (val, grads), seen = self.lower_and_run(schedule, ours, lhs, rhs, bias, gs)
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        want_val, want = jax.value_and_grad(loss(ref), (0, 1, 2))(f32(lhs), f32(rhs), bias, gs)
+        self.assertLess(abs(float(val) - float(want_val)), 1e-2 * max(abs(float(want_val)), 1))
+        for x, y in zip(grads, want, strict=True):
+            self.assertLess(_rel(x, y), 2e-2)
+        kernels = [x.plan.kernel for x in seen if x.plan is not None]
+        self.assertEqual(kernels, [GROUPED] * 3, [x.note for x in seen])
+        self.assertTrue(any("bias in the epilogue" in x.note for x in seen))
+
     @parameterized.parameters("cooperative/1x1", "cooperative/2x1", "pingpong/1x1", "pingpong/2x1")
     def test_many_groups_small(self, schedule):
         # More groups than rows per tile: most tiles straddle boundaries; many groups empty.

@@ -374,8 +374,9 @@ class RaggedDotTest(parameterized.TestCase):
 
     def test_bias_training_step_runs_the_grouped_kernels(self):
         # sm_90a export of a training step with a bias and an activation: the three products
-        # are still the grouped kernel's (the bias and activation are XLA's, around the float32
-        # product), no XLA ragged dot is left.
+        # are still the grouped kernel's, the forward's with the bias in its epilogue (the
+        # activation is XLA's, on the float32 sum its gradient needs), no XLA ragged dot is left;
+        # without the gradient the activation joins the bias in the epilogue.
         lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
         bias = jax.ShapeDtypeStruct((8, 48), jnp.float32)
@@ -395,6 +396,14 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual([p.kernel for p in plans], ["sm90_wgmma_grouped"] * 3, seen)
         self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
         self.assertFalse(re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text))
+        notes = [x.note for x in seen]
+        self.assertEqual(sum("bias in the epilogue" in n for n in notes), 1, notes)
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                _export(jax.jit(lambda a, b, c, s: jax_sm100.ragged_dot(
+                    a, b, s, bias=c, activation="gelu")), lhs, rhs, bias, sizes)  # fmt: skip
+        self.assertEqual([x.note.split(": ")[-1].split("; ")[-1] for x in seen],
+                         ["bias and gelu in the epilogue"])  # fmt: skip
 
     @parameterized.parameters("0", "", "1")
     def test_activation_lowering(self, fused):

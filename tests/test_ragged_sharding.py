@@ -100,8 +100,8 @@ class RaggedCase(ts.ShardedTestCase):
         return got, hlo
 
     def check_bias(self, specs):
-        """ragged_dot's per-group bias (XLA's gather of each row's group row around the sharded
-        product, the bias gathered whole first) with a gelu, on (lhs, rhs, bias) laid out as
+        """ragged_dot's per-group bias (an operand of the sharded product, split as rhs's g
+        and n; its gradient XLA's per-group sum) with a gelu, on (lhs, rhs, bias) laid out as
         `specs`: values and the three gradients equal the unsharded reference's."""
         lhs, rhs = operands(60)
         bias = tu.rand(np.random.default_rng(61), (G, N), "float32")
@@ -336,10 +336,12 @@ class GradTest(RaggedCase):
         (PS(), PS("model"), PS("model")),
         (PS("data"), PS(), PS(None, "model")),
         (PS("data"), PS("model"), PS()),
+        (PS(None, "model"), PS(None, "model"), PS()),
     )
     def test_bias(self, *specs):
         # Under Explicit axes a bias split over experts is gathered whole before each row's
-        # group row is read (it failed to type before).
+        # group row is read (it failed to type before); with k split the bias joins one
+        # partial sum only.
         self.check_bias(specs)
 
     def test_rows(self):

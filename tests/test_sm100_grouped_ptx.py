@@ -217,16 +217,38 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
         pair = dataclasses.replace(plan, groups=0, ragged="", kernel=planning.KERNEL_SM100)
         self.assertIn("not a grouped plan", sm100_grouped.Sm100GroupedGemmKernel.why_not(
             pair, KernelSpec.for_plan(pair)))  # fmt: skip
-        # The dense family takes no grouped plan, the grouped family no epilogue beyond alpha
-        # and an activation, and "m" mode needs a K-major A.
+        # The dense family takes no grouped plan, the grouped family no epilogue beyond alpha,
+        # a per-group bias ("m" mode only) and an activation, and "m" mode needs a K-major A.
         with self.assertRaisesRegex(ValueError, "not an sm100_tcgen05 plan"):
             sm100_gemm.Sm100GemmKernel(plan, spec)
         why = sm100_grouped.Sm100GroupedGemmKernel.why_not
-        self.assertIn("alpha and an activation", why(plan, dataclasses.replace(
-            spec, bias_dtype="bfloat16")))  # fmt: skip
+        self.assertIn("a per-group bias and an activation", why(plan, dataclasses.replace(
+            spec, c_dtype="bfloat16")))  # fmt: skip
+        self.assertIsNone(why(plan, dataclasses.replace(spec, bias_dtype="float32")))
+        weight_grad = _plan(dict(m=4096, n=4096, k=32768, groups=8, ragged="k"))
+        self.assertIn("no bias in ragged mode 'k'", why(weight_grad, dataclasses.replace(
+            KernelSpec.for_plan(weight_grad), bias_dtype="float32")))  # fmt: skip
         self.assertIsNone(why(plan, dataclasses.replace(spec, alpha=0.5, activation="relu")))
         self.assertIn("K-major A", why(plan, dataclasses.replace(spec, a_major="m")))
         self.assertIs(family.family(GROUPED), sm100_grouped.Sm100GroupedGemmKernel)
+
+    def test_bias_in_the_epilogue(self):
+        # ragged_dot's per-group bias: the (N, G) bias an operand, read in the epilogue (32-bit
+        # global loads beyond the one of the group sizes), beside the tcgen05 MMAs; the
+        # plan's binary without a bias reads none.
+        plan = _plan(dict(m=8192, n=768, k=2048, groups=16, ragged="m"))
+        spec = KernelSpec.for_plan(plan)
+        biased = compile_plan(plan, dataclasses.replace(spec, bias_dtype="float32",
+                                                        activation="gelu"))  # fmt: skip
+        plain = compile_plan(plan, dataclasses.replace(spec, activation="gelu"))
+        self.assertEqual([a.name for a in biased.tensor_args],
+                         ["a", "b", "d", "group_sizes", "bias"])  # fmt: skip
+        self.assertEqual([a.name for a in plain.tensor_args], ["a", "b", "d", "group_sizes"])
+        loads = lambda ptx: len(re.findall(r"ld\.global", ptx))  # noqa: E731
+        self.assertEqual(loads(plain.ptx), 1)
+        self.assertGreater(loads(biased.ptx), 1)
+        self.assertIn("tcgen05.mma", biased.ptx)
+        self.assertIn("tanh.approx.f32", biased.ptx)
 
 
 class Sm100GroupedPlanTest(parameterized.TestCase):

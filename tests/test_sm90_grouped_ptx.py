@@ -27,6 +27,7 @@ from absl.testing import absltest, parameterized
 import jax_sm100
 from jax_sm100._src import constraints, planning
 from jax_sm100._src.compile import compile_plan
+from jax_sm100._src.kernels import family
 from jax_sm100._src.kernels.spec import KernelSpec
 from tests import test_util as tu
 from tests.test_sm100_ptx import _expect_tx_bytes, wgmma_serialized
@@ -151,6 +152,34 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertIn("tanh.approx.f32" if activation == "gelu" else "ex2.approx", ptx)
         self.assertNotIn("tanh.approx.f32", compile_plan(plan).ptx)
         self.assertIn(wgmma_serialized(ptx), ([], None))
+
+    @parameterized.parameters("", "pingpong")
+    def test_bias_in_the_epilogue(self, schedule):
+        # ragged_dot's per-group bias: the (N, G) bias an operand, read per accumulator from
+        # global memory in the epilogue (32-bit loads beyond the one of the group sizes);
+        # wgmma not serialized. The weight gradient's mode takes none.
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
+            plan = jax_sm100.plan(8192, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
+                                  arch="sm_90a", groups=16, ragged="m")  # fmt: skip
+        spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", activation="gelu",
+                          bias_dtype="float32")  # fmt: skip
+        compiled = compile_plan(plan, spec)
+        self.assertEqual([a.name for a in compiled.tensor_args],
+                         ["a", "b", "d", "group_sizes", "bias"])  # fmt: skip
+        loads = lambda ptx: len(re.findall(r"ld\.global", ptx))  # noqa: E731
+        plain = compile_plan(plan, dataclasses.replace(spec, bias_dtype=None))
+        self.assertEqual(loads(plain.ptx), 1)
+        self.assertGreater(loads(compiled.ptx), 1)
+        self.assertIn("tanh.approx.f32", compiled.ptx)
+        self.assertIn(wgmma_serialized(compiled.ptx), ([], None))
+        weight_grad = _planned(4096, 4096, 32768, 8, "k")
+        why = family.family(GROUPED).why_not(
+            weight_grad,
+            KernelSpec(
+                "bfloat16", "bfloat16", "bfloat16", a_major="m", b_major="n", bias_dtype="float32"
+            ),
+        )
+        self.assertIn("no bias in ragged mode 'k'", why)
 
     def test_no_pingpong_by_default(self):
         # Ping-pong grouped plans ran slower on the H200 (benchmarks/RESULTS.md, ninth session).

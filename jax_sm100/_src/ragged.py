@@ -1,11 +1,11 @@
 """`jax_sm100.ragged_dot`: the grouped GEMM of mixture-of-experts layers, as two primitives.
 
     ragged_dot_p       lhs [*B, m, k], rhs [*B, g, k, n] ([*B, g, n, k] with transpose_rhs),
-                       group_sizes [*B, g]          -> out [*B, m, n]
+                       group_sizes [*B, g], optionally bias [*B, g, n]  -> out [*B, m, n]
                        rows [s_i, s_i + group_sizes[i]) of lhs times rhs[i], where s_i is the
-                       sum of the sizes before group i; rows past the last group are zero;
-                       then `activation` (None, "relu", "gelu" (tanh form) or "silu") of each
-                       float32 sum, rounded once
+                       sum of the sizes before group i, plus bias[i]; rows past the last group
+                       are zero; then `activation` (None, "relu", "gelu" (tanh form) or
+                       "silu") of each float32 sum, rounded once
     ragged_outer_p     lhs [*B, m, k], rhs [*B, m, n], group_sizes [*B, g]
                                                      -> out [*B, g, k, n]
                        out[i] = lhs[rows of group i]^T @ rhs[rows of group i]: the weight
@@ -17,10 +17,14 @@ each other's transposes, so a training step differentiates into these two primit
     d lhs = ragged_dot(ct, rhs, transpose_rhs=not transpose_rhs)
     d rhs = ragged_outer(lhs, ct)                  ([g, n, k] order under transpose_rhs)
 
+A bias (the optional fourth operand, in the accumulator dtype) is added in the grouped
+kernel's epilogue, row by row as its group's; it makes the product affine: the JVP binds the
+bilinear terms without it and adds the bias tangent's rows (an XLA gather, whose transpose is
+the per-group sum of the cotangent's rows), so only a primal bind ever carries a bias.
 An activation makes ragged_dot_p nonlinear: its JVP takes the float32 product z of the same
-operands without it (ragged_dot_p again), returns act(z) and scales the tangent by act'(z), so
-a training step still differentiates into the two bilinear primitives. Only a call that is not
-differentiated runs the activation in the grouped kernel's epilogue (unless
+operands without it (ragged_dot_p again, with the bias), returns act(z) and scales the tangent
+by act'(z), so a training step still differentiates into the two bilinear primitives. Only a
+call that is not differentiated runs the activation in the grouped kernel's epilogue (unless
 JAX_SM100_RAGGED_FUSED_ACTIVATION=0; ragged_gpu.py); sharded
 partial sums over k take it after their reduction (ragged_sharding.py).
 
@@ -69,10 +73,9 @@ def ragged_dot(
     `activation` ("relu", "gelu": the tanh form, or "silu"), that of each float32 sum, rounded
     once: `act(lax.ragged_dot(...))` in one product (an extension of lax.ragged_dot's
     signature, as `jax_sm100.matmul`'s activation is of jnp.matmul's). With `bias` [g, n] (one
-    row per group, as experts with biases have), each row of group i gets bias[i] added to its
-    float32 sum before the activation (rows past the last group stay zero); the product runs
-    on the grouped kernel in float32 and XLA adds the bias, applies the activation and rounds
-    (one fused pass; its gradient is the per-group sum of the cotangent's rows).
+    row per group, as experts with biases have), each row of group i gets bias[i] (in float32)
+    added to its float32 sum before the activation, in the grouped kernel's epilogue; rows past
+    the last group stay zero. Its gradient is the per-group sum of the cotangent's rows.
 
     Differences from `lax.ragged_dot`, as for `jax_sm100.matmul`: products accumulate in float32
     and round once; float32 operands with `Precision.HIGHEST` run on XLA's `ragged_dot` (recorded
@@ -118,14 +121,10 @@ def ragged_dot(
             f"take one in JAX {jax.__version__}); for experts held locally, pass rhs and "
             "group_sizes sliced to them and the rows routed to them"
         )
+    acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+    biases = ()
     if bias is not None:
-        bias = _check_bias(bias, g, rhs.shape[2])
-        # The float32 product (the grouped kernel, or lax.ragged_dot as below), then the bias
-        # of each row's group, the activation and one rounding, in XLA ops.
-        acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
-        z = ragged_dot(lhs, rhs, group_sizes, precision, acc)
-        z = z + group_rows(bias.astype(acc), group_sizes, lhs.shape[0])
-        return P.apply_activation(z, activation).astype(out_dtype)
+        biases = (_check_bias(bias, g, rhs.shape[2]).astype(acc),)
     fallback = None
     if _highest(precision) and "float32" in (a_name, b_name):
         fallback = "precision=HIGHEST with float32 operands"
@@ -133,16 +132,17 @@ def ragged_dot(
         dispatch.record(
             dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({fallback})")
         )
-        if activation is None:
+        if activation is None and bias is None:
             return lax.ragged_dot(
                 lhs, rhs, group_sizes, precision=precision, preferred_element_type=out_dtype
             )
-        acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
         z = lax.ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=acc)
+        if bias is not None:
+            z = z + group_rows(biases[0], group_sizes, lhs.shape[0])
         return P.apply_activation(z, activation).astype(out_dtype)
     return ragged_dot_p.bind(
-        lhs, rhs, group_sizes.astype(jnp.int32), transpose_rhs=False, out_dtype=out_dtype,
-        activation=activation,
+        lhs, rhs, group_sizes.astype(jnp.int32), *biases, transpose_rhs=False,
+        out_dtype=out_dtype, activation=activation,
     )  # fmt: skip
 
 
@@ -162,8 +162,18 @@ def group_rows(per_group, group_sizes, m: int):
     """[m, ...]: row r holds per_group[i] for the group i it belongs to (the sizes clamped to
     [0, m] and their running sum saturating at m, as the grouped kernels read them), zeros past
     the last group."""
+    return _take_rows(ragged_sharding.whole_groups(per_group), group_sizes, m)
+
+
+def _take_rows(per_group, group_sizes, m: int):
     if per_group.shape[0] == 0:
         return jnp.zeros((m, *per_group.shape[1:]), per_group.dtype)
+    ids = _row_groups(group_sizes, m)
+    return jnp.take(per_group, ids, axis=0, mode="fill", fill_value=0)
+
+
+def _row_groups(group_sizes, m: int):
+    """[m] int32: each row's group index (g past the last group)."""
     sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
     ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)
     # Row r's group is the count of group ends <= r: one mark per end, then a running sum
@@ -171,8 +181,17 @@ def group_rows(per_group, group_sizes, m: int):
     # at each of its log2(g) steps: about 150 us at 128 groups, as long as the product).
     marks = jnp.zeros((m,), jnp.int32).at[ends].add(1, mode="drop")
     ids = jnp.cumsum(marks)
-    per_group = ragged_sharding.whole_groups(per_group)
-    return jnp.take(per_group, ids, axis=0, mode="fill", fill_value=0)
+    return ids
+
+
+def _bias_rows(bias, group_sizes, m: int):
+    """[*B, m, n]: `group_rows` of bias [*B, g, n] under group sizes [*B, g], per batch element
+    (the XLA lowering's bias, and the bias tangent's)."""
+    nb = group_sizes.ndim - 1
+    take = lambda b, s: _take_rows(b, s, m)
+    for _ in range(nb):
+        take = jax.vmap(take)
+    return take(ragged_sharding.whole_groups(bias, nb), group_sizes)
 
 
 def _highest(precision) -> bool:
@@ -190,13 +209,16 @@ def _check_groups(group_sizes, batch, g):
         raise ValueError(f"group_sizes.shape={group_sizes.shape}, expected {(*batch, g)}")
 
 
-def _ragged_dot_abstract(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activation=None):
+def _ragged_dot_abstract(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
+                         activation=None):  # fmt: skip
     *batch, m, k = lhs.shape
     *rbatch, g, r1, r2 = rhs.shape
     kb, n = (r2, r1) if transpose_rhs else (r1, r2)
     if tuple(rbatch) != tuple(batch) or kb != k:
         raise ValueError(f"ragged_dot: lhs {lhs.shape} and rhs {rhs.shape} ({transpose_rhs=})")
     _check_groups(group_sizes, batch, g)
+    if len(bias) > 1 or (bias and tuple(bias[0].shape) != (*batch, g, n)):
+        raise ValueError(f"ragged_dot: bias {[b.shape for b in bias]}, expected {(*batch, g, n)}")
     return jax.core.ShapedArray((*batch, m, n), out_dtype)
 
 
@@ -232,7 +254,7 @@ def _operands(x, y, acc):
     return x.astype(acc), y.astype(acc)
 
 
-def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activation=None):
+def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, activation=None):
     nb = lhs.ndim - 2
     if rhs.shape[-3] == 0:
         # No groups: every row is past the last group (XLA's ragged dot cannot lower this).
@@ -252,8 +274,10 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activati
     out = lax.ragged_dot_general(
         l3, r4, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
     )
-    out = P.apply_activation(out, activation)
-    return out.reshape((*lhs.shape[:-1], out.shape[-1])).astype(out_dtype)
+    out = out.reshape((*lhs.shape[:-1], out.shape[-1]))
+    if bias:
+        out = out + _bias_rows(bias[0].astype(acc), group_sizes, lhs.shape[-2])
+    return P.apply_activation(out, activation).astype(out_dtype)
 
 
 def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
@@ -318,9 +342,11 @@ batching.primitive_batchers[ragged_outer_p] = lambda a, d, **p: _batch(ragged_ou
 # --- differentiation: bilinear in (lhs, rhs); group sizes are integers -------------------------
 
 
-def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *, transpose_rhs, out_dtype, activation=None):
-    # Only the linear product is transposed: the JVP of an activated one binds it without.
-    assert activation is None, activation
+def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
+                          activation=None):  # fmt: skip
+    # Only the linear product is transposed: the JVP of an activated or biased one binds the
+    # tangent's products without either.
+    assert activation is None and not bias, (activation, len(bias))
     if type(ct) is ad.Zero:
         return [_zero(lhs), _zero(rhs), None]
     d_lhs = d_rhs = None
@@ -376,21 +402,24 @@ def _jvp(prim, primals, tangents, **params):
     z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z."""
     if params.get("activation") is not None:
         return _jvp_activated(primals, tangents, **params)
-    lhs, rhs, group_sizes = primals
-    d_lhs, d_rhs, _ = tangents
-    out = prim.bind(lhs, rhs, group_sizes, **params)
+    lhs, rhs, group_sizes, *bias = primals
+    d_lhs, d_rhs, _, *d_bias = tangents
+    out = prim.bind(*primals, **params)
     terms = []
     if type(d_lhs) is not ad.Zero:
         terms.append(prim.bind(d_lhs, rhs, group_sizes, **params))
     if type(d_rhs) is not ad.Zero:
         terms.append(prim.bind(lhs, d_rhs, group_sizes, **params))
+    if bias and type(d_bias[0]) is not ad.Zero:
+        rows = _bias_rows(d_bias[0], group_sizes, lhs.shape[-2])
+        terms.append(ragged_sharding.cotangent_like(rows.astype(out.dtype), out))
     if not terms:
         return out, ad.Zero.from_primal_value(out)
-    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
+    return out, sum(terms[1:], terms[0])
 
 
 def _jvp_activated(primals, tangents, *, activation, out_dtype, **params):
-    lhs, rhs, _ = primals
+    lhs, rhs, *_ = primals
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     z, dz = _jvp(ragged_dot_p, primals, tangents, out_dtype=acc, activation=None, **params)
     out = P.apply_activation(z, activation).astype(out_dtype)

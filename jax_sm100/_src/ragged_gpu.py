@@ -13,7 +13,10 @@ Batched operands (vmap), mixed dtypes and anything the planner sends to XLA (`pl
 on XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
 
 ragged_dot's `activation` runs in the grouped kernel's epilogue, on each float32 sum before the
-one rounding (verified on the H200 by tests/test_gpu_ragged.py, eleventh session).
+one rounding (verified on the H200 by tests/test_gpu_ragged.py, eleventh session), and so does
+its bias (one float32 row per group, read in the epilogue at the tile's group) where the family
+takes one (`why_not`); where it does not, the kernel writes the float32 product and XLA adds
+each row's bias row (recorded).
 JAX_SM100_RAGGED_FUSED_ACTIVATION=0 in the environment turns that off: the kernel then writes
 the float32 product and XLA applies the activation, which means the same.
 """
@@ -37,7 +40,7 @@ def fused_activation() -> bool:
     return os.environ.get(FUSED_ACTIVATION_ENV, "") != "0"
 
 
-def _kernel_problem(name, lhs, rhs, group_sizes, params):
+def _kernel_problem(name, lhs, rhs, group_sizes, params, bias=()):
     """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot."""
     if lhs.ndim != 2:
         return f"{name}: batched operands (vmap) run on XLA's ragged dot"
@@ -57,6 +60,8 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
         )
         b_mode = ((n, k, g), (k, 1, n * k)) if t else ((n, k, g), (1, n, n * k))
         modes = {"a": ((m, k), (k, 1)), "b": b_mode, "d": ((m, n), (n, 1))}
+        # The bias [g, n] as the kernel's (N, G).
+        modes["bias"] = ((n, g), (1, n))
         operands, out_shape = (lhs, rhs), (m, n)
     else:
         rows = lhs.shape[0]
@@ -75,43 +80,58 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
     return problem, operands, modes, out_shape
 
 
-def lower(name, xla_fn, lhs, rhs, group_sizes, *, _after="", **params):
-    """The CUDA lowering of `name` ("ragged_dot" or "ragged_outer"): the grouped kernel where
-    the plan takes it, else `xla_fn` (XLA's ragged dot), recorded either way (with `_after`,
-    what follows the product, appended to the note)."""
+def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
+    """The CUDA lowering of `name` ("ragged_dot" or "ragged_outer"; `bias`: ragged_dot's, if
+    any): the grouped kernel where the plan takes it, else `xla_fn` (XLA's ragged dot),
+    recorded either way (with `_after`, what follows the product, appended to the note)."""
     target = dispatch.lowering_target()
     if target is None:
         dispatch.record(
             dispatch.Lowered(None, _noted(f"{name}: no sm_90a/sm_100a device: XLA", _after))
         )
-        return xla_fn(lhs, rhs, group_sizes, **params)
+        return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     activation = params.get("activation")
     if activation is not None and not fused_activation():
         # The kernel's float32 product, then XLA's activation and one rounding.
         acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
         plain = dict(params, out_dtype=acc, activation=None)
         after = f"{activation} by XLA after the {np.dtype(acc).name} product"
-        z = lower(name, xla_fn, lhs, rhs, group_sizes, _after=after, **plain)
+        z = lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after=after, **plain)
         return P.apply_activation(z, activation).astype(params["out_dtype"])
     made = _kernel_problem(name, lhs, rhs, group_sizes, params)
     if isinstance(made, str):
         dispatch.record(dispatch.Lowered(None, _noted(made, _after)))
-        return xla_fn(lhs, rhs, group_sizes, **params)
+        return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     problem, operands, modes, out_shape = made
     decision = dispatch.plan_call(problem, target)
     plan = decision.plan
     if plan.kernel == planning.KERNEL_XLA:
         dispatch.record(dispatch.Lowered(plan, _noted(f"{name}: {plan.reason}", _after)))
-        return xla_fn(lhs, rhs, group_sizes, **params)
+        return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415
     from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
+    from jax_sm100._src.kernels import family  # noqa: PLC0415
 
     spec = KernelSpec(
         a_dtype=plan.a_dtype, b_dtype=plan.b_dtype, out_dtype=plan.out_dtype,
         a_major=plan.a_major, b_major=plan.b_major, activation=activation,
+        bias_dtype=np.dtype(bias[0].dtype).name if bias else None,
     )  # fmt: skip
+    why = family.family(plan.kernel).why_not(plan, spec) if bias else None
+    if why is not None:
+        # The family's epilogue cannot add it: the kernel's float32 product, then XLA's bias
+        # rows, activation and one rounding.
+        from jax_sm100._src import ragged  # noqa: PLC0415
+
+        acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
+        plain = dict(params, out_dtype=acc, activation=None)
+        after = f"bias by XLA after the {np.dtype(acc).name} product ({why})"
+        z = lower(name, xla_fn, lhs, rhs, group_sizes, _after=_noted(after, _after), **plain)
+        z = z + ragged._bias_rows(bias[0].astype(acc), group_sizes, lhs.shape[0])
+        return P.apply_activation(z, activation).astype(params["out_dtype"])
     compiled = compile_plan(plan, spec)
-    dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32"}
+    dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32",
+              "bias": spec.bias_dtype}  # fmt: skip
     layouts = [
         ffi_checks.TensorLayout(
             arg.name,
@@ -122,12 +142,15 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *, _after="", **params):
         )  # fmt: skip
         for arg in compiled.tensor_args
     ]
-    index = {"a": 0, "b": 1, "group_sizes": 2, "d": -1}
+    index = {"a": 0, "b": 1, "group_sizes": 2, "bias": 3, "d": -1}
     order = [index[arg.name] for arg in compiled.tensor_args]
     out_type = jax.ShapeDtypeStruct(out_shape, params["out_dtype"])
     gs = group_sizes.astype(np.int32)
-    out = gpu_lowering._ffi(compiled, out_type, [*operands, gs], layouts, order)
-    notes = (*decision.notes, f"{activation} in the epilogue") if activation else decision.notes
+    out = gpu_lowering._ffi(compiled, out_type, [*operands, gs, *bias], layouts, order)
+    fused = [f for f, on in (("bias", bias), (activation, activation)) if on]
+    notes = decision.notes
+    if fused:
+        notes = (*notes, " and ".join(fused) + " in the epilogue")
     notes = (*notes, _after) if _after else notes
     dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(notes or ("",))))
     return out

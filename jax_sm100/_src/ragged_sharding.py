@@ -36,7 +36,9 @@ nothing when they are replicated, as router outputs computed from replicated tok
   * k of ragged_dot (row-parallel weight): partial products in the accumulator dtype, one
     reduction (all-reduce, or reduce-scatter as above), rounded once, as matmul's; an
     activation is applied to the reduced sum, before that rounding (over experts, each device
-    applies it to its rows: act(0) = 0 for every activation ragged_dot takes).
+    applies it to its rows: act(0) = 0 for every activation ragged_dot takes). ragged_dot's
+    bias [*b, g, n] is split as rhs's g and n are; under partial sums over k the device holding
+    the first k block adds it and the others add zeros.
   * a mesh axis serves one factor at most; a sharding that does not divide its dim evenly is
     dropped, and whatever is not named above is gathered: replicated rather than wrong.
 
@@ -116,14 +118,14 @@ def lowering(prim, name: str, local_fn):
     # programs holding a primitive of this registry.
     dispatch.prim_requires_devices_during_lowering.add(prim)
 
-    def rule(ctx, lhs, rhs, group_sizes, **params):
+    def rule(ctx, *operands, **params):
         def fn(*operands):
             return local_fn(*operands, **params)
 
         partitioned = _partition_call(prim, name, fn, ctx, params)
         if partitioned is fn and _typed_over_explicit_axes(ctx):
             ctx, partitioned = _untyped_context(ctx), _untyped(fn)
-        return mlir.lower_fun(partitioned, multiple_results=False)(ctx, lhs, rhs, group_sizes)
+        return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *operands)
 
     return rule
 
@@ -131,8 +133,8 @@ def lowering(prim, name: str, local_fn):
 def typed(abstract_eval, name: str):
     """`abstract_eval` of ragged primitive `name`, its result typed by `out_sharding`."""
 
-    def typed_abstract_eval(lhs, rhs, group_sizes, **params):
-        out = abstract_eval(lhs, rhs, group_sizes, **params)
+    def typed_abstract_eval(lhs, rhs, group_sizes, *bias, **params):
+        out = abstract_eval(lhs, rhs, group_sizes, *bias, **params)
         spec = out_sharding(name, lhs, rhs, group_sizes, params)
         return out if spec is None else out.update(sharding=spec)
 
@@ -208,14 +210,16 @@ def group_sizes_like(group_sizes, rhs):
     return jax.sharding.reshard(group_sizes, target)
 
 
-def whole_groups(per_group):
-    """`per_group` ([g, ...]: ragged_dot's bias) with g unsplit under Explicit axes, so that a
-    gather of each row's group row can read any group (the bias is small: a gather)."""
+def whole_groups(per_group, axis: int = 0):
+    """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias) with g unsplit under
+    Explicit axes, so that a gather of each row's group row can read any group (the bias is
+    small: a gather)."""
     have = _explicit_type(per_group)
-    if have is None or not have.spec or have.spec[0] is None:
+    if have is None or len(have.spec) <= axis or have.spec[axis] is None:
         return per_group
-    spec = jax.sharding.PartitionSpec(None, *have.spec[1:])
-    return jax.sharding.reshard(per_group, have.update(spec=spec))
+    spec = list(have.spec)
+    spec[axis] = None
+    return jax.sharding.reshard(per_group, have.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
 def _explicit_type(x):
@@ -294,7 +298,7 @@ class _Roles:
         b = tuple(f"b{i}" for i in range(nb))
         if name == "ragged_dot":
             w = ("g", "n", "k") if params["transpose_rhs"] else ("g", "k", "n")
-            operands = ((*b, "m", "k"), (*b, *w), (*b, "g"))
+            operands = ((*b, "m", "k"), (*b, *w), (*b, "g"), (*b, "g", "n"))[: len(avals_in)]
             result = (*b, "m", "n")
         else:
             operands = ((*b, "m", "k"), (*b, "m", "n"), (*b, "g"))
@@ -374,24 +378,26 @@ def _infer(roles: _Roles, mesh, arg_shapes):
 
 def _partition(prim, roles: _Roles, params, mesh, arg_shapes, result_shape):
     decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding)
-    lhs_dims, rhs_dims, gs_dims = roles.operands
+    lhs_dims, rhs_dims, gs_dims, *bias_dims = roles.operands
     # The group sizes are whole along g on every device: the local sizes are cut from them.
     gs_spec = decision.spec(gs_dims[:-1], final=False)
     arg_shardings = (
         NamedSharding(mesh, decision.spec(lhs_dims, final=False)),
         NamedSharding(mesh, decision.spec(rhs_dims, final=False)),
         NamedSharding(mesh, jax.sharding.PartitionSpec(*gs_spec, None)),
+        # ragged_dot's bias: its g and n as rhs has them.
+        *(NamedSharding(mesh, decision.spec(dims, final=False)) for dims in bias_dims),
     )
     result_sharding = NamedSharding(mesh, decision.spec(roles.result, final=True))
     mesh_shape = dict(mesh.shape)
 
-    def lower_fn(lhs, rhs, group_sizes):
-        return _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes)
+    def lower_fn(lhs, rhs, group_sizes, *bias):
+        return _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes, *bias)
 
     return mesh, lower_fn, result_sharding, arg_shardings
 
 
-def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
+def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes, *bias):
     """One device's bind: its rows and experts cut out of the global group sizes, the bind,
     then the reductions (module docstring)."""
     out_dtype = params["out_dtype"]
@@ -415,11 +421,17 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes):
     late = activation is not None and partial
     if late:
         local_params["activation"] = None
+    k_axes = decision.local.get("k", ())
+    if bias and k_axes:
+        # Partial sums over k: the bias joins one of them (the first k block's; the others add
+        # zeros), so that the reduction adds it once.
+        first = _block_index(k_axes, mesh_shape) == 0
+        bias = (jnp.where(first, bias[0], jnp.zeros_like(bias[0])),)
     if g_axes:
         lhs = _roll_rows(lhs, -lead)
         if roles.name == "ragged_outer":
             rhs = _roll_rows(rhs, -lead)
-    out = prim.bind(lhs, rhs, sizes, **local_params)
+    out = prim.bind(lhs, rhs, sizes, *bias, **local_params)
     if g_axes and roles.name == "ragged_dot":
         out = _roll_rows(out, lead)
     for factor, axes in decision.scatter.items():

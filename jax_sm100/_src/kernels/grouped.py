@@ -95,11 +95,14 @@ class GroupedGemm:
     table; `_num_work`, `_work` and `_k_tiles` take `sched`, the tuple
     (table, tiles_m, tiles_n, k_extent).
 
-    Host entry point of the family: `__call__(a, b, d, group_sizes, stream)`; a, d rank 2 and b
-    rank 3 in "m" mode, a, b rank 2 and d rank 3 in "k" mode, group_sizes (G,) int32.
+    Host entry point of the family: `__call__(a, b, d, group_sizes, bias, stream)`; a, d rank 2
+    and b rank 3 in "m" mode, a, b rank 2 and d rank 3 in "k" mode, group_sizes (G,) int32,
+    bias (N, G) (ragged_dot's [G, N]) or None; a family that adds it sets `GROUPED_BIAS`.
     """
 
-    HOST_OPERANDS = ("a", "b", "d", "group_sizes")
+    HOST_OPERANDS = ("a", "b", "d", "group_sizes", "bias")
+    # Whether the family's epilogue adds ragged_dot's per-group bias ("m" mode).
+    GROUPED_BIAS = False
 
     def _init_grouped(self, plan):
         self.groups = int(plan.groups)
@@ -122,8 +125,10 @@ class GroupedGemm:
         clusters = GROUPED_CLUSTERS.get(plan.kernel, ((1, 1),))
         if tuple(plan.cluster_shape_mn) not in clusters:
             return f"{plan.kernel} runs clusters in {clusters}, not {plan.cluster_shape_mn}"
-        if spec.has_c or spec.has_bias or spec.preact_out or spec.act_grad:
-            return "the grouped epilogue takes alpha and an activation only"
+        if spec.has_c or spec.preact_out or spec.act_grad:
+            return "the grouped epilogue takes alpha, a per-group bias and an activation only"
+        if spec.has_bias and not (plan.ragged == "m" and cls.GROUPED_BIAS):
+            return f"{plan.kernel}'s epilogue takes no bias in ragged mode {plan.ragged!r}"
         if plan.ragged == "m" and spec.a_major != "k":
             return "ragged rows need a K-major A"
         if plan.ragged == "k" and (spec.a_major != "m" or spec.b_major != "n"):
@@ -148,6 +153,7 @@ class GroupedGemm:
 
         g = int(plan.groups)
         gs = make_fake_compact_tensor(cutlass.Int32, (g,), assumed_align=4)
+        bias = None
         if plan.ragged == "m":
             m = cute.sym_int()
             k = cute.sym_int(divisibility=div(spec.a_dtype))
@@ -161,6 +167,12 @@ class GroupedGemm:
             # B (N, K, G): the rhs [G, K, N] (N-major) or [G, N, K] (K-major).
             b = fake(spec.b_dtype, (n, k, g), (0, 1, 2) if b_n else (1, 0, 2))
             d = fake(spec.out_dtype, (m, n), (1, 0))
+            if spec.has_bias:
+                # ragged_dot's bias [G, N] as (N, G), read per element (no TMA).
+                bias = make_fake_compact_tensor(
+                    common.cutlass_dtype(spec.bias_dtype), (n, g), stride_order=(0, 1),
+                    assumed_align=4,
+                )  # fmt: skip
         else:
             # A = lhs^T (M, K) from lhs [K, M]; B = the cotangent^T (N, K) from [K, N].
             m = cute.sym_int(divisibility=div(spec.a_dtype))
@@ -169,7 +181,7 @@ class GroupedGemm:
             a = fake(spec.a_dtype, (m, k), (0, 1))
             b = fake(spec.b_dtype, (n, k), (0, 1))
             d = fake(spec.out_dtype, (m, n, g), (1, 0, 2))
-        return family.CompileInputs(plan, spec, (a, b, d, gs))
+        return family.CompileInputs(plan, spec, (a, b, d, gs, bias))
 
     # ---------------------------------------------------------------- host
 

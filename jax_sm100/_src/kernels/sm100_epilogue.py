@@ -248,6 +248,8 @@ def store_tile(
     d_stage,
     d_tiles=None,
     has_acc=None,
+    bias_tile=None,
+    bias_on=None,
 ):
     """One output tile: its accumulator stage (`acc_state`) out of TMEM, subtile by subtile,
     through the fused math into D's tile `mma_tile` (which also indexes the pre-activation and
@@ -255,6 +257,8 @@ def store_tile(
     not `setup`'s (a grouped kernel's, per group). `has_acc` (a device bool, or None for
     always): False stores the epilogue of a zero accumulator without waiting on the
     accumulator ring (a tile with no k-blocks, whose stage the MMA warp never filled).
+    `bias_tile`: the bias's tile, when not `mma_tile` (a grouped kernel's, at its group);
+    `bias_on` (a device bool, or None for always): False adds no bias.
     Returns the advanced (d_stage, acc_state, c_state)."""
     tma_atom_d, tRS_sD, bSG_sD, bSG_gD = epi.d_out
     if cutlass.const_expr(d_tiles is not None):
@@ -273,12 +277,20 @@ def store_tile(
         s2r, tSR_sC, tTR_rC, tSR_rC = epi.c_in
     if cutlass.const_expr(kernel.spec.has_bias):
         bias_dtype, tBgBias, tBcD, tRrBias, n_extent = epi.bias_in
-        bias_src = tBgBias[(None, None, None, None, None, *mma_tile)]
+        if cutlass.const_expr(bias_tile is None):
+            bias_tile = mma_tile
+        bias_src = tBgBias[(None, None, None, None, None, *bias_tile)]
         bias_src = cute.group_modes(bias_src, 3, cute.rank(bias_src))
-        coords = tBcD[(None, None, None, None, None, *mma_tile)]
+        coords = tBcD[(None, None, None, None, None, *bias_tile)]
         coords = cute.group_modes(coords, 3, cute.rank(coords))
+        if cutlass.const_expr(bias_on is not None):
+            # No bias: no column in range, so every element reads as zero.
+            n_limit = cutlass.Int32(n_extent)
+            if not bias_on:
+                n_limit = cutlass.Int32(0)
+            n_extent = n_limit
         # Whole N tile inside the matrix: vector loads, no per-element predicate.
-        bias_in_range = (mma_tile[1] + 1) * kernel.mma_tiler[1] <= n_extent
+        bias_in_range = (bias_tile[1] + 1) * kernel.mma_tiler[1] <= n_extent
 
     if cutlass.const_expr(has_acc is None):
         acc_pipe.consumer_wait(acc_state)

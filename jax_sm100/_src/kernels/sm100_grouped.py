@@ -7,7 +7,7 @@ the same device-built group table and work tiles, the same group boundaries (TMA
 rank-4 ragged view). From the dense family it keeps the warp roles and their code:
 
     warps 0-3  epilogue (sm100_epilogue.py's `setup` and `store_tile`): TMEM -> registers ->
-               alpha/activation -> SMEM -> TMA store of D, one subtile at a time; warp 0
+               alpha/bias/activation -> SMEM -> TMA store of D, one subtile at a time; warp 0
                allocates and frees the TMEM accumulators
     warp 4     MMA: tcgen05.mma (cta_group::1) into one of `num_acc_stages` TMEM accumulators
     warp 5     TMA producer (`_load_k_tiles`): A and B stages; before the roles split it also
@@ -75,6 +75,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     """
 
     KERNEL = planning.KERNEL_SM100_GROUPED
+    GROUPED_BIAS = True
 
     def __init__(self, plan: Any, spec: KernelSpec):
         super().__init__(plan, spec)
@@ -95,10 +96,18 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     @cute.jit
     def __call__(
         self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, gs: cute.Tensor,
-        stream: cuda.CUstream,
+        bias: cute.Tensor | None, stream: cuda.CUstream,
     ):  # fmt: skip
         self._setup()
         a_view, b_view, d_view, extent, tiles_m, tiles_n, max_work = self._grouped_views(a, b, d)
+        # ragged_dot's bias (N, G) as (M, N, G) with a zero M stride, so that the epilogue
+        # partitions it as the dense family's (M, N, L) bias, each tile at its group.
+        bias_mng = None
+        if cutlass.const_expr(self.spec.has_bias):
+            n = bias.shape[0]
+            bias_mng = cute.make_tensor(
+                bias.iterator, cute.make_layout((extent, n, self.groups), stride=(0, 1, n))
+            )
         tma_atom_a, tma_a, tma_atom_b, tma_b = self._ab_tma_atoms(a_view, b_view)
         tma_atom_d, tma_d = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(),
@@ -108,8 +117,8 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         )
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.grouped_kernel(
-            self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, gs, extent,
-            a.shape[1], tiles_m, tiles_n, self.cluster_layout_vmnk, self.a_smem_staged,
+            self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, gs, bias_mng,
+            extent, a.shape[1], tiles_m, tiles_n, self.cluster_layout_vmnk, self.a_smem_staged,
             self.b_smem_staged, self.d_smem_staged, self.epi_tile,
         ).launch(
             grid=[grid, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=(self.pair, 1, 1),
@@ -129,6 +138,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         tma_atom_d: cute.CopyAtom,
         mD: cute.Tensor,
         mGs: cute.Tensor,
+        mBias: cute.Tensor | None,
         extent: cutlass.Int32,
         k_extent: cutlass.Int32,
         tiles_m: cutlass.Int32,
@@ -271,7 +281,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             # gives `setup` the shapes).
             tDgD, _ = self._d_tiles(tma_atom_d, mD, sD, thr_mma, epi_tile, 0, 0)
             epi = sm100_epilogue.setup(
-                self, tidx, acc, sD, tma_atom_d, tDgD, None, None, thr_mma, epi_tile
+                self, tidx, acc, sD, tma_atom_d, tDgD, mBias, mBias, thr_mma, epi_tile
             )
             acc_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_acc_stages
@@ -285,9 +295,12 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                 if cutlass.const_expr(self.ragged == "m"):
                     _, d_tiles = self._d_tiles(tma_atom_d, mD, sD, thr_mma, epi_tile, start, rows)
                     tile = (m_tile, n_tile)
+                # The bias of the tile's group; the rows past the groups (the tiles with no
+                # k-blocks in "m" mode, where K > 0) add none.
+                bias_tile = (m_tile, n_tile, cutlass.min(group, self.groups - 1))
                 d_stage, acc_state, _ = sm100_epilogue.store_tile(
                     self, epi, warp, tile, acc_pipe, acc_state, None, None, d_stage, d_tiles,
-                    n_k > 0,
+                    n_k > 0, bias_tile, n_k > 0,
                 )  # fmt: skip
                 w += stride
             epi.d_pipe.producer_tail()

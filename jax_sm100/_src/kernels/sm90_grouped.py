@@ -11,6 +11,9 @@ that are cooperative (a warp group per 64 rows of the tile) or ping-pong (whole 
 In 2x1 clusters (`plan.cluster_shape_mn`) the two CTAs take the two m tiles of each work tile,
 inside one group: each loads half of the group's B tile for both (TMA multicast), and every
 consumer warp of both releases each stage to both producers.
+
+ragged_dot's bias (N, G) is added in the epilogue (`GROUPED_BIAS`): each tile reads its group's
+column, at the coordinates of the group's rows; the tiles of the rows past the groups add none.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ _WGMMA_M = 64
 class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     """A persistent grouped wgmma GEMM for one (GemmPlan with `groups`, KernelSpec).
 
-    Host entry point: `__call__(a, b, d, group_sizes, stream)` (grouped.py's modes); legality
-    and fake operands are `GroupedGemm`'s, then the dense family's.
+    Host entry point: `__call__(a, b, d, group_sizes, bias, stream)` (grouped.py's modes);
+    legality and fake operands are `GroupedGemm`'s, then the dense family's.
     """
+
+    GROUPED_BIAS = True
 
     def __init__(self, plan, spec: KernelSpec):
         super().__init__(plan, spec)
@@ -52,7 +57,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     @cute.jit
     def __call__(
         self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, gs: cute.Tensor,
-        stream: cuda.CUstream,
+        bias: cute.Tensor | None, stream: cuda.CUstream,
     ):  # fmt: skip
         self._setup()
         tm, tn, tk = self.tile_mnk
@@ -80,7 +85,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.kernel(
-            tma_a, ta, tma_b, tb, tma_d, td, gs, extent, a.shape[1], tiles_m, tiles_n,
+            tma_a, ta, tma_b, tb, tma_d, td, gs, bias, extent, a.shape[1], tiles_m, tiles_n,
             self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
@@ -100,6 +105,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         tma_d: cute.CopyAtom,
         mD: cute.Tensor,
         mGs: cute.Tensor,
+        mBias: cute.Tensor | None,
         extent: cutlass.Int32,
         k_extent: cutlass.Int32,
         tiles_m: cutlass.Int32,
@@ -164,8 +170,8 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                                       b_mask)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self._consume_grouped(ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp,
-                                  wg - 1, tidx - _THREADS_PER_WG, rank)  # fmt: skip
+            self._consume_grouped(ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, mBias,
+                                  warp, wg - 1, tidx - _THREADS_PER_WG, rank)  # fmt: skip
 
     # ---------------------------------------------------------------- producer
 
@@ -207,7 +213,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     # ---------------------------------------------------------------- consumers
 
     @cute.jit
-    def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, warp,
+    def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, mBias, warp,
                          consumer_wg, ctidx, rank):  # fmt: skip
         """The consumer warp groups. Cooperative: both take every tile of the CTA, 64 rows
         each. Ping-pong: warp group c takes the CTA's tiles c, c + 2, ... whole, and the two
@@ -273,15 +279,27 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             if cutlass.const_expr(self.pingpong):
                 if w + stride < end:
                     read, release = self._skip(sched, w + stride, read, release)
+            cD, bias_g, bounds = None, None, mD
             if cutlass.const_expr(self.ragged == "m"):
                 d_mn = ragged_slice(mD, 0, start, rows)
                 gD = cute.local_tile(d_mn, (tm, tn), (None, None))
                 tile = (m_tile, n_tile)
+                cD = gD
+                if cutlass.const_expr(self.has_bias):
+                    # The group's bias column, at each register's (row in the group, column);
+                    # a tile of the rows past the groups has no rows in bounds, so adds none.
+                    live = rows
+                    if zeros:
+                        live = cutlass.Int32(0)
+                    bounds = cute.make_identity_tensor((live, mD.shape[1]))
+                    cD = cute.local_tile(bounds, (tm, tn), (None, None))
+                    bias_g = mBias[(None, cutlass.min(group, self.groups - 1))]
             else:
                 gD = gD_k
                 tile = (m_tile, n_tile, group)
-            epi = _Epilogue(gD, gD, None, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc,
-                            sub_out, sub_size, None, mD, store_pipe, epi_barrier,
+                cD = gD
+            epi = _Epilogue(gD, cD, None, sD, tma_d, r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc,
+                            sub_out, sub_size, bias_g, bounds, store_pipe, epi_barrier,
                             store_warp, epi_group, None, None, None, None)  # fmt: skip
             self._store_tile(tile, tiles_done, epi, warp)
             tiles_done += 1
