@@ -3,6 +3,7 @@ backward's two primitives, the fallbacks and the errors."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -364,6 +365,36 @@ class RaggedDotTest(parameterized.TestCase):
                                  jnp.asarray([3, -2, 4], jnp.int32), 10)  # fmt: skip
         np.testing.assert_array_equal(np.asarray(rows)[:, 0], [1] * 3 + [3] * 4 + [0] * 3)
 
+    def test_bias_gradient_paths(self):
+        # The bias gradient through the one-hot product (HIGHEST for a float32 result, the
+        # default for a bfloat16 one) equals the one through the gather (past the limits), and
+        # a gradient keeps no [m, g] one-hot residual (jax.checkpoint rebuilds it).
+        m, k, n, g = 100, 24, 40, 7
+        rng = np.random.default_rng(10)
+        lhs, rhs = tu.rand(rng, (m, k), "float32"), tu.rand(rng, (g, k, n), "float32")
+        bias = tu.rand(rng, (g, n), "float32")
+        sizes = jnp.asarray([20, 0, 13, 30, 1, 0, 21], jnp.int32)
+
+        def loss(c, out=jnp.float32, activation="gelu"):
+            y = jax_sm100.ragged_dot(lhs.astype(out), rhs.astype(out), sizes, bias=c,
+                                     activation=activation)  # fmt: skip
+            return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+        for out in (jnp.float32, jnp.bfloat16):
+            for activation in (None, "gelu"):
+                product = jax.grad(loss)(bias, out, activation)
+                with mock.patch.object(ragged, "_ONE_HOT_MAX_GROUPS", 0):
+                    gather = jax.grad(loss)(bias, out, activation)
+                np.testing.assert_allclose(product, gather, rtol=1e-5, atol=1e-5)
+                grad = jax.grad(functools.partial(loss, out=out, activation=activation))
+                text = str(jax.make_jaxpr(grad)(bias))
+                # The one dot_general of the gradient is the bias's.
+                self.assertEqual(text.count("dot_general["), 1)
+                self.assertEqual("Precision.HIGHEST" in text, out == jnp.float32)
+        _, vjp = jax.vjp(loss, bias)
+        shapes = [tuple(x.shape) for x in jax.tree.leaves(vjp)]
+        self.assertNotIn((m, g), shapes)
+
     def test_bias_errors_name_the_fix(self):
         lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
         sizes = jnp.asarray([4, 4], jnp.int32)
@@ -404,6 +435,27 @@ class RaggedDotTest(parameterized.TestCase):
                     a, b, s, bias=c, activation="gelu")), lhs, rhs, bias, sizes)  # fmt: skip
         self.assertEqual([x.note.split(": ")[-1].split("; ")[-1] for x in seen],
                          ["bias and gelu in the epilogue"])  # fmt: skip
+
+    def test_bias_on_a_family_without_it(self):
+        # A grouped family whose epilogue takes no bias: its float32 product, then XLA's bias
+        # rows and activation, said so in the lowering's note.
+        from jax_sm100._src.kernels import sm90_grouped  # noqa: PLC0415
+
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((8, 48), jnp.float32)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+        f = lambda a, b, c, s: jax_sm100.ragged_dot(a, b, s, bias=c, activation="gelu")  # noqa: E731
+        with (
+            mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}),
+            mock.patch.object(sm90_grouped.Sm90GroupedGemmKernel, "GROUPED_BIAS", False),
+            jax_sm100.lowerings() as seen,
+        ):
+            _export(jax.jit(f), lhs, rhs, bias, sizes)
+        (low,) = seen
+        self.assertEqual(low.plan.kernel, "sm90_wgmma_grouped")
+        self.assertIn("bias and gelu by XLA after the float32 product", low.note)
+        self.assertNotIn("in the epilogue", low.note)
 
     @parameterized.parameters("0", "", "1")
     def test_activation_lowering(self, fused):

@@ -339,10 +339,33 @@ class GradTest(RaggedCase):
         (PS(None, "model"), PS(None, "model"), PS()),
     )
     def test_bias(self, *specs):
-        # Under Explicit axes a bias split over experts is gathered whole before each row's
-        # group row is read (it failed to type before); with k split the bias joins one
-        # partial sum only.
+        # The bias is an operand split as rhs's experts and n are (resharded when it comes
+        # otherwise); its gradient gathers it whole under Explicit axes (it failed to type
+        # before); with k split the bias joins one partial sum only.
         self.check_bias(specs)
+
+    def test_bias_follows_the_weights(self):
+        # Weights split along n and a bias split over experts: the bias is resharded to the
+        # weights' split (an all-to-all of the bias alone), the weights stay put (it took an
+        # all-to-all of rhs and a reduce-scatter when the bias's factors were rhs's).
+        self.require("model")
+        lhs, rhs = operands(63)
+        bias = tu.rand(np.random.default_rng(64), (G, N), "float32")
+        sizes = groups(65)
+        f = lambda a, b, c: jax_sm100.ragged_dot(a, b, sizes, bias=c)  # noqa: E731
+
+        def reference(a, b, c):
+            ends = jnp.cumsum(sizes)
+            rows = jnp.arange(M)[:, None]
+            member = ((rows >= ends - sizes) & (rows < ends)).astype(jnp.float32)
+            return reference_dot(a, b, sizes) + member @ c
+
+        _, hlo = self.check(f, (lhs, rhs, bias), (PS(), PS(None, None, "model"), PS("model")),
+                            counts(all_to_all=1), reference=reference)  # fmt: skip
+        for line in hlo.splitlines():
+            if re.search(r"\sall-to-all(?:-start)?\(", line):
+                for dims in re.findall(r"f32\[([\d,]*)\]", line):
+                    self.assertLessEqual(int(np.prod([int(d) for d in dims.split(",")])), G * N)
 
     def test_rows(self):
         # The weight gradient's sum over rows is the only reduction.

@@ -19,8 +19,9 @@ each other's transposes, so a training step differentiates into these two primit
 
 A bias (the optional fourth operand, in the accumulator dtype) is added in the grouped
 kernel's epilogue, row by row as its group's; it makes the product affine: the JVP binds the
-bilinear terms without it and adds the bias tangent's rows (an XLA gather, whose transpose is
-the per-group sum of the cotangent's rows), so only a primal bind ever carries a bias.
+bilinear terms without it and adds the bias tangent's rows (a product with the rows' one-hot
+groups, whose transpose is the per-group sum of the cotangent's rows: `_bias_tangent_rows`),
+so only a primal bind ever carries a bias.
 An activation makes ragged_dot_p nonlinear: its JVP takes the float32 product z of the same
 operands without it (ragged_dot_p again, with the bias), returns act(z) and scales the tangent
 by act'(z), so a training step still differentiates into the two bilinear primitives. Only a
@@ -37,6 +38,9 @@ grouped kernel); on CPU to `ragged_dot_general`. Every CUDA lowering records whi
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -186,7 +190,7 @@ def _row_groups(group_sizes, m: int):
 
 def _bias_rows(bias, group_sizes, m: int):
     """[*B, m, n]: `group_rows` of bias [*B, g, n] under group sizes [*B, g], per batch element
-    (the XLA lowering's bias, and the bias tangent's)."""
+    (the XLA lowering's bias, and the bias tangent's past `_bias_tangent_rows`' limits)."""
     nb = group_sizes.ndim - 1
     take = lambda b, s: _take_rows(b, s, m)
     for _ in range(nb):
@@ -397,7 +401,7 @@ def _compute_dtype(x, y):
     return autodiff.compute_dtype(autodiff._aval_dtype(x), autodiff._aval_dtype(y))
 
 
-def _jvp(prim, primals, tangents, **params):
+def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
     """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs). With an activation:
     z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z."""
     if params.get("activation") is not None:
@@ -411,44 +415,58 @@ def _jvp(prim, primals, tangents, **params):
     if type(d_rhs) is not ad.Zero:
         terms.append(prim.bind(lhs, d_rhs, group_sizes, **params))
     if bias and type(d_bias[0]) is not ad.Zero:
-        rows = _bias_tangent_rows(d_bias[0], group_sizes, lhs.shape[-2], out.dtype)
+        result = out.dtype if _result_dtype is None else _result_dtype
+        rows = _bias_tangent_rows(d_bias[0], group_sizes, lhs.shape[-2], result)
         terms.append(ragged_sharding.cotangent_like(rows.astype(out.dtype), out))
     if not terms:
         return out, ad.Zero.from_primal_value(out)
     return out, sum(terms[1:], terms[0])
 
 
-# The most (rows x groups) whose one-hot matrix `_bias_tangent_rows` builds (256 MiB of float32).
+# `_bias_tangent_rows` takes the one-hot product up to this many groups (measured up to 256),
+# and one-hot matrices of up to this many elements (256 MiB of float32); past them, the gather.
+_ONE_HOT_MAX_GROUPS = 512
 _ONE_HOT_MAX = 1 << 26
 
 
-def _bias_tangent_rows(d_bias, group_sizes, m: int, out_dtype):
+def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype):
     """The bias tangent's rows, [*B, m, n], as a product of each row's one-hot group [*B, m, g]
     with d_bias [*B, g, n]: its transpose, the bias's gradient, is then the product of the
     one-hot transposed with the cotangent (XLA's GEMM: the per-group sums of the cotangent's
     rows, in float32) rather than a gather's scatter-add, whose atomics on g rows took 1.4 ms
     at 8 groups of 4096 rows x 4096 on the H200 against 0.09 ms for the product (RESULTS.md).
-    A 16-bit result's cotangent is exact in TF32, so the product takes the default precision;
-    a float32 one's takes HIGHEST. Past `_ONE_HOT_MAX` elements, the gather."""
+    The one-hot is rebuilt from the group sizes where the product runs (`jax.checkpoint`), so
+    a gradient keeps the sizes, not an [m, g] residual. Its precision follows ragged_dot's
+    result dtype `result_dtype`: for bfloat16 and 8-bit results the default (their cotangents
+    are exact in one bfloat16 pass; an activation's float32 cotangent is then rounded no
+    coarser than the backward products round it: to bfloat16), HIGHEST for float16 and float32
+    results. Past `_ONE_HOT_MAX_GROUPS` or `_ONE_HOT_MAX`, the gather."""
     *batch, g, n = d_bias.shape
-    if g == 0 or g * m > _ONE_HOT_MAX:
+    if g == 0 or g > _ONE_HOT_MAX_GROUPS or math.prod(batch) * m * g > _ONE_HOT_MAX:
         return _bias_rows(d_bias, group_sizes, m)
-    nb = len(batch)
-    ids = group_sizes.reshape((-1, g))
-    ids = jax.vmap(lambda s: _row_groups(s, m))(ids).reshape((*batch, m))
-    one_hot = (ids[..., None] == jnp.arange(g, dtype=ids.dtype)).astype(d_bias.dtype)
-    wide = np.dtype(out_dtype).itemsize > 2
-    dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
-    return lax.dot_general(
-        one_hot, ragged_sharding.whole_groups(d_bias, nb), dims,
-        precision=lax.Precision.HIGHEST if wide else lax.Precision.DEFAULT,
+    result = np.dtype(result_dtype)
+    narrow = result == np.dtype(jnp.bfloat16) or result.itemsize == 1
+    product = functools.partial(
+        _one_hot_product, m=m,
+        precision=lax.Precision.DEFAULT if narrow else lax.Precision.HIGHEST,
     )  # fmt: skip
+    return jax.checkpoint(product)(ragged_sharding.whole_groups(d_bias, len(batch)), group_sizes)
+
+
+def _one_hot_product(d_bias, group_sizes, *, m: int, precision):
+    *batch, g, _ = d_bias.shape
+    nb = len(batch)
+    ids = jax.vmap(lambda s: _row_groups(s, m))(group_sizes.reshape((-1, g)))
+    one_hot = ids.reshape((*batch, m))[..., None] == jnp.arange(g, dtype=ids.dtype)
+    dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
+    return lax.dot_general(one_hot.astype(d_bias.dtype), d_bias, dims, precision=precision)
 
 
 def _jvp_activated(primals, tangents, *, activation, out_dtype, **params):
     lhs, rhs, *_ = primals
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
-    z, dz = _jvp(ragged_dot_p, primals, tangents, out_dtype=acc, activation=None, **params)
+    z, dz = _jvp(ragged_dot_p, primals, tangents, out_dtype=acc, activation=None,
+                 _result_dtype=out_dtype, **params)  # fmt: skip
     out = P.apply_activation(z, activation).astype(out_dtype)
     if type(dz) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)

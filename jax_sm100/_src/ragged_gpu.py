@@ -40,7 +40,7 @@ def fused_activation() -> bool:
     return os.environ.get(FUSED_ACTIVATION_ENV, "") != "0"
 
 
-def _kernel_problem(name, lhs, rhs, group_sizes, params, bias=()):
+def _kernel_problem(name, lhs, rhs, group_sizes, params):
     """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot."""
     if lhs.ndim != 2:
         return f"{name}: batched operands (vmap) run on XLA's ragged dot"
@@ -125,7 +125,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
 
         acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
         plain = dict(params, out_dtype=acc, activation=None)
-        after = f"bias by XLA after the {np.dtype(acc).name} product ({why})"
+        done = "bias and " + activation if activation else "bias"
+        after = f"{done} by XLA after the {np.dtype(acc).name} product ({why})"
         z = lower(name, xla_fn, lhs, rhs, group_sizes, _after=_noted(after, _after), **plain)
         z = z + ragged._bias_rows(bias[0].astype(acc), group_sizes, lhs.shape[0])
         return P.apply_activation(z, activation).astype(params["out_dtype"])

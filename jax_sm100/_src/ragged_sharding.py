@@ -211,9 +211,9 @@ def group_sizes_like(group_sizes, rhs):
 
 
 def whole_groups(per_group, axis: int = 0):
-    """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias) with g unsplit under
-    Explicit axes, so that a gather of each row's group row can read any group (the bias is
-    small: a gather)."""
+    """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias, or its tangent) with g
+    unsplit under Explicit axes, so that each row can read its group's row (a gather, or the
+    product with the rows' one-hot groups; the bias is small: a gather of it)."""
     have = _explicit_type(per_group)
     if have is None or len(have.spec) <= axis or have.spec[axis] is None:
         return per_group
@@ -317,10 +317,19 @@ class _Roles:
         return dict(self.sizes)[factor]
 
     def sharding_rule(self) -> SdyShardingRule:
+        # ragged_dot's bias gets factors of its own, to be replicated: tied to rhs's g and n,
+        # Shardy's propagation let a bias split over experts move weights split along n (an
+        # all-to-all of rhs). `_partition` then cuts the bias as rhs's g and n are cut.
+        operands = [ArrayMapping(*dims) for dims in self.operands[:3]]
+        own = ("g_bias", "n_bias")
+        if len(self.operands) > 3:
+            *batch, _, _ = self.operands[3]
+            operands.append(ArrayMapping(*batch, *own))
         return SdyShardingRule(
-            operand_mappings=tuple(ArrayMapping(*dims) for dims in self.operands),
+            operand_mappings=tuple(operands),
             result_mappings=(ArrayMapping(*self.result),),
             reduction_factors=self.reductions,
+            need_replication_factors=own if len(self.operands) > 3 else (),
         )
 
 
@@ -335,7 +344,8 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._De
     ]
 
     def from_operands(factor):
-        for dims, axes in zip(roles.operands, operand_axes, strict=True):
+        # lhs, rhs and the group sizes decide; ragged_dot's bias follows them (`sharding_rule`).
+        for dims, axes in zip(roles.operands[:3], operand_axes[:3], strict=True):
             if factor in dims and axes[dims.index(factor)]:
                 return axes[dims.index(factor)]
         return ()

@@ -70,8 +70,8 @@ from jax_sm100._src.kernels.spec import KernelSpec
 class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     """A persistent grouped tcgen05 GEMM for one (GemmPlan with `groups`, KernelSpec).
 
-    Host entry point: `__call__(a, b, d, group_sizes, stream)` (grouped.py's modes); legality
-    and fake operands are `GroupedGemm`'s, then the dense family's.
+    Host entry point: `__call__(a, b, d, group_sizes, bias, stream)` (grouped.py's modes);
+    legality and fake operands are `GroupedGemm`'s, then the dense family's.
     """
 
     KERNEL = planning.KERNEL_SM100_GROUPED
