@@ -450,7 +450,8 @@ def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype):
         _one_hot_product, m=m,
         precision=lax.Precision.DEFAULT if narrow else lax.Precision.HIGHEST,
     )  # fmt: skip
-    return jax.checkpoint(product)(ragged_sharding.whole_groups(d_bias, len(batch)), group_sizes)
+    whole = ragged_sharding.whole_groups(d_bias, len(batch))
+    return jax.checkpoint(product, prevent_cse=False)(whole, group_sizes)
 
 
 def _one_hot_product(d_bias, group_sizes, *, m: int, precision):
