@@ -416,7 +416,7 @@ def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
         terms.append(prim.bind(lhs, d_rhs, group_sizes, **params))
     if bias and type(d_bias[0]) is not ad.Zero:
         result = out.dtype if _result_dtype is None else _result_dtype
-        rows = _bias_tangent_rows(d_bias[0], group_sizes, lhs.shape[-2], result)
+        rows = _bias_tangent_rows(d_bias[0], group_sizes, lhs.shape[-2], result, like=out)
         terms.append(ragged_sharding.cotangent_like(rows.astype(out.dtype), out))
     if not terms:
         return out, ad.Zero.from_primal_value(out)
@@ -429,7 +429,7 @@ _ONE_HOT_MAX_GROUPS = 512
 _ONE_HOT_MAX = 1 << 26
 
 
-def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype):
+def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype, like=None):
     """The bias tangent's rows, [*B, m, n], as a product of each row's one-hot group [*B, m, g]
     with d_bias [*B, g, n]: its transpose, the bias's gradient, is then the product of the
     one-hot transposed with the cotangent (XLA's GEMM: the per-group sums of the cotangent's
@@ -440,27 +440,44 @@ def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype):
     result dtype `result_dtype`: for bfloat16 and 8-bit results the default (their cotangents
     are exact in one bfloat16 pass; an activation's float32 cotangent is then rounded no
     coarser than the backward products round it: to bfloat16), HIGHEST for float16 and float32
-    results. Past `_ONE_HOT_MAX_GROUPS` or `_ONE_HOT_MAX`, the gather."""
+    results. Past `_ONE_HOT_MAX_GROUPS` or `_ONE_HOT_MAX` (checked on the shapes the JVP
+    sees: under `vmap` of a gradient the batch is added after), the gather. Under Explicit mesh
+    axes the rows come out typed as `like` (ragged_dot's result): the one-hot split as its
+    batch and rows, d_bias as its batch and n, so that the gradient's product runs on each
+    device's rows and reduces the [g, n] partial sums, rather than gathering the cotangent."""
     *batch, g, n = d_bias.shape
     if g == 0 or g > _ONE_HOT_MAX_GROUPS or math.prod(batch) * m * g > _ONE_HOT_MAX:
         return _bias_rows(d_bias, group_sizes, m)
     result = np.dtype(result_dtype)
     narrow = result == np.dtype(jnp.bfloat16) or result.itemsize == 1
+    nb = len(batch)
+    typed = None if like is None else ragged_sharding.explicit_type(like)
+    if typed is None:
+        d_bias = ragged_sharding.whole_groups(d_bias, nb)
+        one_hot_type = None
+    else:
+        # [*B, m, n] as `like`: the one-hot [*B, m, g] and d_bias [*B, g, n] cut to match.
+        spec = tuple(typed.spec) + (None,) * (nb + 2 - len(typed.spec))
+        bias_type = typed.update(spec=jax.sharding.PartitionSpec(*spec[:nb], None, spec[nb + 1]))
+        one_hot_type = typed.update(spec=jax.sharding.PartitionSpec(*spec[: nb + 1], None))
+        d_bias = jax.sharding.reshard(d_bias, bias_type)
     product = functools.partial(
-        _one_hot_product, m=m,
+        _one_hot_product, m=m, one_hot_type=one_hot_type, out_type=typed,
         precision=lax.Precision.DEFAULT if narrow else lax.Precision.HIGHEST,
     )  # fmt: skip
-    whole = ragged_sharding.whole_groups(d_bias, len(batch))
-    return jax.checkpoint(product, prevent_cse=False)(whole, group_sizes)
+    return jax.checkpoint(product, prevent_cse=False)(d_bias, group_sizes)
 
 
-def _one_hot_product(d_bias, group_sizes, *, m: int, precision):
+def _one_hot_product(d_bias, group_sizes, *, m: int, one_hot_type, out_type, precision):
     *batch, g, _ = d_bias.shape
     nb = len(batch)
     ids = jax.vmap(lambda s: _row_groups(s, m))(group_sizes.reshape((-1, g)))
     one_hot = ids.reshape((*batch, m))[..., None] == jnp.arange(g, dtype=ids.dtype)
+    one_hot = one_hot.astype(d_bias.dtype)
+    if one_hot_type is not None:
+        one_hot = jax.sharding.reshard(one_hot, one_hot_type)
     dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
-    return lax.dot_general(one_hot.astype(d_bias.dtype), d_bias, dims, precision=precision)
+    return lax.dot_general(one_hot, d_bias, dims, precision=precision, out_sharding=out_type)
 
 
 def _jvp_activated(primals, tangents, *, activation, out_dtype, **params):

@@ -183,7 +183,7 @@ def cotangent_like(ct, primal):
     lhs. JAX requires a cotangent of the primal's type, so a mismatch is resharded (a local
     slice where the primal is split and the cotangent whole, else a gather).
     """
-    want = _explicit_type(primal)
+    want = explicit_type(primal)
     if want is None or jax.typeof(ct).sharding == want:
         return ct
     return jax.sharding.reshard(ct, want)
@@ -196,7 +196,7 @@ def group_sizes_like(group_sizes, rhs):
     weight gradient is computed expert-parallel (each device its own experts) rather than whole
     on every device and sliced after. The partitioner gathers the sizes back (g int32).
     """
-    want = _explicit_type(rhs)
+    want = explicit_type(rhs)
     if want is None:
         return group_sizes
     nb = group_sizes.ndim - 1
@@ -214,7 +214,7 @@ def whole_groups(per_group, axis: int = 0):
     """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias, or its tangent) with g
     unsplit under Explicit axes, so that each row can read its group's row (a gather, or the
     product with the rows' one-hot groups; the bias is small: a gather of it)."""
-    have = _explicit_type(per_group)
+    have = explicit_type(per_group)
     if have is None or len(have.spec) <= axis or have.spec[axis] is None:
         return per_group
     spec = list(have.spec)
@@ -222,7 +222,7 @@ def whole_groups(per_group, axis: int = 0):
     return jax.sharding.reshard(per_group, have.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
-def _explicit_type(x):
+def explicit_type(x):
     """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
     aval = x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
     return aval.sharding if _explicit_mesh(aval) else None
