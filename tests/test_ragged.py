@@ -366,8 +366,8 @@ class RaggedDotTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(rows)[:, 0], [1] * 3 + [3] * 4 + [0] * 3)
 
     def test_bias_gradient_paths(self):
-        # The bias gradient through the one-hot product (HIGHEST for a float32 result, the
-        # default for a bfloat16 one) equals the one through the gather (past the limits), and
+        # The bias gradient through the one-hot product (HIGHEST for a float32 or float16
+        # result, the default for a bfloat16 one) equals the one through the gather (past the limits), and
         # a gradient keeps no [m, g] one-hot residual (jax.checkpoint rebuilds it).
         m, k, n, g = 100, 24, 40, 7
         rng = np.random.default_rng(10)
@@ -380,7 +380,7 @@ class RaggedDotTest(parameterized.TestCase):
                                      activation=activation)  # fmt: skip
             return jnp.sum(jnp.sin(y.astype(jnp.float32)))
 
-        for out in (jnp.float32, jnp.bfloat16):
+        for out in (jnp.float32, jnp.bfloat16, jnp.float16):
             for activation in (None, "gelu"):
                 product = jax.grad(loss)(bias, out, activation)
                 with mock.patch.object(ragged, "_ONE_HOT_MAX_GROUPS", 0):
@@ -390,7 +390,7 @@ class RaggedDotTest(parameterized.TestCase):
                 text = str(jax.make_jaxpr(grad)(bias))
                 # The one dot_general of the gradient is the bias's.
                 self.assertEqual(text.count("dot_general["), 1)
-                self.assertEqual("Precision.HIGHEST" in text, out == jnp.float32)
+                self.assertEqual("Precision.HIGHEST" in text, out != jnp.bfloat16)
         _, vjp = jax.vjp(loss, bias)
         shapes = [tuple(x.shape) for x in jax.tree.leaves(vjp)]
         self.assertNotIn((m, g), shapes)
