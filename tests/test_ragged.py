@@ -367,8 +367,8 @@ class RaggedDotTest(parameterized.TestCase):
 
     def test_bias_gradient_paths(self):
         # The bias gradient through the one-hot product (HIGHEST for a float32 or float16
-        # result, the default for a bfloat16 one) equals the one through the gather (past the limits), and
-        # a gradient keeps no [m, g] one-hot residual (jax.checkpoint rebuilds it).
+        # result, the default for a bfloat16 one) equals the one through the gather (past the
+        # limits), and a gradient keeps no [m, g] one-hot residual (jax.checkpoint rebuilds it).
         m, k, n, g = 100, 24, 40, 7
         rng = np.random.default_rng(10)
         lhs, rhs = tu.rand(rng, (m, k), "float32"), tu.rand(rng, (g, k, n), "float32")
