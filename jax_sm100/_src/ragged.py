@@ -163,10 +163,16 @@ def _check_bias(bias, g: int, n: int):
 
 
 def group_rows(per_group, group_sizes, m: int):
-    """[m, ...]: row r holds per_group[i] for the group i it belongs to (the sizes clamped to
-    [0, m] and their running sum saturating at m, as the grouped kernels read them), zeros past
-    the last group."""
-    return _take_rows(ragged_sharding.whole_groups(per_group), group_sizes, m)
+    """[*B, m, ...] from per_group [*B, g, ...] and group sizes [*B, g], per batch element: row
+    r holds per_group[i] for the group i it belongs to (the sizes clamped to [0, m] and their
+    running sum saturating at m, as the grouped kernels read them), zeros past the last group.
+    (ragged_dot's bias rows: the XLA lowering's, and the bias tangent's past
+    `_bias_tangent_rows`' limits.)"""
+    nb = group_sizes.ndim - 1
+    take = lambda b, s: _take_rows(b, s, m)
+    for _ in range(nb):
+        take = jax.vmap(take)
+    return take(ragged_sharding.whole_groups(per_group, nb), group_sizes)
 
 
 def _take_rows(per_group, group_sizes, m: int):
@@ -184,18 +190,7 @@ def _row_groups(group_sizes, m: int):
     # (O(m + g); the default binary search is a while loop, which on a GPU waits for the host
     # at each of its log2(g) steps: about 150 us at 128 groups, as long as the product).
     marks = jnp.zeros((m,), jnp.int32).at[ends].add(1, mode="drop")
-    ids = jnp.cumsum(marks)
-    return ids
-
-
-def _bias_rows(bias, group_sizes, m: int):
-    """[*B, m, n]: `group_rows` of bias [*B, g, n] under group sizes [*B, g], per batch element
-    (the XLA lowering's bias, and the bias tangent's past `_bias_tangent_rows`' limits)."""
-    nb = group_sizes.ndim - 1
-    take = lambda b, s: _take_rows(b, s, m)
-    for _ in range(nb):
-        take = jax.vmap(take)
-    return take(ragged_sharding.whole_groups(bias, nb), group_sizes)
+    return jnp.cumsum(marks)
 
 
 def _highest(precision) -> bool:
@@ -280,7 +275,7 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, acti
     )
     out = out.reshape((*lhs.shape[:-1], out.shape[-1]))
     if bias:
-        out = out + _bias_rows(bias[0].astype(acc), group_sizes, lhs.shape[-2])
+        out = out + group_rows(bias[0].astype(acc), group_sizes, lhs.shape[-2])
     return P.apply_activation(out, activation).astype(out_dtype)
 
 
@@ -447,7 +442,7 @@ def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype, like=None):
     device's rows and reduces the [g, n] partial sums, rather than gathering the cotangent."""
     *batch, g, n = d_bias.shape
     if g == 0 or g > _ONE_HOT_MAX_GROUPS or math.prod(batch) * m * g > _ONE_HOT_MAX:
-        return _bias_rows(d_bias, group_sizes, m)
+        return group_rows(d_bias, group_sizes, m)
     result = np.dtype(result_dtype)
     narrow = result == np.dtype(jnp.bfloat16) or result.itemsize == 1
     nb = len(batch)

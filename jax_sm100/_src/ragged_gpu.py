@@ -92,12 +92,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     activation = params.get("activation")
     if activation is not None and not fused_activation():
-        # The kernel's float32 product, then XLA's activation and one rounding.
-        acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
-        plain = dict(params, out_dtype=acc, activation=None)
-        after = f"{activation} by XLA after the {np.dtype(acc).name} product"
-        z = lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after=after, **plain)
-        return P.apply_activation(z, activation).astype(params["out_dtype"])
+        # The kernel's float32 product (with the bias), then XLA's activation and rounding.
+        return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
     made = _kernel_problem(name, lhs, rhs, group_sizes, params)
     if isinstance(made, str):
         dispatch.record(dispatch.Lowered(None, _noted(made, _after)))
@@ -121,15 +117,7 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     if why is not None:
         # The family's epilogue cannot add it: the kernel's float32 product, then XLA's bias
         # rows, activation and one rounding.
-        from jax_sm100._src import ragged  # noqa: PLC0415
-
-        acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
-        plain = dict(params, out_dtype=acc, activation=None)
-        done = "bias and " + activation if activation else "bias"
-        after = f"{done} by XLA after the {np.dtype(acc).name} product ({why})"
-        z = lower(name, xla_fn, lhs, rhs, group_sizes, _after=_noted(after, _after), **plain)
-        z = z + ragged._bias_rows(bias[0].astype(acc), group_sizes, lhs.shape[0])
-        return P.apply_activation(z, activation).astype(params["out_dtype"])
+        return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after, why)
     compiled = compile_plan(plan, spec)
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32",
               "bias": spec.bias_dtype}  # fmt: skip
@@ -155,6 +143,25 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     notes = (*notes, _after) if _after else notes
     dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(notes or ("",))))
     return out
+
+
+def _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, after, why=None):
+    """`lower` of the product in the accumulator dtype without the activation, then XLA's
+    activation and one rounding. The bias goes into the product, or with `why` (the reason the
+    family's epilogue cannot add it) XLA adds its rows after the product. Noted either way."""
+    from jax_sm100._src import ragged  # noqa: PLC0415
+
+    activation = params.get("activation")
+    acc = P.acc_dtype(lhs.dtype, rhs.dtype, params["out_dtype"])
+    in_xla = ["bias"] * (why is not None) + [activation] * (activation is not None)
+    note = f"{' and '.join(in_xla)} by XLA after the {np.dtype(acc).name} product"
+    note += f" ({why})" if why is not None else ""
+    in_product = () if why is not None else bias
+    z = lower(name, xla_fn, lhs, rhs, group_sizes, *in_product, _after=_noted(note, after),
+              **dict(params, out_dtype=acc, activation=None))  # fmt: skip
+    if why is not None:
+        z = z + ragged.group_rows(bias[0].astype(acc), group_sizes, lhs.shape[0])
+    return P.apply_activation(z, activation).astype(params["out_dtype"])
 
 
 def _noted(note: str, after: str) -> str:
