@@ -12,9 +12,10 @@ tile, the planner's plan, no edits), `fp8` (the dense fp8 kernel, unscaled, B K-
 `cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); `tiled`
 results are checked finite only (other weights). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
-`GemmPlan.scaled_overlap`, `pp` the ping-pong schedule (unscaled kinds; after the tile, e.g.
-`fp8:128x160:pp`), `cAxB` the cluster, `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle,
-`eN` the epilogue stages, `epiN` the epilogue sub-tile width, `rm`/`rn` the raster along M/N.
+`GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan, `pp` the ping-pong
+schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster,
+`sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the
+epilogue sub-tile width, `rm`/`rn` the raster along M/N.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
 `python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing, each `scaled`
 variant's result is compared with the first `scaled` variant's (within 1e-2 of its largest
@@ -56,6 +57,8 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     for edit in edits:
         if edit == "overlap":
             plan = sm90_scaled.with_scaled_overlap(plan)
+        elif edit == "coop":  # the planner's cooperative plan for the problem
+            plan = planning.cooperative(plan)
         elif edit == "pp":
             plan = planning.sm90_variant(plan, pingpong=True)
         elif edit[0] == "c":  # cluster, e.g. c2x1

@@ -515,15 +515,38 @@ class Sm90ScheduleTest(parameterized.TestCase):
         odd = planning.plan(8200, 8200, 1000, a_dtype="bfloat16", b_dtype="bfloat16",
                             arch="sm_90a")  # fmt: skip
         self.assertEqual((odd.pingpong, odd.swizzle_size), (True, 1))
-        # Not for fewer waves, 32-bit outputs, or 8-bit operands.
+        # Not for fewer waves or 32-bit outputs.
         for kw in (dict(m=4096, n=4096, k=4096, out_dtype=None),
                    dict(m=m, n=n, k=k, out_dtype="float32")):  # fmt: skip
             q = planning.plan(kw.pop("m"), kw.pop("n"), kw.pop("k"), a_dtype="bfloat16",
                               b_dtype="bfloat16", arch="sm_90a", **kw)  # fmt: skip
             self.assertFalse(q.pingpong, q)
-        f8 = planning.plan(m, n, k, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
-                           out_dtype="bfloat16", b_major="k", arch="sm_90a")  # fmt: skip
-        self.assertFalse(f8.pingpong, f8)
+
+    @parameterized.named_parameters(
+        # (m, n, k, ping-pong, swizzle): 8-bit operands take 128x192 ping-pong tiles for many
+        # waves of at most SM90_PINGPONG_8BIT_MAX_KTILES k-tiles, very tall grids unswizzled.
+        ("tall", (16384, 4096, 4096), True, 1),
+        ("square_short_k", (8192, 8192, 4096), True, 8),
+        ("wide", (4096, 14336, 4096), True, 8),
+        ("k_2048", (16384, 8192, 2048), True, 8),
+        ("long_k", (8192, 8192, 8192), False, 8),
+        ("few_waves", (4096, 4096, 4096), False, 8),
+    )
+    def test_pingpong_choice_8bit(self, shape, pingpong, swizzle):
+        f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", b_major="k", arch="sm_90a")
+        p = planning.plan(*shape, out_dtype="bfloat16", **f8)
+        self.assertEqual((p.kernel, p.pingpong, p.swizzle_size), ("sm90_wgmma", pingpong, swizzle))
+        if pingpong:
+            self.assertEqual((p.cta_tile_mnk[:2], p.cluster_shape_mn), ((128, 192), (2, 1)))
+            self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
+            self.assertFalse(p.raster_along_m)
+        else:
+            self.assertEqual(p.cta_tile_mnk[:2], (128, 256))
+        # Not for float32 outputs or mixed fp8 operands.
+        q = planning.plan(*shape, out_dtype="float32", **f8)
+        self.assertFalse(q.pingpong, q)
+        mixed = dict(f8, b_dtype="float8_e5m2")
+        self.assertFalse(planning.plan(*shape, out_dtype="bfloat16", **mixed).pingpong)
 
     def _coop_stream_k(self):
         """16384x4096x4096 (bf16 output) on the planner's cooperative plan: stream-K."""

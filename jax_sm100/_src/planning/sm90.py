@@ -35,12 +35,28 @@ _SM90_CANDIDATES = (
 # (benchmarks/RESULTS.md): 128x160 / 128x192 ping-pong with clusters of 2x1 beat the best
 # cooperative 128x256 plan by 1-4 % at 16384x4096x4096, 8192^3 and 4096x14336x4096, the one of
 # the two that wastes the least last wave winning each time; the efficiency below puts that
-# per-tile gain into the wave model. Taken only for many waves of 16-bit tiles (measured there).
+# per-tile gain into the wave model. Taken for many waves of 16-bit tiles (measured there), and
+# of short-k 8-bit tiles (below).
 _SM90_PINGPONG_CANDIDATES = (
     (128, 160, 1.03),
     (128, 192, 1.03),
 )
 SM90_PINGPONG_MIN_WAVES = 8
+# 8-bit operands run a k-tile in half the time of 16-bit ones, so at short k a cooperative
+# tile's epilogue (not hidden) weighs twice as much. H200, fifteenth session, e4m3 with a
+# bfloat16 result, device method (benchmarks/RESULTS.md): 128x192 ping-pong (2x1, along N,
+# 2 store stages) against the cooperative 128x256 plan: 1.07x at 16384x4096x4096, 1.10x at
+# 8192x8192x4096, 1.20x at 16384x8192x2048, 0.99x at 4096x14336x4096 (a worse last wave);
+# 0.96x at 8192^3, so only up to `SM90_PINGPONG_8BIT_MAX_KTILES` k-tiles. 128x160 ran 1-5 %
+# behind 128x192 at the three short-k shapes it wins.
+_SM90_PINGPONG_CANDIDATES_8BIT = (
+    (128, 160, 1.03),
+    (128, 192, 1.08),
+)
+SM90_PINGPONG_8BIT_MAX_KTILES = 32
+# With 8-bit operands the 2-deep store ring, leaving a fifth A/B stage at 128x192, ran 1-7 %
+# faster than the 4-deep one at those three shapes.
+SM90_PINGPONG_8BIT_EPI_STAGES = 2
 
 
 def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None, **changes):
@@ -93,15 +109,16 @@ def _fill_sm90_smem(plan: GemmPlan, epi_stages: int | None = None) -> GemmPlan:
     return dataclasses.replace(base, num_ab_stages=stages, num_epi_stages=depth)
 
 
-def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False):
+def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     """(tile_m, tile_n, cluster, pingpong): the tile with the fewest weighted waves; ping-pong
     tiles compete only with `pingpong_ok` and when 128x256 tiles fill at least
-    `SM90_PINGPONG_MIN_WAVES` waves."""
+    `SM90_PINGPONG_MIN_WAVES` waves (with the 8-bit efficiencies for `ab_bits` 8)."""
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
     if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
         SM90_PINGPONG_MIN_WAVES * num_sms
     ):
-        candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_PINGPONG_CANDIDATES]
+        pp = _SM90_PINGPONG_CANDIDATES_8BIT if ab_bits == 8 else _SM90_PINGPONG_CANDIDATES
+        candidates += [(tm, tn, True, eff) for tm, tn, eff in pp]
     best = None
     for tm, tn, pingpong, eff in candidates:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
@@ -224,6 +241,12 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
     below)."""
     rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
     swizzle = 8 if rows % 8 == 0 else 1
+    tiles_m, tiles_n = math.ceil(common["m"] / tile[0]), math.ceil(common["n"] / tile[1])
+    if C.DTYPE_BITS[common["a_dtype"]] == 8 and tiles_m >= 4 * tiles_n:
+        # Very tall 8-bit grids walk along N unswizzled (H200, fifteenth session, same call:
+        # 16384x4096x4096 1282 against 1236 TF/s swizzled; 8192x8192x4096 and 4096x14336x4096
+        # ran 3 % and 7 % faster swizzled, 16384x8192x2048 within 1 %).
+        swizzle = 1
     c_dtype = common["c_dtype"]
     stage_c = c_dtype == common["out_dtype"] and c_dtype is not None and C.DTYPE_BITS[c_dtype] == 16
     try:
@@ -238,6 +261,8 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
         )  # fmt: skip
         shallow = plan.preact_out or plan.stage_c
         depth = SM90_PINGPONG_SHALLOW_EPI_STAGES if shallow else SM90_PINGPONG_EPI_STAGES
+        if C.DTYPE_BITS[plan.a_dtype] == 8:
+            depth = SM90_PINGPONG_8BIT_EPI_STAGES
         return _fill_sm90_smem(plan, depth)
     except C.PlanError:
         return None
@@ -323,8 +348,9 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     num_sms = common["num_sms"]
     a_dtype, b_dtype = common["a_dtype"], common["b_dtype"]
     pingpong_ok = allow_pingpong and why_not is None and a_dtype == b_dtype
-    pingpong_ok = pingpong_ok and ab_bits == 16 and out_bits == 16
-    tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok)
+    short_k = ab_bits == 8 and math.ceil(k / ktile) <= SM90_PINGPONG_8BIT_MAX_KTILES
+    pingpong_ok = pingpong_ok and (ab_bits == 16 or short_k) and out_bits == 16
+    tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok, ab_bits)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
     if split == 1 and not pingpong:
         cluster = _unpadded_cluster(m, n, tm, tn, cluster)
