@@ -523,25 +523,26 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertFalse(q.pingpong, q)
 
     @parameterized.named_parameters(
-        # (m, n, k, ping-pong, swizzle): 8-bit operands take 128x192 ping-pong tiles for many
-        # waves of at most SM90_PINGPONG_8BIT_MAX_KTILES k-tiles, very tall grids unswizzled.
-        ("tall", (16384, 4096, 4096), True, 1),
-        ("square_short_k", (8192, 8192, 4096), True, 8),
-        ("wide", (4096, 14336, 4096), True, 8),
-        ("k_2048", (16384, 8192, 2048), True, 8),
-        ("long_k", (8192, 8192, 8192), False, 8),
-        ("few_waves", (4096, 4096, 4096), False, 8),
+        # (m, n, k, ping-pong, tile, swizzle): 8-bit operands take 128x192 ping-pong tiles for
+        # many waves of at most SM90_PINGPONG_8BIT_MAX_KTILES k-tiles; very tall grids 64x256
+        # ones (where they pad N no more), unswizzled.
+        ("tall", (16384, 4096, 4096), True, (64, 256), 1),
+        ("tall_n_not_256", (32768, 1408, 2048), True, (128, 160), 1),
+        ("square_short_k", (8192, 8192, 4096), True, (128, 192), 8),
+        ("wide", (4096, 14336, 4096), True, (128, 192), 8),
+        ("k_2048", (16384, 8192, 2048), True, (128, 192), 8),
+        ("long_k", (8192, 8192, 8192), False, (128, 256), 8),
+        ("few_waves", (4096, 4096, 4096), False, (128, 256), 8),
     )
-    def test_pingpong_choice_8bit(self, shape, pingpong, swizzle):
+    def test_pingpong_choice_8bit(self, shape, pingpong, tile, swizzle):
         f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", b_major="k", arch="sm_90a")
         p = planning.plan(*shape, out_dtype="bfloat16", **f8)
         self.assertEqual((p.kernel, p.pingpong, p.swizzle_size), ("sm90_wgmma", pingpong, swizzle))
+        self.assertEqual(p.cta_tile_mnk[:2], tile)
         if pingpong:
-            self.assertEqual((p.cta_tile_mnk[:2], p.cluster_shape_mn), ((128, 192), (2, 1)))
+            self.assertEqual(p.cluster_shape_mn, (2, 1))
             self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
             self.assertFalse(p.raster_along_m)
-        else:
-            self.assertEqual(p.cta_tile_mnk[:2], (128, 256))
         # Not for float32 outputs or mixed fp8 operands.
         q = planning.plan(*shape, out_dtype="float32", **f8)
         self.assertFalse(q.pingpong, q)

@@ -128,6 +128,13 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong)
     _, tm, tn, pingpong = best
+    if pingpong and ab_bits == 8 and _very_tall_8bit(m, n):
+        if math.ceil(n / 256) * 256 <= math.ceil(n / tn) * tn:
+            # Very tall 8-bit grids: 64x256 ping-pong tiles, where they pad N no more (H200,
+            # fifteenth session, against 128x192 in the same call: 16384x4096x4096 1311 / 1287
+            # and 1291 / 1280 TF/s, 32768x4096x2048 1283 / 1252, 32768x2048x4096 1269 / 1263;
+            # at 8192x8192x4096, not tall, 1228 / 1318).
+            tm, tn = 64, 256
     if pingpong:
         # Measured best with CTAs paired along M (B multicast) in all three sweeps but one.
         return tm, tn, (2, 1), True
@@ -140,6 +147,12 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         # put 1x2 ahead of 2x1 by 3-4% each time (0.96-1.0x against 0.95-0.96x jnp.dot).
         cluster = (1, 2)
     return tm, tn, cluster, False
+
+
+def _very_tall_8bit(m, n) -> bool:
+    """Whether an 8-bit ping-pong grid is very tall: at least 4x as many 128-row tiles as
+    192-column ones (16384x4096 is; 16384x8192 and 8192x8192 are not)."""
+    return math.ceil(m / 128) >= 4 * math.ceil(n / 192)
 
 
 def _unpadded_cluster(m, n, tm, tn, cluster):
@@ -241,11 +254,11 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
     below)."""
     rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
     swizzle = 8 if rows % 8 == 0 else 1
-    tiles_m, tiles_n = math.ceil(common["m"] / tile[0]), math.ceil(common["n"] / tile[1])
-    if C.DTYPE_BITS[common["a_dtype"]] == 8 and tiles_m >= 4 * tiles_n:
-        # Very tall 8-bit grids walk along N unswizzled (H200, fifteenth session, same call:
-        # 16384x4096x4096 1282 against 1236 TF/s swizzled; 8192x8192x4096 and 4096x14336x4096
-        # ran 3 % and 7 % faster swizzled, 16384x8192x2048 within 1 %).
+    if C.DTYPE_BITS[common["a_dtype"]] == 8 and _very_tall_8bit(common["m"], common["n"]):
+        # Very tall 8-bit grids walk along N unswizzled (H200, fifteenth session, same call,
+        # 128x192: 16384x4096x4096 1282 against 1236 TF/s swizzled; 8192x8192x4096 and
+        # 4096x14336x4096 ran 3 % and 7 % faster swizzled, 16384x8192x2048 within 1 %; 64x256:
+        # 1311 against 1221).
         swizzle = 1
     c_dtype = common["c_dtype"]
     stage_c = c_dtype == common["out_dtype"] and c_dtype is not None and C.DTYPE_BITS[c_dtype] == 16
