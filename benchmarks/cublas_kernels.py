@@ -2,6 +2,9 @@
 
     python benchmarks/cublas_kernels.py [--shapes 8192x8192x8192,...] [--dtype bfloat16]
 
+(With an fp8 `--dtype`, `lax.dot_general` of A by a K-major B into bfloat16, as
+`python -m jax_sm100.bench --scaled` times cuBLAS fp8.)
+
 For each m x n x k it traces a few warm calls of a jitted `jnp.dot` with `jax.profiler` and prints
 the GPU kernel names found in the trace file. cuBLAS names its kernels after their configuration
 (CTA tile, k-block and stages, cluster, schedule), so this says what our planner competes with at
@@ -32,8 +35,16 @@ _KEEP = ("nvjet", "gemm", "xmma", "cutlass", "triton", "sm90", "reduce", "splitK
 def kernel_names(m: int, n: int, k: int, dtype) -> list[str]:
     key = jax.random.key(0)
     a = jax.random.normal(key, (m, k), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32).astype(dtype)
-    f = jax.jit(jnp.dot)
+    if dtype.itemsize == 1:
+        # fp8: B K-major ([n, k]) and a bfloat16 result, as `bench --scaled` times cuBLAS.
+        b = jax.random.normal(jax.random.fold_in(key, 1), (n, k), jnp.float32).astype(dtype)
+        dims = (((1,), (1,)), ((), ()))
+        f = jax.jit(
+            lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.bfloat16)
+        )
+    else:
+        b = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32).astype(dtype)
+        f = jax.jit(jnp.dot)
     for _ in range(3):
         f(a, b).block_until_ready()
     with tempfile.TemporaryDirectory() as d:
