@@ -12,7 +12,7 @@ tile, the planner's plan, no edits), `fp8` (the dense fp8 kernel, unscaled, B K-
 `cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); `tiled`
 results are checked finite only (other weights). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
-`GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan, `pp` the ping-pong
+`GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan (fp8), `pp` the ping-pong
 schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster,
 `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the
 epilogue sub-tile width, `rm`/`rn` the raster along M/N.
@@ -58,6 +58,9 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
         if edit == "overlap":
             plan = sm90_scaled.with_scaled_overlap(plan)
         elif edit == "coop":  # the planner's cooperative plan for the problem
+            if kind != "fp8":
+                raise SystemExit(f"{spec!r}: coop is for the fp8 kind (scaled plans are "
+                                 "cooperative)")  # fmt: skip
             plan = planning.cooperative(plan)
         elif edit == "pp":
             plan = planning.sm90_variant(plan, pingpong=True)

@@ -629,7 +629,8 @@ class StreamKTest(_GpuCase):
 @absltest.skipIf(*_SKIP)
 class PingPongTest(_GpuCase):
     """The planner's ping-pong plans (many waves of 16-bit tiles, walked along N in swizzled
-    bands; with a C of D's dtype, staged by TMA)."""
+    bands; with a C of D's dtype, staged by TMA), and of short-k fp8 tiles (64x256 in a very
+    tall grid, unswizzled)."""
 
     @parameterized.named_parameters(
         _named(_large_case(*shape, activation="silu") for shape in _LARGE_PINGPONG)

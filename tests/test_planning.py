@@ -489,9 +489,13 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertEqual("stream-K" in p.reason, want)
         self.assertIn(f"stream_k                 {want}", str(p))
         # fp8 operands never (SM90_STREAM_K_MIN_AB_BITS: measured slower at 15.5 waves).
-        f8 = planning.plan(*shape, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
-                           out_dtype="bfloat16", b_major="k", arch="sm_90a")  # fmt: skip
-        self.assertEqual((f8.kernel, f8.stream_k), (planning.KERNEL_SM90, False), f8)
+        # (Their cooperative plans: short-k fp8 problems of many waves plan ping-pong.)
+        f8 = planning.cooperative(
+            planning.plan(*shape, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+                          out_dtype="bfloat16", b_major="k", arch="sm_90a")
+        )  # fmt: skip
+        coop_f8 = (planning.KERNEL_SM90, False, False)
+        self.assertEqual((f8.kernel, f8.pingpong, f8.stream_k), coop_f8, f8)
 
     @parameterized.named_parameters(
         # (m, n, k, tile N): of 128x160 and 128x192, the one whose last wave wastes least.
@@ -543,11 +547,22 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertEqual(p.cluster_shape_mn, (2, 1))
             self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
             self.assertFalse(p.raster_along_m)
-        # Not for float32 outputs or mixed fp8 operands.
-        q = planning.plan(*shape, out_dtype="float32", **f8)
-        self.assertFalse(q.pingpong, q)
-        mixed = dict(f8, b_dtype="float8_e5m2")
-        self.assertFalse(planning.plan(*shape, out_dtype="bfloat16", **mixed).pingpong)
+        # e5m2, a float16 result, a batch, and a C staged by TMA plan the same schedule.
+        m, n, k = shape
+        same = (p.pingpong, p.cta_tile_mnk[:2])
+        e5 = dict(f8, a_dtype="float8_e5m2", b_dtype="float8_e5m2")
+        q = planning.plan(*shape, out_dtype="float16", c_dtype="float16", **e5)
+        self.assertEqual((q.pingpong, q.cta_tile_mnk[:2]), same, q)
+        self.assertEqual(q.stage_c, pingpong)
+        if pingpong:
+            self.assertEqual(q.num_epi_stages, 2, q)
+            self.assertLessEqual(q.num_ab_stages, p.num_ab_stages)  # C's stage takes room
+        batched = planning.plan(m // 4, n, k, batch=4, out_dtype="bfloat16", **f8)
+        self.assertEqual(batched.pingpong, pingpong, batched)
+        # Not for float32 outputs; mixed fp8 operands run on XLA's dot.
+        self.assertFalse(planning.plan(*shape, out_dtype="float32", **f8).pingpong)
+        mixed = planning.plan(*shape, out_dtype="bfloat16", **dict(f8, b_dtype="float8_e5m2"))
+        self.assertEqual(mixed.kernel, planning.KERNEL_XLA, mixed)
 
     def _coop_stream_k(self):
         """16384x4096x4096 (bf16 output) on the planner's cooperative plan: stream-K."""

@@ -253,7 +253,8 @@ def make_problem(
 
 def cooperative(plan: GemmPlan) -> GemmPlan:
     """The planner's plan for `plan`'s problem with the ping-pong schedule ruled out: the
-    cooperative tile, cluster and raster it picks for fewer waves or 32-bit outputs, with
+    cooperative tile, cluster and raster it picks for fewer waves, 32-bit outputs or fp8 at
+    long k, with
     stream-K where the last wave is partial (16- and 32-bit operands). For tests and tuning."""
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,

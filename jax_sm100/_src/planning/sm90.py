@@ -44,18 +44,20 @@ _SM90_PINGPONG_CANDIDATES = (
 SM90_PINGPONG_MIN_WAVES = 8
 # 8-bit operands run a k-tile in half the time of 16-bit ones, so at short k a cooperative
 # tile's epilogue (not hidden) weighs twice as much. H200, fifteenth session, e4m3 with a
-# bfloat16 result, device method (benchmarks/RESULTS.md): 128x192 ping-pong (2x1, along N,
-# 2 store stages) against the cooperative 128x256 plan: 1.07x at 16384x4096x4096, 1.10x at
-# 8192x8192x4096, 1.20x at 16384x8192x2048, 0.99x at 4096x14336x4096 (a worse last wave);
-# 0.96x at 8192^3, so only up to `SM90_PINGPONG_8BIT_MAX_KTILES` k-tiles. 128x160 ran 1-5 %
-# behind 128x192 at the three short-k shapes it wins.
+# bfloat16 result, device method (benchmarks/RESULTS.md), unswizzled 128x192 ping-pong (2x1,
+# along N, 2 store stages) against the cooperative 128x256 plan in the same call: 1.07x at
+# 16384x4096x4096, 1.10x at 8192x8192x4096, 1.20x at 16384x8192x2048; at 4096x14336x4096
+# (a worse last wave) 0.99x, and 1.08x in another call swizzled, as the planner plans it; at
+# 8192^3 0.90x and 0.96x, so only up to `SM90_PINGPONG_8BIT_MAX_KTILES` k-tiles. 128x160 ran
+# 3-8 % behind 128x192 at the three short-k shapes where ping-pong wins. The same plan read up
+# to 5 % apart between calls, more than some of the same-call differences here.
 _SM90_PINGPONG_CANDIDATES_8BIT = (
     (128, 160, 1.03),
     (128, 192, 1.08),
 )
 SM90_PINGPONG_8BIT_MAX_KTILES = 32
 # With 8-bit operands the 2-deep store ring, leaving a fifth A/B stage at 128x192, ran 1-7 %
-# faster than the 4-deep one at those three shapes.
+# faster than the 4-deep one at those three shapes (any C or pre-activation staged too).
 SM90_PINGPONG_8BIT_EPI_STAGES = 2
 
 
@@ -112,7 +114,8 @@ def _fill_sm90_smem(plan: GemmPlan, epi_stages: int | None = None) -> GemmPlan:
 def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     """(tile_m, tile_n, cluster, pingpong): the tile with the fewest weighted waves; ping-pong
     tiles compete only with `pingpong_ok` and when 128x256 tiles fill at least
-    `SM90_PINGPONG_MIN_WAVES` waves (with the 8-bit efficiencies for `ab_bits` 8)."""
+    `SM90_PINGPONG_MIN_WAVES` waves (with the 8-bit efficiencies for `ab_bits` 8, and 64x256
+    in place of 128x192 for a very tall 8-bit grid, `_very_tall_8bit`)."""
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
     if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
         SM90_PINGPONG_MIN_WAVES * num_sms
@@ -128,7 +131,7 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong)
     _, tm, tn, pingpong = best
-    if pingpong and ab_bits == 8 and _very_tall_8bit(m, n):
+    if pingpong and ab_bits == 8 and tn == 192 and _very_tall_8bit(m, n):
         if math.ceil(n / 256) * 256 <= math.ceil(n / tn) * tn:
             # Very tall 8-bit grids: 64x256 ping-pong tiles, where they pad N no more (H200,
             # fifteenth session, against 128x192 in the same call: 16384x4096x4096 1311 / 1287
@@ -247,14 +250,16 @@ def sm90_too_small(m, n, k, batch, split) -> str | None:
 
 def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
     """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
-    where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`) with
-    the measured 4-deep epilogue store ring, or None where it does not fit (the caller then
-    plans the cooperative tile). A C of D's 16-bit dtype (the backward's saved pre-activation,
-    a residual) is staged by TMA (`GemmPlan.stage_c`), with a shallower store ring (measured
-    below)."""
+    where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`; very
+    tall 8-bit grids unswizzled) with the measured 4-deep epilogue store ring (2-deep for 8-bit
+    operands), or None where it does not fit (the caller then plans the cooperative tile). A C
+    of D's 16-bit dtype (the backward's saved pre-activation, a residual) is staged by TMA
+    (`GemmPlan.stage_c`), with a shallower store ring (measured below)."""
     rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
     swizzle = 8 if rows % 8 == 0 else 1
-    if C.DTYPE_BITS[common["a_dtype"]] == 8 and _very_tall_8bit(common["m"], common["n"]):
+    eight_bit = C.DTYPE_BITS[common["a_dtype"]] == 8
+    tall = eight_bit and _very_tall_8bit(common["m"], common["n"])
+    if tall:
         # Very tall 8-bit grids walk along N unswizzled (H200, fifteenth session, same call,
         # 128x192: 16384x4096x4096 1282 against 1236 TF/s swizzled; 8192x8192x4096 and
         # 4096x14336x4096 ran 3 % and 7 % faster swizzled, 16384x8192x2048 within 1 %; 64x256:
@@ -266,16 +271,21 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
         plan = GemmPlan(
             **common, kernel=KERNEL_SM90,
             reason=(f"wgmma {tile[0]}x{tile[1]} ping-pong tile (each warp group's epilogue "
-                    "hidden under the other's main loop): fewest weighted waves on "
-                    f"{common['num_sms']} SMs; raster along N"),
+                    "hidden under the other's main loop): "
+                    + ("the measured tile of a very tall 8-bit grid at short k" if tall else
+                       f"fewest weighted waves on {common['num_sms']} SMs"
+                       + ("; 8-bit operands at short k" if eight_bit else ""))
+                    + "; raster along N"),
             mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
             num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
             swizzle_size=swizzle, pingpong=True, stage_c=stage_c,
         )  # fmt: skip
-        shallow = plan.preact_out or plan.stage_c
-        depth = SM90_PINGPONG_SHALLOW_EPI_STAGES if shallow else SM90_PINGPONG_EPI_STAGES
-        if C.DTYPE_BITS[plan.a_dtype] == 8:
+        if eight_bit:
             depth = SM90_PINGPONG_8BIT_EPI_STAGES
+        elif plan.preact_out or plan.stage_c:
+            depth = SM90_PINGPONG_SHALLOW_EPI_STAGES
+        else:
+            depth = SM90_PINGPONG_EPI_STAGES
         return _fill_sm90_smem(plan, depth)
     except C.PlanError:
         return None
