@@ -14,7 +14,7 @@ other GPU suites (sized for about 3 minutes there, most of it kernel compiles; n
 
 Skipped without an SM90 CUDA device. Small problems are put on our kernels
 (`JAX_SM100_SMALL_PROBLEMS=kernel`) except in `RoutingTest`, which checks the planner's own
-routing. 181 cases:
+routing. 182 cases:
 
 - `MatrixTest` (64): random problems, sizes 1 to 1024 (not multiples of the tiles), bfloat16
   and float16 operands in every layout, 16-bit or float32 outputs, every activation, alpha,
@@ -29,7 +29,7 @@ routing. 181 cases:
   each (one batched), one random epilogue and layout per schedule.
 - `StreamKTest` (16): stream-K in every cooperative tile and cluster on problems with more tiles
   than clusters; the large shapes, bitwise stable over 20 replays, no worse than without it.
-- `PingPongTest` (10): the planner's own ping-pong plans at the large shapes, 16-bit and fp8.
+- `PingPongTest` (11): the planner's own ping-pong plans at the large shapes, 16-bit and fp8.
 - `SplitKTest` (17): split-K in the cluster (every factor and split tile, random problems), the
   planner's XLA-reduced split-K, and the splits a call cannot take.
 - `VmapTest` (5), `GradTest` (5): vmap forms and gradients beyond tests/test_gpu_training.py.
@@ -646,6 +646,7 @@ class PingPongTest(_GpuCase):
                   bias="float32", activation="gelu", alpha=0.5, beta=0.75, seed=12), (128, 192)),
             (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,),
                   transpose_b=True, out_dtype="float16", seed=13), (128, 192)),
+            (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 160)),
         )
     )  # fmt: skip
     def test_planner_plan_8bit(self, case, tile):
