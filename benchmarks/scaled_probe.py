@@ -8,9 +8,9 @@ or run inside a CUDA profiler range for Nsight Compute:
 
 A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel, fp8 e4m3
 with float32 scales per 128 of k), `tiled` (scaled_matmul on the weights scaled per 128 x 128
-tile, the planner's plan, no edits), `fp8` (the dense fp8 kernel, unscaled, B K-major) and
-`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call); `tiled`
-results are checked finite only (other weights). Edits change the
+tile: the planner's plan; with edits, the kernel called on the edited plan, e.g.
+`tiled:256x128`), `fp8` (the dense fp8 kernel, unscaled, B K-major) and
+`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
 `GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan (fp8), `pp` the ping-pong
 schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster,
@@ -18,9 +18,9 @@ schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the clu
 epilogue sub-tile width, `rm`/`rn` the raster along M/N.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
 `python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing, each `scaled`
-variant's result is compared with the first `scaled` variant's (within 1e-2 of its largest
-magnitude: bfloat16 rounding apart) and the others are checked finite, so a broken variant is
-reported, not timed.
+and `tiled` variant's result is compared with the first of its kind's (within 1e-2 of its
+largest magnitude: bfloat16 rounding apart) and the others are checked finite, so a broken
+variant is reported, not timed.
 """
 
 from __future__ import annotations
@@ -42,8 +42,6 @@ E4M3 = "float8_e4m3fn"
 
 def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     kind, *edits = spec.split(":")
-    if kind == "tiled" and edits:
-        raise SystemExit(f"{spec!r}: the tiled kind takes no edits (the planner's plan)")
     if kind in ("scaled", "tiled"):
         plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
                               b_major="k", scale_dtype="float32", scale_block=128,
@@ -79,7 +77,10 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
         elif edit in ("rm", "rn"):  # raster along M / N
             plan = planning.sm90_variant(plan, raster_along_m=edit == "rm")
         else:
-            plan = planning.sm90_variant(plan, tile_mn=tuple(int(v) for v in edit.split("x")))
+            tile = tuple(int(v) for v in edit.split("x"))
+            # 256-row tiles run the serial loop only (constraints.check_scaled_overlap).
+            serial = {"scaled_overlap": False} if tile[0] == 256 and plan.scale_dtype else {}
+            plan = planning.sm90_variant(plan, tile_mn=tile, **serial)
     return plan
 
 
@@ -92,9 +93,10 @@ def product(spec: str, plan: planning.GemmPlan):
     if spec == "tiled":
         return bench_scaled._scaled(jax_sm100.scaled_matmul, "tiles")
     if plan.kernel == planning.KERNEL_SM90_SCALED:
+        tiles = spec.split(":")[0] == "tiled"
 
         def scaled(a, b):
-            w, ls, rs = b[:3]
+            w, ls, rs = (b[3], b[1], b[4]) if tiles else b[:3]
             one = bench_scaled._one(a)  # keeps the scales loop-variant
             return scaled_gpu._call_sm90(plan, a[None], w[None], (ls * one)[None],
                                          (rs * one)[None])[0]  # fmt: skip
@@ -131,13 +133,15 @@ def main():
     plans = [variant_plan(s, m, n, k) for s in specs]
     fns = [jax.jit(product(s, p)) for s, p in zip(specs, plans, strict=True)]
     outs = [np.asarray(f(a, b).astype(jnp.float32)) for f in fns]
-    ref = next((o for o, s in zip(outs, specs, strict=True) if s.startswith("scaled")), None)
+    refs = {kind: next((o for o, s in zip(outs, specs, strict=True) if s.startswith(kind)), None)
+            for kind in ("scaled", "tiled")}  # fmt: skip
     ok = []
     for s, o in zip(specs, outs, strict=True):
-        if s.startswith("scaled") and ref is not None:
+        ref = refs.get(s.split(":")[0])
+        if ref is not None:
             err = float(np.max(np.abs(o - ref)) / max(np.max(np.abs(ref)), 1e-30))
             ok.append(err < 1e-2)
-            print(f"{s}: max |diff| / max |ref| = {err:.2e} against the first scaled variant")
+            print(f"{s}: max |diff| / max |ref| = {err:.2e} against the first of its kind")
         else:
             ok.append(bool(np.isfinite(o).all()))
     if args.profile:

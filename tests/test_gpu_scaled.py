@@ -118,6 +118,21 @@ def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
     return out, seen
 
 
+def _run_256_rows(lhs, rhs, ls, rs, out_dtype):
+    """The product of B scaled per 128 x 128 tile on the kernel in 256 x 128 tiles (a plan
+    option the planner does not pick), through the lowering's own kernel call."""
+    from jax_sm100._src import scaled_gpu  # noqa: PLC0415
+
+    batch, m, k = lhs.shape
+    n = rhs.shape[1]
+    plan = jax_sm100.plan(m, n, k, a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype,
+                          b_major="k", batch=batch, scale_dtype="float32", scale_block=128,
+                          b_scale_rows=128, arch="sm_90a")  # fmt: skip
+    plan = planning.sm90_variant(plan, tile_mn=(256, 128), scaled_overlap=False)
+    assert plan.kernel == planning.KERNEL_SM90_SCALED, plan
+    return jax.jit(lambda *a: scaled_gpu._call_sm90(plan, *a))(lhs, rhs, ls, rs)
+
+
 def _cases(shapes):
     """Each shape x data dtype x output dtype x main loop, named for `pytest -k`: e.g.
     `..._1x128x128x128_float8_e4m3fn_bfloat16_overlap` (or `_default`)."""
@@ -290,6 +305,34 @@ class GpuScaledTest(parameterized.TestCase):
                 .astype(np.float64)
             )
             np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
+
+    @parameterized.named_parameters(
+        (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out)
+        for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
+                      (1, 8192, 2176, 512), (1, 300, 128, 128))
+        for out in OUT_DTYPES
+    )  # fmt: skip
+    def test_weights_per_128x128_tile_in_256_row_tiles(self, shape, out_dtype):
+        # The 256 x 128 tiles (a plan option: each warp group's 128 rows in two 64-row waves
+        # through one fragment, kernels/sm90_scaled.py `_mainloop_waves`), forced; 1000 rows:
+        # a last tile of 232, its second wave partly outside; 8192x2176x512: stream-K.
+        batch, m, n, k = shape
+        ka, kb = jax.random.split(jax.random.key(m + n + k))
+        lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_operand(kb, batch, n, k), "fp8_block128x128")
+        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
+        out = _run_256_rows(lhs, rhs, ls, rs, out_dtype)
+        _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
+
+    def test_256_row_tiles_exact_on_integer_data(self):
+        batch, m, n, k = 1, 600, 392, 512
+        ka, kb, ks = jax.random.split(jax.random.key(17), 3)
+        lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
+        rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
+        rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
+        out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32)
+        want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
+        np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
 
     def test_agrees_with_jax_nn_scaled_matmul(self):
         m, n, k = 1024, 1024, 2048

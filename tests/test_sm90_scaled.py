@@ -389,6 +389,35 @@ class WeightTilesTest(parameterized.TestCase):
         if shutil.which("ptxas"):
             self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0))
 
+    def test_256_row_tiles(self):
+        # A plan option (not the planner's): each warp group's 128 rows of a 256 x 128 tile in
+        # two 64-row waves through one 64-register fragment, per k-tile: the wave's scales,
+        # its batch, a full wait, the promotion (one FMA per accumulator); the stage released
+        # after the second wave's wait. Then the caller's wait and release.
+        p = planning.sm90_variant(_plan(8192, 8192, 8192, b_scale_rows=128), tile_mn=(256, 128),
+                                  scaled_overlap=False)  # fmt: skip
+        self.assertEqual((p.kernel, p.cta_tile_mnk, p.num_ab_stages),
+                         (planning.KERNEL_SM90_SCALED, (256, 128, 128), 4))  # fmt: skip
+        ptx = _ptx(p)
+        wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
+        self.assertEqual(_events(ptx), f"{wave} | fma x64 | {wave} | release | fma x64 | "
+                                       "wait 0 | release")  # fmt: skip
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 8)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 128)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 4)
+        if shutil.which("ptxas"):
+            self.assertEqual(_ptxas_spill_bytes(ptx), (0, 0))
+            self.assertEqual(wgmma_serialized(ptx), [])
+        # Per-row B scales (32 a thread beside three fragments: they spilled), the overlapped
+        # loop, and wider tiles are refused.
+        with self.assertRaisesRegex(planning.C.PlanError, "256-row tiles take B scaled per"):
+            planning.replace_fitting(p, b_scale_rows=1)
+        with self.assertRaisesRegex(planning.C.PlanError, "runs 128-row tiles"):
+            jax_sm100.tuning.with_scaled_overlap(p)
+        per_row = _plan(8192, 8192, 8192)
+        with self.assertRaisesRegex(planning.C.PlanError, "tile N=192 must be <= 128"):
+            planning.sm90_variant(per_row, tile_mn=(256, 192), scaled_overlap=False)
+
     def test_rules(self):
         with self.assertRaisesRegex(planning.C.PlanError, "must be one of"):
             _plan(4096, 4096, 4096, b_scale_rows=64)

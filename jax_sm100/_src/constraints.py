@@ -370,12 +370,19 @@ def scaled_support(arch, k, a_dtype, b_dtype, scale_dtype, scale_block) -> str |
     return None
 
 
+# The widest tile of 256 rows the block-scaled kernel holds: each consumer warp group keeps
+# 2 x 64 rows of main accumulators beside one 64-row k-block fragment (3 x N / 2 registers).
+SCALED_256_MAX_TILE_N = 128
+
+
 def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile_m, pingpong,
-                 split_k, stream_k, stage_c) -> None:  # fmt: skip
+                 split_k, stream_k, stage_c, tile_n=0) -> None:  # fmt: skip
     """A block-scaled problem (scale_dtype set) runs on the block-scaled kernel or XLA, nothing
-    else does; that kernel's schedule is cooperative 128-row tiles (two consumer warp groups of
-    64 rows, each holding its main and its k-block accumulators), unsplit, on sm_90a. Stream-K
-    is allowed: its shared partial tiles are of promoted accumulators, which add."""
+    else does; that kernel's schedule is cooperative tiles of 128 rows (two consumer warp groups
+    of 64 rows, each holding its main and its k-block accumulators) or of 256 rows and at most
+    `SCALED_256_MAX_TILE_N` columns (each warp group's 128 rows in two 64-row waves through one
+    k-block fragment), unsplit, on sm_90a. Stream-K is allowed: its shared partial tiles are of
+    promoted accumulators, which add."""
     if (scale_dtype is None) != (scale_block == 0) or (
         scale_dtype is not None and (scale_dtype not in SCALE_DTYPE_BITS or scale_block < 1)
     ):
@@ -391,11 +398,16 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
             "block-scaled kernel or on XLA, not on an unscaled kernel"
         )
     del stream_k  # either schedule
-    if kernel_scaled and (arch != "sm_90a" or tile_m != 128 or pingpong or split_k > 1
-                          or stage_c):  # fmt: skip
+    if kernel_scaled and (arch != "sm_90a" or tile_m not in (128, 256) or pingpong
+                          or split_k > 1 or stage_c):  # fmt: skip
         raise PlanError(
-            f"the block-scaled kernel is sm_90a, cooperative with 128-row tiles, unsplit, C not "
-            f"staged: got {arch=}, {tile_m=}, {pingpong=}, {split_k=}, {stage_c=}"
+            f"the block-scaled kernel is sm_90a, cooperative with 128- or 256-row tiles, "
+            f"unsplit, C not staged: got {arch=}, {tile_m=}, {pingpong=}, {split_k=}, {stage_c=}"
+        )
+    if kernel_scaled and tile_m == 256 and tile_n > SCALED_256_MAX_TILE_N:
+        raise PlanError(
+            f"the block-scaled kernel's 256-row tiles hold three 64 x N float32 fragments per "
+            f"consumer warp group: tile N={tile_n} must be <= {SCALED_256_MAX_TILE_N}"
         )
 
 
@@ -404,10 +416,12 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
 B_SCALE_ROWS = (1, 128)
 
 
-def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int) -> None:
+def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int,
+                       tile_m: int = 128) -> None:  # fmt: skip
     """B's scales cover 1 or 128 of its rows (`B_SCALE_ROWS`), 1 when unscaled; on the
     block-scaled kernel a tile of D's columns then lies within one scale tile (its width divides
-    128), so each k-tile's promotion takes one B scale."""
+    128), so each k-tile's promotion takes one B scale. The kernel's 256-row tiles take B scaled
+    per 128 x 128 tile only (per-row B scales, 32 a thread, spill beside their accumulators)."""
     if b_scale_rows not in B_SCALE_ROWS or (scale_dtype is None and b_scale_rows != 1):
         raise PlanError(
             f"b_scale_rows={b_scale_rows!r} must be one of {B_SCALE_ROWS} (1 when unscaled)"
@@ -416,6 +430,11 @@ def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: i
         raise PlanError(
             f"b_scale_rows={b_scale_rows}: the block-scaled kernel's tile_n={tile_n} must divide "
             "it (each tile within one scale tile of B)"
+        )
+    if kernel_scaled and tile_m == 256 and b_scale_rows == 1:
+        raise PlanError(
+            "the block-scaled kernel's 256-row tiles take B scaled per 128 x 128 tile "
+            "(b_scale_rows=128); per-row B scales run in 128-row tiles"
         )
 
 
@@ -427,10 +446,12 @@ def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: i
 SCALED_OVERLAP_MAX_TILE_N = 128
 
 
-def check_scaled_overlap(kernel_scaled: bool, scaled_overlap, tile_n: int) -> None:
+def check_scaled_overlap(kernel_scaled: bool, scaled_overlap, tile_n: int, tile_m: int = 128
+                         ) -> None:  # fmt: skip
     """`GemmPlan.scaled_overlap`: the block-scaled kernel's main loop with k-tile i's promotion
     run while k-tile i + 1's wgmma batch is in flight (kernels/sm90_scaled.py). Only that kernel
-    has it, and only tiles up to `SCALED_OVERLAP_MAX_TILE_N` columns fit its registers."""
+    has it, only for 128-row tiles, and only tiles up to `SCALED_OVERLAP_MAX_TILE_N` columns fit
+    its registers."""
     if not isinstance(scaled_overlap, bool):
         raise PlanError(f"scaled_overlap={scaled_overlap!r} must be a bool")
     if not scaled_overlap:
@@ -439,6 +460,11 @@ def check_scaled_overlap(kernel_scaled: bool, scaled_overlap, tile_n: int) -> No
         raise PlanError(
             "scaled_overlap=True is a choice of the sm_90a block-scaled kernel "
             "(kernel='sm90_wgmma_scaled') only; leave it False"
+        )
+    if tile_m != 128:
+        raise PlanError(
+            f"scaled_overlap=True runs 128-row tiles (a second fragment beside a 256-row tile's "
+            f"two waves of accumulators would not fit the registers): got {tile_m=}"
         )
     if tile_n > SCALED_OVERLAP_MAX_TILE_N:
         raise PlanError(

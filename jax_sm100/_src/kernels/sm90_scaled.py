@@ -62,6 +62,9 @@ from jax_sm100._src.kernels.sm90_gemm import (
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _KERNEL = "sm90_wgmma_scaled"
+# Rows of a tile that one wgmma batch of both consumer warp groups covers (64 each): 256-row
+# tiles take two such waves per k-tile (`_mainloop_waves`).
+_WAVE_ROWS = 128
 # The widest tile whose serial main loop reads a k-block's scales into registers up front.
 _EARLY_SCALES_MAX_N = 128
 
@@ -102,8 +105,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             constraints.check_scaled(
                 plan.arch, True, False, plan.scale_dtype, plan.scale_block,
                 plan.cta_tile_mnk[0], plan.pingpong, plan.split_k, plan.stream_k, plan.stage_c,
+                plan.cta_tile_mnk[1],
             )  # fmt: skip
-            constraints.check_scaled_overlap(True, plan.scaled_overlap, plan.cta_tile_mnk[1])
+            constraints.check_scaled_overlap(True, plan.scaled_overlap, plan.cta_tile_mnk[1],
+                                             plan.cta_tile_mnk[0])  # fmt: skip
         except constraints.PlanError as e:
             return str(e)
         return super().why_not(plan, spec)
@@ -213,6 +218,9 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         # This thread's (row, column) of the tile for each accumulator register.
         ctidx = cute.arch.thread_idx()[0] - _THREADS_PER_WG
         coords = tiled_mma.get_slice(ctidx).partition_C(cute.make_identity_tensor((tm, tn)))
+        if cutlass.const_expr(tm > _WAVE_ROWS):
+            return self._mainloop_waves(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k,
+                                        read, release, coords, sSFA, sSFB)  # fmt: skip
         frag = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
         row_scale = col_scale = None
         if cutlass.const_expr(tn <= _EARLY_SCALES_MAX_N):
@@ -239,6 +247,45 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 if kt + 1 < n_k:
                     ab_pipe.consumer_release(release)
                     release.advance()
+            read.advance()
+        return read, release
+
+    @cute.jit
+    def _mainloop_waves(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
+                        coords, sSFA, sSFB):  # fmt: skip
+        """`_mainloop_serial` for 256-row tiles: each warp group's rows (64 in each 128-row
+        wave of the tile, `_WAVE_ROWS`) run wave by wave through one 64-row fragment: per
+        k-tile and wave, the scales of the wave's rows read, its wgmma batch issued and waited
+        for, and promoted into that wave's main accumulators. The stage is released after the
+        last wave's batch (the scales are in registers by then)."""
+        waves = cute.size(acc, mode=[1])
+        # One wave's fragment: the accumulators' shape with one 64-row block (V, 1, N).
+        frag = cute.make_rmem_tensor((acc.shape[0], 1, acc.shape[2]), self.acc_dtype)
+        row_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
+        col_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
+        acc.fill(0.0)
+        for kt in range(n_k):
+            ab_pipe.consumer_wait(read)
+            for w in cutlass.range_constexpr(waves):
+                _read_scales(row_scale, col_scale, coords[(None, w, None)], sSFA, sSFB,
+                             read.index, self.b_tiled)  # fmt: skip
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                    # The wave's A block, (V, 1): its M mode kept, for the (V, M) x (V, N)
+                    # form of the product.
+                    a_w = tCrA[(None, w, kb, read.index)]
+                    a_w = cute.make_tensor(
+                        a_w.iterator, cute.append(a_w.layout, cute.make_layout(1))
+                    )
+                    cute.gemm(tiled_mma, frag, a_w, tCrB[(None, None, kb, read.index)], frag)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                if cutlass.const_expr(w == waves - 1):
+                    if kt + 1 < n_k:
+                        ab_pipe.consumer_release(release)
+                        release.advance()
+                _promote(acc[(None, w, None)], frag, row_scale, col_scale)
             read.advance()
         return read, release
 
