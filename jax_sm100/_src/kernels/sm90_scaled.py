@@ -40,8 +40,12 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
 
 Everything else (persistent schedule, clusters and multicast, TMA, epilogue through shared
 memory) is the dense family's, the stream-K schedule included (the float32 partial tiles two
-clusters share are of promoted accumulators, which add). Cooperative 128-row tiles only (no
-ping-pong, no split-K), identity epilogue: `why_not` says which.
+clusters share are of promoted accumulators, which add). Cooperative 128-row tiles (no
+ping-pong, no split-K), identity epilogue: `why_not` says which. A plan option the planner does
+not pick: 256 x 128 tiles of B scaled per 128 x 128 tile, each warp group's 128 rows taken in
+two 64-row waves per k-tile through one fragment (`_mainloop_waves`; DeepGEMM lays its 256-row
+tiles out so), the main accumulators 128 registers beside it; compiled and PTX-checked, not
+yet run on a GPU (tests/test_gpu_scaled.py has its cases).
 """
 
 from __future__ import annotations

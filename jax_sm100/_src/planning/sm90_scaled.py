@@ -27,6 +27,10 @@ default loop at 128 x 128 depending on the run, never faster than the default at
 128 x 128 tiles of B scaled per 128 x 128 tile, whose one-FMA promotion it ran 1.01-1.05x faster
 (thirteenth session; JAX_SM100_SCALED_OVERLAP forces it either way).
 
+256 x 128 tiles, for B scaled per 128 x 128 tile only, are a plan option (`sm90_variant(p,
+tile_mn=(256, 128), scaled_overlap=False)`): each warp group takes two 64-row waves through one
+fragment (kernels/sm90_scaled.py). Not measured yet, so not planned.
+
 Where 128 x 128 tiles leave most SMs idle (a few rows against many columns: 128 x 7168 is 56
 tiles for 132 SMs), 128 x 64 tiles double the CTAs at the same k-loop (the wave model of the
 package docstring picks; their efficiency is a guess until measured: each k-tile's
