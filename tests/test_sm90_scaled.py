@@ -117,15 +117,15 @@ def _ptxas_spill_bytes(ptx: str) -> tuple[int, int] | None:
 # promotions' fused multiply-adds and the stage barriers (a run of one kind written "x N").
 _EVENTS = re.compile(
     r"wgmma\.fence|wgmma\.mma_async|wgmma\.commit_group|wgmma\.wait_group\.sync\.aligned\s+\d"
-    r"|\bfma\.rn\.f32\b|mbarrier\.arrive\.shared::cluster|mbarrier\.try_wait"
+    r"|\bfma\.rn\.f32\b|mbarrier\.arrive(?:\.shared::cluster|\.shared\.b64)|mbarrier\.try_wait"
 )
 
 
 def _events(ptx: str) -> str:
     """The consumers' events of `ptx` (from the first wgmma fence on), runs counted:
     "wgmma.fence | wgmma.mma_async x4 | ... | wait 1 | fma x64 | release | ..."."""
-    names = {"mbarrier.arrive.shared::cluster": "release", "mbarrier.try_wait": "stage wait",
-             "fma.rn.f32": "fma"}  # fmt: skip
+    names = {"mbarrier.arrive.shared::cluster": "release", "mbarrier.arrive.shared.b64": "release",
+             "mbarrier.try_wait": "stage wait", "fma.rn.f32": "fma"}  # fmt: skip
     runs = []
     for m in _EVENTS.finditer(ptx[ptx.index("wgmma.fence") :]):
         e = re.sub(r"wgmma\.wait_group\.sync\.aligned\s+", "wait ", m.group(0))
@@ -398,10 +398,13 @@ class WeightTilesTest(parameterized.TestCase):
                                   scaled_overlap=False)  # fmt: skip
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.num_ab_stages),
                          (planning.KERNEL_SM90_SCALED, (256, 128, 128), 4))  # fmt: skip
-        ptx = _ptx(p)
         wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
-        self.assertEqual(_events(ptx), f"{wave} | fma x64 | {wave} | release | fma x64 | "
-                                       "wait 0 | release")  # fmt: skip
+        events = f"{wave} | fma x64 | {wave} | release | fma x64 | wait 0 | release"
+        ptx = _ptx(p)
+        self.assertEqual(_events(ptx), events)
+        # The same in a 1x1 cluster (the stage released by a local arrive).
+        alone = planning.sm90_variant(p, cluster_mn=(1, 1))
+        self.assertEqual(_events(_ptx(alone)), events)
         self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 8)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 128)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 4)

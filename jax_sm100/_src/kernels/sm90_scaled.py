@@ -4,23 +4,24 @@
 
 The dense SM90 family (sm90_gemm.py) with two things added, through its stage hooks:
 
-* Each A/B stage also holds the k-block's scales: one float32 per row of the tile's A (128)
-  and one per row of its B (column of D: 192, 128 or 64), loaded by the producer warp with two more
-  TMA copies under the stage's barrier (their bytes in its transaction count). The scales come
-  transposed, [L, k/128, rows] with rows contiguous (the lowering transposes jax's
+* Each A/B stage also holds the k-block's scales: one float32 per row of the tile's A (128, or
+  256) and one per row of its B (column of D: 192, 128 or 64), loaded by the producer warp with
+  two more TMA copies under the stage's barrier (their bytes in its transaction count). The
+  scales come transposed, [L, k/128, rows] with rows contiguous (the lowering transposes jax's
   [L, rows, k/128] layout: TMA cannot load a column of 4-byte elements), so each is one box.
   Rows past the matrix are zero-filled, as A's and B's are.
-* The consumers' main loop. A 128-element fp8 k-tile is exactly one scale block, so per
-  k-tile each consumer warp group (64 rows of a cooperative 128 x N tile) runs its wgmma batch
-  into a fresh float32 fragment (the first instruction of the batch overwrites it), waits for
-  it, and promotes it into the main accumulators: acc += frag * (sfa[row] * sfb[col]); the
-  stage is released as soon as nothing more is read from it. Up to 128 columns the scales of
-  the thread's rows and columns are read from shared memory before the wgmma batch is issued,
-  so their latency hides under it; at 192 columns (the planner's widest tile) they would spill
-  beside the two fragments (192 registers), so they are read during the promotion. The other
-  warp group's wgmma batch runs on the tensor cores while this one promotes (the fastest
-  published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-scaled ones, do the same); the
-  promotion costs two float32 instructions per accumulator per k-tile.
+* The consumers' main loop. A 128-element fp8 k-tile is exactly one scale block, so per k-tile
+  each consumer warp group (64 rows of a cooperative 128 x N tile; of a 256-row tile, 64 in each
+  of two waves, below) runs its wgmma batch into a fresh float32 fragment (the first instruction
+  of the batch overwrites it), waits for it, and promotes it into the main accumulators: acc +=
+  frag * (sfa[row] * sfb[col]); the stage is released as soon as nothing more is read from it.
+  Up to 128 columns the scales of the thread's rows and columns are read from shared memory
+  before the wgmma batch is issued, so their latency hides under it; at 192 columns (the
+  planner's widest tile) they would spill beside the two fragments (192 registers), so they are
+  read during the promotion. The other warp group's wgmma batch runs on the tensor cores while
+  this one promotes (the fastest published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-
+  scaled ones, do the same); the promotion costs two float32 instructions per accumulator per
+  k-tile.
 * With `plan.scaled_overlap` (the planner's choice for 128 x 64 tiles, and for 128 x 128 tiles
   of B scaled per 128 x 128 tile) each warp group also
   keeps the tensor cores fed itself: two fragments take the k-tiles in turn, and k-tile i + 1's
@@ -206,8 +207,9 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
                   extra=None):  # fmt: skip
         """`n_k` >= 1 k-tiles, each a wgmma batch into a fresh fragment promoted into `acc`
-        times the k-block's scales (module docstring), one batch at a time or, with
-        `plan.scaled_overlap`, each promotion under the next batch. Every stage but the last is
+        times the k-block's scales (module docstring), one batch at a time (a 256-row tile: one
+        a wave, `_mainloop_waves`) or, with `plan.scaled_overlap`, each promotion under the next
+        batch. Every stage but the last is
         released here; the caller releases the last (after its own `wait_group(0)`, a no-op
         here), as after the dense main loop. Returns the advanced (read, release) states."""
         loop = self._mainloop_overlap if self.overlap else self._mainloop_serial
@@ -273,17 +275,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             for w in cutlass.range_constexpr(waves):
                 _read_scales(row_scale, col_scale, coords[(None, w, None)], sSFA, sSFB,
                              read.index, self.b_tiled)  # fmt: skip
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(k_blocks):
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                    # The wave's A block, (V, 1): its M mode kept, for the (V, M) x (V, N)
-                    # form of the product.
-                    a_w = tCrA[(None, w, kb, read.index)]
-                    a_w = cute.make_tensor(
-                        a_w.iterator, cute.append(a_w.layout, cute.make_layout(1))
-                    )
-                    cute.gemm(tiled_mma, frag, a_w, tCrB[(None, None, kb, read.index)], frag)
-                warpgroup.commit_group()
+                tiled_mma = self._batch_wave(tiled_mma, tCrA, tCrB, frag, k_blocks, read, w)
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(w == waves - 1):
                     if kt + 1 < n_k:
@@ -292,6 +284,19 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 _promote(acc[(None, w, None)], frag, row_scale, col_scale)
             read.advance()
         return read, release
+
+    @cute.jit
+    def _batch_wave(self, tiled_mma, tCrA, tCrB, frag, k_blocks, read, w):
+        """`_batch` for wave `w` of a 256-row tile: its A block given a unit M mode, for the
+        (V, M) x (V, N) form of the product, into the one-wave `frag`. Returns `tiled_mma`."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            a_w = tCrA[(None, w, kb, read.index)]
+            a_w = cute.make_tensor(a_w.iterator, cute.append(a_w.layout, cute.make_layout(1)))
+            cute.gemm(tiled_mma, frag, a_w, tCrB[(None, None, kb, read.index)], frag)
+        warpgroup.commit_group()
+        return tiled_mma
 
     @cute.jit
     def _mainloop_overlap(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read,

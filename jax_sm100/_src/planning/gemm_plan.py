@@ -288,7 +288,8 @@ class GemmPlan:
     # KERNEL_SM90_SCALED only: each consumer warp group promotes k-tile i's fragment while its
     # wgmma batch of k-tile i + 1 runs (two fragments used in turn) instead of waiting for each
     # batch before promoting it (`tuning.with_scaled_overlap`, JAX_SM100_SCALED_OVERLAP; the
-    # planner's choice for 128 x 64 tiles, and for 128 x 128 tiles of B scaled per tile).
+    # planner's choice for 128 x 64 tiles, and for 128 x 128 tiles of B scaled per tile; 128-row
+    # tiles only).
     scaled_overlap: bool = False
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
