@@ -275,7 +275,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             for w in cutlass.range_constexpr(waves):
                 _read_scales(row_scale, col_scale, coords[(None, w, None)], sSFA, sSFB,
                              read.index, self.b_tiled)  # fmt: skip
-                tiled_mma = self._batch_wave(tiled_mma, tCrA, tCrB, frag, k_blocks, read, w)
+                tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read, w)
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(w == waves - 1):
                     if kt + 1 < n_k:
@@ -284,19 +284,6 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 _promote(acc[(None, w, None)], frag, row_scale, col_scale)
             read.advance()
         return read, release
-
-    @cute.jit
-    def _batch_wave(self, tiled_mma, tCrA, tCrB, frag, k_blocks, read, w):
-        """`_batch` for wave `w` of a 256-row tile: its A block given a unit M mode, for the
-        (V, M) x (V, N) form of the product, into the one-wave `frag`. Returns `tiled_mma`."""
-        warpgroup.fence()
-        for kb in cutlass.range_constexpr(k_blocks):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            a_w = tCrA[(None, w, kb, read.index)]
-            a_w = cute.make_tensor(a_w.iterator, cute.append(a_w.layout, cute.make_layout(1)))
-            cute.gemm(tiled_mma, frag, a_w, tCrB[(None, None, kb, read.index)], frag)
-        warpgroup.commit_group()
-        return tiled_mma
 
     @cute.jit
     def _mainloop_overlap(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read,
@@ -351,14 +338,22 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         return self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
 
     @cute.jit
-    def _batch(self, tiled_mma, tCrA, tCrB, frag, k_blocks, read):
+    def _batch(self, tiled_mma, tCrA, tCrB, frag, k_blocks, read, wave=None):
         """Issues the wgmma batch of stage `read` (landed) into `frag` (the first instruction
-        overwrites it) as one commit group. Returns `tiled_mma`, its accumulate field set."""
+        overwrites it) as one commit group: the whole tile's rows, or with `wave` only that
+        wave's of a 256-row tile (its A block given a unit M mode, for the (V, M) x (V, N)
+        form of the product, into a one-wave `frag`). Returns `tiled_mma`, its accumulate
+        field set."""
         warpgroup.fence()
         for kb in cutlass.range_constexpr(k_blocks):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
             crd = (None, None, kb, read.index)
-            cute.gemm(tiled_mma, frag, tCrA[crd], tCrB[crd], frag)
+            if cutlass.const_expr(wave is None):
+                a = tCrA[crd]
+            else:
+                a = tCrA[(None, wave, kb, read.index)]
+                a = cute.make_tensor(a.iterator, cute.append(a.layout, cute.make_layout(1)))
+            cute.gemm(tiled_mma, frag, a, tCrB[crd], frag)
         warpgroup.commit_group()
         return tiled_mma
 
