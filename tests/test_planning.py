@@ -547,6 +547,9 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertEqual(p.cluster_shape_mn, (2, 1))
             self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
             self.assertFalse(p.raster_along_m)
+            # The reason names the rule that picked the tile: the very-tall switch or the waves.
+            self.assertEqual("in place of 128x192" in p.reason, tile == (64, 256), p.reason)
+            self.assertEqual("fewest weighted waves" in p.reason, tile != (64, 256), p.reason)
         # e5m2, a float16 result, a batch, and a C staged by TMA plan the same schedule.
         m, n, k = shape
         same = (p.pingpong, p.cta_tile_mnk[:2])

@@ -248,7 +248,7 @@ def sm90_too_small(m, n, k, batch, split) -> str | None:
     )
 
 
-def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
+def _sm90_pingpong_plan(common, tile, cluster, ab_bits) -> GemmPlan | None:
     """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
     where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`; very
     tall 8-bit grids unswizzled) with the measured 4-deep epilogue store ring (2-deep for 8-bit
@@ -257,8 +257,13 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
     (`GemmPlan.stage_c`), with a shallower store ring (measured below)."""
     rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
     swizzle = 8 if rows % 8 == 0 else 1
-    eight_bit = C.DTYPE_BITS[common["a_dtype"]] == 8
+    eight_bit = ab_bits == 8
     tall = eight_bit and _very_tall_8bit(common["m"], common["n"])
+    if tall and tuple(tile[:2]) == (64, 256):
+        why = "64x256 in place of 128x192 in a very tall 8-bit grid at short k (measured)"
+    else:
+        why = f"fewest weighted waves on {common['num_sms']} SMs"
+        why += "; 8-bit operands at short k" if eight_bit else ""
     if tall:
         # Very tall 8-bit grids walk along N unswizzled (H200, fifteenth session, same call,
         # 128x192: 16384x4096x4096 1282 against 1236 TF/s swizzled; 8192x8192x4096 and
@@ -271,11 +276,8 @@ def _sm90_pingpong_plan(common, tile, cluster) -> GemmPlan | None:
         plan = GemmPlan(
             **common, kernel=KERNEL_SM90,
             reason=(f"wgmma {tile[0]}x{tile[1]} ping-pong tile (each warp group's epilogue "
-                    "hidden under the other's main loop): "
-                    + ("the measured tile of a very tall 8-bit grid at short k" if tall else
-                       f"fewest weighted waves on {common['num_sms']} SMs"
-                       + ("; 8-bit operands at short k" if eight_bit else ""))
-                    + "; raster along N"),
+                    f"hidden under the other's main loop): {why}; raster along N"
+                    + (", unswizzled (a very tall 8-bit grid)" if tall else "")),
             mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
             num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
             swizzle_size=swizzle, pingpong=True, stage_c=stage_c,
@@ -392,7 +394,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     else:
         kernel = KERNEL_SM90
         if pingpong:
-            plan = _sm90_pingpong_plan(common, (tm, tn, ktile), cluster)
+            plan = _sm90_pingpong_plan(common, (tm, tn, ktile), cluster, ab_bits)
             if plan is not None:
                 return plan
             tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
