@@ -21,6 +21,7 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 SHAPES = (
     "8192x8192x8192,4096x4096x4096,16384x4096x4096,4096x14336x4096,2048x2048x2048,"
@@ -34,16 +35,15 @@ _KEEP = ("nvjet", "gemm", "xmma", "cutlass", "triton", "sm90", "reduce", "splitK
 
 def kernel_names(m: int, n: int, k: int, dtype) -> list[str]:
     key = jax.random.key(0)
+    # fp8: B K-major ([n, k]) and a bfloat16 result, as `bench --scaled` times cuBLAS.
+    fp8 = dtype.itemsize == 1
     a = jax.random.normal(key, (m, k), jnp.float32).astype(dtype)
-    if dtype.itemsize == 1:
-        # fp8: B K-major ([n, k]) and a bfloat16 result, as `bench --scaled` times cuBLAS.
-        b = jax.random.normal(jax.random.fold_in(key, 1), (n, k), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.fold_in(key, 1), (n, k) if fp8 else (k, n), jnp.float32)
+    b = b.astype(dtype)
+    if fp8:
         dims = (((1,), (1,)), ((), ()))
-        f = jax.jit(
-            lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.bfloat16)
-        )
+        f = jax.jit(lambda x, y: lax.dot_general(x, y, dims, preferred_element_type=jnp.bfloat16))
     else:
-        b = jax.random.normal(jax.random.fold_in(key, 1), (k, n), jnp.float32).astype(dtype)
         f = jax.jit(jnp.dot)
     for _ in range(3):
         f(a, b).block_until_ready()

@@ -96,15 +96,11 @@ def product(spec: str, plan: planning.GemmPlan):
     if spec == "tiled":
         return bench_scaled._scaled(jax_sm100.scaled_matmul, "tiles")
     if plan.kernel == planning.KERNEL_SM90_SCALED:
-        tiles = spec.split(":")[0] == "tiled"
-
-        def scaled(a, b):
-            w, ls, rs = (b[3], b[1], b[4]) if tiles else b[:3]
-            one = bench_scaled._one(a)  # keeps the scales loop-variant
-            return scaled_gpu._call_sm90(plan, a[None], w[None], (ls * one)[None],
-                                         (rs * one)[None])[0]  # fmt: skip
-
-        return scaled
+        # The bench's scaled product (its weights and loop-variant scales) on `plan`'s kernel.
+        weights = "tiles" if spec.split(":")[0] == "tiled" else "rows"
+        return bench_scaled._scaled(
+            lambda *ops, preferred_element_type: scaled_gpu._call_sm90(plan, *ops), weights
+        )
 
     def unscaled(a, b):
         (out,) = P.matmul_p.bind(
