@@ -109,6 +109,17 @@ def _integer_operand(key, batch, rows, k, dtype):
     return data, scales
 
 
+def _integer_tiled_operands(seed):
+    """(lhs, rhs, lhs scales, rhs scales) of 600x392x512 integer data (`_integer_operand`), the
+    rhs scaled per 128 x 128 tile by powers of two: the kernel's result is exact."""
+    batch, m, n, k = 1, 600, 392, 512
+    ka, kb, ks = jax.random.split(jax.random.key(seed), 3)
+    lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
+    rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
+    rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
+    return lhs, rhs, ls, rs
+
+
 def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
     """The product on the planner's kernel, lowered with JAX_SM100_SCALED_OVERLAP=`overlap`."""
     fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=out_dtype))
@@ -289,11 +300,7 @@ class GpuScaledTest(parameterized.TestCase):
     def test_weights_per_128x128_tile_exact_on_integer_data(self, out_dtype):
         # Integer data, power-of-two scales per tile (`_integer_operand`): exactly the float64
         # product rounded once, so a B scale of the wrong tile or k-block shows.
-        batch, m, n, k = 1, 600, 392, 512
-        ka, kb, ks = jax.random.split(jax.random.key(13), 3)
-        lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
-        rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
-        rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
+        lhs, rhs, ls, rs = _integer_tiled_operands(13)
         for overlap in (False, True):
             out, seen = _run(lhs, rhs, ls, rs, out_dtype, overlap)
             self.assert_on_kernel(seen, overlap)
@@ -325,11 +332,7 @@ class GpuScaledTest(parameterized.TestCase):
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
 
     def test_256_row_tiles_exact_on_integer_data(self):
-        batch, m, n, k = 1, 600, 392, 512
-        ka, kb, ks = jax.random.split(jax.random.key(17), 3)
-        lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
-        rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
-        rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
+        lhs, rhs, ls, rs = _integer_tiled_operands(17)
         out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32)
         want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
         np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
