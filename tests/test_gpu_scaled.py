@@ -130,15 +130,17 @@ def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
 
 
 def _run_256_rows(lhs, rhs, ls, rs, out_dtype):
-    """The product of B scaled per 128 x 128 tile on the kernel in 256 x 128 tiles (a plan
-    option the planner does not pick), through the lowering's own kernel call."""
+    """The product on the kernel in 256 x 128 tiles, forced (B scaled per 128 x 128 tile, or
+    per row when `rs` has a row of scales per row of `rhs`), through the lowering's own kernel
+    call."""
     from jax_sm100._src import scaled_gpu  # noqa: PLC0415
 
     batch, m, k = lhs.shape
     n = rhs.shape[1]
     plan = jax_sm100.plan(m, n, k, a_dtype=lhs.dtype, b_dtype=rhs.dtype, out_dtype=out_dtype,
                           b_major="k", batch=batch, scale_dtype="float32", scale_block=128,
-                          b_scale_rows=128, arch="sm_90a")  # fmt: skip
+                          b_scale_rows=1 if rs.shape[1] == n else 128,
+                          arch="sm_90a")  # fmt: skip
     plan = planning.sm90_variant(plan, tile_mn=(256, 128), scaled_overlap=False)
     assert plan.kernel == planning.KERNEL_SM90_SCALED, plan
     return jax.jit(lambda *a: scaled_gpu._call_sm90(plan, *a))(lhs, rhs, ls, rs)
@@ -331,8 +333,32 @@ class GpuScaledTest(parameterized.TestCase):
         out = _run_256_rows(lhs, rhs, ls, rs, out_dtype)
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
 
+    @parameterized.named_parameters(
+        (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out)
+        for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
+                      (1, 8192, 2176, 512), (1, 300, 128, 128))
+        for out in OUT_DTYPES
+    )  # fmt: skip
+    def test_per_row_scales_in_256_row_tiles(self, shape, out_dtype):
+        # jax.nn.scaled_matmul's per-row B scales on the 256 x 128 tiles, forced: each wave's
+        # promotion reads its column scales from the stage (the stage released after it).
+        batch, m, n, k = shape
+        ka, kb = jax.random.split(jax.random.key(m + 2 * n + k))
+        lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_operand(kb, batch, n, k), "fp8_block128")
+        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
+        out = _run_256_rows(lhs, rhs, ls, rs, out_dtype)
+        _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
+
     def test_256_row_tiles_exact_on_integer_data(self):
         lhs, rhs, ls, rs = _integer_tiled_operands(17)
+        out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32)
+        want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
+        np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
+        # Per-row B scales (powers of two per row and k-block): exact too.
+        ka, kb = jax.random.split(jax.random.key(19))
+        lhs, ls = _integer_operand(ka, 1, 600, 512, E4M3)
+        rhs, rs = _integer_operand(kb, 1, 392, 512, E4M3)
         out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32)
         want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
         np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)

@@ -31,19 +31,30 @@ def _plan(m, n, k, dtype=E4M3, arch="sm_90a", **kw):
     return jax_sm100.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, arch=arch, **kw)
 
 
+def _plan128(m, n, k, tile_n=128, **kw):
+    """`_plan`'s plan in 128 x `tile_n` tiles (the planner's are 256 x 128 for most problems
+    that fill the SMs), its stages refilled."""
+    return planning.sm90_variant(_plan(m, n, k, **kw), tile_mn=(128, tile_n))
+
+
 class ScaledPlanTest(parameterized.TestCase):
     def test_the_kernels_plan(self):
         p = _plan(8192, 8192, 8192)
         self.assertEqual(p.kernel, planning.KERNEL_SM90_SCALED)
-        # 128 x 192 tiles (the H200 ran them 1.05-1.17x 128 x 128's TF/s): 20.8 waves on 132
-        # SMs, so stream-K shares out the last ones.
-        self.assertEqual((p.cta_tile_mnk, p.pingpong, p.split_k, p.stream_k),
-                         ((128, 192, 128), False, 1, True))  # fmt: skip
+        # 256 x 128 tiles in 1x2 clusters (the H200 ran them 1.03-1.05x 128 x 192's TF/s, each
+        # warp group's rows in two waves): 15.5 waves on 132 SMs, so stream-K shares out the
+        # last ones.
+        self.assertEqual((p.cta_tile_mnk, p.cluster_shape_mn, p.pingpong, p.split_k, p.stream_k,
+                          p.scaled_overlap),
+                         ((256, 128, 128), (1, 2), False, 1, True, False))  # fmt: skip
+        self.assertIn("two 64-row waves", p.reason)
         self.assertEqual((p.scale_dtype, p.scale_block), ("float32", 128))
-        # Each stage holds the k-block's A and B tiles and their 128 + 192 float32 scales.
-        self.assertEqual(p.ab_stage_bytes, (128 + 192) * 128 + (128 + 192) * 4)
+        # Each stage holds the k-block's A and B tiles and their 256 + 128 float32 scales.
+        self.assertEqual(p.ab_stage_bytes, (256 + 128) * 128 + (256 + 128) * 4)
         self.assertLessEqual(p.smem_bytes, planning.smem_capacity("sm_90a"))
-        self.assertGreaterEqual(p.num_ab_stages, 5)
+        self.assertEqual(p.num_ab_stages, 4)
+        # Where 256-row tiles would leave more of the last wave idle: 128 x 192.
+        self.assertEqual(_plan(3072, 3072, 4096).cta_tile_mnk, (128, 192, 128))
         self.assertEqual(p.problem.scale_block, 128)
         text = str(p)
         self.assertIn("float32 per 128 of k", text)
@@ -62,7 +73,7 @@ class ScaledPlanTest(parameterized.TestCase):
         ptx = _ptx(jax_sm100.tuning.with_scaled_overlap(p, False))
         self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32", ptx)), 4)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 32)
-        self.assertEqual(_plan(4096, 7168, 16384).cta_tile_mnk, (128, 192, 128))
+        self.assertEqual(_plan(4096, 7168, 16384).cta_tile_mnk, (256, 128, 128))
 
     @parameterized.named_parameters(
         ("mxfp8", dict(scale_dtype="float8_e8m0fnu", scale_block=32), "not float8_e8m0fnu per 32"),
@@ -148,7 +159,7 @@ class ScaledPtxTest(parameterized.TestCase):
         # A float32 D leaves the registers by 64-bit shared stores, not stmatrix (16-bit
         # elements), in the dense family's float32 epilogue for the same tile (whose float32
         # results pass on the H200): 4 sub-tiles of 128 x 32, 8 stores of 2 per thread each.
-        p = _plan(4096, 4096, 4096, out_dtype="float32")
+        p = _plan128(4096, 4096, 4096, out_dtype="float32")
         self.assertEqual((p.cta_tile_mnk, p.epi_tile), ((128, 128, 128), (128, 32)))
         dense = planning.replace_fitting(
             jax_sm100.plan(4096, 4096, 4096, a_dtype=E4M3, b_dtype=E4M3, out_dtype="float32",
@@ -164,7 +175,7 @@ class ScaledPtxTest(parameterized.TestCase):
 
     @parameterized.product(dtype=(E4M3, E5M2), out_dtype=("bfloat16",))
     def test_main_loop_instructions(self, dtype, out_dtype):
-        p = _plan(4096, 4096, 4096, dtype=dtype, out_dtype=out_dtype)
+        p = _plan128(4096, 4096, 4096, dtype=dtype, out_dtype=out_dtype)
         self.assertFalse(p.stream_k)
         compiled = compile_mod.compile_plan(p)
         ptx = compiled.ptx
@@ -206,17 +217,24 @@ class ScaledPtxTest(parameterized.TestCase):
         ptx = compiled.ptx
         self.assertIn("ld.acquire.gpu.global.b32", ptx)
         self.assertRegex(ptx, r"atom\.global\.release(\.gpu)?\.add")
-        # One promotion of a thread's 96 accumulators (64 x 192 over 128 threads).
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 96)
-        self.assertEqual(len(re.findall(r"wgmma\.mma_async", ptx)), 4)
+        # 256 x 128 tiles: the promotions of a thread's two waves of 64 accumulators (64 x 128
+        # over 128 threads each), after a batch of four wgmma each.
+        self.assertEqual(p.cta_tile_mnk, (256, 128, 128))
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 128)
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async", ptx)), 8)
 
     def test_wgmma_not_serialized(self):
-        # Both main loops, both tile widths, both B scale layouts: ptxas keeps the wgmma batches
-        # asynchronous (tests/test_sm100_ptx.py `wgmma_serialized`).
+        # Every main loop (the serial one at 128 and 256 rows, the overlapped one), both B scale
+        # layouts, the widest tiles: ptxas keeps the wgmma batches asynchronous
+        # (tests/test_sm100_ptx.py `wgmma_serialized`).
         for rows in (1, 128):
-            p = _plan(8192, 8192, 8192, b_scale_rows=rows)
-            for q in (p, jax_sm100.tuning.with_scaled_overlap(p, not p.scaled_overlap)):
-                self.assertIn(wgmma_serialized(_ptx(q)), ([], None), (rows, q.scaled_overlap))
+            p = _plan(8192, 8192, 8192, b_scale_rows=rows)  # 256 x 128, serial
+            plans = [p, jax_sm100.tuning.with_scaled_overlap(p)]  # 128 x 128, overlapped
+            if rows == 1:
+                plans.append(planning.sm90_variant(p, tile_mn=(128, 192)))  # serial
+            for q in plans:
+                self.assertIn(wgmma_serialized(_ptx(q)), ([], None),
+                              (rows, q.cta_tile_mnk, q.scaled_overlap))  # fmt: skip
 
     def test_no_spills(self):
         # The two accumulator sets and the scales fit a consumer thread's 232 registers at
@@ -253,8 +271,9 @@ class ScaledOverlapTest(parameterized.TestCase):
             xla = _plan(256, 256, 1024, scale_dtype="float8_e8m0fnu", scale_block=32)
         self.assertTrue(q.scaled_overlap)
         self.assertIn(env, q.reason)
-        # Only the choice differs; the unscaled planner and XLA plans are not touched.
-        self.assertEqual(dataclasses.replace(q, scaled_overlap=False, reason=p.reason), p)
+        # The overlapped loop runs 128-row tiles: the planner's 256 x 128 becomes 128 x 128.
+        self.assertEqual((p.cta_tile_mnk, q.cta_tile_mnk), ((256, 128, 128), (128, 128, 128)))
+        # The unscaled planner and XLA plans are not touched.
         self.assertFalse(dense.scaled_overlap)
         self.assertEqual((xla.kernel, xla.scaled_overlap), (planning.KERNEL_XLA, False))
         # The plan cache keeps the settings apart.
@@ -266,7 +285,7 @@ class ScaledOverlapTest(parameterized.TestCase):
                 _plan(4096, 4096, 4096)
 
     def test_the_plan_edit(self):
-        p = _plan(4096, 4096, 4096)
+        p = _plan128(4096, 4096, 4096)
         q = jax_sm100.tuning.with_scaled_overlap(p)
         self.assertTrue(q.scaled_overlap)
         self.assertEqual(jax_sm100.tuning.with_scaled_overlap(q, False), p)
@@ -296,14 +315,18 @@ class ScaledOverlapTest(parameterized.TestCase):
         self.assertEqual(planning.sm90_variant(q, tile_mn=(128, 64)).cta_tile_mnk[1], 64)
         with self.assertRaisesRegex(planning.C.PlanError, "tile_n=160 must be <= 128"):
             planning.sm90_variant(q, tile_mn=(128, 160))
-        # The planner's 128 x 192 tile is narrowed to 128 x 128, its stages refilled.
-        wide = _plan(8192, 8192, 8192)
-        self.assertEqual(wide.cta_tile_mnk, (128, 192, 128))
-        narrow = jax_sm100.tuning.with_scaled_overlap(wide)
-        self.assertEqual((narrow.cta_tile_mnk, narrow.scaled_overlap), ((128, 128, 128), True))
-        self.assertEqual(
-            narrow.num_ab_stages, planning.sm90_variant(wide, tile_mn=(128, 128)).num_ab_stages
-        )
+        # The planner's 128 x 192 and 256 x 128 tiles are narrowed to 128 x 128, their stages
+        # refilled, the waves' note dropped from the reason.
+        for wide in (_plan(3072, 3072, 4096), _plan(8192, 8192, 8192)):
+            narrow = jax_sm100.tuning.with_scaled_overlap(wide)
+            self.assertEqual((narrow.cta_tile_mnk, narrow.scaled_overlap), ((128, 128, 128), True))
+            self.assertEqual(
+                narrow.num_ab_stages,
+                planning.sm90_variant(wide, tile_mn=(128, 128)).num_ab_stages,
+            )
+            self.assertIn(f"(narrowed from {wide.cta_tile_mnk[0]}x{wide.cta_tile_mnk[1]})",
+                          narrow.reason)  # fmt: skip
+            self.assertNotIn("64-row waves", narrow.reason)
 
     @parameterized.named_parameters(
         ("tile_128x128", (4096, 4096, 4096), (128, 128, 128), False),
@@ -355,47 +378,55 @@ class WeightTilesTest(parameterized.TestCase):
     columns within one scale tile, one FMA per accumulator in the promotion."""
 
     @parameterized.named_parameters(
-        # Every tile on the overlapped loop: 128 x 64 as for per-row scales, 128 x 128 too
-        # (measured 1.01-1.05x the default loop with weights per tile).
-        ("square", (8192, 8192, 8192), (128, 128, 128), "B scaled per tile: measured faster"),
-        ("wide", (4096, 7168, 16384), (128, 128, 128), "B scaled per tile: measured faster"),
+        # 256 x 128 tiles on the serial loop where they fill the SMs (measured 1.11-1.18x the
+        # overlapped 128 x 128 tiles); 128 x 128 (measured 1.01-1.05x the serial loop) where
+        # 256 rows would leave more of the last wave idle; 128 x 64 for a few rows.
+        ("square", (8192, 8192, 8192), (256, 128, 128), None),
+        ("wide", (4096, 7168, 16384), (256, 128, 128), None),
+        ("ragged", (2048, 7168, 16384), (128, 128, 128), "B scaled per tile: measured faster"),
         ("skinny", (128, 7168, 16384), (128, 64, 128), "tiles of 64 columns: measured faster"),
     )
     def test_plan_and_promotion(self, shape, tile, why_overlap):
         p = _plan(*shape, b_scale_rows=128)
+        overlapped = why_overlap is not None
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.b_scale_rows, p.scaled_overlap),
-                         (planning.KERNEL_SM90_SCALED, tile, 128, True))  # fmt: skip
+                         (planning.KERNEL_SM90_SCALED, tile, 128, overlapped))  # fmt: skip
         self.assertIn("one FMA per accumulator", p.reason)
-        self.assertTrue(p.reason.endswith(f"({why_overlap})"), p.reason)
-        # JAX_SM100_SCALED_OVERLAP=0 turns it off at the same tile: the plan
-        # with_scaled_overlap(p, False) gives, its note gone.
         with mock.patch.dict(os.environ, {scaled_planning.OVERLAP_ENV: "0"}):
             off = _plan(*shape, b_scale_rows=128)
-        self.assertEqual((off.cta_tile_mnk, off.scaled_overlap), (tile, False))
-        self.assertEqual(off, jax_sm100.tuning.with_scaled_overlap(p, False))
-        self.assertNotIn("measured faster", off.reason)
+        if why_overlap:
+            self.assertTrue(p.reason.endswith(f"({why_overlap})"), p.reason)
+            # JAX_SM100_SCALED_OVERLAP=0 turns it off at the same tile: the plan
+            # with_scaled_overlap(p, False) gives, its note gone.
+            self.assertEqual((off.cta_tile_mnk, off.scaled_overlap), (tile, False))
+            self.assertEqual(off, jax_sm100.tuning.with_scaled_overlap(p, False))
+            self.assertNotIn("measured faster", off.reason)
+        else:
+            self.assertIn("two 64-row waves (measured faster)", p.reason)
+            self.assertEqual(off, p)
         self.assertIn("each 128 rows of B (b_scale_rows)", str(p))
         serial = jax_sm100.tuning.with_scaled_overlap(p, False)
         ptx = _ptx(serial)
-        # One promotion of a thread's tile[1] / 2 accumulators: an FMA each, the products of
-        # the 2 row scales and the tile's one B scale (2 multiplies), 3 shared loads.
-        regs = tile[1] // 2
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), regs)
-        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 2)
-        self.assertEqual(len(re.findall(r"ld\.shared(\.v2)?\.b32", ptx)), 3)
+        # Per 128-row wave, one promotion of a thread's tile[1] / 2 accumulators: an FMA each,
+        # the products of the 2 row scales and the tile's one B scale (2 multiplies), 3 shared
+        # loads.
+        waves, regs = tile[0] // 128, tile[1] // 2
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), waves * regs)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), waves * 2)
+        self.assertEqual(len(re.findall(r"ld\.shared(\.v2)?\.b32", ptx)), waves * 3)
         # Per-row B scales at the same tile: a multiply per accumulator.
         rows = planning.replace_fitting(serial, b_scale_rows=1)
-        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", _ptx(rows))), regs)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", _ptx(rows))), waves * regs)
         if shutil.which("ptxas"):
             self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0))
 
     def test_256_row_tiles(self):
-        # A plan option (not the planner's): each warp group's 128 rows of a 256 x 128 tile in
-        # two 64-row waves through one 64-register fragment, per k-tile: the wave's scales,
-        # its batch, a full wait, the promotion (one FMA per accumulator); the stage released
-        # after the second wave's wait. Then the caller's wait and release.
-        p = planning.sm90_variant(_plan(8192, 8192, 8192, b_scale_rows=128), tile_mn=(256, 128),
-                                  scaled_overlap=False)  # fmt: skip
+        # Each warp group's 128 rows of a 256 x 128 tile in two 64-row waves through one
+        # 64-register fragment, per k-tile: the wave's batch, a full wait, the promotion (one FMA
+        # per accumulator). B scaled per 128 x 128 tile: the wave's scales read before its
+        # batch, the stage released after the second wave's wait. Then the caller's wait and
+        # release.
+        p = _plan(8192, 8192, 8192, b_scale_rows=128)
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.num_ab_stages),
                          (planning.KERNEL_SM90_SCALED, (256, 128, 128), 4))  # fmt: skip
         wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
@@ -408,18 +439,25 @@ class WeightTilesTest(parameterized.TestCase):
         self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 8)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 128)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 4)
-        if shutil.which("ptxas"):
-            self.assertEqual(_ptxas_spill_bytes(ptx), (0, 0))
-            self.assertEqual(wgmma_serialized(ptx), [])
-        # Per-row B scales (32 a thread beside three fragments: they spilled), the overlapped
-        # loop, and wider tiles are refused.
-        with self.assertRaisesRegex(planning.C.PlanError, "256-row tiles take B scaled per"):
-            planning.replace_fitting(p, b_scale_rows=1)
-        with self.assertRaisesRegex(planning.C.PlanError, "runs 128-row tiles"):
-            jax_sm100.tuning.with_scaled_overlap(p)
+        # Per-row B scales: 32 columns a thread, read during each promotion (as pairs of
+        # columns) and multiplied by the row's scale; the stage released after the second
+        # wave's promotion.
         per_row = _plan(8192, 8192, 8192)
+        self.assertEqual((per_row.cta_tile_mnk, per_row.b_scale_rows), ((256, 128, 128), 1))
+        rows_ptx = _ptx(per_row)
+        rows_events = f"{wave} | fma x64 | {wave} | fma x64 | release | wait 0 | release"
+        self.assertEqual(_events(rows_ptx), rows_events)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", rows_ptx)), 128)
+        self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", rows_ptx)), 32)
+        if shutil.which("ptxas"):
+            for q in (ptx, rows_ptx):
+                self.assertEqual(_ptxas_spill_bytes(q), (0, 0))
+                self.assertEqual(wgmma_serialized(q), [])
+        # The overlapped loop and wider tiles are refused.
+        with self.assertRaisesRegex(planning.C.PlanError, "runs 128-row tiles"):
+            dataclasses.replace(p, scaled_overlap=True)
         with self.assertRaisesRegex(planning.C.PlanError, "tile N=192 must be <= 128"):
-            planning.sm90_variant(per_row, tile_mn=(256, 192), scaled_overlap=False)
+            planning.sm90_variant(per_row, tile_mn=(256, 192))
 
     def test_rules(self):
         with self.assertRaisesRegex(planning.C.PlanError, "must be one of"):
@@ -427,7 +465,7 @@ class WeightTilesTest(parameterized.TestCase):
         with self.assertRaisesRegex(planning.C.PlanError, "needs a block-scaled problem"):
             jax_sm100.plan(256, 256, 256, a_dtype=E4M3, b_dtype=E4M3, arch="sm_90a",
                            b_scale_rows=128)  # fmt: skip
-        wide = _plan(8192, 8192, 8192)
+        wide = _plan(3072, 3072, 4096)
         self.assertEqual(wide.cta_tile_mnk[1], 192)
         with self.assertRaisesRegex(planning.C.PlanError, "tile_n=192 must divide"):
             dataclasses.replace(wide, b_scale_rows=128)
@@ -509,15 +547,14 @@ class ScaledLoweringTest(parameterized.TestCase):
     def test_overlap_from_the_environment(self):
         # JAX_SM100_SCALED_OVERLAP=1 while a call is lowered: its plan takes the overlapped
         # main loop (a binary of its own); the next lowering without it does not.
-        avals = _avals(1, 4096, 4096, 1024)  # 128 x 128 tiles: not overlapped unless asked
+        avals = _avals(1, 4096, 4096, 1024)  # 256 x 128 tiles: not overlapped unless asked
         with mock.patch.dict(os.environ, {scaled_planning.OVERLAP_ENV: "1"}):
             text, how = _export(avals)
         default_text, default = _export(avals)
-        self.assertEqual((how.plan.kernel, how.plan.scaled_overlap),
-                         (planning.KERNEL_SM90_SCALED, True))  # fmt: skip
-        self.assertFalse(default.plan.scaled_overlap)
-        self.assertEqual(dataclasses.replace(how.plan, scaled_overlap=False, reason=""),
-                         dataclasses.replace(default.plan, reason=""))  # fmt: skip
+        self.assertEqual((how.plan.kernel, how.plan.scaled_overlap, how.plan.cta_tile_mnk),
+                         (planning.KERNEL_SM90_SCALED, True, (128, 128, 128)))  # fmt: skip
+        self.assertEqual((default.plan.scaled_overlap, default.plan.cta_tile_mnk),
+                         (False, (256, 128, 128)))  # fmt: skip
         objects = [re.findall(r'object = dense<"0x([0-9A-F]+)"', t) for t in (text, default_text)]
         self.assertNotEqual(objects[0], objects[1])
 

@@ -416,12 +416,10 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
 B_SCALE_ROWS = (1, 128)
 
 
-def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int,
-                       tile_m: int = 128) -> None:  # fmt: skip
+def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int) -> None:
     """B's scales cover 1 or 128 of its rows (`B_SCALE_ROWS`), 1 when unscaled; on the
     block-scaled kernel a tile of D's columns then lies within one scale tile (its width divides
-    128), so each k-tile's promotion takes one B scale. The kernel's 256-row tiles take B scaled
-    per 128 x 128 tile only (per-row B scales, 32 a thread, spill beside their accumulators)."""
+    128), so each k-tile's promotion takes one B scale."""
     if b_scale_rows not in B_SCALE_ROWS or (scale_dtype is None and b_scale_rows != 1):
         raise PlanError(
             f"b_scale_rows={b_scale_rows!r} must be one of {B_SCALE_ROWS} (1 when unscaled)"
@@ -430,11 +428,6 @@ def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: i
         raise PlanError(
             f"b_scale_rows={b_scale_rows}: the block-scaled kernel's tile_n={tile_n} must divide "
             "it (each tile within one scale tile of B)"
-        )
-    if kernel_scaled and tile_m == 256 and b_scale_rows == 1:
-        raise PlanError(
-            "the block-scaled kernel's 256-row tiles take B scaled per 128 x 128 tile "
-            "(b_scale_rows=128); per-row B scales run in 128-row tiles"
         )
 
 

@@ -41,12 +41,11 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
 
 Everything else (persistent schedule, clusters and multicast, TMA, epilogue through shared
 memory) is the dense family's, the stream-K schedule included (the float32 partial tiles two
-clusters share are of promoted accumulators, which add). Cooperative 128-row tiles (no
-ping-pong, no split-K), identity epilogue: `why_not` says which. A plan option the planner does
-not pick: 256 x 128 tiles of B scaled per 128 x 128 tile, each warp group's 128 rows taken in
-two 64-row waves per k-tile through one fragment (`_mainloop_waves`; DeepGEMM lays its 256-row
-tiles out so), the main accumulators 128 registers beside it; compiled and PTX-checked, not
-yet run on a GPU (tests/test_gpu_scaled.py has its cases).
+clusters share are of promoted accumulators, which add). Cooperative tiles (no ping-pong, no
+split-K), identity epilogue: `why_not` says which. Tiles of 128 rows, or 256 x 128: each warp
+group's 128 rows taken in two 64-row waves per k-tile through one fragment
+(`_mainloop_waves`; DeepGEMM lays its 256-row tiles out so), the main accumulators 128
+registers beside it (the planner's choice for large problems: planning/sm90_scaled.py).
 """
 
 from __future__ import annotations
@@ -261,27 +260,41 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                         coords, sSFA, sSFB):  # fmt: skip
         """`_mainloop_serial` for 256-row tiles: each warp group's rows (64 in each 128-row
         wave of the tile, `_WAVE_ROWS`) run wave by wave through one 64-row fragment: per
-        k-tile and wave, the scales of the wave's rows read, its wgmma batch issued and waited
-        for, and promoted into that wave's main accumulators. The stage is released after the
-        last wave's batch (the scales are in registers by then)."""
+        k-tile and wave, its wgmma batch issued and waited for, and promoted into that wave's
+        main accumulators. B scaled per 128 x 128 tile: the wave's scales (two row scales, one
+        B scale) are read into registers before its batch, and the stage is released after the
+        last wave's wait. Per-row B scales (32 columns a thread would not fit the registers
+        beside the fragments) are read during each promotion, and the stage released after the
+        last wave's promotion."""
         waves = cute.size(acc, mode=[1])
         # One wave's fragment: the accumulators' shape with one 64-row block (V, 1, N).
         frag = cute.make_rmem_tensor((acc.shape[0], 1, acc.shape[2]), self.acc_dtype)
-        row_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
-        col_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
+        row_scale = col_scale = None
+        if cutlass.const_expr(self.b_tiled):
+            row_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
+            col_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
         acc.fill(0.0)
         for kt in range(n_k):
             ab_pipe.consumer_wait(read)
             for w in cutlass.range_constexpr(waves):
-                _read_scales(row_scale, col_scale, coords[(None, w, None)], sSFA, sSFB,
-                             read.index, self.b_tiled)  # fmt: skip
+                wave_coords = coords[(None, w, None)]
+                if cutlass.const_expr(self.b_tiled):
+                    _read_scales(row_scale, col_scale, wave_coords, sSFA, sSFB, read.index, True)
                 tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read, w)
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(w == waves - 1):
-                    if kt + 1 < n_k:
-                        ab_pipe.consumer_release(release)
-                        release.advance()
-                _promote(acc[(None, w, None)], frag, row_scale, col_scale)
+                if cutlass.const_expr(self.b_tiled):
+                    if cutlass.const_expr(w == waves - 1):
+                        if kt + 1 < n_k:
+                            ab_pipe.consumer_release(release)
+                            release.advance()
+                    _promote(acc[(None, w, None)], frag, row_scale, col_scale)
+                else:
+                    _promote_from(acc[(None, w, None)], frag, wave_coords, sSFA, sSFB,
+                                  read.index, False)  # fmt: skip
+                    if cutlass.const_expr(w == waves - 1):
+                        if kt + 1 < n_k:
+                            ab_pipe.consumer_release(release)
+                            release.advance()
             read.advance()
         return read, release
 

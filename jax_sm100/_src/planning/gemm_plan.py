@@ -359,8 +359,7 @@ class GemmPlan:
                        self.split_k, self.stream_k, self.stage_c,
                        self.mma_tiler_mnk[1])  # fmt: skip
         C.check_b_scale_rows(self.scale_dtype, self.b_scale_rows,
-                             self.kernel == KERNEL_SM90_SCALED, self.mma_tiler_mnk[1],
-                             self.mma_tiler_mnk[0])  # fmt: skip
+                             self.kernel == KERNEL_SM90_SCALED, self.mma_tiler_mnk[1])  # fmt: skip
         C.check_scaled_overlap(self.kernel == KERNEL_SM90_SCALED, self.scaled_overlap,
                                self.mma_tiler_mnk[1], self.mma_tiler_mnk[0])  # fmt: skip
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):

@@ -27,9 +27,12 @@ default loop at 128 x 128 depending on the run, never faster than the default at
 128 x 128 tiles of B scaled per 128 x 128 tile, whose one-FMA promotion it ran 1.01-1.05x faster
 (thirteenth session; JAX_SM100_SCALED_OVERLAP forces it either way).
 
-256 x 128 tiles, for B scaled per 128 x 128 tile only, are a plan option (`sm90_variant(p,
-tile_mn=(256, 128), scaled_overlap=False)`): each warp group takes two 64-row waves through one
-fragment (kernels/sm90_scaled.py). Not measured yet, so not planned.
+256 x 128 tiles (`WAVE_TILES`): each warp group takes its 128 rows in two 64-row waves per
+k-tile through one fragment, beside 128 registers of main accumulators (kernels/sm90_scaled.py;
+DeepGEMM lays its 256-row tiles out so). Half the stage waits and TMA loads of B per MMA of
+128-row tiles: the H200 ran them 1.11-1.18x the 128 x 128 tiles with B scaled per 128 x 128
+tile and 1.03-1.05x the 128 x 192 tiles with per-row B scales, in 1x2 clusters (which multicast
+A's tile, the larger). The wave model takes them wherever their waves are not much fuller.
 
 Where 128 x 128 tiles leave most SMs idle (a few rows against many columns: 128 x 7168 is 56
 tiles for 132 SMs), 128 x 64 tiles double the CTAs at the same k-loop (the wave model of the
@@ -70,6 +73,13 @@ from jax_sm100._src.planning.sm90 import (
 # benchmarks/scaled_probe.py; RESULTS.md): its k-tile's fixed costs (barrier waits, the
 # wgmma drain before each promotion) spread over 1.5x the MMAs.
 SCALED_TILES = ((128, 192, 1.1), (128, 128, 1.0), (128, 64, 0.8))
+# 256 x 128 tiles (each warp group's 128 rows in two 64-row waves, on the serial loop). The
+# H200 (sixteenth session, `scaled_probe.py`, two calls; RESULTS.md) ran them, in 1x2 clusters:
+# with B scaled per 128 x 128 tile 1.11-1.18x the 128 x 128 tiles (overlapped) at
+# 4096x7168x16384 (1085-1112 against 946-981 TF/s) and 1.12-1.15x at 8192^3 (1020-1083 against
+# 913-945); with per-row B scales 1.05x the 128 x 192 tiles at 4096x7168x16384 (893 against
+# 847-853) and 1.03-1.05x at 8192^3 (857 against 820-833). 2x1 clusters ran 0.96-0.98x 1x2's.
+WAVE_TILES = ((256, 128, 1.14),)
 
 
 def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
@@ -122,6 +132,8 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
 OVERLAP_ENV = "JAX_SM100_SCALED_OVERLAP"
 # How a plan's reason says its promotion is overlapped (always its last part).
 _OVERLAP_NOTE = "; each k-tile promoted while the next one's wgmma runs"
+# How a plan's reason says its tile is taken in waves (256-row tiles).
+_WAVES_NOTE = "; each warp group's 128 rows in two 64-row waves (measured faster)"
 # The widest tile the planner overlaps unless told, for per-row B scales (B scaled per 128 x 128
 # tile: up to constraints.SCALED_OVERLAP_MAX_TILE_N).
 OVERLAP_DEFAULT_MAX_TILE_N = 64
@@ -146,10 +158,10 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
     """`plan` (the sm_90a block-scaled kernel's) with its consumers' k-tile promotion
     overlapped with the next k-tile's wgmma batch (`overlap=True`), or not; for tuning and
     tests (`scaled_matmul` takes no plan: its calls ask the planner with
-    JAX_SM100_SCALED_OVERLAP=1). The schedule stays, and the tile unless it is wider than the
-    overlap's registers hold (`constraints.SCALED_OVERLAP_MAX_TILE_N` columns, three fragments
-    of 64 x N a consumer thread): a wider one (the planner's 128 x 192) becomes 128 x 128, its
-    stages refilled (`sm90_variant`).
+    JAX_SM100_SCALED_OVERLAP=1). The schedule stays, and the tile unless it is larger than the
+    overlap's registers hold (128 rows of `constraints.SCALED_OVERLAP_MAX_TILE_N` columns,
+    three fragments of 64 x N a consumer thread): a larger one (the planner's 128 x 192 or
+    256 x 128) becomes 128 x 128, its stages refilled (`sm90_variant`).
 
     Raises:
       PlanError: a plan of another kernel.
@@ -161,14 +173,14 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
         )
     tm, tn, _ = plan.cta_tile_mnk
     reason = plan.reason.split(_OVERLAP_NOTE)[0]  # the note, when there is one, comes last
-    if overlap and tn > C.SCALED_OVERLAP_MAX_TILE_N:
-        narrow = C.SCALED_OVERLAP_MAX_TILE_N
-        cluster = _unpadded_cluster(plan.m, plan.n, tm, narrow, plan.cluster_shape_mn)
-        plan = sm90_variant(plan, tile_mn=(tm, narrow), cluster_mn=cluster)
+    if overlap and (tn > C.SCALED_OVERLAP_MAX_TILE_N or tm > 128):
+        rows, cols = 128, min(tn, C.SCALED_OVERLAP_MAX_TILE_N)
+        cluster = _unpadded_cluster(plan.m, plan.n, rows, cols, plan.cluster_shape_mn)
+        plan = sm90_variant(plan, tile_mn=(rows, cols), cluster_mn=cluster)
         reason = reason.replace(
             f"{tm}x{tn} cooperative tile",
-            f"{tm}x{narrow} cooperative tile (narrowed from {tm}x{tn})",
-        )
+            f"{rows}x{cols} cooperative tile (narrowed from {tm}x{tn})",
+        ).replace(_WAVES_NOTE, "")
     if overlap:
         reason += _OVERLAP_NOTE + " (with_scaled_overlap)"
     return dataclasses.replace(plan, scaled_overlap=bool(overlap), reason=reason)
@@ -194,24 +206,32 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
             cluster_shape_mn=(1, 1), use_2cta=False, num_ab_stages=C.MIN_AB_STAGES,
             num_acc_stages=1,
         )  # fmt: skip
+    tiled = problem.b_scale_rows > 1
     costs = [
         (_wave_cost(math.ceil(m / tm) * math.ceil(n / tn) * batch, 1, num_sms or
                     DEFAULT_NUM_SMS[arch], tm * tn, eff), tm, tn)
-        for tm, tn, eff in SCALED_TILES
-        # The overlapped loop's registers hold 128 columns; B scaled per 128 x 128 tile takes
-        # tiles within one scale tile (one FMA per accumulator in the promotion).
-        if not (overlap and tn > C.SCALED_OVERLAP_MAX_TILE_N)
-        and not (problem.b_scale_rows > 1 and problem.b_scale_rows % tn)
+        for tm, tn, eff in SCALED_TILES + WAVE_TILES
+        # The overlapped loop's registers hold 128-row tiles of 128 columns; B scaled per
+        # 128 x 128 tile takes tiles within one scale tile (one FMA per accumulator in the
+        # promotion).
+        if not (overlap and (tn > C.SCALED_OVERLAP_MAX_TILE_N or tm > 128))
+        and not (tiled and problem.b_scale_rows % tn)
     ]  # fmt: skip
     _, tm, tn = min(costs)
     asked = overlap is not None
     if not asked:
-        tiled = problem.b_scale_rows > 1 and tn <= C.SCALED_OVERLAP_MAX_TILE_N
-        overlap = tn <= OVERLAP_DEFAULT_MAX_TILE_N or tiled
+        overlap = tm == 128 and (tn <= OVERLAP_DEFAULT_MAX_TILE_N or
+                                 (tiled and tn <= C.SCALED_OVERLAP_MAX_TILE_N))  # fmt: skip
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
-    # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`).
-    cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
+    # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`); 256-row tiles along
+    # N, multicasting A's tile, twice B's (1x2 clusters ran 1.02-1.04x 2x1's, above).
+    if tm > 128 and tiles_n >= 2:
+        cluster = (1, 2)
+    elif tiles_m >= 2 and tiles_m >= tiles_n:
+        cluster = (2, 1)
+    else:
+        cluster = (1, 2) if tiles_n >= 2 else (1, 1)
     cluster = _unpadded_cluster(m, n, tm, tn, cluster)  # no pair over an odd tile count
     # Stream-K over the last waves where they leave clusters idle (the dense planner's rule,
     # `_sm90_stream_k`: 8192^3 is 20.8 waves of 128 x 192 tiles on 132 SMs).
@@ -221,8 +241,10 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         f"block-scaled wgmma {tm}x{tn} cooperative tile: each 128-k block accumulated apart and "
         f"promoted times its {problem.scale_dtype} scales"
     )
-    if problem.b_scale_rows > 1:
+    if tiled:
         reason += f" (B's per {problem.b_scale_rows} x 128 tile: one FMA per accumulator)"
+    if tm > 128:
+        reason += _WAVES_NOTE
     if stream_k:
         reason += "; stream-K over the last waves (they do not divide evenly)"
     if overlap:
