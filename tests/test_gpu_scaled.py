@@ -176,7 +176,7 @@ class GpuScaledTest(parameterized.TestCase):
             (1, 1000, 520, 1024),
             (3, 256, 384, 512),  # batched: one scale set per batch
             (1, 128, 7168, 2048),  # skinny, a row of tiles (issue 19's decode-like shape)
-            (1, 2048, 2048, 4096),  # many tiles per CTA (persistent schedule)
+            (1, 2048, 2048, 4096),  # 256 x 128 tiles (the default loop)
             (1, 2000, 3008, 384),  # 128 x 192 tiles (the default loop), m and n ragged
         ])
     )  # fmt: skip
@@ -272,7 +272,7 @@ class GpuScaledTest(parameterized.TestCase):
     @parameterized.named_parameters(
         (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}_{loop}", shape, out, loop)
         for shape in ((1, 2000, 3008, 384), (1, 128, 7168, 2048), (1, 1000, 520, 1024),
-                      (3, 256, 384, 512), (1, 8192, 2176, 512))
+                      (3, 256, 384, 512), (1, 8192, 2176, 512), (1, 8192, 4352, 512))
         for out in OUT_DTYPES
         for loop in ("planner", "default", "overlap")
     )  # fmt: skip
@@ -280,7 +280,8 @@ class GpuScaledTest(parameterized.TestCase):
         # rhs scaled per 128 x 128 tile ([B, ceil(n / 128), k / 128], `quantize`'s
         # "fp8_block128x128"): the kernel reads one B scale per tile and k-block (its tiles of
         # 128 or 64 columns lie within one scale tile). n = 520: the last tile of 8 rows;
-        # 8192x2176x512: stream-K (128 x 128 tiles).
+        # 8192x2176x512: stream-K on the overlapped loop's 128 x 128 tiles; 8192x4352x512: the
+        # planner's 256 x 128 tiles with stream-K (8 tiles a CTA).
         batch, m, n, k = shape
         ka, kb = jax.random.split(jax.random.key(n + k))
         lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
@@ -318,13 +319,14 @@ class GpuScaledTest(parameterized.TestCase):
     @parameterized.named_parameters(
         (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out)
         for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
-                      (1, 8192, 2176, 512), (1, 300, 128, 128))
+                      (1, 8192, 2176, 512), (1, 8192, 4352, 512), (1, 300, 128, 128))
         for out in OUT_DTYPES
     )  # fmt: skip
     def test_weights_per_128x128_tile_in_256_row_tiles(self, shape, out_dtype):
-        # The 256 x 128 tiles (a plan option: each warp group's 128 rows in two 64-row waves
-        # through one fragment, kernels/sm90_scaled.py `_mainloop_waves`), forced; 1000 rows:
-        # a last tile of 232, its second wave partly outside; 8192x2176x512: stream-K.
+        # The 256 x 128 tiles (each warp group's 128 rows in two 64-row waves through one
+        # fragment, kernels/sm90_scaled.py `_mainloop_waves`; the planner's for large problems),
+        # forced; 1000 rows: a last tile of 232, its second wave partly outside;
+        # 8192x4352x512: stream-K.
         batch, m, n, k = shape
         ka, kb = jax.random.split(jax.random.key(m + n + k))
         lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
@@ -336,12 +338,13 @@ class GpuScaledTest(parameterized.TestCase):
     @parameterized.named_parameters(
         (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out)
         for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
-                      (1, 8192, 2176, 512), (1, 300, 128, 128))
+                      (1, 8192, 2176, 512), (1, 8192, 4352, 512), (1, 300, 128, 128))
         for out in OUT_DTYPES
     )  # fmt: skip
     def test_per_row_scales_in_256_row_tiles(self, shape, out_dtype):
         # jax.nn.scaled_matmul's per-row B scales on the 256 x 128 tiles, forced: each wave's
-        # promotion reads its column scales from the stage (the stage released after it).
+        # promotion reads its column scales from the stage (the stage released after it);
+        # 8192x4352x512: stream-K.
         batch, m, n, k = shape
         ka, kb = jax.random.split(jax.random.key(m + 2 * n + k))
         lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")

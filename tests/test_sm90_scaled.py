@@ -31,10 +31,10 @@ def _plan(m, n, k, dtype=E4M3, arch="sm_90a", **kw):
     return jax_sm100.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, arch=arch, **kw)
 
 
-def _plan128(m, n, k, tile_n=128, **kw):
-    """`_plan`'s plan in 128 x `tile_n` tiles (the planner's are 256 x 128 for most problems
-    that fill the SMs), its stages refilled."""
-    return planning.sm90_variant(_plan(m, n, k, **kw), tile_mn=(128, tile_n))
+def _plan128(m, n, k, **kw):
+    """`_plan`'s plan in 128 x 128 tiles (the planner's are 256 x 128 for most problems that
+    fill the SMs), its stages refilled."""
+    return planning.sm90_variant(_plan(m, n, k, **kw), tile_mn=(128, 128))
 
 
 class ScaledPlanTest(parameterized.TestCase):
@@ -271,8 +271,14 @@ class ScaledOverlapTest(parameterized.TestCase):
             xla = _plan(256, 256, 1024, scale_dtype="float8_e8m0fnu", scale_block=32)
         self.assertTrue(q.scaled_overlap)
         self.assertIn(env, q.reason)
-        # The overlapped loop runs 128-row tiles: the planner's 256 x 128 becomes 128 x 128.
+        # The overlapped loop runs 128-row tiles: the planner's 256 x 128 becomes 128 x 128,
+        # scheduled as for that tile (with_scaled_overlap narrows to the same plan).
         self.assertEqual((p.cta_tile_mnk, q.cta_tile_mnk), ((256, 128, 128), (128, 128, 128)))
+        for shape in ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384)):
+            with mock.patch.dict(os.environ, {env: "1"}):
+                asked = _plan(*shape)
+            narrowed = jax_sm100.tuning.with_scaled_overlap(_plan(*shape))
+            self.assertEqual(dataclasses.replace(narrowed, reason=asked.reason), asked, shape)
         # The unscaled planner and XLA plans are not touched.
         self.assertFalse(dense.scaled_overlap)
         self.assertEqual((xla.kernel, xla.scaled_overlap), (planning.KERNEL_XLA, False))
@@ -447,12 +453,18 @@ class WeightTilesTest(parameterized.TestCase):
         rows_ptx = _ptx(per_row)
         rows_events = f"{wave} | fma x64 | {wave} | fma x64 | release | wait 0 | release"
         self.assertEqual(_events(rows_ptx), rows_events)
+        alone = planning.sm90_variant(per_row, cluster_mn=(1, 1))
+        self.assertEqual(_events(_ptx(alone)), rows_events)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", rows_ptx)), 128)
         self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", rows_ptx)), 32)
         if shutil.which("ptxas"):
             for q in (ptx, rows_ptx):
                 self.assertEqual(_ptxas_spill_bytes(q), (0, 0))
                 self.assertEqual(wgmma_serialized(q), [])
+        # tests/test_gpu_scaled.py's 8192x4352x512 runs them with stream-K, both layouts.
+        for rows in (1, 128):
+            sk = _plan(8192, 4352, 512, b_scale_rows=rows)
+            self.assertEqual((sk.cta_tile_mnk, sk.stream_k), ((256, 128, 128), True))
         # The overlapped loop and wider tiles are refused.
         with self.assertRaisesRegex(planning.C.PlanError, "runs 128-row tiles"):
             dataclasses.replace(p, scaled_overlap=True)

@@ -15,13 +15,14 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   of two waves, below) runs its wgmma batch into a fresh float32 fragment (the first instruction
   of the batch overwrites it), waits for it, and promotes it into the main accumulators: acc +=
   frag * (sfa[row] * sfb[col]); the stage is released as soon as nothing more is read from it.
-  Up to 128 columns the scales of the thread's rows and columns are read from shared memory
-  before the wgmma batch is issued, so their latency hides under it; at 192 columns (the
-  planner's widest tile) they would spill beside the two fragments (192 registers), so they are
-  read during the promotion. The other warp group's wgmma batch runs on the tensor cores while
-  this one promotes (the fastest published Hopper kernels, DeepGEMM's and CUTLASS's blockwise-
-  scaled ones, do the same); the promotion costs two float32 instructions per accumulator per
-  k-tile.
+  In 128-row tiles of up to 128 columns, and in 256-row tiles with B scaled per 128 x 128 tile,
+  the scales of the thread's rows and columns are read from shared memory before the wgmma
+  batch is issued, so their latency hides under it; at 192 columns, and for per-row B scales in
+  256-row tiles (32 columns a thread beside 192 registers of fragments), they would spill, so
+  they are read during the promotion. The other warp group's wgmma batch runs on the tensor
+  cores while this one promotes (the fastest published Hopper kernels, DeepGEMM's and
+  CUTLASS's blockwise-scaled ones, do the same); the promotion costs two float32 instructions
+  per accumulator per k-tile.
 * With `plan.scaled_overlap` (the planner's choice for 128 x 64 tiles, and for 128 x 128 tiles
   of B scaled per 128 x 128 tile) each warp group also
   keeps the tensor cores fed itself: two fragments take the k-tiles in turn, and k-tile i + 1's
@@ -69,7 +70,8 @@ _KERNEL = "sm90_wgmma_scaled"
 # Rows of a tile that one wgmma batch of both consumer warp groups covers (64 each): 256-row
 # tiles take two such waves per k-tile (`_mainloop_waves`).
 _WAVE_ROWS = 128
-# The widest tile whose serial main loop reads a k-block's scales into registers up front.
+# The widest 128-row tile whose serial main loop reads a k-block's scales into registers up
+# front.
 _EARLY_SCALES_MAX_N = 128
 
 

@@ -10,9 +10,9 @@ The tile
 --------
 Cooperative, 128 rows: two consumer warp groups of 64 rows, each holding two 64 x N float32
 fragments (the main accumulators and the k-block's: 2 x N / 2 registers per thread) within the
-232 registers a consumer thread gets. 128 x 192 is the widest that fits (192 registers of
-fragments; the k-block's scales are then read during the promotion, not held beforehand), and
-the wave model's first choice: the H200 ran it at 1.05-1.17x the TF/s of 128 x 128 (tenth
+232 registers a consumer thread gets. 128 x 192 is the widest 128-row tile that fits (192
+registers of fragments; the k-block's scales are then read during the promotion, not held
+beforehand): the H200 ran it at 1.05-1.17x the TF/s of 128 x 128 (tenth
 session, `benchmarks/scaled_probe.py`), whose fixed costs per k-tile (the stage wait, the
 wgmma drain before each promotion) are spread over fewer MMAs. 128 x 256 would need 256
 registers for the two fragments alone. The promotion (a multiply and a fused multiply-add per
@@ -20,9 +20,10 @@ accumulator and k-tile) is what separates this kernel from the unscaled fp8 one:
 replaced by one add the same kernel ran 1.3x faster (1072 against 830 TF/s at 128 x 128,
 4096x7168x16384), and with one FMA (a row scale only, as for weights scaled per 128 x 128
 block) 1.25x. `GemmPlan.scaled_overlap` (JAX_SM100_SCALED_OVERLAP=1, `with_scaled_overlap`)
-makes each warp group promote k-tile i under its own k-tile i + 1's wgmma: a third fragment, so
-tiles of at most 128 columns; the H200 measured it from 10 % slower to 10 % faster than the
-default loop at 128 x 128 depending on the run, never faster than the default at 128 x 192, and
+makes each warp group promote k-tile i under its own k-tile i + 1's wgmma: a third fragment,
+so 128-row tiles of at most 128 columns; the H200 measured it from 10 % slower to 10 % faster
+than the default loop at 128 x 128 depending on the run, never faster than the default at
+128 x 192, and
 1.07-1.09x the default at 128 x 64: the planner takes it for 128 x 64 tiles, and for the
 128 x 128 tiles of B scaled per 128 x 128 tile, whose one-FMA promotion it ran 1.01-1.05x faster
 (thirteenth session; JAX_SM100_SCALED_OVERLAP forces it either way).
@@ -74,11 +75,13 @@ from jax_sm100._src.planning.sm90 import (
 # wgmma drain before each promotion) spread over 1.5x the MMAs.
 SCALED_TILES = ((128, 192, 1.1), (128, 128, 1.0), (128, 64, 0.8))
 # 256 x 128 tiles (each warp group's 128 rows in two 64-row waves, on the serial loop). The
-# H200 (sixteenth session, `scaled_probe.py`, two calls; RESULTS.md) ran them, in 1x2 clusters:
-# with B scaled per 128 x 128 tile 1.11-1.18x the 128 x 128 tiles (overlapped) at
-# 4096x7168x16384 (1085-1112 against 946-981 TF/s) and 1.12-1.15x at 8192^3 (1020-1083 against
-# 913-945); with per-row B scales 1.05x the 128 x 192 tiles at 4096x7168x16384 (893 against
-# 847-853) and 1.03-1.05x at 8192^3 (857 against 820-833). 2x1 clusters ran 0.96-0.98x 1x2's.
+# H200 (sixteenth session, `scaled_probe.py`; RESULTS.md) ran them, edits of the planner's
+# previous plans in the same process: with B scaled per 128 x 128 tile 1.11-1.12x its 128 x 128
+# tiles (overlapped) at 4096x7168x16384 (1085-1096 against 976-981 TF/s) and 1.10-1.15x at
+# 8192^3 (1042-1083 against 943-945); with per-row B scales 1.05x its 128 x 192 tiles at
+# 4096x7168x16384 (893 against 847-853) and 1.03-1.05x at 8192^3 (857 against 820-833). 2x1
+# clusters ran 0.96-0.98x 1x2's. `bench --scaled` (the planners' own plans, a session apart):
+# 1.10-1.12x per tile, 1.03-1.06x per row.
 WAVE_TILES = ((256, 128, 1.14),)
 
 
@@ -132,6 +135,8 @@ def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
 OVERLAP_ENV = "JAX_SM100_SCALED_OVERLAP"
 # How a plan's reason says its promotion is overlapped (always its last part).
 _OVERLAP_NOTE = "; each k-tile promoted while the next one's wgmma runs"
+# How a plan's reason says it runs stream-K.
+_STREAM_K_NOTE = "; stream-K over the last waves (they do not divide evenly)"
 # How a plan's reason says its tile is taken in waves (256-row tiles).
 _WAVES_NOTE = "; each warp group's 128 rows in two 64-row waves (measured faster)"
 # The widest tile the planner overlaps unless told, for per-row B scales (B scaled per 128 x 128
@@ -174,16 +179,41 @@ def with_scaled_overlap(plan: GemmPlan, overlap: bool = True) -> GemmPlan:
     tm, tn, _ = plan.cta_tile_mnk
     reason = plan.reason.split(_OVERLAP_NOTE)[0]  # the note, when there is one, comes last
     if overlap and (tn > C.SCALED_OVERLAP_MAX_TILE_N or tm > 128):
+        # The narrower tile's grid is rescheduled as the planner would (cluster, stream-K,
+        # swizzle), so the plan is the one JAX_SM100_SCALED_OVERLAP=1 plans.
         rows, cols = 128, min(tn, C.SCALED_OVERLAP_MAX_TILE_N)
-        cluster = _unpadded_cluster(plan.m, plan.n, rows, cols, plan.cluster_shape_mn)
-        plan = sm90_variant(plan, tile_mn=(rows, cols), cluster_mn=cluster)
+        sms = plan.num_sms or DEFAULT_NUM_SMS[plan.arch]
+        cluster, stream_k, swizzle = _schedule(plan.m, plan.n, plan.batch, rows, cols, sms)
+        plan = sm90_variant(plan, tile_mn=(rows, cols), cluster_mn=cluster, stream_k=stream_k,
+                            swizzle_size=swizzle)  # fmt: skip
         reason = reason.replace(
             f"{tm}x{tn} cooperative tile",
             f"{rows}x{cols} cooperative tile (narrowed from {tm}x{tn})",
-        ).replace(_WAVES_NOTE, "")
+        )
+        reason = reason.replace(_WAVES_NOTE, "").replace(_STREAM_K_NOTE, "")
+        reason += _STREAM_K_NOTE if stream_k else ""
     if overlap:
         reason += _OVERLAP_NOTE + " (with_scaled_overlap)"
     return dataclasses.replace(plan, scaled_overlap=bool(overlap), reason=reason)
+
+
+def _schedule(m, n, batch, tm, tn, sms):
+    """(cluster, stream-K, raster swizzle) of a tm x tn tile grid on `sms` SMs."""
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
+    # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`); 256-row tiles along
+    # N, multicasting A's tile, twice B's (1x2 clusters ran 1.02-1.04x 2x1's: `WAVE_TILES`).
+    if tm > 128 and tiles_n >= 2:
+        cluster = (1, 2)
+    elif tiles_m >= 2 and tiles_m >= tiles_n:
+        cluster = (2, 1)
+    else:
+        cluster = (1, 2) if tiles_n >= 2 else (1, 1)
+    cluster = _unpadded_cluster(m, n, tm, tn, cluster)  # no pair over an odd tile count
+    # Stream-K over the last waves where they leave clusters idle (the dense planner's rule,
+    # `_sm90_stream_k`: 8192^3 is 15.5 waves of 256 x 128 tiles on 132 SMs).
+    stream_k = _sm90_stream_k(m, n, batch, tm, tn, cluster, sms)
+    return cluster, stream_k, _sm90_swizzle(m, n, batch, tm, tn, cluster)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -222,21 +252,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     if not asked:
         overlap = tm == 128 and (tn <= OVERLAP_DEFAULT_MAX_TILE_N or
                                  (tiled and tn <= C.SCALED_OVERLAP_MAX_TILE_N))  # fmt: skip
-    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    # Pair CTAs along the longer side of the tile grid, multicasting the operand the pair
-    # shares (the dense planner's rule, planning/sm90.py `_choose_sm90`); 256-row tiles along
-    # N, multicasting A's tile, twice B's (1x2 clusters ran 1.02-1.04x 2x1's, above).
-    if tm > 128 and tiles_n >= 2:
-        cluster = (1, 2)
-    elif tiles_m >= 2 and tiles_m >= tiles_n:
-        cluster = (2, 1)
-    else:
-        cluster = (1, 2) if tiles_n >= 2 else (1, 1)
-    cluster = _unpadded_cluster(m, n, tm, tn, cluster)  # no pair over an odd tile count
-    # Stream-K over the last waves where they leave clusters idle (the dense planner's rule,
-    # `_sm90_stream_k`: 8192^3 is 20.8 waves of 128 x 192 tiles on 132 SMs).
-    sms = num_sms or DEFAULT_NUM_SMS[arch]
-    stream_k = _sm90_stream_k(m, n, batch, tm, tn, cluster, sms)
+    cluster, stream_k, swizzle = _schedule(m, n, batch, tm, tn, num_sms or DEFAULT_NUM_SMS[arch])
     reason = (
         f"block-scaled wgmma {tm}x{tn} cooperative tile: each 128-k block accumulated apart and "
         f"promoted times its {problem.scale_dtype} scales"
@@ -246,7 +262,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     if tm > 128:
         reason += _WAVES_NOTE
     if stream_k:
-        reason += "; stream-K over the last waves (they do not divide evenly)"
+        reason += _STREAM_K_NOTE
     if overlap:
         reason += _OVERLAP_NOTE + (
             f" ({OVERLAP_ENV}=1)" if asked
@@ -262,7 +278,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
         use_2cta=False,
         num_ab_stages=C.MIN_AB_STAGES,
         num_acc_stages=1,
-        swizzle_size=_sm90_swizzle(m, n, batch, tm, tn, cluster),
+        swizzle_size=swizzle,
         stream_k=stream_k,
         scaled_overlap=overlap,
     )
