@@ -317,38 +317,24 @@ class GpuScaledTest(parameterized.TestCase):
             np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
 
     @parameterized.named_parameters(
-        (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out)
+        (f"_{w}_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out, w)
+        for w in ("weights_per_128x128_tile", "per_row_scales")
         for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
                       (1, 8192, 2176, 512), (1, 8192, 4352, 512), (1, 300, 128, 128))
         for out in OUT_DTYPES
     )  # fmt: skip
-    def test_weights_per_128x128_tile_in_256_row_tiles(self, shape, out_dtype):
+    def test_in_256_row_tiles(self, shape, out_dtype, w):
         # The 256 x 128 tiles (each warp group's 128 rows in two 64-row waves through one
         # fragment, kernels/sm90_scaled.py `_mainloop_waves`; the planner's for large problems),
-        # forced; 1000 rows: a last tile of 232, its second wave partly outside;
-        # 8192x4352x512: stream-K.
+        # forced, with B scaled per 128 x 128 tile or per row (jax.nn.scaled_matmul's: each
+        # wave's promotion reads its column scales from the stage, released after it). 1000
+        # rows: a last tile of 232, its second wave partly outside; 8192x4352x512: stream-K.
         batch, m, n, k = shape
-        ka, kb = jax.random.split(jax.random.key(m + n + k))
+        per_row = w == "per_row_scales"
+        ka, kb = jax.random.split(jax.random.key(m + (2 if per_row else 1) * n + k))
         lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
-        rhs, rs = jax_sm100.quantize(_operand(kb, batch, n, k), "fp8_block128x128")
-        ls = _in_range(lhs, rhs, ls, rs, out_dtype)
-        out = _run_256_rows(lhs, rhs, ls, rs, out_dtype)
-        _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)
-
-    @parameterized.named_parameters(
-        (f"_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out)
-        for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
-                      (1, 8192, 2176, 512), (1, 8192, 4352, 512), (1, 300, 128, 128))
-        for out in OUT_DTYPES
-    )  # fmt: skip
-    def test_per_row_scales_in_256_row_tiles(self, shape, out_dtype):
-        # jax.nn.scaled_matmul's per-row B scales on the 256 x 128 tiles, forced: each wave's
-        # promotion reads its column scales from the stage (the stage released after it);
-        # 8192x4352x512: stream-K.
-        batch, m, n, k = shape
-        ka, kb = jax.random.split(jax.random.key(m + 2 * n + k))
-        lhs, ls = jax_sm100.quantize(_operand(ka, batch, m, k), "fp8_block128")
-        rhs, rs = jax_sm100.quantize(_operand(kb, batch, n, k), "fp8_block128")
+        recipe = "fp8_block128" if per_row else "fp8_block128x128"
+        rhs, rs = jax_sm100.quantize(_operand(kb, batch, n, k), recipe)
         ls = _in_range(lhs, rhs, ls, rs, out_dtype)
         out = _run_256_rows(lhs, rhs, ls, rs, out_dtype)
         _assert_close(self, out, _reference64(lhs, rhs, ls, rs), out_dtype, k)

@@ -23,15 +23,14 @@ block) 1.25x. `GemmPlan.scaled_overlap` (JAX_SM100_SCALED_OVERLAP=1, `with_scale
 makes each warp group promote k-tile i under its own k-tile i + 1's wgmma: a third fragment,
 so 128-row tiles of at most 128 columns; the H200 measured it from 10 % slower to 10 % faster
 than the default loop at 128 x 128 depending on the run, never faster than the default at
-128 x 192, and
-1.07-1.09x the default at 128 x 64: the planner takes it for 128 x 64 tiles, and for the
-128 x 128 tiles of B scaled per 128 x 128 tile, whose one-FMA promotion it ran 1.01-1.05x faster
-(thirteenth session; JAX_SM100_SCALED_OVERLAP forces it either way).
+128 x 192, and 1.07-1.09x the default at 128 x 64: the planner takes it for 128 x 64 tiles, and
+for the 128 x 128 tiles of B scaled per 128 x 128 tile, whose one-FMA promotion it ran
+1.01-1.05x faster (thirteenth session; JAX_SM100_SCALED_OVERLAP forces it either way).
 
 256 x 128 tiles (`WAVE_TILES`): each warp group takes its 128 rows in two 64-row waves per
 k-tile through one fragment, beside 128 registers of main accumulators (kernels/sm90_scaled.py;
 DeepGEMM lays its 256-row tiles out so). Half the stage waits and TMA loads of B per MMA of
-128-row tiles: the H200 ran them 1.11-1.18x the 128 x 128 tiles with B scaled per 128 x 128
+128-row tiles: the H200 ran them 1.10-1.15x the 128 x 128 tiles with B scaled per 128 x 128
 tile and 1.03-1.05x the 128 x 192 tiles with per-row B scales, in 1x2 clusters (which multicast
 A's tile, the larger). The wave model takes them wherever their waves are not much fuller.
 
