@@ -16,7 +16,9 @@ B per 128 x 128 tile (`BlockWise128x128`, DeepSeek-V3's weights) or per 1 x 128 
 
 Ours are timed by `bench.time_device` (R products in one XLA loop); PyTorch's by CUDA events
 around R back-to-back calls on one stream, R grown until a call takes `--device-ms`, each timed
-run after an untimed one, median of 5. PyTorch's kernel names are read with `torch.profiler`.
+run after an untimed one, median of 5 (launched from Python: at small m, where a call takes
+tens of microseconds, the launches may pace it, so PyTorch's figures there are lower bounds).
+PyTorch's kernel names are read with `torch.profiler`.
 Needs PyTorch with CUDA (the device machine has it); not part of the package or its tests.
 """
 
@@ -60,12 +62,13 @@ def torch_sides(a, b):
     ta, tw, twt = _fp8(a), _fp8(w), _fp8(wt)
     sa = _outer_major(_f32(ls))  # (m, k/128), stride (1, m)
     sb_rows = _outer_major(_f32(rs))  # (n, k/128), stride (1, n)
-    # 128 x 128 scales: (k/128 padded to 4, n/128), stride (1, padded): row-major [n/128, kb4].
+    # 128 x 128 scales: (k/128, n/128) with stride (1, k/128 rounded up to 4). Published uses
+    # pass the rounded-up extent as the shape; with k/128 a multiple of 4 (every shape this
+    # times) the two readings are the same tensor, so other k are refused rather than guessed.
     nb, kb = rst.shape
-    kb4 = -(-kb // 4) * 4
-    padded = torch.zeros((nb, kb4), dtype=torch.float32, device="cuda")
-    padded[:, :kb] = _f32(rst)
-    sb_tiles = padded.t()
+    if kb % 4:
+        raise SystemExit(f"k = {128 * kb}: this script times k a multiple of 512 only")
+    sb_tiles = _f32(rst).t()
     one = torch.ones((), dtype=torch.float32, device="cuda")
     F = torch.nn.functional
     recipes = getattr(F, "ScalingType", None)
@@ -77,7 +80,10 @@ def torch_sides(a, b):
             torch.cuda.synchronize()
             sides[name] = (fn, out)
         except Exception as e:  # noqa: BLE001 - report what this PyTorch lacks, keep going
-            sides[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            before = sides.get(name)
+            sides[name] = (f"{before}; " if before else "") + (
+                f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            )
 
     for label, wt_, sb, recipe in (
         ("torch tiles", twt, sb_tiles, "BlockWise128x128"),
@@ -145,7 +151,7 @@ def main() -> None:
             "cublas fp8 (xla)": bench_scaled._unscaled(jax.lax.dot_general),
         }
         refs = {name: np.asarray(jax.jit(f)(a, b).astype(jnp.float32)) for name, f in
-                list(ours.items())[:2]}  # fmt: skip
+                list(ours.items())[:3]}  # fmt: skip
         theirs = torch_sides(a, b)
         secs = {}
         for name, side in theirs.items():
