@@ -322,6 +322,49 @@ class GroupedGpuTest(parameterized.TestCase):
         rb = jax.vjp(lambda v: lax.ragged_dot(f32(lhs), v, gs), f32(rhs))[1](f32(ct))[0]
         self.assertLess(_rel(db, rb), 1e-2)
 
+    @parameterized.parameters("m", "k")
+    def test_dynamic_tiles_match_the_static_schedule(self, ragged):
+        # GemmPlan.dynamic_tiles (the planner's choice for cooperative 1x1 plans): work tiles
+        # claimed from a counter give the same result, bit for bit, as the round-robin ones
+        # (each tile's sums are the same wherever it runs), on skewed groups with empty ones,
+        # across calls (the counter comes in zeroed each time) and against the reference.
+        g, m, k, n = 64, 6000, 512, 384
+        rng = np.random.default_rng(11)
+        gs = _sizes(rng, g, m, 0.9)
+        lhs = jax.random.normal(jax.random.key(5), (m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(jax.random.key(6), (g, k, n), jnp.float32).astype(jnp.bfloat16)
+        ct = jax.random.normal(jax.random.key(7), (m, n), jnp.float32).astype(jnp.bfloat16)
+        if ragged == "m":
+            fn, args = jax_sm100.ragged_dot, (lhs, rhs, gs)
+            ref = _reference(lhs, rhs, gs)
+        else:
+            fn = lambda a, s, t: jax.vjp(lambda v: jax_sm100.ragged_dot(a, v, s), rhs)[1](t)[0]  # noqa: E731
+            args = (lhs, gs, ct)
+            f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+            ref = jax.vjp(lambda v: lax.ragged_dot(f32(lhs), v, gs), f32(rhs))[1](f32(ct))[0]
+        outs = {}
+        for dynamic in ("0", "1"):
+            env = {planning.GROUPED_DYNAMIC_ENV: dynamic, "JAX_SM100_GROUPED_SCHEDULE": ""}
+            planning._plan_cached.cache_clear()
+            try:
+                with (
+                    mock.patch.dict(os.environ, env),
+                    tu.grouped_cluster("1x1"),
+                    jax_sm100.lowerings() as seen,
+                ):
+                    f = jax.jit(lambda *a: fn(*a))
+                    out = np.asarray(f(*args))
+                    again = np.asarray(f(*args))  # the same executable: its counter re-zeroed
+            finally:
+                planning._plan_cached.cache_clear()
+            plans = [x.plan for x in seen if x.plan is not None and x.plan.kernel == GROUPED]
+            self.assertIn(ragged, {p.ragged for p in plans})
+            self.assertEqual({p.dynamic_tiles for p in plans}, {dynamic == "1"})
+            np.testing.assert_array_equal(out, again)
+            outs[dynamic] = out
+        np.testing.assert_array_equal(outs["0"], outs["1"])
+        self.assertLess(_rel(outs["1"], ref), 1e-2)
+
 
 if __name__ == "__main__":
     absltest.main()

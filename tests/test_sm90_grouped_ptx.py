@@ -87,10 +87,8 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
     @parameterized.named_parameters(*CASES)
     def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule="", cluster=""):
         # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny).
-        with (
-            mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}),
-            tu.grouped_cluster(cluster),
-        ):
+        env = {"JAX_SM100_GROUPED_SCHEDULE": schedule, planning.GROUPED_DYNAMIC_ENV: ""}
+        with mock.patch.dict(os.environ, env), tu.grouped_cluster(cluster):
             planning._plan_cached.cache_clear()
             plan = jax_sm100.plan(
                 m, n, k, a_dtype=dtype, b_dtype=dtype, out_dtype="bfloat16", arch="sm_90a",
@@ -136,6 +134,13 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         bits = 8 if "float8" in dtype else 16
         self.assertEqual(_expect_tx_bytes(ptx), {(tm + tn) * tk * bits // 8})
         self.assertRegex(ptx, r"shfl\.sync\.up")  # the group table's running sums
+        # Dynamic work tiles (cooperative plans in 1x1 clusters): one atomic claim of the next
+        # tile per tile (the producer warp's lane 0), and the counter a kernel operand.
+        dynamic = pair == 1 and schedule != "pingpong"
+        self.assertEqual(plan.dynamic_tiles, dynamic)
+        self.assertEqual(len(re.findall(r"atom\.global\.add", ptx)), int(dynamic))
+        names = [t.name for t in compile_plan(plan).tensor_args]
+        self.assertEqual("counter" in names, dynamic)
         # ptxas keeps the wgmma batches asynchronous (it serialized them in both schedules
         # until the tenth session; tests/test_sm100_ptx.py `wgmma_serialized`).
         self.assertIn(wgmma_serialized(ptx), ([], None))
@@ -198,6 +203,37 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertIn("in 2x1 clusters", plan(65536, 1408, 2048, 64, "m").reason)
         with self.assertRaisesRegex(constraints.PlanError, "a cluster in"):
             dataclasses.replace(plan(16384, 768, 2048, 128, "m"), cluster_shape_mn=(1, 2))
+
+    def test_dynamic_tiles_planned(self):
+        # On for cooperative plans in 1x1 clusters (H200: 128 skewed groups' forward 1.08-1.11x,
+        # equal groups unchanged; benchmarks/RESULTS.md, seventeenth session); never in 2x1
+        # clusters or ping-pong; JAX_SM100_GROUPED_DYNAMIC turns it off or back on.
+        env = planning.GROUPED_DYNAMIC_ENV
+
+        def plan(value, *problem):
+            with mock.patch.dict(os.environ, {env: value}):
+                planning._plan_cached.cache_clear()
+                try:
+                    return _planned(*problem)
+                finally:
+                    planning._plan_cached.cache_clear()
+
+        self.assertTrue(plan("", 16384, 768, 2048, 128, "m").dynamic_tiles)
+        self.assertFalse(plan("0", 16384, 768, 2048, 128, "m").dynamic_tiles)
+        self.assertTrue(plan("1", 16384, 768, 2048, 128, "m").dynamic_tiles)
+        self.assertFalse(plan("1", 65536, 1408, 2048, 64, "m").dynamic_tiles)  # 2x1
+        self.assertRegex(str(plan("", 16384, 768, 2048, 128, "m")), r"dynamic_tiles +True")
+        with self.assertRaisesRegex(constraints.PlanError, "JAX_SM100_GROUPED_DYNAMIC"):
+            plan("yes", 16384, 768, 2048, 128, "m")
+        base = plan("", 16384, 768, 2048, 128, "m")
+        with self.assertRaisesRegex(constraints.PlanError, "dynamic_tiles=True"):
+            dataclasses.replace(plan("", 65536, 1408, 2048, 64, "m"), dynamic_tiles=True)
+        with self.assertRaisesRegex(constraints.PlanError, "dynamic_tiles=True"):
+            dataclasses.replace(_planned(4096, 4096, 4096, 1, "m", arch="sm_100a"),
+                                dynamic_tiles=True)  # fmt: skip
+        # The work ring's shared memory is counted.
+        static = dataclasses.replace(base, dynamic_tiles=False)
+        self.assertEqual(base.smem_bytes - static.smem_bytes, 80)
 
     def test_tile_order_planned(self):
         # A group's tiles along N first for small experts (B of 2048 x 1408 bfloat16, 5.8 MB),

@@ -58,6 +58,11 @@ TMEM_MAX_COLS = 512
 TMEM_MIN_COLS = 32
 # Bytes kept back from shared memory for mbarriers and the TMEM-pointer slot.
 SMEM_RESERVED_BYTES = 1024
+# `GemmPlan.dynamic_tiles`: the work tiles in flight between a grouped CTA's producer warp and
+# its consumers (a ring of int32 indices, each with a full and an empty mbarrier), and its
+# shared memory, counted beside the group table (here, in a kernel source: it shapes binaries).
+GROUPED_WORK_RING = 4
+GROUPED_WORK_RING_BYTES = GROUPED_WORK_RING * (4 + 2 * 8)
 MIN_AB_STAGES = 2
 # Largest cluster the hardware schedules portably.
 MAX_CLUSTER_SIZE = {"sm_100a": 16, "sm_90a": 8}

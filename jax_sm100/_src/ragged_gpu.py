@@ -12,6 +12,9 @@ call of the same FFI handler the dense kernels use, with the group sizes as a de
 Batched operands (vmap), mixed dtypes and anything the planner sends to XLA (`plan.reason`) run
 on XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
 
+A plan with `dynamic_tiles` (sm90_grouped.py) takes one more operand, its tile counter: zeros
+aliased to a second result, so every launch starts from zero.
+
 ragged_dot's `activation` runs in the grouped kernel's epilogue, on each float32 sum before the
 one rounding (verified on the H200 by tests/test_gpu_ragged.py, eleventh session), and so does
 its bias (one float32 row per group, read in the epilogue at the tile's group) where the family
@@ -26,6 +29,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import dispatch, ffi_checks, planning
@@ -120,7 +124,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
         return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after, why)
     compiled = compile_plan(plan, spec)
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32",
-              "bias": spec.bias_dtype}  # fmt: skip
+              "bias": spec.bias_dtype, "counter": "int32"}  # fmt: skip
+    modes["counter"] = ((1,), (1,))
     layouts = [
         ffi_checks.TensorLayout(
             arg.name,
@@ -131,11 +136,23 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
         )  # fmt: skip
         for arg in compiled.tensor_args
     ]
-    index = {"a": 0, "b": 1, "group_sizes": 2, "bias": 3, "d": -1}
-    order = [index[arg.name] for arg in compiled.tensor_args]
-    out_type = jax.ShapeDtypeStruct(out_shape, params["out_dtype"])
     gs = group_sizes.astype(np.int32)
-    out = gpu_lowering._ffi(compiled, out_type, [*operands, gs, *bias], layouts, order)
+    operands = [*operands, gs, *bias]
+    index = {"a": 0, "b": 1, "group_sizes": 2, "bias": 3, "d": -1}
+    out_types = [jax.ShapeDtypeStruct(out_shape, params["out_dtype"])]
+    aliases = None
+    if plan.dynamic_tiles:
+        # The dynamic schedule's tile counter: zeros passed in and aliased to a second result,
+        # so every launch (CUDA graph replays included) starts from a zero that XLA owns.
+        index["counter"] = len(operands)
+        aliases = {len(operands): len(out_types)}
+        operands.append(jnp.zeros((1,), jnp.int32))
+        out_types.append(jax.ShapeDtypeStruct((1,), jnp.int32))
+    order = [index[arg.name] for arg in compiled.tensor_args]
+    out_type = out_types[0] if len(out_types) == 1 else tuple(out_types)
+    out = gpu_lowering._ffi(compiled, out_type, operands, layouts, order, aliases)
+    if aliases:
+        out = out[0]
     fused = [f for f, on in (("bias", bias), (activation, activation)) if on]
     notes = decision.notes
     if fused:

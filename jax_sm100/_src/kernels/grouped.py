@@ -18,7 +18,9 @@ mixin each family puts before its dense kernel class) and two functions:
   32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
   extent the groups partition, so bad sizes never address outside the buffers) and, in "m" mode,
   its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles c, c +
-  clusters, ..., and a binary search of the table gives a work index its group. Inside a group
+  clusters, ..., and a binary search of the table gives a work index its group. (The SM90
+  family's cooperative 1x1 plans take tiles dynamically instead, `GemmPlan.dynamic_tiles`:
+  after its first, a CTA claims the next from a counter; sm90_grouped.py.) Inside a group
   the work tiles run along M first (`plan.raster_along_m`), or along N first in "m" mode when
   one group's B is small (the planner's `grouped_raster_along_m`: the clusters in flight then
   share a few m tiles of A and the group's whole B in L2). A cluster of

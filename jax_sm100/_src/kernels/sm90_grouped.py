@@ -14,6 +14,16 @@ consumer warp of both releases each stage to both producers.
 
 ragged_dot's bias (N, G) is added in the epilogue (`GROUPED_BIAS`): each tile reads its group's
 column, at the coordinates of the group's rows; the tiles of the rows past the groups add none.
+
+Dynamic work tiles (`plan.dynamic_tiles`: cooperative plans in 1x1 clusters, the planner's choice
+there). Round-robin, skewed group sizes leave the busiest SM 1.2x the average's work (128
+Dirichlet(0.3) groups: tiles of a few rows stream a whole weight slice, others compute on full
+tiles). Instead, CTA c takes tile c first; then, once its producer warp has issued a tile's loads,
+it claims the next with an atomic add on a counter (an int32 the caller zeroes for every call) and
+publishes each index in a 4-slot ring in shared memory (an mbarrier pair per slot) that every
+consumer thread reads; a CTA stops at the first index at or past the last tile (its claim, or its
+own first index when the grid outnumbers the tiles). Each tile is computed as in the static
+schedule, so results are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -24,6 +34,8 @@ import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from jax_sm100._src.constraints import GROUPED_WORK_RING
+from jax_sm100._src.kernels import family
 from jax_sm100._src.kernels.grouped import GroupedGemm, ragged_slice
 from jax_sm100._src.kernels.sm90_gemm import (
     _CONSUMER_REGS,
@@ -42,22 +54,36 @@ _WGMMA_M = 64
 class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     """A persistent grouped wgmma GEMM for one (GemmPlan with `groups`, KernelSpec).
 
-    Host entry point: `__call__(a, b, d, group_sizes, bias, stream)` (grouped.py's modes);
-    legality and fake operands are `GroupedGemm`'s, then the dense family's.
+    Host entry point: `__call__(a, b, d, group_sizes, bias, counter, stream)` (grouped.py's
+    modes; `counter`: with `plan.dynamic_tiles`, one int32 the caller zeroes for every call,
+    else None); legality and fake operands are `GroupedGemm`'s, then the dense family's.
     """
 
     GROUPED_BIAS = True
+    HOST_OPERANDS = (*GroupedGemm.HOST_OPERANDS, "counter")
 
     def __init__(self, plan, spec: KernelSpec):
         super().__init__(plan, spec)
         self._init_grouped(plan)
+        self.dynamic = bool(plan.dynamic_tiles)
+
+    @classmethod
+    def compile_inputs(cls, plan, spec: KernelSpec):
+        """`GroupedGemm`'s fake operands, and the dynamic schedule's counter (or None)."""
+        from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: PLC0415
+
+        inputs = super().compile_inputs(plan, spec)
+        counter = None
+        if plan.dynamic_tiles:
+            counter = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+        return family.CompileInputs(inputs.plan, inputs.spec, (*inputs.operands, counter))
 
     # ---------------------------------------------------------------- host
 
     @cute.jit
     def __call__(
         self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, gs: cute.Tensor,
-        bias: cute.Tensor | None, stream: cuda.CUstream,
+        bias: cute.Tensor | None, counter: cute.Tensor | None, stream: cuda.CUstream,
     ):  # fmt: skip
         self._setup()
         tm, tn, tk = self.tile_mnk
@@ -82,10 +108,14 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
             ],
         }
+        if cutlass.const_expr(self.dynamic):
+            fields["work_barriers"] = cute.struct.MemRange[cutlass.Int64, GROUPED_WORK_RING * 2]
+            fields["work_slots"] = cute.struct.MemRange[cutlass.Int32, GROUPED_WORK_RING]
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.kernel(
-            tma_a, ta, tma_b, tb, tma_d, td, gs, bias, extent, a.shape[1], tiles_m, tiles_n,
+            tma_a, ta, tma_b, tb, tma_d, td, gs, bias, counter, extent, a.shape[1], tiles_m,
+            tiles_n,
             self.tiled_mma,
             self.a_smem_staged, self.b_smem_staged, self.d_smem_staged,
         ).launch(
@@ -106,6 +136,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         mD: cute.Tensor,
         mGs: cute.Tensor,
         mBias: cute.Tensor | None,
+        mCounter: cute.Tensor | None,
         extent: cutlass.Int32,
         k_extent: cutlass.Int32,
         tiles_m: cutlass.Int32,
@@ -151,6 +182,21 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             cta_layout_vmnk=cute.make_layout((1, self.pair, 1, 1)),
             defer_sync=True,
         )
+        work = None
+        if cutlass.const_expr(self.dynamic):
+            # The work ring: the producer warp publishes each work tile's index, every consumer
+            # thread reads it and hands the slot back (`_next_work`).
+            work_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.work_barriers.data_ptr(),
+                num_stages=GROUPED_WORK_RING,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(
+                    pipeline.Agent.Thread, self.num_consumer_threads
+                ),
+                defer_sync=True,
+            )
+            slots = storage.work_slots.get_tensor(cute.make_layout(GROUPED_WORK_RING))
+            work = (work_pipe, slots, mCounter)
         table = storage.table.get_tensor(cute.make_layout(2 * (self.groups + 2)))
         if warp == 0:
             self._build_table(mGs, table, extent, tiles_n)
@@ -167,19 +213,27 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp == 0:
                 self._produce_grouped(ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank,
-                                      b_mask)  # fmt: skip
+                                      b_mask, work)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self._consume_grouped(ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, mBias,
-                                  warp, wg - 1, tidx - _THREADS_PER_WG, rank)  # fmt: skip
+                                  warp, wg - 1, tidx - _THREADS_PER_WG, rank, work)  # fmt: skip
 
     # ---------------------------------------------------------------- producer
 
     @cute.jit
-    def _produce_grouped(self, ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank, b_mask):
+    def _produce_grouped(self, ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank, b_mask,
+                         work):  # fmt: skip
         tm, tn, tk = self.tile_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         w, end, stride = self._work_range(sched)
+        published = None
+        if cutlass.const_expr(self.dynamic):
+            published = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, GROUPED_WORK_RING
+            )
+            self._publish(work, published, w)
+            published.advance()
         sAg = cute.group_modes(sA, 0, 2)
         sBg = cute.group_modes(sB, 0, 2)
         while w < end:
@@ -207,14 +261,52 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                           mcast_mask=b_mask)  # fmt: skip
                 ab_pipe.producer_commit(state)
                 state.advance()
-            w += stride
+            if cutlass.const_expr(self.dynamic):
+                # The tile's loads are issued: this CTA takes the next unclaimed tile (the first
+                # `stride` are every CTA's first) and hands it to the consumers (an index at or
+                # past the last tile ends both sides' loops). Claimed this late, a tile goes to the
+                # CTA that is nearest to free (claimed at the tile's last stage instead, the skewed
+                # groups' gain fell from 1.11x to 1.02x on the H200).
+                w = stride + cute.arch.shuffle_sync(self._claim(work), 0)
+                self._publish(work, published, w)
+                published.advance()
+            else:
+                w += stride
         ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _claim(self, work):
+        """The producer warp: the counter's old value in lane 0 (its claim of the next work
+        tile), 0 in the other lanes."""
+        taken = cutlass.Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(work[2].iterator, cutlass.Int32(1), sem="relaxed",
+                                         scope="gpu")  # fmt: skip
+        return taken
+
+    @cute.jit
+    def _publish(self, work, state, w):
+        """The producer warp: work tile `w` into the ring's next slot, for every consumer."""
+        work_pipe, slots, _ = work
+        work_pipe.producer_acquire(state)
+        if cute.arch.lane_idx() == 0:
+            slots[state.index] = w
+        work_pipe.producer_commit(state)
+
+    @cute.jit
+    def _next_work(self, work, state):
+        """A consumer thread: the work tile the producer warp published next."""
+        work_pipe, slots, _ = work
+        work_pipe.consumer_wait(state)
+        w = slots[state.index]
+        work_pipe.consumer_release(state)
+        return w
 
     # ---------------------------------------------------------------- consumers
 
     @cute.jit
     def _consume_grouped(self, ab_pipe, sched, tiled_mma, sA, sB, sD, tma_d, mD, mBias, warp,
-                         consumer_wg, ctidx, rank):  # fmt: skip
+                         consumer_wg, ctidx, rank, work):  # fmt: skip
         """The consumer warp groups. Cooperative: both take every tile of the CTA, 64 rows
         each. Ping-pong: warp group c takes the CTA's tiles c, c + 2, ... whole, and the two
         take turns at the stage ring (a named barrier each), so one's epilogue runs under the
@@ -246,6 +338,13 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         w, end, stride = self._work_range(sched)
         step = stride
+        taken = None
+        if cutlass.const_expr(self.dynamic):
+            taken = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, GROUPED_WORK_RING
+            )
+            w = self._next_work(work, taken)
+            taken.advance()
         if cutlass.const_expr(self.pingpong):
             step = 2 * stride
             if consumer_wg == 1:
@@ -303,7 +402,11 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                             store_warp, epi_group, None, None, None, None)  # fmt: skip
             self._store_tile(tile, tiles_done, epi, warp)
             tiles_done += 1
-            w += step
+            if cutlass.const_expr(self.dynamic):
+                w = self._next_work(work, taken)
+                taken.advance()
+            else:
+                w += step
         store_pipe.producer_tail()
 
     @cute.jit

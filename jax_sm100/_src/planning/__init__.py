@@ -63,6 +63,7 @@ from jax_sm100._src.planning.gemm_plan import (
     smem_capacity,
 )
 from jax_sm100._src.planning.sm90 import (
+    GROUPED_DYNAMIC_ENV,
     SM90_MAX_EPI_STAGES,
     SM90_MIN_FLOPS,
     SM90_PINGPONG_8BIT_EPI_STAGES,
@@ -97,6 +98,7 @@ __all__ = [
 def _plan_cached(
     m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, batch, arch, a_major, b_major, force_kernel,
     allow_pingpong=True, preact_out=False, num_sms=0, groups=0, ragged="", grouped_schedule="",
+    grouped_dynamic="",
 ):  # fmt: skip
     C.check_arch(arch)
     num_sms = num_sms or DEFAULT_NUM_SMS[arch]
@@ -117,7 +119,7 @@ def _plan_cached(
         common |= dict(groups=groups, ragged=ragged)
         if arch == "sm_100a":
             return sm100.plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits)
-        return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule)
+        return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule, grouped_dynamic)
     if arch == "sm_100a":
         return sm100.plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits)
     return sm90.plan_sm90(
@@ -217,6 +219,7 @@ def plan(
         p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
         preact_out=p.preact_out, num_sms=int(num_sms or 0), groups=p.groups, ragged=p.ragged,
         grouped_schedule=os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else "",
+        grouped_dynamic=os.environ.get(GROUPED_DYNAMIC_ENV, "") if p.groups else "",
     )  # fmt: skip
 
 

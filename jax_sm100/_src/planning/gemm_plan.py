@@ -294,6 +294,11 @@ class GemmPlan:
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
     ragged: str = ""
+    # KERNEL_SM90_GROUPED, cooperative, 1x1 clusters: after its first work tile (its own index),
+    # each CTA takes the next from a counter in global memory (zeroed every call) once its
+    # producer warp has issued the current tile's loads, instead of every grid-th tile: work
+    # tiles of unequal cost (skewed group sizes) spread by when SMs are free.
+    dynamic_tiles: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -347,6 +352,15 @@ class GemmPlan:
                 "a grouped plan has batch 1, no split-K or stream-K, a cluster in "
                 f"{clusters} and 1-CTA MMAs; got {self.batch=}, {self.split_k=}, "
                 f"{self.stream_k=}, {self.cluster_shape_mn=}, {self.use_2cta=}"
+            )
+        if not isinstance(self.dynamic_tiles, bool):
+            raise C.PlanError(f"dynamic_tiles={self.dynamic_tiles!r} must be a bool")
+        if self.dynamic_tiles and (self.kernel != KERNEL_SM90_GROUPED or self.pingpong
+                                   or tuple(self.cluster_shape_mn) != (1, 1)):  # fmt: skip
+            raise C.PlanError(
+                f"dynamic_tiles=True is a schedule of the cooperative {KERNEL_SM90_GROUPED!r} "
+                f"kernel in 1x1 clusters; got kernel={self.kernel!r}, {self.pingpong=}, "
+                f"{self.cluster_shape_mn=}"
             )
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_GROUPED) and (
             self.arch != "sm_90a"
@@ -471,8 +485,12 @@ class GemmPlan:
 
     @property
     def _table_bytes(self) -> int:
-        """The group table's SMEM: a grouped kernel's (an XLA plan's tile fields hold none)."""
-        return group_table_bytes(self.groups) if self.kernel in GROUPED_KERNELS else 0
+        """The group table's SMEM, and the work ring's with `dynamic_tiles`: a grouped
+        kernel's (an XLA plan's tile fields hold none)."""
+        if self.kernel not in GROUPED_KERNELS:
+            return 0
+        ring = C.GROUPED_WORK_RING_BYTES if self.dynamic_tiles else 0
+        return group_table_bytes(self.groups) + ring
 
     @property
     def _epi_bytes(self) -> int:
@@ -566,6 +584,7 @@ class GemmPlan:
             ("raster", f"{'along M' if self.raster_along_m else 'along N'}, "
                        f"swizzle {self.swizzle_size}"),
             ("tiles", self.num_tiles if not self.groups else self._grouped_tiles_text()),
+            ("dynamic_tiles", self.dynamic_tiles),
         ]  # fmt: skip
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)

@@ -467,16 +467,26 @@ def grouped_cluster_cost(common, tm: int, tn: int, eff: float) -> tuple[float, i
     return best
 
 
-def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
+# JAX_SM100_GROUPED_DYNAMIC: "1" or "0" turns `GemmPlan.dynamic_tiles` on or off where it
+# applies (cooperative grouped plans in 1x1 clusters); unset, the planner's rule below.
+GROUPED_DYNAMIC_ENV = "JAX_SM100_GROUPED_DYNAMIC"
+# The planner's rule: dynamic work tiles for every cooperative grouped plan in 1x1 clusters.
+GROUPED_DYNAMIC_DEFAULT = True
+
+
+def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
     the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
-    tile, or pair of tiles, is partial), and the store ring and A/B stages that fit beside the
-    group table (GROUPED_EPI_STAGES)."""
+    tile, or pair of tiles, is partial), dynamic work tiles for cooperative plans in 1x1
+    clusters (`dynamic`: GROUPED_DYNAMIC_ENV's value, "" for GROUPED_DYNAMIC_DEFAULT), and the
+    store ring and A/B stages that fit beside the group table (GROUPED_EPI_STAGES)."""
     g, num_sms = common["groups"], common["num_sms"]
     why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
         raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of {GROUPED_SCHEDULES}")
+    if dynamic not in ("", "0", "1"):
+        raise C.PlanError(f"{GROUPED_DYNAMIC_ENV}={dynamic!r}: '1', '0' or unset")
     candidates = []
     if schedule != "pingpong":
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
@@ -508,7 +518,9 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="") -> GemmPlan:
         num_epi_stages=2,
         pingpong=pingpong,
         raster_along_m=grouped_raster_along_m(common),
-    )
+        dynamic_tiles=(kernel == KERNEL_SM90_GROUPED and not pingpong and pair == 1
+                       and (dynamic == "1" or (dynamic == "" and GROUPED_DYNAMIC_DEFAULT))),
+    )  # fmt: skip
     # The deeper ring was measured for 16-bit outputs only; a float32 D would pay an A/B stage.
     deepest = GROUPED_EPI_STAGES if C.DTYPE_BITS[common["out_dtype"]] == 16 else 2
     for depth in (deepest, 2):
