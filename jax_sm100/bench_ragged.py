@@ -146,6 +146,7 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
                 f"{low.note.split(':')[0]} on {low.plan.kernel if low.plan else 'XLA'}"
                 + (f" {low.plan.cta_tile_mnk[:2]}" if low.plan and low.plan.kernel != "xla_dot"
                    else "")
+                + (" dynamic tiles" if low.plan and low.plan.dynamic_tiles else "")
                 for low in seen
             })) or "XLA (no CUDA lowering)"  # fmt: skip
             if bandwidth is None:
