@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import re
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 
@@ -90,12 +92,18 @@ def _plan(problem, force=None):
     dtype = args.pop("dtype", "bfloat16")
     a_major = "k" if args["ragged"] == "m" else "m"
     args.setdefault("b_major", "n")
-    p = planning.plan(
-        args.pop("m"), args.pop("n"), args.pop("k"), a_dtype=dtype, b_dtype=dtype,
-        arch="sm_100a", a_major=a_major, **args,
-    )  # fmt: skip
+    with mock.patch.dict(os.environ, {planning.GROUPED_DYNAMIC_ENV: ""}):
+        planning._plan_cached.cache_clear()
+        p = planning.plan(
+            args.pop("m"), args.pop("n"), args.pop("k"), a_dtype=dtype, b_dtype=dtype,
+            arch="sm_100a", a_major=a_major, **args,
+        )  # fmt: skip
+    planning._plan_cached.cache_clear()
     if not force:
         return p
+    if "cluster_shape_mn" in force:
+        # Dynamic work tiles where the planner takes them: in 1x1 clusters.
+        force = {"dynamic_tiles": tuple(force["cluster_shape_mn"]) == (1, 1), **force}
     # The deepest A/B pipeline that fits the forced tile, as the planner would take it.
     for stages in range(12, constraints.MIN_AB_STAGES - 1, -1):
         try:
@@ -135,7 +143,16 @@ class Sm100GroupedPtxTest(parameterized.TestCase):
         ptx = compiled.ptx
         self.assertIn(".target sm_100a", ptx)
         self.assertEqual(compiled.cubin[:4], b"\x7fELF")
-        self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d", "group_sizes"])
+        # Dynamic work tiles in 1x1 clusters (grouped.py's protocol, proven on the H200 by the
+        # SM90 family): the counter an operand, one atomic claim, and the ring's mbarriers (4
+        # full ones counting the TMA warp's 32 lanes, 4 empty ones the MMA and epilogue warps').
+        dynamic = pair == 1
+        self.assertEqual(plan.dynamic_tiles, dynamic)
+        names = ["a", "b", "d", "group_sizes"] + ["counter"] * dynamic
+        self.assertEqual([t.name for t in compiled.tensor_args], names)
+        self.assertEqual(len(re.findall(r"atom\.global\.add", ptx)), int(dynamic))
+        ring = _mbarrier_init_counts(ptx)
+        self.assertEqual((ring.get(32, 0), ring.get(160, 0)), (4, 4) if dynamic else (0, 0))
 
         # The MMA: the operands' kind, one CTA per MMA, nothing of a CTA pair anywhere.
         mmas = set(re.findall(r"tcgen05\.mma\.(cta_group::\d)\.(kind::\w+)", ptx))
@@ -288,12 +305,47 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
         cap = planning.smem_capacity("sm_100a")
         self.assertLessEqual(p.smem_bytes, cap)
         self.assertGreater(p.smem_bytes + p.ab_stage_bytes, cap)
+        # (and the dynamic tiles' ring in 1x1 clusters).
+        ring = constraints.GROUPED_WORK_RING_BYTES if p.dynamic_tiles else 0
+        self.assertEqual(p.dynamic_tiles, pair == 1)
         self.assertEqual(
             p.smem_bytes,
             constraints.SMEM_RESERVED_BYTES + p._epi_bytes + gemm_plan.group_table_bytes(g)
-            + p.num_ab_stages * p.ab_stage_bytes,
+            + ring + p.num_ab_stages * p.ab_stage_bytes,
         )  # fmt: skip
         self.assertIn("grouped tcgen05 1-CTA", p.reason)
+
+    def test_dynamic_tiles_switch(self):
+        # JAX_SM100_GROUPED_DYNAMIC, read by both grouped planners: 0 turns the dynamic tiles of
+        # a 1x1 plan off (and gives back the ring's shared memory), 1 or unset keeps them, any
+        # other value is refused.
+        env = planning.GROUPED_DYNAMIC_ENV
+
+        def plan(value):
+            with mock.patch.dict(os.environ, {env: value}):
+                planning._plan_cached.cache_clear()
+                try:
+                    return planning.plan(16384, 768, 2048, a_dtype="bfloat16",
+                                         b_dtype="bfloat16", arch="sm_100a", groups=128,
+                                         ragged="m")  # fmt: skip
+                finally:
+                    planning._plan_cached.cache_clear()
+
+        on, off = plan(""), plan("0")
+        self.assertEqual(on.cluster_shape_mn, (1, 1))
+        self.assertEqual((on.dynamic_tiles, plan("1").dynamic_tiles, off.dynamic_tiles),
+                         (True, True, False))  # fmt: skip
+        self.assertEqual(
+            on.smem_bytes - on.num_ab_stages * on.ab_stage_bytes
+            - (off.smem_bytes - off.num_ab_stages * off.ab_stage_bytes),
+            constraints.GROUPED_WORK_RING_BYTES,
+        )  # fmt: skip
+        with self.assertRaisesRegex(constraints.PlanError, env):
+            plan("yes")
+        # The ring's mbarriers are initialised before the pipelines' init fence.
+        ptx = compile_plan(on).ptx
+        inits = [m.start() for m in re.finditer(r"mbarrier\.init", ptx)]
+        self.assertLess(max(inits), ptx.index("fence.mbarrier_init"))
 
     def test_which_tile(self):
         # Big equal groups fill 148 SMs with 128x256 tiles; 64 groups of 64 rows over N=1408

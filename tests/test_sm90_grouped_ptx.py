@@ -228,9 +228,18 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         base = plan("", 16384, 768, 2048, 128, "m")
         with self.assertRaisesRegex(constraints.PlanError, "dynamic_tiles=True"):
             dataclasses.replace(plan("", 65536, 1408, 2048, 64, "m"), dynamic_tiles=True)
+        dense = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                               arch="sm_90a")  # fmt: skip
         with self.assertRaisesRegex(constraints.PlanError, "dynamic_tiles=True"):
-            dataclasses.replace(_planned(4096, 4096, 4096, 1, "m", arch="sm_100a"),
-                                dynamic_tiles=True)  # fmt: skip
+            dataclasses.replace(dense, dynamic_tiles=True)
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": "pingpong"}):
+            planning._plan_cached.cache_clear()
+            pingpong = jax_sm100.plan(16384, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
+                                      arch="sm_90a", groups=128, ragged="m")  # fmt: skip
+        planning._plan_cached.cache_clear()
+        self.assertEqual((pingpong.pingpong, pingpong.dynamic_tiles), (True, False))
+        with self.assertRaisesRegex(constraints.PlanError, "dynamic_tiles=True"):
+            dataclasses.replace(pingpong, dynamic_tiles=True)
         # The work ring's shared memory is counted.
         static = dataclasses.replace(base, dynamic_tiles=False)
         self.assertEqual(base.smem_bytes - static.smem_bytes, 80)

@@ -61,9 +61,10 @@ SMEM_RESERVED_BYTES = 1024
 # `GemmPlan.dynamic_tiles`: the work tiles in flight between a grouped CTA's producer warp and
 # its consumers (a ring of int32 indices, each with a full and an empty mbarrier), and its
 # shared memory, counted beside the group table (here, in a kernel source: it shapes binaries).
-# Counted, not left to SMEM_RESERVED_BYTES: the barriers, table and ring sit before A's stages,
-# which start at the next 1024-byte boundary, and with a table just under a multiple of 1 KiB
-# (245-254 groups) the ring can push that boundary past what the reserve covers.
+# Counted, not left to SMEM_RESERVED_BYTES: on sm_90a the barriers, table and ring sit before
+# A's stages, which start at the next 1024-byte boundary, and with a table just under a
+# multiple of 1 KiB (245-254 groups) the ring can push that boundary past what the reserve
+# covers (on sm_100a the table and ring follow the tiles).
 GROUPED_WORK_RING = 4
 GROUPED_WORK_RING_BYTES = GROUPED_WORK_RING * (4 + 2 * 8)
 MIN_AB_STAGES = 2

@@ -12,7 +12,7 @@ call of the same FFI handler the dense kernels use, with the group sizes as a de
 Batched operands (vmap), mixed dtypes and anything the planner sends to XLA (`plan.reason`) run
 on XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
 
-A plan with `dynamic_tiles` (sm90_grouped.py) takes one more operand, its tile counter: zeros
+A plan with `dynamic_tiles` (kernels/grouped.py) takes one more operand, its tile counter: zeros
 aliased to a second result, so every launch starts from zero.
 
 ragged_dot's `activation` runs in the grouped kernel's epilogue, on each float32 sum before the

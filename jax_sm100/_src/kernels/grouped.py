@@ -18,13 +18,13 @@ mixin each family puts before its dense kernel class) and two functions:
   32 groups at a time with warp shuffles): each group's first row (a running sum clamped to the
   extent the groups partition, so bad sizes never address outside the buffers) and, in "m" mode,
   its first work tile. A work tile is (group, m tile, n tile); cluster c takes work tiles c, c +
-  clusters, ..., and a binary search of the table gives a work index its group. (The SM90
-  family's cooperative 1x1 plans take tiles dynamically instead, `GemmPlan.dynamic_tiles`:
-  after its first, a CTA claims the next from a counter; sm90_grouped.py.) Inside a group
-  the work tiles run along M first (`plan.raster_along_m`), or along N first in "m" mode when
-  one group's B is small (the planner's `grouped_raster_along_m`: the clusters in flight then
-  share a few m tiles of A and the group's whole B in L2). A cluster of
-  `pair` CTAs along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA r takes the
+  clusters, ..., and a binary search of the table gives a work index its group. (Plans in 1x1
+  clusters, cooperative on sm_90a, take tiles dynamically instead, `GemmPlan.dynamic_tiles`:
+  after its first, a CTA claims the next from a counter; the protocol below, `_work_ring`.)
+  Inside a group the work tiles run along M first (`plan.raster_along_m`), or along N first in
+  "m" mode when one group's B is small (the planner's `grouped_raster_along_m`: the clusters in
+  flight then share a few m tiles of A and the group's whole B in L2). A cluster of `pair` CTAs
+  along M (2x1 on sm_90a) makes its work tile `pair` CTA tiles tall: CTA r takes the
   rows from r * tile_m on, so both CTAs of a pair stay inside one group and share its B tile by
   multicast; a CTA whose rows start past the group's end loads zeros and stores nothing. In "m"
   mode a group of g_j rows has ceil(g_j / (pair x tile_m)) x tiles_n work tiles, a group
@@ -53,8 +53,10 @@ transaction, so each stage's expected byte count is the whole tile's, constant a
 from __future__ import annotations
 
 import cutlass
+import cutlass.pipeline as pipeline
 from cutlass import cute
 
+from jax_sm100._src.constraints import GROUPED_WORK_RING
 from jax_sm100._src.kernels import common, family
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS
@@ -97,12 +99,14 @@ class GroupedGemm:
     table; `_num_work`, `_work` and `_k_tiles` take `sched`, the tuple
     (table, tiles_m, tiles_n, k_extent).
 
-    Host entry point of the family: `__call__(a, b, d, group_sizes, bias, stream)`; a, d rank 2
-    and b rank 3 in "m" mode, a, b rank 2 and d rank 3 in "k" mode, group_sizes (G,) int32,
-    bias (N, G) (ragged_dot's [G, N]) or None; a family that adds it sets `GROUPED_BIAS`.
+    Host entry point of the family: `__call__(a, b, d, group_sizes, bias, counter, stream)`; a,
+    d rank 2 and b rank 3 in "m" mode, a, b rank 2 and d rank 3 in "k" mode, group_sizes (G,)
+    int32, bias (N, G) (ragged_dot's [G, N]) or None (a family that adds it sets
+    `GROUPED_BIAS`), counter (1,) int32 zeroed for every call with `plan.dynamic_tiles`, else
+    None.
     """
 
-    HOST_OPERANDS = ("a", "b", "d", "group_sizes", "bias")
+    HOST_OPERANDS = ("a", "b", "d", "group_sizes", "bias", "counter")
     # Whether the family's epilogue adds ragged_dot's per-group bias ("m" mode).
     GROUPED_BIAS = False
 
@@ -116,6 +120,8 @@ class GroupedGemm:
         self.work_tile = (tm * self.pair, tn, tk)
         # A group's work tiles along M first, or along N first (grouped_raster_along_m).
         self.m_first = bool(plan.raster_along_m)
+        # Work tiles claimed from a counter (the `_work_ring` protocol) instead of round-robin.
+        self.dynamic = bool(plan.dynamic_tiles)
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -183,7 +189,10 @@ class GroupedGemm:
             a = fake(spec.a_dtype, (m, k), (0, 1))
             b = fake(spec.b_dtype, (n, k), (0, 1))
             d = fake(spec.out_dtype, (m, n, g), (1, 0, 2))
-        return family.CompileInputs(plan, spec, (a, b, d, gs, bias))
+        counter = None
+        if plan.dynamic_tiles:
+            counter = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+        return family.CompileInputs(plan, spec, (a, b, d, gs, bias, counter))
 
     # ---------------------------------------------------------------- host
 
@@ -209,6 +218,73 @@ class GroupedGemm:
     def _table_field(self):
         """The group table's shared-memory field (`_build_table`'s layout)."""
         return cute.struct.MemRange[cutlass.Int32, 2 * (self.groups + 2)]
+
+    # ---------------------------------------------------------------- device: dynamic tiles
+    # With `plan.dynamic_tiles` the producer warp (its 32 lanes) claims each CTA's next work
+    # tile from the counter once it has issued the current tile's loads (`_claim`: CTA c's
+    # first tile is c, then `stride` + the counter's old value), and publishes every index
+    # (`_publish`), the last one at or past the end, in a ring of GROUPED_WORK_RING slots in
+    # shared memory, each with a full and an empty mbarrier; every consumer thread of the
+    # CTA reads each index in turn and hands its slot back (`_next_work`). Each tile is
+    # computed as in the round-robin schedule, so results do not change.
+
+    def _work_ring_fields(self) -> dict:
+        """The ring's shared-memory fields (none without dynamic tiles)."""
+        if not self.dynamic:
+            return {}
+        return {
+            "work_barriers": cute.struct.MemRange[cutlass.Int64, GROUPED_WORK_RING * 2],
+            "work_slots": cute.struct.MemRange[cutlass.Int32, GROUPED_WORK_RING],
+        }
+
+    @cute.jit
+    def _work_ring(self, storage, consumers: int, mCounter):
+        """(ring pipeline, slots, counter), or None without dynamic tiles; in the kernel before
+        the pipelines' init fence and barrier (its mbarriers are initialised with theirs)."""
+        work = None
+        if cutlass.const_expr(self.dynamic):
+            work_pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.work_barriers.data_ptr(),
+                num_stages=GROUPED_WORK_RING,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+                defer_sync=True,
+            )
+            slots = storage.work_slots.get_tensor(cute.make_layout(GROUPED_WORK_RING))
+            work = (work_pipe, slots, mCounter)
+        return work
+
+    def _work_state(self, user_type):
+        """A pipeline state over the ring (`pipeline.PipelineUserType.Producer` or Consumer)."""
+        return pipeline.make_pipeline_state(user_type, GROUPED_WORK_RING)
+
+    @cute.jit
+    def _claim(self, work):
+        """The producer warp: the counter's old value in lane 0 (its claim of the next work
+        tile), 0 in the other lanes."""
+        taken = cutlass.Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(work[2].iterator, cutlass.Int32(1), sem="relaxed",
+                                         scope="gpu")  # fmt: skip
+        return taken
+
+    @cute.jit
+    def _publish(self, work, state, w):
+        """The producer warp: work tile `w` into the ring's next slot, for every consumer."""
+        work_pipe, slots, _ = work
+        work_pipe.producer_acquire(state)
+        if cute.arch.lane_idx() == 0:
+            slots[state.index] = w
+        work_pipe.producer_commit(state)
+
+    @cute.jit
+    def _next_work(self, work, state):
+        """A consumer thread: the work tile the producer warp published next."""
+        work_pipe, slots, _ = work
+        work_pipe.consumer_wait(state)
+        w = slots[state.index]
+        work_pipe.consumer_release(state)
+        return w
 
     # ---------------------------------------------------------------- device: the schedule
 

@@ -37,6 +37,13 @@ B boxes the stage's TMA copies move, read off the atoms and their SMEM partition
 (`_tma_copy_bytes`): the whole tile, since TMA counts a box's zero-filled bytes past a group's
 end towards the transaction too.
 
+In 1x1 clusters the work tiles are claimed dynamically (`plan.dynamic_tiles`, grouped.py's
+protocol, which the SM90 family runs on the H200): the TMA warp claims and publishes each tile's
+index, and the MMA warp and the epilogue warps read them from the ring in turn. The ring's
+GROUPED_WORK_RING slots let the TMA warp run at most that many tiles ahead of the epilogue,
+which trails the MMA by up to `num_acc_stages` tiles: for tiles of one or two k-blocks (weight
+gradients of short groups) the ring, not the A/B stages, bounds how far loads run ahead.
+
 Verified only by compiling for sm_100a on a CPU machine (tests/test_sm100_grouped_ptx.py reads
 the PTX); no SM100 GPU has run this code.
 """
@@ -70,8 +77,9 @@ from jax_sm100._src.kernels.spec import KernelSpec
 class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     """A persistent grouped tcgen05 GEMM for one (GemmPlan with `groups`, KernelSpec).
 
-    Host entry point: `__call__(a, b, d, group_sizes, bias, stream)` (grouped.py's modes);
-    legality and fake operands are `GroupedGemm`'s, then the dense family's.
+    Host entry point: `__call__(a, b, d, group_sizes, bias, counter, stream)` (grouped.py's
+    modes and dynamic tiles); legality and fake operands are `GroupedGemm`'s, then the dense
+    family's.
     """
 
     KERNEL = planning.KERNEL_SM100_GROUPED
@@ -88,15 +96,16 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         return super().why_not(plan, spec)
 
     def _smem_fields(self) -> dict:
-        # The group table after the 1024-byte aligned tiles (the planner counts it apart).
-        return {**super()._smem_fields(), "table": self._table_field()}
+        # The group table (and the dynamic tiles' ring) after the 1024-byte aligned tiles (the
+        # planner counts them apart).
+        return {**super()._smem_fields(), "table": self._table_field(), **self._work_ring_fields()}
 
     # ---------------------------------------------------------------- host
 
     @cute.jit
     def __call__(
         self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor, gs: cute.Tensor,
-        bias: cute.Tensor | None, stream: cuda.CUstream,
+        bias: cute.Tensor | None, counter: cute.Tensor | None, stream: cuda.CUstream,
     ):  # fmt: skip
         self._setup()
         a_view, b_view, d_view, extent, tiles_m, tiles_n, max_work = self._grouped_views(a, b, d)
@@ -118,8 +127,8 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.grouped_kernel(
             self.tiled_mma, tma_atom_a, tma_a, tma_atom_b, tma_b, tma_atom_d, tma_d, gs, bias_mng,
-            extent, a.shape[1], tiles_m, tiles_n, self.cluster_layout_vmnk, self.a_smem_staged,
-            self.b_smem_staged, self.d_smem_staged, self.epi_tile,
+            counter, extent, a.shape[1], tiles_m, tiles_n, self.cluster_layout_vmnk,
+            self.a_smem_staged, self.b_smem_staged, self.d_smem_staged, self.epi_tile,
         ).launch(
             grid=[grid, 1, 1], block=[self.threads_per_cta, 1, 1], cluster=(self.pair, 1, 1),
             stream=stream,
@@ -139,6 +148,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         mD: cute.Tensor,
         mGs: cute.Tensor,
         mBias: cute.Tensor | None,
+        mCounter: cute.Tensor | None,
         extent: cutlass.Int32,
         k_extent: cutlass.Int32,
         tiles_m: cutlass.Int32,
@@ -197,6 +207,8 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             cta_layout_vmnk=cluster,
             defer_sync=True,
         )
+        # Dynamic tiles (grouped.py): the TMA warp publishes, the MMA and epilogue warps read.
+        work = self._work_ring(storage, _WARP * (len(_EPI_WARPS) + 1), mCounter)
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_base.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
@@ -226,6 +238,11 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             if cutlass.const_expr(self.mcast_ctas_b > 1):
                 mask_b = cpasync.create_tma_multicast_mask(cluster, coord_vmnk, mcast_mode=1)
             w = first
+            published = None
+            if cutlass.const_expr(self.dynamic):
+                published = self._work_state(pipeline.PipelineUserType.Producer)
+                self._publish(work, published, w)
+                published.advance()
             while w < num:
                 group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
                 n_k = self._k_tiles(sched, rows, zeros)
@@ -238,7 +255,13 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                     ab_producer, n_k, (tma_atom_a, tAgA[(None, m_tile, None)], tAsA, None),
                     (tma_atom_b, tBgB[(None, n_tile, None)], tBsB, mask_b),
                 )  # fmt: skip
-                w += stride
+                if cutlass.const_expr(self.dynamic):
+                    # The tile's loads are issued: claim the next (grouped.py).
+                    w = stride + cute.arch.shuffle_sync(self._claim(work), 0)
+                    self._publish(work, published, w)
+                    published.advance()
+                else:
+                    w += stride
             ab_producer.tail()
 
         # ------------------------------------------------------------------- MMA warp
@@ -252,6 +275,11 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             )
             k_blocks = cute.size(tCrA, mode=[2])
             w = first
+            taken = None
+            if cutlass.const_expr(self.dynamic):
+                taken = self._work_state(pipeline.PipelineUserType.Consumer)
+                w = self._next_work(work, taken)
+                taken.advance()
             while w < num:
                 _, _, rows, _, _, zeros = self._work(sched, w)
                 n_k = self._k_tiles(sched, rows, zeros)
@@ -267,7 +295,11 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                     )
                     acc_pipe.producer_commit(acc_state)
                     acc_state.advance()
-                w += stride
+                if cutlass.const_expr(self.dynamic):
+                    w = self._next_work(work, taken)
+                    taken.advance()
+                else:
+                    w += stride
             acc_pipe.producer_tail(acc_state)
 
         # ------------------------------------------------------------------ epilogue warps
@@ -288,6 +320,11 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             )
             d_stage = cutlass.Int32(0)
             w = first
+            taken = None
+            if cutlass.const_expr(self.dynamic):
+                taken = self._work_state(pipeline.PipelineUserType.Consumer)
+                w = self._next_work(work, taken)
+                taken.advance()
             while w < num:
                 group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
                 n_k = self._k_tiles(sched, rows, zeros)
@@ -302,7 +339,11 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                     self, epi, warp, tile, acc_pipe, acc_state, None, None, d_stage, d_tiles,
                     n_k > 0, bias_tile, n_k > 0,
                 )  # fmt: skip
-                w += stride
+                if cutlass.const_expr(self.dynamic):
+                    w = self._next_work(work, taken)
+                    taken.advance()
+                else:
+                    w += stride
             epi.d_pipe.producer_tail()
             # Every epilogue warp's last TMEM load is done before the columns are freed.
             pipeline.NamedBarrier(

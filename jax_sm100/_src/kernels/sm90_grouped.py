@@ -16,14 +16,11 @@ ragged_dot's bias (N, G) is added in the epilogue (`GROUPED_BIAS`): each tile re
 column, at the coordinates of the group's rows; the tiles of the rows past the groups add none.
 
 Dynamic work tiles (`plan.dynamic_tiles`: cooperative plans in 1x1 clusters, the planner's choice
-there). Round-robin, skewed group sizes leave the busiest SM 1.2x the average's work (128
-Dirichlet(0.3) groups: tiles of a few rows stream a whole weight slice, others compute on full
-tiles). Instead, CTA c takes tile c first; then, once its producer warp has issued a tile's loads,
-it claims the next with an atomic add on a counter (an int32 the caller zeroes for every call) and
-publishes each index in a 4-slot ring in shared memory (an mbarrier pair per slot) that every
-consumer thread reads; a CTA stops at the first index at or past the last tile (its claim, or its
-own first index when the grid outnumbers the tiles). Each tile is computed as in the static
-schedule, so results are the same bit for bit.
+there; grouped.py's protocol). Round-robin, skewed group sizes leave the busiest SM 1.2x the
+average's work (128 Dirichlet(0.3) groups: tiles of a few rows stream a whole weight slice,
+others compute on full tiles). Instead the producer warp claims each next tile once it has
+issued the current tile's loads, and both consumer warp groups read the indices from the ring.
+Each tile is computed as in the static schedule, so results are the same bit for bit.
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from jax_sm100._src.constraints import GROUPED_WORK_RING
-from jax_sm100._src.kernels import family
 from jax_sm100._src.kernels.grouped import GroupedGemm, ragged_slice
 from jax_sm100._src.kernels.sm90_gemm import (
     _CONSUMER_REGS,
@@ -60,23 +55,10 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     """
 
     GROUPED_BIAS = True
-    HOST_OPERANDS = (*GroupedGemm.HOST_OPERANDS, "counter")
 
     def __init__(self, plan, spec: KernelSpec):
         super().__init__(plan, spec)
         self._init_grouped(plan)
-        self.dynamic = bool(plan.dynamic_tiles)
-
-    @classmethod
-    def compile_inputs(cls, plan, spec: KernelSpec):
-        """`GroupedGemm`'s fake operands, and the dynamic schedule's counter (or None)."""
-        from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: PLC0415
-
-        inputs = super().compile_inputs(plan, spec)
-        counter = None
-        if plan.dynamic_tiles:
-            counter = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
-        return family.CompileInputs(inputs.plan, inputs.spec, (*inputs.operands, counter))
 
     # ---------------------------------------------------------------- host
 
@@ -108,9 +90,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
             ],
         }
-        if cutlass.const_expr(self.dynamic):
-            fields["work_barriers"] = cute.struct.MemRange[cutlass.Int64, GROUPED_WORK_RING * 2]
-            fields["work_slots"] = cute.struct.MemRange[cutlass.Int32, GROUPED_WORK_RING]
+        fields |= self._work_ring_fields()
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.kernel(
@@ -182,21 +162,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             cta_layout_vmnk=cute.make_layout((1, self.pair, 1, 1)),
             defer_sync=True,
         )
-        work = None
-        if cutlass.const_expr(self.dynamic):
-            # The work ring: the producer warp publishes each work tile's index, every consumer
-            # thread reads it and hands the slot back (`_next_work`).
-            work_pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.work_barriers.data_ptr(),
-                num_stages=GROUPED_WORK_RING,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(
-                    pipeline.Agent.Thread, self.num_consumer_threads
-                ),
-                defer_sync=True,
-            )
-            slots = storage.work_slots.get_tensor(cute.make_layout(GROUPED_WORK_RING))
-            work = (work_pipe, slots, mCounter)
+        work = self._work_ring(storage, self.num_consumer_threads, mCounter)
         table = storage.table.get_tensor(cute.make_layout(2 * (self.groups + 2)))
         if warp == 0:
             self._build_table(mGs, table, extent, tiles_n)
@@ -229,9 +195,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         w, end, stride = self._work_range(sched)
         published = None
         if cutlass.const_expr(self.dynamic):
-            published = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, GROUPED_WORK_RING
-            )
+            published = self._work_state(pipeline.PipelineUserType.Producer)
             self._publish(work, published, w)
             published.advance()
         sAg = cute.group_modes(sA, 0, 2)
@@ -274,34 +238,6 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 w += stride
         ab_pipe.producer_tail(state)
 
-    @cute.jit
-    def _claim(self, work):
-        """The producer warp: the counter's old value in lane 0 (its claim of the next work
-        tile), 0 in the other lanes."""
-        taken = cutlass.Int32(0)
-        if cute.arch.lane_idx() == 0:
-            taken = cute.arch.atomic_add(work[2].iterator, cutlass.Int32(1), sem="relaxed",
-                                         scope="gpu")  # fmt: skip
-        return taken
-
-    @cute.jit
-    def _publish(self, work, state, w):
-        """The producer warp: work tile `w` into the ring's next slot, for every consumer."""
-        work_pipe, slots, _ = work
-        work_pipe.producer_acquire(state)
-        if cute.arch.lane_idx() == 0:
-            slots[state.index] = w
-        work_pipe.producer_commit(state)
-
-    @cute.jit
-    def _next_work(self, work, state):
-        """A consumer thread: the work tile the producer warp published next."""
-        work_pipe, slots, _ = work
-        work_pipe.consumer_wait(state)
-        w = slots[state.index]
-        work_pipe.consumer_release(state)
-        return w
-
     # ---------------------------------------------------------------- consumers
 
     @cute.jit
@@ -340,9 +276,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         step = stride
         taken = None
         if cutlass.const_expr(self.dynamic):
-            taken = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, GROUPED_WORK_RING
-            )
+            taken = self._work_state(pipeline.PipelineUserType.Consumer)
             w = self._next_work(work, taken)
             taken.advance()
         if cutlass.const_expr(self.pingpong):

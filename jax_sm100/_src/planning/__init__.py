@@ -118,7 +118,9 @@ def _plan_cached(
     if groups:
         common |= dict(groups=groups, ragged=ragged)
         if arch == "sm_100a":
-            return sm100.plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits)
+            return sm100.plan_sm100_grouped(
+                common, why_not, ab_bits, ktile, out_bits, grouped_dynamic
+            )
         return sm90.plan_sm90_grouped(common, why_not, ktile, grouped_schedule, grouped_dynamic)
     if arch == "sm_100a":
         return sm100.plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits)

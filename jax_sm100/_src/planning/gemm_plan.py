@@ -294,10 +294,10 @@ class GemmPlan:
     # A grouped problem (GemmProblem.groups / .ragged); its kernel is one of GROUPED_KERNELS.
     groups: int = 0
     ragged: str = ""
-    # KERNEL_SM90_GROUPED, cooperative, 1x1 clusters: after its first work tile (its own index),
-    # each CTA takes the next from a counter in global memory (zeroed every call) once its
-    # producer warp has issued the current tile's loads, instead of every grid-th tile: work
-    # tiles of unequal cost (skewed group sizes) spread by when SMs are free.
+    # The grouped kernels (on sm_90a the cooperative schedule) in 1x1 clusters: after its first
+    # work tile (its own index), each CTA takes the next from a counter in global memory (zeroed
+    # every call) once its producer warp has issued the current tile's loads, instead of every
+    # grid-th tile: work tiles of unequal cost (skewed group sizes) spread by when SMs are free.
     dynamic_tiles: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
@@ -355,11 +355,11 @@ class GemmPlan:
             )
         if not isinstance(self.dynamic_tiles, bool):
             raise C.PlanError(f"dynamic_tiles={self.dynamic_tiles!r} must be a bool")
-        if self.dynamic_tiles and (self.kernel != KERNEL_SM90_GROUPED or self.pingpong
+        if self.dynamic_tiles and (self.kernel not in GROUPED_KERNELS or self.pingpong
                                    or tuple(self.cluster_shape_mn) != (1, 1)):  # fmt: skip
             raise C.PlanError(
-                f"dynamic_tiles=True is a schedule of the cooperative {KERNEL_SM90_GROUPED!r} "
-                f"kernel in 1x1 clusters; got kernel={self.kernel!r}, {self.pingpong=}, "
+                f"dynamic_tiles=True is a schedule of the grouped kernels {GROUPED_KERNELS} "
+                f"(cooperative) in 1x1 clusters; got kernel={self.kernel!r}, {self.pingpong=}, "
                 f"{self.cluster_shape_mn=}"
             )
         if self.kernel in (KERNEL_SM90, KERNEL_SM90_SPLITK, KERNEL_SM90_GROUPED) and (

@@ -115,13 +115,16 @@ _SM100_GROUPED_CANDIDATES = (
 )
 
 
-def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
+def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits, dynamic="") -> GemmPlan:
     """The sm_100a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the 1-CTA
     tile with the fewest weighted waves for groups of equal size (`grouped_work_tiles`, the
     sm_90a grouped planner's model), two TMEM accumulators, a 2-deep store ring and as many
-    A/B stages as fit beside the group table; `why_not` (or `grouped_support`'s reason) sends
-    it to XLA's ragged dot."""
+    A/B stages as fit beside the group table (and, in 1x1 clusters, the dynamic tiles' ring:
+    `dynamic` as sm90.plan_sm90_grouped reads it); `why_not` (or `grouped_support`'s reason)
+    sends it to XLA's ragged dot."""
     g, num_sms = common["groups"], common["num_sms"]
+    if dynamic not in ("", "0", "1"):
+        raise C.PlanError(f"{sm90.GROUPED_DYNAMIC_ENV}={dynamic!r}: '1', '0' or unset")
     why_not = grouped_support(common) or why_not
     best = None
     for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
@@ -130,7 +133,13 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
             best = (cost, mm, mn, pair)
     _, mm, mn, pair = best
     pair = 1 if why_not is not None else pair
+    dynamic_tiles = (
+        why_not is None
+        and pair == 1
+        and (dynamic == "1" or (dynamic == "" and sm90.GROUPED_DYNAMIC_DEFAULT))
+    )
     reserved = group_table_bytes(g) if why_not is None else 0
+    reserved += C.GROUPED_WORK_RING_BYTES if dynamic_tiles else 0
     acc_stages, stages = _sm100_stages(
         common["arch"], False, mm, mn, ktile, ab_bits, common["out_dtype"], out_bits, None, 0,
         False, reserved,
@@ -149,4 +158,5 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits) -> GemmPlan:
         num_ab_stages=stages,
         num_acc_stages=acc_stages,
         raster_along_m=grouped_raster_along_m(common),
+        dynamic_tiles=dynamic_tiles,
     )

@@ -468,9 +468,11 @@ def grouped_cluster_cost(common, tm: int, tn: int, eff: float) -> tuple[float, i
 
 
 # JAX_SM100_GROUPED_DYNAMIC: "1" or "0" turns `GemmPlan.dynamic_tiles` on or off where it
-# applies (cooperative grouped plans in 1x1 clusters); unset, the planner's rule below.
+# applies (grouped plans in 1x1 clusters: cooperative ones on sm_90a, every one on sm_100a,
+# whose planner reads the same switch); unset, the planner's rule below.
 GROUPED_DYNAMIC_ENV = "JAX_SM100_GROUPED_DYNAMIC"
-# The planner's rule: dynamic work tiles for every cooperative grouped plan in 1x1 clusters.
+# The planners' rule: dynamic work tiles wherever they apply (H200: 128 skewed groups' forward
+# 1.08-1.11x, equal groups unchanged; benchmarks/RESULTS.md, seventeenth session).
 GROUPED_DYNAMIC_DEFAULT = True
 
 
