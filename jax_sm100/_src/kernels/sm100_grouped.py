@@ -238,11 +238,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             if cutlass.const_expr(self.mcast_ctas_b > 1):
                 mask_b = cpasync.create_tma_multicast_mask(cluster, coord_vmnk, mcast_mode=1)
             w = first
-            published = None
-            if cutlass.const_expr(self.dynamic):
-                published = self._work_state(pipeline.PipelineUserType.Producer)
-                self._publish(work, published, w)
-                published.advance()
+            published = self._produce_first(work, w)
             while w < num:
                 group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
                 n_k = self._k_tiles(sched, rows, zeros)
@@ -255,13 +251,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                     ab_producer, n_k, (tma_atom_a, tAgA[(None, m_tile, None)], tAsA, None),
                     (tma_atom_b, tBgB[(None, n_tile, None)], tBsB, mask_b),
                 )  # fmt: skip
-                if cutlass.const_expr(self.dynamic):
-                    # The tile's loads are issued: claim the next (grouped.py).
-                    w = stride + cute.arch.shuffle_sync(self._claim(work), 0)
-                    self._publish(work, published, w)
-                    published.advance()
-                else:
-                    w += stride
+                w, published = self._produce_next(work, published, w, stride)
             ab_producer.tail()
 
         # ------------------------------------------------------------------- MMA warp
@@ -274,12 +264,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                 pipeline.PipelineUserType.Producer, self.num_acc_stages
             )
             k_blocks = cute.size(tCrA, mode=[2])
-            w = first
-            taken = None
-            if cutlass.const_expr(self.dynamic):
-                taken = self._work_state(pipeline.PipelineUserType.Consumer)
-                w = self._next_work(work, taken)
-                taken.advance()
+            w, taken = self._take_first(work, first)
             while w < num:
                 _, _, rows, _, _, zeros = self._work(sched, w)
                 n_k = self._k_tiles(sched, rows, zeros)
@@ -295,11 +280,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                     )
                     acc_pipe.producer_commit(acc_state)
                     acc_state.advance()
-                if cutlass.const_expr(self.dynamic):
-                    w = self._next_work(work, taken)
-                    taken.advance()
-                else:
-                    w += stride
+                w, taken = self._take_next(work, taken, w, stride)
             acc_pipe.producer_tail(acc_state)
 
         # ------------------------------------------------------------------ epilogue warps
@@ -319,12 +300,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                 pipeline.PipelineUserType.Consumer, self.num_acc_stages
             )
             d_stage = cutlass.Int32(0)
-            w = first
-            taken = None
-            if cutlass.const_expr(self.dynamic):
-                taken = self._work_state(pipeline.PipelineUserType.Consumer)
-                w = self._next_work(work, taken)
-                taken.advance()
+            w, taken = self._take_first(work, first)
             while w < num:
                 group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
                 n_k = self._k_tiles(sched, rows, zeros)
@@ -339,11 +315,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                     self, epi, warp, tile, acc_pipe, acc_state, None, None, d_stage, d_tiles,
                     n_k > 0, bias_tile, n_k > 0,
                 )  # fmt: skip
-                if cutlass.const_expr(self.dynamic):
-                    w = self._next_work(work, taken)
-                    taken.advance()
-                else:
-                    w += stride
+                w, taken = self._take_next(work, taken, w, stride)
             epi.d_pipe.producer_tail()
             # Every epilogue warp's last TMEM load is done before the columns are freed.
             pipeline.NamedBarrier(

@@ -193,11 +193,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         tm, tn, tk = self.tile_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         w, end, stride = self._work_range(sched)
-        published = None
-        if cutlass.const_expr(self.dynamic):
-            published = self._work_state(pipeline.PipelineUserType.Producer)
-            self._publish(work, published, w)
-            published.advance()
+        published = self._produce_first(work, w)
         sAg = cute.group_modes(sA, 0, 2)
         sBg = cute.group_modes(sB, 0, 2)
         while w < end:
@@ -225,17 +221,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                           mcast_mask=b_mask)  # fmt: skip
                 ab_pipe.producer_commit(state)
                 state.advance()
-            if cutlass.const_expr(self.dynamic):
-                # The tile's loads are issued: this CTA takes the next unclaimed tile (the first
-                # `stride` are every CTA's first) and hands it to the consumers (an index at or
-                # past the last tile ends both sides' loops). Claimed this late, a tile goes to the
-                # CTA that is nearest to free (claimed at the tile's last stage instead, the skewed
-                # groups' gain fell from 1.11x to 1.02x on the H200).
-                w = stride + cute.arch.shuffle_sync(self._claim(work), 0)
-                self._publish(work, published, w)
-                published.advance()
-            else:
-                w += stride
+            w, published = self._produce_next(work, published, w, stride)
         ab_pipe.producer_tail(state)
 
     # ---------------------------------------------------------------- consumers
@@ -274,11 +260,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         w, end, stride = self._work_range(sched)
         step = stride
-        taken = None
-        if cutlass.const_expr(self.dynamic):
-            taken = self._work_state(pipeline.PipelineUserType.Consumer)
-            w = self._next_work(work, taken)
-            taken.advance()
+        w, taken = self._take_first(work, w)
         if cutlass.const_expr(self.pingpong):
             step = 2 * stride
             if consumer_wg == 1:
@@ -336,11 +318,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                             store_warp, epi_group, None, None, None, None)  # fmt: skip
             self._store_tile(tile, tiles_done, epi, warp)
             tiles_done += 1
-            if cutlass.const_expr(self.dynamic):
-                w = self._next_work(work, taken)
-                taken.advance()
-            else:
-                w += step
+            w, taken = self._take_next(work, taken, w, step)
         store_pipe.producer_tail()
 
     @cute.jit
