@@ -123,8 +123,7 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits, dynamic="") ->
     `dynamic` as sm90.plan_sm90_grouped reads it); `why_not` (or `grouped_support`'s reason)
     sends it to XLA's ragged dot."""
     g, num_sms = common["groups"], common["num_sms"]
-    if dynamic not in ("", "0", "1"):
-        raise C.PlanError(f"{sm90.GROUPED_DYNAMIC_ENV}={dynamic!r}: '1', '0' or unset")
+    wants_dynamic = sm90.grouped_dynamic(dynamic)
     why_not = grouped_support(common) or why_not
     best = None
     for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
@@ -133,11 +132,7 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits, dynamic="") ->
             best = (cost, mm, mn, pair)
     _, mm, mn, pair = best
     pair = 1 if why_not is not None else pair
-    dynamic_tiles = (
-        why_not is None
-        and pair == 1
-        and (dynamic == "1" or (dynamic == "" and sm90.GROUPED_DYNAMIC_DEFAULT))
-    )
+    dynamic_tiles = why_not is None and pair == 1 and wants_dynamic
     reserved = group_table_bytes(g) if why_not is None else 0
     reserved += C.GROUPED_WORK_RING_BYTES if dynamic_tiles else 0
     acc_stages, stages = _sm100_stages(

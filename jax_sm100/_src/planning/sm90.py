@@ -476,6 +476,14 @@ GROUPED_DYNAMIC_ENV = "JAX_SM100_GROUPED_DYNAMIC"
 GROUPED_DYNAMIC_DEFAULT = True
 
 
+def grouped_dynamic(dynamic: str) -> bool:
+    """Whether a grouped plan takes dynamic work tiles where they apply, by GROUPED_DYNAMIC_ENV's
+    value `dynamic` ("" for the planners' rule); both grouped planners read it."""
+    if dynamic not in ("", "0", "1"):
+        raise C.PlanError(f"{GROUPED_DYNAMIC_ENV}={dynamic!r}: '1', '0' or unset")
+    return dynamic == "1" or (dynamic == "" and GROUPED_DYNAMIC_DEFAULT)
+
+
 def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
@@ -487,8 +495,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPl
     why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
         raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of {GROUPED_SCHEDULES}")
-    if dynamic not in ("", "0", "1"):
-        raise C.PlanError(f"{GROUPED_DYNAMIC_ENV}={dynamic!r}: '1', '0' or unset")
+    wants_dynamic = grouped_dynamic(dynamic)
     candidates = []
     if schedule != "pingpong":
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
@@ -520,9 +527,11 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPl
         num_epi_stages=2,
         pingpong=pingpong,
         raster_along_m=grouped_raster_along_m(common),
-        dynamic_tiles=(kernel == KERNEL_SM90_GROUPED and not pingpong and pair == 1
-                       and (dynamic == "1" or (dynamic == "" and GROUPED_DYNAMIC_DEFAULT))),
-    )  # fmt: skip
+        dynamic_tiles=wants_dynamic
+        and kernel == KERNEL_SM90_GROUPED
+        and not pingpong
+        and pair == 1,
+    )
     # The deeper ring was measured for 16-bit outputs only; a float32 D would pay an A/B stage.
     deepest = GROUPED_EPI_STAGES if C.DTYPE_BITS[common["out_dtype"]] == 16 else 2
     for depth in (deepest, 2):
