@@ -283,15 +283,16 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
         self.assertEqual(p.kernel, GROUPED, p.reason)
         self.assertEqual((p.use_2cta, p.num_acc_stages), (False, 2))
         # The tile and cluster with the fewest weighted waves for equal groups: the same model
-        # (`grouped_work_tiles`, pairs of CTA tiles weighed by the multicast gain) as the sm_90a
-        # grouped planner's.
+        # (`grouped_work_tiles`, pairs of CTA tiles weighed by the multicast gain, a weight
+        # gradient's single CTAs by their dynamic tiles' gain) as the sm_90a grouped planner's.
         common = dict(m=m, n=n, groups=g, ragged=ragged)
         gain = planning.sm90.GROUPED_MULTICAST_GAIN
+        single = planning.sm90.GROUPED_DYNAMIC_K_GAIN if ragged == "k" else 1.0
 
         def cost(choice):
             (tm, tn, eff), pair = choice
             tiles = gemm_plan.grouped_work_tiles(common, pair * tm, tn)
-            weight = eff * (gain if pair == 2 else 1.0)
+            weight = eff * (gain if pair == 2 else single)
             return gemm_plan._wave_cost(tiles, pair, p.num_sms, pair * tm * tn, weight)
 
         choices = [(c, pair) for c in planning.sm100._SM100_GROUPED_CANDIDATES for pair in (1, 2)]

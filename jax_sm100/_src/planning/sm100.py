@@ -127,7 +127,7 @@ def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits, dynamic="") ->
     why_not = grouped_support(common) or why_not
     best = None
     for mm, mn, eff in _SM100_GROUPED_CANDIDATES:
-        cost, pair = sm90.grouped_cluster_cost(common, mm, mn, eff)
+        cost, pair = sm90.grouped_cluster_cost(common, mm, mn, eff, wants_dynamic)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, mm, mn, pair)
     _, mm, mn, pair = best

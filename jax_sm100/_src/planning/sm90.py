@@ -452,14 +452,28 @@ GROUPED_MIN_AB_STAGES = 3
 # odd number of m tiles leaves one CTA of its last pair idle (its rows are past the group: zero
 # loads, no stores), which the wave count below charges.
 GROUPED_MULTICAST_GAIN = 1.08
+# The weight of dynamic work tiles (1x1 clusters only) in a weight gradient (ragged "k": one
+# [k, n] result per group, its k-segment as long as its group), whose tiles cost what their
+# groups' sizes do. H200, eighteenth session (benchmarks/grouped_schedule.py: each grouped
+# product in 1x1 clusters with dynamic tiles against the 2x1 pair; benchmarks/RESULTS.md):
+# skewed groups 1.15-1.18x the 2x1 pair (64 groups 522 -> 598, 128: 242 -> 286, 256: 247 -> 285
+# TF/s), equal groups 0.95-1.01x; against 1x1 round-robin (the weights' unit) about 1.25x and
+# 1.03x, and the weight is their mean, since routed tokens are rarely equal. Forward and d lhs
+# products (ragged "m") measured within spread of the 2x1 pair either way, so there dynamic
+# tiles carry no weight and the pair keeps its multicast gain.
+GROUPED_DYNAMIC_K_GAIN = 1.14
 
 
-def grouped_cluster_cost(common, tm: int, tn: int, eff: float) -> tuple[float, int]:
+def grouped_cluster_cost(
+    common, tm: int, tn: int, eff: float, dynamic: bool = False
+) -> tuple[float, int]:
     """(weighted waves, pair) of a grouped problem on tm x tn CTA tiles in the better of 1x1
     and 2x1 clusters (both grouped planners): a pair's work tiles are two CTA tiles tall, run
-    on num_sms // 2 clusters and weighed by GROUPED_MULTICAST_GAIN."""
+    on num_sms // 2 clusters and weighed by GROUPED_MULTICAST_GAIN; a 1x1 cluster of a weight
+    gradient is weighed by GROUPED_DYNAMIC_K_GAIN when it would take dynamic tiles (`dynamic`)."""
+    single = GROUPED_DYNAMIC_K_GAIN if dynamic and common["ragged"] == "k" else 1.0
     best = None
-    for pair, gain in ((1, 1.0), (2, GROUPED_MULTICAST_GAIN)):
+    for pair, gain in ((1, single), (2, GROUPED_MULTICAST_GAIN)):
         tiles = grouped_work_tiles(common, pair * tm, tn)
         cost = _wave_cost(tiles, pair, common["num_sms"], pair * tm * tn, eff * gain)
         if best is None or cost < best[0] - 1e-9:
@@ -504,7 +518,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPl
         candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
     best = None
     for tm, tn, pingpong, eff in candidates:
-        cost, pair = grouped_cluster_cost(common, tm, tn, eff)
+        cost, pair = grouped_cluster_cost(common, tm, tn, eff, wants_dynamic and not pingpong)
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong, pair)
     _, tm, tn, pingpong, pair = best
