@@ -128,19 +128,29 @@ def _ptxas_spill_bytes(ptx: str) -> tuple[int, int] | None:
 # promotions' fused multiply-adds and the stage barriers (a run of one kind written "x N").
 _EVENTS = re.compile(
     r"wgmma\.fence|wgmma\.mma_async|wgmma\.commit_group|wgmma\.wait_group\.sync\.aligned\s+\d"
-    r"|\bfma\.rn\.f32\b|mbarrier\.arrive(?:\.shared::cluster|\.shared\.b64)|mbarrier\.try_wait"
+    r"|\bfma\.rn\.f32\b|mbarrier\.arrive(?:\.shared::cluster|\.shared\.b64)"
+    r"|mbarrier\.try_wait\.parity\.(?:acquire|shared\.b64)"
 )
 
 
 def _events(ptx: str) -> str:
     """The consumers' events of `ptx` (from the first wgmma fence on), runs counted:
-    "wgmma.fence | wgmma.mma_async x4 | ... | wait 1 | fma x64 | release | ..."."""
+    "wgmma.fence | wgmma.mma_async x4 | ... | wait 1 | fma x64 | release | ...". A "stage
+    wait" is a poll (`try_wait` without a suspend hint) and the blocking retry loop after it
+    (common.wait_full); a retry loop without its poll reads "blocking wait"."""
     names = {"mbarrier.arrive.shared::cluster": "release", "mbarrier.arrive.shared.b64": "release",
-             "mbarrier.try_wait": "stage wait", "fma.rn.f32": "fma"}  # fmt: skip
+             "mbarrier.try_wait.parity.acquire": "stage wait",
+             "mbarrier.try_wait.parity.shared.b64": "blocking wait",
+             "fma.rn.f32": "fma"}  # fmt: skip
     runs = []
+    polled = False
     for m in _EVENTS.finditer(ptx[ptx.index("wgmma.fence") :]):
         e = re.sub(r"wgmma\.wait_group\.sync\.aligned\s+", "wait ", m.group(0))
         e = names.get(e, e)
+        if e == "blocking wait" and polled:
+            polled = False
+            continue  # the poll's fallback: one stage wait
+        polled = e == "stage wait"
         if runs and runs[-1][0] == e:
             runs[-1][1] += 1
         else:

@@ -49,6 +49,24 @@ SM100_EPI_BARRIER = 1  # the four epilogue warps
 SM100_TMEM_PTR_BARRIER = 2  # the epilogue warps and the MMA warp: the TMEM allocation's address
 
 
+# The SM90 dense and block-scaled kernels' A/B stage waits poll first: one mbarrier try_wait
+# without a suspend hint, and the DSL's blocking wait (a retry loop with a 10 ms suspend hint)
+# only when that found the phase incomplete, as CUTLASS's C++ collectives wait. H200,
+# eighteenth session (`bench --scaled`, two processes each, 4096x7168x16384): block-scaled B
+# per row 882-885 -> 896-900 TF/s, per 128 x 128 tile 1101-1103 -> 1115; unscaled fp8 within
+# spread (1278-1293 against 1282-1287).
+
+
+def wait_full(pipe, state):
+    """The consumers' wait for A/B stage `state` of `pipe` (a PipelineTmaAsync) to land."""
+    pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+
+
+def acquire_empty(pipe, state):
+    """The producer's wait for A/B stage `state` of `pipe` to be released."""
+    pipe.producer_acquire(state, pipe.producer_try_acquire(state))
+
+
 def cutlass_dtype(name: str) -> type[cutlass.Numeric]:
     """Returns the CuTe DSL element type for a numpy dtype name such as "bfloat16"."""
     try:

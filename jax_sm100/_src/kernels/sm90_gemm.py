@@ -561,7 +561,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                 b_k = tBgB[(None, tile[1] // self.split, None, tile[1] % self.split)]
             state.reset_count()
             for _ in range(k_tiles):
-                ab_pipe.producer_acquire(state)
+                common.acquire_empty(ab_pipe, state)
                 barrier = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, a_k[(None, state.count)], tAsA[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
@@ -736,7 +736,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.fence()
         for kt in range(n_k):
-            ab_pipe.consumer_wait(read)
+            common.wait_full(ab_pipe, read)
             for kb in cutlass.range_constexpr(k_blocks):
                 crd = (None, None, kb, read.index)
                 cute.gemm(tiled_mma, acc, tCrA[crd], tCrB[crd], acc)

@@ -239,7 +239,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         early = tn <= _EARLY_SCALES_MAX_N
         acc.fill(0.0)
         for kt in range(n_k):
-            ab_pipe.consumer_wait(read)
+            common.wait_full(ab_pipe, read)
             if cutlass.const_expr(early):
                 _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
             tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
@@ -277,7 +277,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             col_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
         acc.fill(0.0)
         for kt in range(n_k):
-            ab_pipe.consumer_wait(read)
+            common.wait_full(ab_pipe, read)
             for w in cutlass.range_constexpr(waves):
                 wave_coords = coords[(None, w, None)]
                 if cutlass.const_expr(self.b_tiled):
@@ -349,7 +349,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         """Waits for stage `read`, then issues its k-tile's wgmma batch into `frag` (the
         first instruction overwrites it) as one commit group. Returns `tiled_mma` (its
         accumulate field set here), for the caller's loop to carry."""
-        ab_pipe.consumer_wait(read)
+        common.wait_full(ab_pipe, read)
         return self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
 
     @cute.jit

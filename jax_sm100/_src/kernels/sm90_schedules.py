@@ -38,7 +38,7 @@ class Sm90SplitSchedules:
             a_k = tAgA[(None, tile[0], None, tile[2])]
             b_k = tBgB[(None, tile[1], None, tile[2])]
             for j in range(ke - kb):
-                ab_pipe.producer_acquire(state)
+                common.acquire_empty(ab_pipe, state)
                 barrier = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, a_k[(None, kb + j)], tAsA[(None, state.index)],
                           tma_bar_ptr=barrier, mcast_mask=a_mask)  # fmt: skip
