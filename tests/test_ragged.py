@@ -429,6 +429,11 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertFalse(re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text))
         notes = [x.note for x in seen]
         self.assertEqual(sum("bias in the epilogue" in n for n in notes), 1, notes)
+        # Each note names the kernel, tile and cluster that run (what train_moe.py prints).
+        for p, n in zip(plans, notes, strict=True):
+            tm, tn = p.cta_tile_mnk[:2]
+            self.assertIn(f"sm90_wgmma_grouped {tm}x{tn} tiles in {p.cluster_shape_mn[0]}x1", n)
+            self.assertEqual(", dynamic tiles" in n, p.dynamic_tiles, n)
         with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
             with jax_sm100.lowerings() as seen:
                 _export(jax.jit(lambda a, b, c, s: jax_sm100.ragged_dot(

@@ -158,7 +158,11 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     if fused:
         notes = (*notes, " and ".join(fused) + " in the epilogue")
     notes = (*notes, _after) if _after else notes
-    dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join(notes or ("",))))
+    (tm, tn), (cm, cn) = plan.cta_tile_mnk[:2], plan.cluster_shape_mn
+    how = f"{plan.kernel} {tm}x{tn} tiles in {cm}x{cn} clusters" + (
+        ", dynamic tiles" if plan.dynamic_tiles else ""
+    )
+    dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join((how, *notes))))
     return out
 
 
