@@ -456,10 +456,11 @@ GROUPED_MULTICAST_GAIN = 1.08
 # [k, n] result per group, its k-segment as long as its group), whose tiles cost what their
 # groups' sizes do. H200, eighteenth session (benchmarks/grouped_schedule.py: each grouped
 # product in 1x1 clusters with dynamic tiles against the 2x1 pair; benchmarks/RESULTS.md):
-# skewed groups 1.15-1.18x the 2x1 pair (64 groups 522 -> 598, 128: 242 -> 286, 256: 247 -> 285
-# TF/s), equal groups 0.95-1.01x; against 1x1 round-robin (the weights' unit) about 1.25x and
-# 1.03x, and the weight is their mean, since routed tokens are rarely equal. Forward and d lhs
-# products (ragged "m") measured within spread of the 2x1 pair either way, so there dynamic
+# skewed groups 1.14-1.19x the 2x1 pair (64 groups 522 -> 594-602, 128: 241-243 -> 285-288,
+# 256: 247-248 -> 283-287 TF/s), equal groups 0.95-1.01x. Taking the pair as
+# GROUPED_MULTICAST_GAIN over 1x1 round-robin (the weights' unit), that is about 1.25x and 1.04x
+# of it, and the weight is their mean, since routed tokens are rarely equal. Forward and d lhs
+# products (ragged "m") measured within spread of the 2x1 pair or behind it, so there dynamic
 # tiles carry no weight and the pair keeps its multicast gain.
 GROUPED_DYNAMIC_K_GAIN = 1.14
 
