@@ -54,7 +54,10 @@ SM100_TMEM_PTR_BARRIER = 2  # the epilogue warps and the MMA warp: the TMEM allo
 # only when that found the phase incomplete, as CUTLASS's C++ collectives wait. H200,
 # eighteenth session (`bench --scaled`, two processes each, 4096x7168x16384): block-scaled B
 # per row 882-885 -> 896-900 TF/s, per 128 x 128 tile 1101-1103 -> 1115; unscaled fp8 within
-# spread (1278-1293 against 1282-1287).
+# spread (1278-1293 against 1282-1287). The SM100 kernels keep the blocking waits: their
+# pipeline participants' token forms (`consumer.wait_and_advance(consumer.try_wait())`, and the
+# producer's) fail the DSL's IR verification in nvidia-cutlass-dsl 4.8.1 ("operand does not
+# dominate this use") inside the kernels' dynamic k loops.
 
 
 def wait_full(pipe, state):
