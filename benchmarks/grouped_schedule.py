@@ -5,8 +5,9 @@ bfloat16 data, equal and skewed sizes) it times, by wall clock (`bench_train.tim
 product of a `ragged_dot` training step alone: the forward, d lhs (both ragged "m") and d rhs
 (ragged "k", the weight gradient: one [k, n] result per group) in three plans forced through the
 planner's weights: 1x1 clusters with dynamic work tiles, 1x1 round-robin, and 2x1 round-robin (a
-CTA pair per work tile, B multicast). Prints TF/s and the plans that ran; `--rounds` repeats the
-three in turn, since run-to-run spread on the H200 is a few percent.
+CTA pair per work tile, B multicast). Prints TF/s, and the plans that ran where they are not the
+ones forced; `--rounds` repeats the three in turn, since run-to-run spread on the H200 is a few
+percent.
 """
 
 from __future__ import annotations

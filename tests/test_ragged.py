@@ -432,7 +432,9 @@ class RaggedDotTest(parameterized.TestCase):
         # Each note names the kernel, tile and cluster that run (what train_moe.py prints).
         for p, n in zip(plans, notes, strict=True):
             tm, tn = p.cta_tile_mnk[:2]
-            self.assertIn(f"sm90_wgmma_grouped {tm}x{tn} tiles in {p.cluster_shape_mn[0]}x1", n)
+            kind = "ping-pong" if p.pingpong else "cooperative"
+            where = f"{kind} tiles in {p.cluster_shape_mn[0]}x1"
+            self.assertIn(f"sm90_wgmma_grouped {tm}x{tn} {where}", n)
             self.assertEqual(", dynamic tiles" in n, p.dynamic_tiles, n)
         with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
             with jax_sm100.lowerings() as seen:

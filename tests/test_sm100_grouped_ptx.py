@@ -55,13 +55,13 @@ CASES = [
         problem=dict(m=8192, n=4096, k=4096, groups=8, ragged="m", b_major="k"),
     ),
     dict(
-        testcase_name="k_bf16_128x256",
+        testcase_name="k_bf16_128x256_2x1",
         problem=dict(m=4096, n=4096, k=32768, groups=8, ragged="k"),
+        force=dict(cluster_shape_mn=(2, 1)),
     ),
     dict(
-        testcase_name="k_bf16_128x256_1x1",
+        testcase_name="k_bf16_128x256",
         problem=dict(m=4096, n=4096, k=32768, groups=8, ragged="k"),
-        force=dict(cluster_shape_mn=(1, 1)),
     ),
     dict(
         testcase_name="m_fp16_Bmajor_k_128x128",

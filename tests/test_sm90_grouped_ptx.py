@@ -47,10 +47,10 @@ CASES = [
         cluster="1x1",
     ),  # fmt: skip
     dict(testcase_name="m_bf16_Bmajor_k", m=8192, n=4096, k=4096, ragged="m", b_major="k"),
-    dict(testcase_name="k_bf16", m=4096, n=4096, k=32768, ragged="k", b_major="n"),
     dict(
-        testcase_name="k_bf16_1x1", m=4096, n=4096, k=32768, ragged="k", b_major="n", cluster="1x1"
+        testcase_name="k_bf16_2x1", m=4096, n=4096, k=32768, ragged="k", b_major="n", cluster="2x1"
     ),  # fmt: skip
+    dict(testcase_name="k_bf16", m=4096, n=4096, k=32768, ragged="k", b_major="n"),
     dict(
         testcase_name="m_fp16_pingpong",
         m=8192,
@@ -243,6 +243,20 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         # The work ring's shared memory is counted.
         static = dataclasses.replace(base, dynamic_tiles=False)
         self.assertEqual(base.smem_bytes - static.smem_bytes, 80)
+        # Weight gradients (ragged "k": tiles as costly as their groups are large) take 1x1
+        # clusters with dynamic tiles on both architectures, where round-robin would pair CTAs
+        # in 2x1 clusters (planning/sm90.py GROUPED_DYNAMIC_K_GAIN; H200, eighteenth session).
+        for arch in ("sm_90a", "sm_100a"):
+            for g, m, n, k in ((8, 4096, 4096, 32768), (64, 2048, 1408, 65536)):
+                with mock.patch.dict(os.environ, {env: ""}):
+                    planning._plan_cached.cache_clear()
+                    dyn = _planned(m, n, k, g, "k", arch)
+                with mock.patch.dict(os.environ, {env: "0"}):
+                    planning._plan_cached.cache_clear()
+                    rr = _planned(m, n, k, g, "k", arch)
+                planning._plan_cached.cache_clear()
+                self.assertEqual((dyn.cluster_shape_mn, dyn.dynamic_tiles), ((1, 1), True))
+                self.assertEqual((rr.cluster_shape_mn, rr.dynamic_tiles), ((2, 1), False))
 
     def test_tile_order_planned(self):
         # A group's tiles along N first for small experts (B of 2048 x 1408 bfloat16, 5.8 MB),

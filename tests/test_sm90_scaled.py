@@ -129,7 +129,7 @@ def _ptxas_spill_bytes(ptx: str) -> tuple[int, int] | None:
 _EVENTS = re.compile(
     r"wgmma\.fence|wgmma\.mma_async|wgmma\.commit_group|wgmma\.wait_group\.sync\.aligned\s+\d"
     r"|\bfma\.rn\.f32\b|mbarrier\.arrive(?:\.shared::cluster|\.shared\.b64)"
-    r"|mbarrier\.try_wait\.parity\.(?:acquire|shared\.b64)"
+    r"|mbarrier\.try_wait[\w.:]*"
 )
 
 
@@ -137,9 +137,10 @@ def _events(ptx: str) -> str:
     """The consumers' events of `ptx` (from the first wgmma fence on), runs counted:
     "wgmma.fence | wgmma.mma_async x4 | ... | wait 1 | fma x64 | release | ...". A "stage
     wait" is a poll (`try_wait` without a suspend hint) and the blocking retry loop after it
-    (common.wait_full); a retry loop without its poll reads "blocking wait"."""
+    (common.wait_full); a retry loop without its poll reads "blocking wait", and any other
+    form of try_wait its opcode."""
     names = {"mbarrier.arrive.shared::cluster": "release", "mbarrier.arrive.shared.b64": "release",
-             "mbarrier.try_wait.parity.acquire": "stage wait",
+             "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64": "stage wait",
              "mbarrier.try_wait.parity.shared.b64": "blocking wait",
              "fma.rn.f32": "fma"}  # fmt: skip
     runs = []

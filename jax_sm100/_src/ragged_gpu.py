@@ -159,9 +159,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
         notes = (*notes, " and ".join(fused) + " in the epilogue")
     notes = (*notes, _after) if _after else notes
     (tm, tn), (cm, cn) = plan.cta_tile_mnk[:2], plan.cluster_shape_mn
-    how = f"{plan.kernel} {tm}x{tn} tiles in {cm}x{cn} clusters" + (
-        ", dynamic tiles" if plan.dynamic_tiles else ""
-    )
+    how = f"{plan.kernel} {tm}x{tn} {'ping-pong' if plan.pingpong else 'cooperative'} tiles "
+    how += f"in {cm}x{cn} clusters" + (", dynamic tiles" if plan.dynamic_tiles else "")
     dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join((how, *notes))))
     return out
 

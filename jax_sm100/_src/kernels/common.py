@@ -49,7 +49,7 @@ SM100_EPI_BARRIER = 1  # the four epilogue warps
 SM100_TMEM_PTR_BARRIER = 2  # the epilogue warps and the MMA warp: the TMEM allocation's address
 
 
-# The SM90 dense and block-scaled kernels' A/B stage waits poll first: one mbarrier try_wait
+# The SM90 kernels' A/B stage waits (dense, block-scaled, grouped) poll first: one mbarrier try_wait
 # without a suspend hint, and the DSL's blocking wait (a retry loop with a 10 ms suspend hint)
 # only when that found the phase incomplete, as CUTLASS's C++ collectives wait. H200,
 # eighteenth session (`bench --scaled`, two processes each, 4096x7168x16384): block-scaled B

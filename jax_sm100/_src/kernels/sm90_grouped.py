@@ -31,6 +31,7 @@ import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from jax_sm100._src.kernels import common
 from jax_sm100._src.kernels.grouped import GroupedGemm, ragged_slice
 from jax_sm100._src.kernels.sm90_gemm import (
     _CONSUMER_REGS,
@@ -214,7 +215,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             )
             n_k = self._k_tiles(sched, rows, zeros)
             for kt in range(n_k):
-                ab_pipe.producer_acquire(state)
+                common.acquire_empty(ab_pipe, state)
                 barrier = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                 cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
@@ -345,7 +346,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         No wgmma is issued on this path, so the caller's wait has nothing in flight from it."""
         acc.fill(0.0)
         for kt in range(n_k):
-            ab_pipe.consumer_wait(read)
+            common.wait_full(ab_pipe, read)
             read.advance()
             if kt > 0:
                 ab_pipe.consumer_release(release)

@@ -106,7 +106,8 @@ def plan_sm100(common, why_not, ab_bits, ktile, out_bits, c_bits) -> GemmPlan:
 # grouped work tile's rows end at its group's end, anywhere inside the tile, and its B is that
 # group's. 2x1 clusters take a work tile two CTA tiles tall inside one group
 # (kernels/grouped.py) and multicast its B tile, weighed as on sm_90a
-# (planning/sm90.py GROUPED_MULTICAST_GAIN); a cta_group::2 pair (one 256-row MMA) is not built
+# (planning/sm90.py GROUPED_MULTICAST_GAIN, and a weight gradient's dynamic tiles by
+# GROUPED_DYNAMIC_K_GAIN: both H200 figures); a cta_group::2 pair (one 256-row MMA) is not built
 # for grouped plans.
 _SM100_GROUPED_CANDIDATES = (
     # (mma_m, mma_n, efficiency)
@@ -118,7 +119,8 @@ _SM100_GROUPED_CANDIDATES = (
 def plan_sm100_grouped(common, why_not, ab_bits, ktile, out_bits, dynamic="") -> GemmPlan:
     """The sm_100a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the 1-CTA
     tile with the fewest weighted waves for groups of equal size (`grouped_work_tiles`, the
-    sm_90a grouped planner's model), two TMEM accumulators, a 2-deep store ring and as many
+    sm_90a grouped planner's model and weights, `sm90.grouped_cluster_cost`: weight gradients
+    in 1x1 clusters with dynamic tiles), two TMEM accumulators, a 2-deep store ring and as many
     A/B stages as fit beside the group table (and, in 1x1 clusters, the dynamic tiles' ring:
     `dynamic` as sm90.plan_sm90_grouped reads it); `why_not` (or `grouped_support`'s reason)
     sends it to XLA's ragged dot."""

@@ -459,9 +459,13 @@ GROUPED_MULTICAST_GAIN = 1.08
 # skewed groups 1.14-1.19x the 2x1 pair (64 groups 522 -> 594-602, 128: 241-243 -> 285-288,
 # 256: 247-248 -> 283-287 TF/s), equal groups 0.95-1.01x. Taking the pair as
 # GROUPED_MULTICAST_GAIN over 1x1 round-robin (the weights' unit), that is about 1.25x and 1.04x
-# of it, and the weight is their mean, since routed tokens are rarely equal. Forward and d lhs
+# of it, and the weight is their mean, since routed tokens are rarely equal. Above
+# GROUPED_MULTICAST_GAIN it makes the rule absolute: a pair's work tiles number at least half
+# the single CTAs' on half as many clusters, so its waves are never fewer, and weight gradients
+# always plan 1x1 with dynamic tiles (2x1 with JAX_SM100_GROUPED_DYNAMIC=0). Forward and d lhs
 # products (ragged "m") measured within spread of the 2x1 pair or behind it, so there dynamic
-# tiles carry no weight and the pair keeps its multicast gain.
+# tiles carry no weight and the pair keeps its multicast gain. The sm_100a planner takes the
+# same weights (H200 figures; no SM100 GPU has run either schedule).
 GROUPED_DYNAMIC_K_GAIN = 1.14
 
 
@@ -503,9 +507,11 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPl
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
     the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
-    tile, or pair of tiles, is partial), dynamic work tiles for cooperative plans in 1x1
-    clusters (`dynamic`: GROUPED_DYNAMIC_ENV's value, "" for GROUPED_DYNAMIC_DEFAULT), and the
-    store ring and A/B stages that fit beside the group table (GROUPED_EPI_STAGES)."""
+    tile, or pair of tiles, is partial; a weight gradient's 1x1 clusters weighed by their
+    dynamic tiles' gain on skewed sizes, `grouped_cluster_cost`), dynamic work tiles for
+    cooperative plans in 1x1 clusters (`dynamic`: GROUPED_DYNAMIC_ENV's value, "" for
+    GROUPED_DYNAMIC_DEFAULT), and the store ring and A/B stages that fit beside the group table
+    (GROUPED_EPI_STAGES)."""
     g, num_sms = common["groups"], common["num_sms"]
     why_not = grouped_support(common) or why_not
     if schedule not in GROUPED_SCHEDULES:
