@@ -39,8 +39,8 @@ def _products(lhs, rhs, sizes, ct, gain, dynamic):
         p.start()
     try:
         planning._plan_cached.cache_clear()
-        fwd = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
         rd = jax_sm100.ragged_dot
+        fwd = jax.jit(lambda a, b, s: rd(a, b, s))
         d_lhs = jax.jit(lambda a, b, s, t: jax.vjp(lambda u: rd(u, b, s), a)[1](t))
         d_rhs = jax.jit(lambda a, b, s, t: jax.vjp(lambda v: rd(a, v, s), b)[1](t))
         with jax_sm100.lowerings() as seen:

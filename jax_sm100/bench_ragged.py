@@ -142,13 +142,10 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
                 t["bias_vjp"] = time_steps(_BIASED_VJP, lhs, rhs, sizes, b, ct)
             t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
             t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
-            path = "; ".join(sorted({
-                f"{low.note.split(':')[0]} on {low.plan.kernel if low.plan else 'XLA'}"
-                + (f" {low.plan.cta_tile_mnk[:2]}" if low.plan and low.plan.kernel != "xla_dot"
-                   else "")
-                + (" dynamic tiles" if low.plan and low.plan.dynamic_tiles else "")
-                for low in seen
-            })) or "XLA (no CUDA lowering)"  # fmt: skip
+            # Each lowering's note begins with what ran (ragged_gpu.lower: the kernel, tile,
+            # schedule and cluster, or why XLA's ragged dot).
+            path = "; ".join(sorted({low.note.split("; ")[0] for low in seen}))
+            path = path or "XLA (no CUDA lowering)"
             if bandwidth is None:
                 bandwidth = copy_bandwidth()
             dense["bandwidth"], dense["itemsize"] = bandwidth, jnp.dtype(dtype).itemsize
