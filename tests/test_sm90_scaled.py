@@ -136,9 +136,10 @@ _EVENTS = re.compile(
 def _events(ptx: str) -> str:
     """The consumers' events of `ptx` (from the first wgmma fence on), runs counted:
     "wgmma.fence | wgmma.mma_async x4 | ... | wait 1 | fma x64 | release | ...". A "stage
-    wait" is a poll (`try_wait` without a suspend hint) and the blocking retry loop after it
-    (common.wait_full); a retry loop without its poll reads "blocking wait", and any other
-    form of try_wait its opcode."""
+    wait" is a poll (`try_wait` without a suspend hint) and the blocking retry loop right after
+    it (common.wait_full), or a poll alone (the 256-row loop polls the next stage early); a
+    retry loop without its poll reads "blocking wait", and any other form of try_wait its
+    opcode."""
     names = {"mbarrier.arrive.shared::cluster": "release", "mbarrier.arrive.shared.b64": "release",
              "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64": "stage wait",
              "mbarrier.try_wait.parity.shared.b64": "blocking wait",
@@ -451,9 +452,9 @@ class WeightTilesTest(parameterized.TestCase):
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.num_ab_stages),
                          (planning.KERNEL_SM90_SCALED, (256, 128, 128), 4))  # fmt: skip
         wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
-        first = f"{wave} | fma x64 | {wave} | stage wait"
-        events = (f"{first} | release | fma x64 | blocking wait | {first} | fma x64 | wait 0 | "
-                  "release")  # fmt: skip
+        first = f"{wave} | fma x64 | {wave}"
+        events = (f"{first} | stage wait | release | fma x64 | blocking wait | {first} | fma x64 "
+                  "| wait 0 | release")  # fmt: skip
         ptx = _ptx(p)
         self.assertEqual(_events(ptx), events)
         # The same in a 1x1 cluster (the stage released by a local arrive).
@@ -468,8 +469,8 @@ class WeightTilesTest(parameterized.TestCase):
         per_row = _plan(8192, 8192, 8192)
         self.assertEqual((per_row.cta_tile_mnk, per_row.b_scale_rows), ((256, 128, 128), 1))
         rows_ptx = _ptx(per_row)
-        rows_events = (f"{first} | fma x64 | release | blocking wait | {first} | fma x64 | "
-                       "wait 0 | release")  # fmt: skip
+        rows_events = (f"{first} | stage wait | fma x64 | release | blocking wait | {first} | "
+                       "fma x64 | wait 0 | release")  # fmt: skip
         self.assertEqual(_events(rows_ptx), rows_events)
         alone = planning.sm90_variant(per_row, cluster_mn=(1, 1))
         self.assertEqual(_events(_ptx(alone)), rows_events)

@@ -293,8 +293,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     def _waves_ktile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read, release, landed,
                      regs, release_it: cutlass.Constexpr):  # fmt: skip
         """One k-tile of `_mainloop_waves`: waits for stage `read` (polled as `landed`), runs
-        its waves, releases stage `release` if `release_it`, and returns (`tiled_mma`, the
-        poll of the stage after `read`). The caller advances the states.
+        its waves and returns (`tiled_mma`, the poll of the stage after `read`). With
+        `release_it` (every k-tile but a tile's last) it releases stage `release`; without, it
+        polls nothing (the stage after a tile's last belongs to the next tile, or to none: that
+        call polls it itself) and returns `landed`. The caller advances the states.
 
         B scaled per 128 x 128 tile: each wave's scales (two row scales, one B scale) are read
         into registers before its batch, and the stage is released after the last wave's wait.
@@ -316,7 +318,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 _read_scales(row_scale, col_scale, wave_coords, sSFA, sSFB, stage, True)
             tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read, w)
             warpgroup.wait_group(0)
-            if cutlass.const_expr(w == waves - 1):
+            if cutlass.const_expr(release_it and w == waves - 1):
                 landed = ab_pipe.consumer_try_wait(nxt)
             if cutlass.const_expr(self.b_tiled):
                 if cutlass.const_expr(release_it and w == waves - 1):
