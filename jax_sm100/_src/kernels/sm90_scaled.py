@@ -269,14 +269,13 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         k-tile and wave, its wgmma batch issued and waited for, and promoted into that wave's
         main accumulators (`_waves_ktile`). The last k-tile is peeled off the loop, so that
         in the loop every stage is released without a branch (the caller releases the last)."""
-        waves = cute.size(acc, mode=[1])
         # One wave's fragment: the accumulators' shape with one 64-row block (V, 1, N).
         frag = cute.make_rmem_tensor((acc.shape[0], 1, acc.shape[2]), self.acc_dtype)
         row_scale = col_scale = None
         if cutlass.const_expr(self.b_tiled):
             row_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
             col_scale = cute.make_rmem_tensor(frag.shape, self.acc_dtype)
-        regs = (frag, row_scale, col_scale, coords, sSFA, sSFB, waves)
+        regs = (frag, row_scale, col_scale, coords, sSFA, sSFB)
         acc.fill(0.0)
         landed = ab_pipe.consumer_try_wait(read)
         for _ in range(n_k - 1):
@@ -307,7 +306,8 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         (DeepGEMM's loop, whose k-iterations ptxas schedules together, polls there too); the
         next k-tile's wait only falls back to the blocking wait when the poll found the stage
         still empty."""
-        frag, row_scale, col_scale, coords, sSFA, sSFB, waves = regs
+        frag, row_scale, col_scale, coords, sSFA, sSFB = regs
+        waves = cute.size(acc, mode=[1])
         ab_pipe.consumer_wait(read, landed)
         stage = read.index
         nxt = read.clone()
@@ -318,15 +318,18 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
                 _read_scales(row_scale, col_scale, wave_coords, sSFA, sSFB, stage, True)
             tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read, w)
             warpgroup.wait_group(0)
-            if cutlass.const_expr(release_it and w == waves - 1):
+            # The last wave of a k-tile that is not the tile's last: poll the next stage, and
+            # release this one once nothing more reads it.
+            hand_on = release_it and w == waves - 1
+            if cutlass.const_expr(hand_on):
                 landed = ab_pipe.consumer_try_wait(nxt)
             if cutlass.const_expr(self.b_tiled):
-                if cutlass.const_expr(release_it and w == waves - 1):
+                if cutlass.const_expr(hand_on):
                     ab_pipe.consumer_release(release)
                 _promote(acc[(None, w, None)], frag, row_scale, col_scale)
             else:
                 _promote_from(acc[(None, w, None)], frag, wave_coords, sSFA, sSFB, stage, False)
-                if cutlass.const_expr(release_it and w == waves - 1):
+                if cutlass.const_expr(hand_on):
                     ab_pipe.consumer_release(release)
         return tiled_mma, landed
 
