@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax_sm100
 from jax_sm100._src import planning
 from jax_sm100._src.planning import sm90
-from jax_sm100.bench_ragged import group_sizes
+from jax_sm100.bench_ragged import group_sizes, operands
 from jax_sm100.bench_train import time_steps
 
 PROBLEMS = ((64, 65536, 2048, 1408), (128, 16384, 2048, 768))
@@ -77,9 +77,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
     ap.parse_args(argv)
     for i, (g, m, k, n) in enumerate(PROBLEMS):
-        keys = jax.random.split(jax.random.key(i), 2)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-        rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        lhs, rhs, _, _ = operands(i, g, m, k, n)
         flops = 2 * m * k * n
         for tm, tn, pp in SCHEDULES:
             kind = f"{tm}x{tn} {'ping-pong' if pp else 'cooperative'}"

@@ -16,12 +16,11 @@ import argparse
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 
 import jax_sm100
 from jax_sm100._src import planning
 from jax_sm100._src.planning import sm90
-from jax_sm100.bench_ragged import PROBLEMS, group_sizes
+from jax_sm100.bench_ragged import PROBLEMS, group_sizes, operands
 from jax_sm100.bench_train import time_steps
 
 # (label, multicast pair's weight, JAX_SM100_GROUPED_DYNAMIC)
@@ -68,10 +67,7 @@ def main():
     for i, (g, m, k, n) in enumerate(PROBLEMS):
         if args.groups and g not in args.groups:
             continue
-        keys = jax.random.split(jax.random.key(i), 3)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-        rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
-        ct = jax.random.normal(keys[2], (m, n), jnp.float32).astype(jnp.bfloat16)
+        lhs, rhs, ct, _ = operands(i, g, m, k, n)
         flop = 2 * m * k * n
         for kind in ("equal", "skewed"):
             sizes = group_sizes(i, g, m, kind)

@@ -101,6 +101,19 @@ _BIASED_VJP = jax.jit(
 )
 
 
+def operands(seed: int, g: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
+    """Problem `seed`'s operands from normal data: lhs [m, k], rhs [g, k, n] (times k**-0.5, so
+    products are of unit scale), a cotangent [m, n] and a per-group float32 bias [g, n]. The
+    benchmarks/ scripts of the grouped kernel take theirs from here too, so every grouped
+    figure is of the same data."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+    rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(dtype)
+    ct = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
+    bias = jax.random.normal(keys[3], (g, n), jnp.float32)
+    return lhs, rhs, ct, bias
+
+
 def copy_bandwidth() -> float:
     """Bytes per second that `x * 2` moves (read + write) over 1 GiB of bfloat16 (16 MiB off
     GPUs: a smoke test's)."""
@@ -113,11 +126,8 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
     rows = []
     bandwidth = None  # measured once, before the first row prints
     for i, (g, m, k, n) in enumerate(problems):
-        keys = jax.random.split(jax.random.key(i), 4)
-        lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
-        rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(dtype)
+        lhs, rhs, ct, group_bias = operands(i, g, m, k, n, dtype)
         dense_w = rhs[0]
-        ct = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
         ours = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
         theirs = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=dtype))
         dense = {
@@ -136,10 +146,9 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
                 }
             if bias:
                 # A per-group bias and gelu in the epilogue, and composed in XLA.
-                b = jax.random.normal(keys[3], (g, n), jnp.float32)
-                t["bias"] = time_steps(_BIASED, lhs, rhs, sizes, b)
-                t["bias_xla"] = time_steps(_biased_composed, lhs, rhs, sizes, b)
-                t["bias_vjp"] = time_steps(_BIASED_VJP, lhs, rhs, sizes, b, ct)
+                t["bias"] = time_steps(_BIASED, lhs, rhs, sizes, group_bias)
+                t["bias_xla"] = time_steps(_biased_composed, lhs, rhs, sizes, group_bias)
+                t["bias_vjp"] = time_steps(_BIASED_VJP, lhs, rhs, sizes, group_bias, ct)
             t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
             t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
             # Each lowering's note begins with what ran (ragged_gpu.lower: the kernel, tile,
