@@ -459,7 +459,8 @@ class WeightTilesTest(parameterized.TestCase):
         self.assertEqual(_events(ptx), events)
         # The same in a 1x1 cluster (the stage released by a local arrive).
         alone = planning.sm90_variant(p, cluster_mn=(1, 1))
-        self.assertEqual(_events(_ptx(alone)), events)
+        alone_ptx = _ptx(alone)
+        self.assertEqual(_events(alone_ptx), events)
         self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 16)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 256)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 8)
@@ -474,6 +475,12 @@ class WeightTilesTest(parameterized.TestCase):
         self.assertEqual(_events(rows_ptx), rows_events)
         alone = planning.sm90_variant(per_row, cluster_mn=(1, 1))
         self.assertEqual(_events(_ptx(alone)), rows_events)
+        # Which lanes release a stage, and to which CTA, comes from a thread index read once
+        # (common.pinned_thread_idx): no %tid.x read between the first and the last wgmma of
+        # the tile (an S2R there stalled the second wave's batch on the H200).
+        for q in (ptx, alone_ptx, rows_ptx):
+            loop = q[q.index("wgmma.fence") : q.rindex("wgmma.mma_async")]
+            self.assertEqual(loop.count("%tid.x"), 0)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", rows_ptx)), 256)
         self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", rows_ptx)), 64)
         if shutil.which("ptxas"):

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import cutlass
 from cutlass import cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
 from jax_sm100._src import constraints
@@ -63,6 +64,21 @@ SM100_TMEM_PTR_BARRIER = 2  # the epilogue warps and the MMA warp: the TMEM allo
 def wait_full(pipe, state):
     """The consumers' wait for A/B stage `state` of `pipe` (a PipelineTmaAsync) to land."""
     pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+
+
+def pinned_thread_idx() -> cutlass.Int32:
+    """threadIdx.x, read once through an opaque (volatile) asm, for the SM90 A/B pipelines'
+    `tidx`: which lanes release a stage (and to which CTA of the cluster) is computed from it.
+    Read with `cute.arch.thread_idx()`, NVVM sinks the %tid.x read to every release, and ptxas
+    then put an S2R in each k-tile, in the 256-row block-scaled loop between its second
+    wave's wgmmas, where the warp waited for it (Nsight Compute on the H200, twentieth session:
+    3 % of the kernel's samples); the asm's result is a value like any other, kept in a
+    register (DeepGEMM reads its lane index the same way)."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            cutlass.Int32.mlir_type, [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True
+        )  # fmt: skip
+    )
 
 
 def acquire_empty(pipe, state):

@@ -154,6 +154,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         # every one of them releases it to both producers.
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
+            tidx=common.pinned_thread_idx(),
             num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(
