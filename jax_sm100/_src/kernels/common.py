@@ -72,10 +72,13 @@ def pinned_thread_idx() -> cutlass.Int32:
     Read with `cute.arch.thread_idx()`, NVVM sinks the %tid.x read to every release, and ptxas
     then put an S2R in each k-tile, in the 256-row block-scaled loop between its second
     wave's wgmmas, where the warp waited for it (Nsight Compute on the H200, twentieth session:
-    3 % of the kernel's samples); the asm's result is a value like any other, kept in a
-    register (DeepGEMM reads its lane index the same way). Same call, one process per side:
-    256 x 128 block-scaled tiles 1131 -> 1135, 1116 -> 1142, 1176 -> 1179 TF/s; the dense fp8
-    ping-pong at 16384x4096x4096 1256 -> 1288."""
+    3 % of the kernel's samples). NVVM cannot move or copy the asm; ptxas sees a plain %tid.x
+    read and could in principle re-read it, but on the plans checked (256-row block-scaled,
+    dense ping-pong, grouped 2x1) keeps it from the kernel's start: no S2R in the loop
+    (DeepGEMM reads its lane index through an asm too). Same call, one process per side:
+    256 x 128 block-scaled tiles 1131 -> 1135, 1116 -> 1142, 1176 -> 1179 TF/s. The dense fp8
+    ping-pong at 16384x4096x4096 read 1256 -> 1288, but its loop had no S2R to lose (one LOP3
+    per release left it): that may be spread."""
     return cutlass.Int32(
         llvm.inline_asm(
             cutlass.Int32.mlir_type, [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True
