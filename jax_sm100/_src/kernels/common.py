@@ -82,7 +82,7 @@ def pinned_thread_idx() -> cutlass.Int32:
     return cutlass.Int32(
         llvm.inline_asm(
             cutlass.Int32.mlir_type, [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True
-        )  # fmt: skip
+        )
     )
 
 
