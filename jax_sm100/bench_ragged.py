@@ -165,15 +165,16 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
             dense["bandwidth"], dense["itemsize"] = bandwidth, jnp.dtype(dtype).itemsize
             rows.append(((g, m, k, n), kind, 2 * m * k * n, t, dense, path))
     theirs = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=dtype))
-    for j, row in enumerate(rows):
-        (g, m, k, n), kind, _, t, _, _ = row
-        i = j // len(kinds)
+    problem_rows = iter(rows)
+    for i, (g, m, k, n) in enumerate(problems):
         lhs, rhs, ct, _ = operands(i, g, m, k, n, dtype)
-        sizes = group_sizes(i, g, m, kind)
-        t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
-        t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
-        if on_row is not None:
-            on_row(row)
+        for kind in kinds:
+            row = next(problem_rows)
+            t, sizes = row[3], group_sizes(i, g, m, kind)
+            t["lax"] = _time_or_nan(theirs, lhs, rhs, sizes)
+            t["lax_vjp"] = _time_or_nan(_vjp_of(theirs), lhs, rhs, sizes, ct)
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
