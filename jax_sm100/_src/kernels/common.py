@@ -66,6 +66,11 @@ def wait_full(pipe, state):
     pipe.consumer_wait(state, pipe.consumer_try_wait(state))
 
 
+def acquire_empty(pipe, state):
+    """The producer's wait for A/B stage `state` of `pipe` to be released."""
+    pipe.producer_acquire(state, pipe.producer_try_acquire(state))
+
+
 def pinned_thread_idx() -> cutlass.Int32:
     """threadIdx.x, read once through an opaque (volatile) asm, for the SM90 A/B pipelines'
     `tidx`: which lanes release a stage (and to which CTA of the cluster) is computed from it.
@@ -84,11 +89,6 @@ def pinned_thread_idx() -> cutlass.Int32:
             cutlass.Int32.mlir_type, [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True
         )
     )
-
-
-def acquire_empty(pipe, state):
-    """The producer's wait for A/B stage `state` of `pipe` to be released."""
-    pipe.producer_acquire(state, pipe.producer_try_acquire(state))
 
 
 def cutlass_dtype(name: str) -> type[cutlass.Numeric]:
