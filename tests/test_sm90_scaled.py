@@ -497,6 +497,24 @@ class WeightTilesTest(parameterized.TestCase):
         with self.assertRaisesRegex(planning.C.PlanError, "tile N=192 must be <= 128"):
             planning.sm90_variant(per_row, tile_mn=(256, 192))
 
+    @parameterized.parameters(
+        # (m, n, k, swizzle): 256-row tiles in bands of 8 of the 1x2 clusters' columns where 8
+        # divides them and there are >= 32 tile rows (sm90_scaled._scaled_swizzle).
+        (8192, 8192, 8192, 8),
+        (16384, 8192, 4096, 8),
+        (16384, 4096, 4096, 8),
+        (4096, 8192, 8192, 1),  # 16 tile rows
+        (4096, 7168, 16384, 1),  # 28 cluster columns
+        (8192, 7168, 4096, 1),
+    )
+    def test_banded_raster(self, m, n, k, swizzle):
+        for rows in (1, 128):
+            p = _plan(m, n, k, b_scale_rows=rows)
+            self.assertEqual((p.cta_tile_mnk[:2], p.cluster_shape_mn, p.raster_along_m),
+                             ((256, 128), (1, 2), True))  # fmt: skip
+            self.assertEqual(p.swizzle_size, swizzle, p)
+            self.assertFalse(planning.swizzle_pads(p))
+
     def test_rules(self):
         with self.assertRaisesRegex(planning.C.PlanError, "must be one of"):
             _plan(4096, 4096, 4096, b_scale_rows=64)

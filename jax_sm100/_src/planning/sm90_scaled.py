@@ -64,6 +64,7 @@ from jax_sm100._src.planning.sm90 import (
     _fill_sm90_smem,
     _sm90_stream_k,
     _sm90_swizzle,
+    _swizzled_extent,
     _unpadded_cluster,
     sm90_variant,
 )
@@ -212,7 +213,34 @@ def _schedule(m, n, batch, tm, tn, sms):
     # Stream-K over the last waves where they leave clusters idle (the dense planner's rule,
     # `_sm90_stream_k`: 8192^3 is 15.5 waves of 256 x 128 tiles on 132 SMs).
     stream_k = _sm90_stream_k(m, n, batch, tm, tn, cluster, sms)
-    return cluster, stream_k, _sm90_swizzle(m, n, batch, tm, tn, cluster)
+    return cluster, stream_k, _scaled_swizzle(m, n, batch, tm, tn, cluster)
+
+
+# The fewest tile rows for which 256-row tiles take the banded raster (`_scaled_swizzle`).
+SCALED_SWIZZLE_MIN_TILE_ROWS = 32
+
+
+def _scaled_swizzle(m, n, batch, tm, tn, cluster):
+    """Raster swizzle of a block-scaled grid: 256-row tiles in bands of 8 cluster columns
+    wherever 8 divides the cluster columns (no padded clusters, as `_sm90_swizzle`) and the
+    grid has at least `SCALED_SWIZZLE_MIN_TILE_ROWS` tile rows; 128-row tiles by the dense rule.
+
+    Rastered along M unbanded, the 66 clusters in flight span every tile row of one or two
+    cluster columns, so a grid of many tile rows keeps all of A in flight: at 8192^3 Nsight
+    Compute counted 1,186 MB read from HBM for 128 MB of operands (L2 hit rate 60 %), where
+    DeepGEMM's order (bands of 16 tile columns, as 8 of our 1x2 clusters) read 612 MB (77 %).
+    The dense rule bands only grids twice as tall as wide. H200, 2026-12-02, `scaled_probe.py`,
+    B scaled per 128 x 128 tile, two pairs each (TF/s, unbanded / banded): 8192^3 1156-1170 /
+    1188-1190, 16384x8192x4096 1077-1082 / 1160-1163, 8192x4096x8192 1145-1146 / 1153-1158;
+    with 16 tile rows, where the unbanded raster already spans only 16 rows: 4096x4096x16384
+    1179-1185 / 1179-1195, 4096x8192x8192 1162-1172 / 1140-1155. Bands of 4 (where 8 does not
+    divide the 28 cluster columns of 7168) ran 0.7-1.2 % slower at 8192x7168x4096 and
+    16384x7168x2048.
+    """
+    if tm <= 128:
+        return _sm90_swizzle(m, n, batch, tm, tn, cluster)
+    cols = _swizzled_extent(m, n, (tm, tn), cluster, along_m=True)
+    return 8 if cols % 8 == 0 and math.ceil(m / tm) >= SCALED_SWIZZLE_MIN_TILE_ROWS else 1
 
 
 @functools.lru_cache(maxsize=1024)
