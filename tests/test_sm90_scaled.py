@@ -506,6 +506,7 @@ class WeightTilesTest(parameterized.TestCase):
         (4096, 8192, 8192, 1),  # 16 tile rows
         (4096, 7168, 16384, 1),  # 28 cluster columns
         (8192, 7168, 4096, 1),
+        (8192, 4096, 512, 8),  # tests/test_gpu_scaled.py runs it
     )
     def test_banded_raster(self, m, n, k, swizzle):
         for rows in (1, 128):
