@@ -506,7 +506,11 @@ class WeightTilesTest(parameterized.TestCase):
         (4096, 8192, 8192, 1),  # 16 tile rows
         (4096, 7168, 16384, 1),  # 28 cluster columns
         (8192, 7168, 4096, 1),
-        (8192, 4096, 512, 8),  # tests/test_gpu_scaled.py runs it
+        (7936, 8192, 4096, 1),  # 31 tile rows
+        (7937, 8192, 4096, 8),  # 32
+        # tests/test_gpu_scaled.py runs these two (the second with stream-K).
+        (8192, 4096, 512, 8),
+        (9216, 4096, 512, 8),
     )
     def test_banded_raster(self, m, n, k, swizzle):
         for rows in (1, 128):

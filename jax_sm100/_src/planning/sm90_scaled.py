@@ -225,7 +225,7 @@ def _scaled_swizzle(m, n, batch, tm, tn, cluster):
     wherever 8 divides the cluster columns (no padded clusters, as `_sm90_swizzle`) and the
     grid has at least `SCALED_SWIZZLE_MIN_TILE_ROWS` tile rows; 128-row tiles by the dense rule.
 
-    Rastered along M unbanded, the 66 clusters in flight span every tile row of one or two
+    Rastered along M unbanded, the 66 clusters in flight span every tile row of about two
     cluster columns, so a grid of many tile rows keeps all of A in flight: at 8192^3 Nsight
     Compute counted 1,186 MB read from HBM for 128 MB of operands (L2 hit rate 60 %), where
     DeepGEMM's order (bands of 16 tile columns, as 8 of our 1x2 clusters) read 612 MB (77 %).
@@ -234,8 +234,9 @@ def _scaled_swizzle(m, n, batch, tm, tn, cluster):
     1188-1190, 16384x8192x4096 1077-1082 / 1160-1163, 8192x4096x8192 1145-1146 / 1153-1158;
     with 16 tile rows, where the unbanded raster already spans only 16 rows: 4096x4096x16384
     1179-1185 / 1179-1195, 4096x8192x8192 1162-1172 / 1140-1155. Bands of 4 (where 8 does not
-    divide the 28 cluster columns of 7168) ran 0.7-1.2 % slower at 8192x7168x4096 and
-    16384x7168x2048.
+    divide the 28 cluster columns of 7168) ran 0.9-1.3 % slower at 16384x7168x2048 and
+    8192x7168x4096. The banded plans also take the deeper store ring of swizzled plans
+    (`_fill_sm90_smem`), so the figures are of both changes together, as the planner plans them.
     """
     if tm <= 128:
         return _sm90_swizzle(m, n, batch, tm, tn, cluster)
