@@ -310,8 +310,10 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         waves = cute.size(acc, mode=[1])
         ab_pipe.consumer_wait(read, landed)
         stage = read.index
-        nxt = read.clone()
-        nxt.advance()
+        nxt = None
+        if cutlass.const_expr(release_it):
+            nxt = read.clone()  # the stage the caller's advance of `read` names next
+            nxt.advance()
         for w in cutlass.range_constexpr(waves):
             wave_coords = coords[(None, w, None)]
             if cutlass.const_expr(self.b_tiled):
