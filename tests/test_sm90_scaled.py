@@ -497,6 +497,32 @@ class WeightTilesTest(parameterized.TestCase):
         with self.assertRaisesRegex(planning.C.PlanError, "tile N=192 must be <= 128"):
             planning.sm90_variant(per_row, tile_mn=(256, 192))
 
+    def test_static_rings(self):
+        # sm90_scaled._STATIC_RINGS (off until timed on the H200): with B per 128 x 128 tile the
+        # 256-row loop also takes whole rings of its 4 stages at trace-time stage indices. Six
+        # k-tiles in the PTX: the ring's four, the run-time one (before the ring reaches stage
+        # 0 and after its last whole ring) and the peeled last, each as test_256_row_tiles'.
+        # Per-row B scales keep that test's loop (ptxas spilled them). Compiled apart from the
+        # kernel caches, whose keys see the constant only in the source text.
+        p = _plan(8192, 8192, 8192, b_scale_rows=128)
+        per_row = _plan(8192, 8192, 8192)
+        with mock.patch.object(sm90_scaled, "_STATIC_RINGS", True):
+            ptx = compile_mod._compile(p, KernelSpec.for_plan(p)).ptx
+            rows_ptx = compile_mod._compile(per_row, KernelSpec.for_plan(per_row)).ptx
+        wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
+        first = f"{wave} | fma x64 | {wave}"
+        ktile = f"{first} | stage wait | release | fma x64 | blocking wait"
+        self.assertEqual(_events(ptx), " | ".join([ktile] * 5 + [f"{first} | fma x64"])
+                         + " | wait 0 | release")  # fmt: skip
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 48)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 6 * 2 * 64)
+        loop = ptx[ptx.index("wgmma.fence") : ptx.rindex("wgmma.mma_async")]
+        self.assertEqual(loop.count("%tid.x"), 0)
+        self.assertEqual(rows_ptx, _ptx(per_row))
+        if shutil.which("ptxas"):
+            self.assertEqual(_ptxas_spill_bytes(ptx), (0, 0))
+            self.assertEqual(wgmma_serialized(ptx), [])
+
     @parameterized.parameters(
         # (m, n, k, swizzle): 256-row tiles in bands of 8 of the 1x2 clusters' columns where 8
         # divides them and there are >= 32 tile rows (sm90_scaled._scaled_swizzle).

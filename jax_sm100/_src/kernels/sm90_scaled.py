@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
+import cutlass.pipeline as pipeline
 from cutlass import cute
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
@@ -77,6 +78,15 @@ _WAVE_ROWS = 128
 # The widest 128-row tile whose serial main loop reads a k-block's scales into registers up
 # front.
 _EARLY_SCALES_MAX_N = 128
+# Whether the 256-row loop runs whole rings of stages (stage 0 to the last) at stage indices
+# fixed when the kernel is traced (`_waves_ring`): its wgmma descriptors, barrier addresses and
+# scale offsets then fold to constants over a base, and the pipeline state advances once a
+# ring. sm_90a SASS, 256 x 128 tiles of B per 128 x 128 tile at 16384x4096x4096, 8192^3 and
+# 4096x7168x16384: 168-192 instructions a ring k-tile against 211-223 at run-time indices
+# (DeepGEMM's loop: 191.75, twenty-first session). B scaled per 128 x 128 tile
+# only: with per-row B scales ptxas spills 12-52 bytes a thread. Off until timed and checked on
+# the H200 (twenty-second session: compiled and read here, no GPU time left).
+_STATIC_RINGS = False
 
 
 class Sm90ScaledGemmKernel(Sm90GemmKernel):
@@ -268,7 +278,9 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         wave of the tile, `_WAVE_ROWS`) run wave by wave through one 64-row fragment: per
         k-tile and wave, its wgmma batch issued and waited for, and promoted into that wave's
         main accumulators (`_waves_ktile`). The last k-tile is peeled off the loop, so that
-        in the loop every stage is released without a branch (the caller releases the last)."""
+        in the loop every stage is released without a branch (the caller releases the last).
+        With `_STATIC_RINGS` the loop takes whole rings of stages at trace-time stage indices
+        where it can (`_waves_ring`)."""
         # One wave's fragment: the accumulators' shape with one 64-row block (V, 1, N).
         frag = cute.make_rmem_tensor((acc.shape[0], 1, acc.shape[2]), self.acc_dtype)
         row_scale = col_scale = None
@@ -278,15 +290,49 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         regs = (frag, row_scale, col_scale, coords, sSFA, sSFB)
         acc.fill(0.0)
         landed = ab_pipe.consumer_try_wait(read)
-        for _ in range(n_k - 1):
-            tiled_mma, landed = self._waves_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                                  read, release, landed, regs, True)  # fmt: skip
-            read.advance()
-            release.advance()
+        if cutlass.const_expr(_STATIC_RINGS and self.b_tiled):
+            # Whole rings where the ring is at stage 0 and one fits before the last k-tile;
+            # single k-tiles at run-time stage indices elsewhere.
+            stages = read.stages
+            left = n_k - 1
+            while left > 0:
+                if read.index == 0 and left >= stages:
+                    tiled_mma, landed = self._waves_ring(ab_pipe, tiled_mma, tCrA, tCrB, acc,
+                                                         k_blocks, read, landed, regs)  # fmt: skip
+                    read.advance(stages)
+                    release.advance(stages)
+                    left -= stages
+                else:
+                    tiled_mma, landed = self._waves_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc,
+                                                          k_blocks, read, release, landed, regs,
+                                                          True)  # fmt: skip
+                    read.advance()
+                    release.advance()
+                    left -= 1
+        else:
+            for _ in range(n_k - 1):
+                tiled_mma, landed = self._waves_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc,
+                                                      k_blocks, read, release, landed, regs,
+                                                      True)  # fmt: skip
+                read.advance()
+                release.advance()
         tiled_mma, landed = self._waves_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
                                               read, release, landed, regs, False)  # fmt: skip
         read.advance()
         return read, release
+
+    @cute.jit
+    def _waves_ring(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read, landed, regs):
+        """`_waves_ktile` (each releasing its stage) over stages 0 to the last, `read` being at
+        stage 0: each k-tile's state is built with its stage index a constant and the ring's
+        phase (`_STATIC_RINGS`). Returns (`tiled_mma`, the poll of the stage after the ring);
+        the caller advances `read` and the release state by a whole ring."""
+        phase = read.phase
+        for s in cutlass.range_constexpr(read.stages):
+            stage = pipeline.PipelineState(read.stages, read.count, cutlass.Int32(s), phase)
+            tiled_mma, landed = self._waves_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
+                                                  stage, stage, landed, regs, True)  # fmt: skip
+        return tiled_mma, landed
 
     @cute.jit
     def _waves_ktile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read, release, landed,
