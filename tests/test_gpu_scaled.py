@@ -321,7 +321,8 @@ class GpuScaledTest(parameterized.TestCase):
         for w in ("weights_per_128x128_tile", "per_row_scales")
         for shape in ((1, 2000, 3008, 384), (1, 1000, 520, 1024), (3, 256, 384, 512),
                       (1, 8192, 2176, 512), (1, 8192, 4352, 512), (1, 300, 128, 128),
-                      (1, 8192, 4096, 512), (1, 9216, 4096, 512))
+                      (1, 8192, 4096, 512), (1, 9216, 4096, 512), (1, 4096, 4352, 1664),
+                      (1, 8192, 4352, 2048))
         for out in OUT_DTYPES
     )  # fmt: skip
     def test_in_256_row_tiles(self, shape, out_dtype, w):
@@ -330,7 +331,10 @@ class GpuScaledTest(parameterized.TestCase):
         # forced, with B scaled per 128 x 128 tile or per row (jax.nn.scaled_matmul's: each
         # wave's promotion reads its column scales from the stage, released after it). 1000
         # rows: a last tile of 232, its second wave partly outside; 8192x4352x512: stream-K;
-        # 8192x4096x512: the raster in bands of 8 cluster columns; 9216x4096x512: both.
+        # 8192x4096x512: the raster in bands of 8 cluster columns; 9216x4096x512: both;
+        # 4096x4352x1664: 13 k-tiles, so a CTA's tiles start at every stage of the 4-stage ring
+        # (sm90_scaled._STATIC_RINGS's rings entered after and left before single k-tiles);
+        # 8192x4352x2048: stream-K segments long enough for such rings.
         batch, m, n, k = shape
         per_row = w == "per_row_scales"
         ka, kb = jax.random.split(jax.random.key(m + (2 if per_row else 1) * n + k))

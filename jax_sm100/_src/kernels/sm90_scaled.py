@@ -280,7 +280,8 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         main accumulators (`_waves_ktile`). The last k-tile is peeled off the loop, so that
         in the loop every stage is released without a branch (the caller releases the last).
         With `_STATIC_RINGS` the loop takes whole rings of stages at trace-time stage indices
-        where it can (`_waves_ring`)."""
+        where it can (`_waves_ring`). `read` and `release` name the same stage on entry (both
+        callers keep them so), and each k-tile releases the stage it read."""
         # One wave's fragment: the accumulators' shape with one 64-row block (V, 1, N).
         frag = cute.make_rmem_tensor((acc.shape[0], 1, acc.shape[2]), self.acc_dtype)
         row_scale = col_scale = None
@@ -325,11 +326,12 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     def _waves_ring(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read, landed, regs):
         """`_waves_ktile` (each releasing its stage) over stages 0 to the last, `read` being at
         stage 0: each k-tile's state is built with its stage index a constant and the ring's
-        phase (`_STATIC_RINGS`). Returns (`tiled_mma`, the poll of the stage after the ring);
-        the caller advances `read` and the release state by a whole ring."""
+        phase (`_STATIC_RINGS`), and releases the stage it read (the release state names the
+        same stage as `read`: `_mainloop_waves`). Returns (`tiled_mma`, the poll of the stage
+        after the ring); the caller advances `read` and the release state by a whole ring."""
         phase = read.phase
         for s in cutlass.range_constexpr(read.stages):
-            stage = pipeline.PipelineState(read.stages, read.count, cutlass.Int32(s), phase)
+            stage = pipeline.PipelineState(read.stages, read.count + s, cutlass.Int32(s), phase)
             tiled_mma, landed = self._waves_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
                                                   stage, stage, landed, regs, True)  # fmt: skip
         return tiled_mma, landed
