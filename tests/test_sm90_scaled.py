@@ -428,16 +428,17 @@ class WeightTilesTest(parameterized.TestCase):
         ptx = _ptx(serial)
         # Per 128-row wave, one promotion of a thread's tile[1] / 2 accumulators: an FMA each,
         # the products of the 2 row scales and the tile's one B scale (2 multiplies), 3 shared
-        # loads. The 256-row loop's k-tile is written twice (its last one peeled).
+        # loads. The 256-row loop's k-tile is written six times (a ring of its 4 stages at
+        # trace-time indices, the run-time one, the peeled last); per-row B scales' twice.
         waves, regs = tile[0] // 128, tile[1] // 2
-        copies = 2 if waves > 1 else 1
+        copies, row_copies = (6, 2) if waves > 1 else (1, 1)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), copies * waves * regs)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), copies * waves * 2)
         self.assertEqual(len(re.findall(r"ld\.shared(\.v2)?\.b32", ptx)), copies * waves * 3)
         # Per-row B scales at the same tile: a multiply per accumulator.
         rows = planning.replace_fitting(serial, b_scale_rows=1)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", _ptx(rows))),
-                         copies * waves * regs)  # fmt: skip
+                         row_copies * waves * regs)  # fmt: skip
         if shutil.which("ptxas"):
             self.assertEqual(_ptxas_spill_bytes(_ptx(p)), (0, 0))
 
@@ -446,24 +447,25 @@ class WeightTilesTest(parameterized.TestCase):
         # 64-register fragment, per k-tile: the wave's batch, a full wait, the promotion (one FMA
         # per accumulator). B scaled per 128 x 128 tile: the wave's scales read before its
         # batch, the next stage polled and this one released after the second wave's wait,
-        # before its promotion. The loop's k-tile, then the peeled last one (no release), then
-        # the caller's wait and release.
+        # before its promotion. The loop takes whole rings of its 4 stages at trace-time stage
+        # indices (sm90_scaled._STATIC_RINGS), so six k-tiles in the PTX: the ring's four, the
+        # run-time one (before the ring reaches stage 0 and after its last whole ring) and the
+        # peeled last one (no release), then the caller's wait and release.
         p = _plan(8192, 8192, 8192, b_scale_rows=128)
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.num_ab_stages),
                          (planning.KERNEL_SM90_SCALED, (256, 128, 128), 4))  # fmt: skip
         wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
         first = f"{wave} | fma x64 | {wave}"
-        events = (f"{first} | stage wait | release | fma x64 | blocking wait | {first} | fma x64 "
-                  "| wait 0 | release")  # fmt: skip
+        ktile = f"{first} | stage wait | release | fma x64 | blocking wait"
+        events = " | ".join([ktile] * 5 + [f"{first} | fma x64"]) + " | wait 0 | release"
         ptx = _ptx(p)
         self.assertEqual(_events(ptx), events)
         # The same in a 1x1 cluster (the stage released by a local arrive).
         alone = planning.sm90_variant(p, cluster_mn=(1, 1))
         alone_ptx = _ptx(alone)
         self.assertEqual(_events(alone_ptx), events)
-        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 16)
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 256)
-        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 8)
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 48)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 6 * 2 * 64)
         # Per-row B scales: 32 columns a thread, read during each promotion (as pairs of
         # columns) and multiplied by the row's scale; the stage released after the second
         # wave's promotion (the next one polled before it).
@@ -497,28 +499,23 @@ class WeightTilesTest(parameterized.TestCase):
         with self.assertRaisesRegex(planning.C.PlanError, "tile N=192 must be <= 128"):
             planning.sm90_variant(per_row, tile_mn=(256, 192))
 
-    def test_static_rings(self):
-        # sm90_scaled._STATIC_RINGS (off until timed on the H200): with B per 128 x 128 tile the
-        # 256-row loop also takes whole rings of its 4 stages at trace-time stage indices. Six
-        # k-tiles in the PTX: the ring's four, the run-time one (before the ring reaches stage
-        # 0 and after its last whole ring) and the peeled last, each as test_256_row_tiles'.
-        # Per-row B scales keep that test's loop (ptxas spilled them). Compiled apart from the
-        # kernel caches, whose keys see the constant only in the source text.
+    def test_run_time_stage_indices(self):
+        # With _STATIC_RINGS off (the loop before the twenty-third session; per-row B scales
+        # always take it), B per 128 x 128 tile runs one k-tile at run-time stage indices: the
+        # loop's k-tile, then the peeled last one, then the caller's wait and release. Compiled
+        # apart from the kernel caches, whose keys see the constant only in the source text.
         p = _plan(8192, 8192, 8192, b_scale_rows=128)
-        per_row = _plan(8192, 8192, 8192)
-        with mock.patch.object(sm90_scaled, "_STATIC_RINGS", True):
+        with mock.patch.object(sm90_scaled, "_STATIC_RINGS", False):
             ptx = compile_mod._compile(p, KernelSpec.for_plan(p)).ptx
-            rows_ptx = compile_mod._compile(per_row, KernelSpec.for_plan(per_row)).ptx
         wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
         first = f"{wave} | fma x64 | {wave}"
-        ktile = f"{first} | stage wait | release | fma x64 | blocking wait"
-        self.assertEqual(_events(ptx), " | ".join([ktile] * 5 + [f"{first} | fma x64"])
-                         + " | wait 0 | release")  # fmt: skip
-        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 48)
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 6 * 2 * 64)
+        self.assertEqual(_events(ptx), f"{first} | stage wait | release | fma x64 | blocking wait"
+                         f" | {first} | fma x64 | wait 0 | release")  # fmt: skip
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 16)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 256)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 8)
         loop = ptx[ptx.index("wgmma.fence") : ptx.rindex("wgmma.mma_async")]
         self.assertEqual(loop.count("%tid.x"), 0)
-        self.assertEqual(rows_ptx, _ptx(per_row))
         if shutil.which("ptxas"):
             self.assertEqual(_ptxas_spill_bytes(ptx), (0, 0))
             self.assertEqual(wgmma_serialized(ptx), [])

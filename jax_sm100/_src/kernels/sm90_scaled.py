@@ -82,11 +82,12 @@ _EARLY_SCALES_MAX_N = 128
 # fixed when the kernel is traced (`_waves_ring`): its wgmma descriptors, barrier addresses and
 # scale offsets then fold to constants over a base, and the pipeline state advances once a
 # ring. sm_90a SASS, 256 x 128 tiles of B per 128 x 128 tile at 16384x4096x4096, 8192^3 and
-# 4096x7168x16384: 168-192 instructions a ring k-tile against 211-223 at run-time indices
-# (DeepGEMM's loop: 191.75, twenty-first session). B scaled per 128 x 128 tile
-# only: with per-row B scales ptxas spills 12-52 bytes a thread. Off until timed and checked on
-# the H200 (twenty-second session: compiled and read here, no GPU time left).
-_STATIC_RINGS = False
+# 4096x7168x16384: 168-192 instructions a ring k-tile against 211-223 at run-time indices.
+# H200 (twenty-third session, two rounds each): 1214 against 1158-1187 TF/s at
+# 4096x7168x16384, 1187-1191 against 1180-1183 at 8192^3, 1104-1106 against 1108-1109 at
+# 16384x4096x4096. B scaled per 128 x 128 tile only: with per-row B scales ptxas spills 12-52
+# bytes a thread.
+_STATIC_RINGS = True
 
 
 class Sm90ScaledGemmKernel(Sm90GemmKernel):
