@@ -132,6 +132,11 @@ _EVENTS = re.compile(
     r"|mbarrier\.try_wait[\w.:]*"
 )
 
+# The 256-row loop's events (`_events`) for one 64-row wave of a 256 x 128 tile's k-tile, and
+# for both waves with the first one's promotion between them.
+_WAVE = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
+_TWO_WAVES = f"{_WAVE} | fma x64 | {_WAVE}"
+
 
 def _events(ptx: str) -> str:
     """The consumers' events of `ptx` (from the first wgmma fence on), runs counted:
@@ -454,10 +459,8 @@ class WeightTilesTest(parameterized.TestCase):
         p = _plan(8192, 8192, 8192, b_scale_rows=128)
         self.assertEqual((p.kernel, p.cta_tile_mnk, p.num_ab_stages),
                          (planning.KERNEL_SM90_SCALED, (256, 128, 128), 4))  # fmt: skip
-        wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
-        first = f"{wave} | fma x64 | {wave}"
-        ktile = f"{first} | stage wait | release | fma x64 | blocking wait"
-        events = " | ".join([ktile] * 5 + [f"{first} | fma x64"]) + " | wait 0 | release"
+        ktile = f"{_TWO_WAVES} | stage wait | release | fma x64 | blocking wait"
+        events = " | ".join([ktile] * 5 + [f"{_TWO_WAVES} | fma x64"]) + " | wait 0 | release"
         ptx = _ptx(p)
         self.assertEqual(_events(ptx), events)
         # The same in a 1x1 cluster (the stage released by a local arrive).
@@ -472,8 +475,8 @@ class WeightTilesTest(parameterized.TestCase):
         per_row = _plan(8192, 8192, 8192)
         self.assertEqual((per_row.cta_tile_mnk, per_row.b_scale_rows), ((256, 128, 128), 1))
         rows_ptx = _ptx(per_row)
-        rows_events = (f"{first} | stage wait | fma x64 | release | blocking wait | {first} | "
-                       "fma x64 | wait 0 | release")  # fmt: skip
+        rows_events = (f"{_TWO_WAVES} | stage wait | fma x64 | release | blocking wait | "
+                       f"{_TWO_WAVES} | fma x64 | wait 0 | release")  # fmt: skip
         self.assertEqual(_events(rows_ptx), rows_events)
         alone = planning.sm90_variant(per_row, cluster_mn=(1, 1))
         self.assertEqual(_events(_ptx(alone)), rows_events)
@@ -507,10 +510,8 @@ class WeightTilesTest(parameterized.TestCase):
         p = _plan(8192, 8192, 8192, b_scale_rows=128)
         with mock.patch.object(sm90_scaled, "_STATIC_RINGS", False):
             ptx = compile_mod._compile(p, KernelSpec.for_plan(p)).ptx
-        wave = "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0"
-        first = f"{wave} | fma x64 | {wave}"
-        self.assertEqual(_events(ptx), f"{first} | stage wait | release | fma x64 | blocking wait"
-                         f" | {first} | fma x64 | wait 0 | release")  # fmt: skip
+        self.assertEqual(_events(ptx), f"{_TWO_WAVES} | stage wait | release | fma x64 | "
+                         f"blocking wait | {_TWO_WAVES} | fma x64 | wait 0 | release")  # fmt: skip
         self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32", ptx)), 16)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 256)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 8)
