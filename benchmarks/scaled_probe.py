@@ -15,7 +15,9 @@ planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the 
 `GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan (fp8), `pp` the ping-pong
 schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster,
 `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the
-epilogue sub-tile width, `rm`/`rn` the raster along M/N.
+epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swapped product
+(`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped plan of a very tall grid before the
+swap: `fp8:noswap:64x256:c2x1:rn`.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
 `python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing, each `scaled`
 and `tiled` variant's result is compared with the first `scaled` variant's, or the planner's
@@ -76,6 +78,8 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
             plan = planning.sm90_variant(plan, num_epi_stages=int(edit[1:]))
         elif edit in ("rm", "rn"):  # raster along M / N
             plan = planning.sm90_variant(plan, raster_along_m=edit == "rm")
+        elif edit in ("swap", "noswap"):  # D^T = B A^T on the same tiles (fp8), or not
+            plan = planning.sm90_variant(plan, swap_ab=edit == "swap")
         else:
             tile = tuple(int(v) for v in edit.split("x"))
             # 256-row tiles run the serial loop only (constraints.check_scaled_overlap): the
@@ -169,7 +173,8 @@ def main():
         print(
             f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s   {tm}x{tn} "
             f"{p.cluster_shape_mn} {p.num_ab_stages} stages stream_k={p.stream_k} "
-            f"pingpong={p.pingpong} overlap={p.scaled_overlap}"
+            f"pingpong={p.pingpong} overlap={p.scaled_overlap} swap={p.swap_ab} "
+            f"{'rm' if p.raster_along_m else 'rn'} swz{p.swizzle_size}"
         )
     for s, good in zip(specs, ok, strict=True):
         if not good:

@@ -81,6 +81,25 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertIn("output_tuple_indices = [2], operand_index = 2", call)
         self.assertIn("order = dense<[0, 1, -1, -2, 2]>", call)
 
+    def test_swapped_product_in_exported_module(self):
+        # A very tall fp8 product runs swapped: the custom call takes B (the kernel's A) first,
+        # A second, and writes the caller's [m, n] as the kernel's M-major (n, m) D.
+        a = jax.ShapeDtypeStruct((16384, 2048), jnp.float8_e4m3fn)
+        b = jax.ShapeDtypeStruct((4096, 2048), jnp.float8_e4m3fn)  # [n, k]: K-major
+        nt = (((1,), (1,)), ((), ()))
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            exp = _export(lambda a, b: jax_sm100.dot_general(
+                a, b, nt, preferred_element_type=jnp.bfloat16), a, b)  # fmt: skip
+        low = jax_sm100.last_lowering()
+        self.assertTrue(low.plan.swap_ab, low)
+        self.assertIn("D^T = B A^T", low.note)
+        (call,) = [ln for ln in exp.mlir_module().splitlines()
+                   if "custom_call @jax_sm100_gemm" in ln]  # fmt: skip
+        self.assertIn("(tensor<1x4096x2048xf8E4M3FN>, tensor<1x16384x2048xf8E4M3FN>) -> "
+                      "tensor<1x16384x4096xbf16>", call)  # fmt: skip
+        # D's modes (extents, then strides): (4096, 16384, 1) with strides (1, 4096, m * n).
+        self.assertIn("4096, 16384, 1, 1, 4096, 67108864]", call)
+
     def test_target_arch_without_plan(self):
         # With no plan and no SM90/SM100 device, lowering for CUDA picks XLA's dot, unless
         # JAX_SM100_TARGET_ARCH names the arch to cross-compile for. 1024x4096x1024 is at

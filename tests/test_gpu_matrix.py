@@ -275,20 +275,21 @@ def _operands(case: Case):
 
 
 def _bind(a, b, bias=None, c=None, *, out_dtype, plan=None, transpose_a=False,
-          transpose_b=False, alpha=1.0, beta=1.0, activation=None):  # fmt: skip
-    """The primitive bound directly; bias [n] is brought to the primitive's rank here."""
+          transpose_b=False, alpha=1.0, beta=1.0, activation=None, save_preact=False):  # fmt: skip
+    """The primitive bound directly; bias [n] is brought to the primitive's rank here. With
+    `save_preact`, (result, pre-activation)."""
     nb = a.ndim - 2
     args = [a, b]
     if bias is not None:
         args.append(bias.reshape((1,) * nb + bias.shape))
     if c is not None:
         args.append(c)
-    (out,) = matmul_p.bind(
+    outs = matmul_p.bind(
         *args, transpose_a=transpose_a, transpose_b=transpose_b, alpha=alpha, beta=beta,
         activation=activation, out_dtype=np.dtype(out_dtype), has_bias=bias is not None,
-        has_c=c is not None, plan=plan, save_preact=False, act_grad=None,
+        has_c=c is not None, plan=plan, save_preact=save_preact, act_grad=None,
     )  # fmt: skip
-    return out
+    return tuple(outs) if save_preact else outs[0]
 
 
 def _case_fn(case: Case, plan=None):
@@ -342,7 +343,7 @@ def _force(plan, *, coop=False, split=1, **variant):
 # The plan fields that make a schedule (the SM count is the device's).
 _SCHEDULE_FIELDS = (
     "kernel", "mma_tiler_mnk", "cluster_shape_mn", "pingpong", "stream_k", "split_k",
-    "split_reduce", "raster_along_m", "swizzle_size", "epi_n", "stage_c",
+    "split_reduce", "raster_along_m", "swizzle_size", "epi_n", "stage_c", "swap_ab",
 )  # fmt: skip
 
 
@@ -641,19 +642,81 @@ class PingPongTest(_GpuCase):
 
     @parameterized.named_parameters(
         (f"{c.name}_{t[0]}x{t[1]}", c, t) for c, t in (
-            (Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=11), (64, 256)),
+            (Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=11), (128, 192)),
             (Case(8200, 8200, 2064, "float8_e5m2", transpose_b=True, c="bfloat16",
                   bias="float32", activation="gelu", alpha=0.5, beta=0.75, seed=12), (128, 192)),
             (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,),
                   transpose_b=True, out_dtype="float16", seed=13), (128, 192)),
-            (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 160)),
+            (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 192)),
         )
     )  # fmt: skip
     def test_planner_plan_8bit(self, case, tile):
-        # Many waves of short-k fp8 tiles: 128x192 ping-pong, 64x256 in very tall grids.
+        # Many waves of short-k fp8 tiles: 128x192 ping-pong (swapped in very tall grids).
         _, low, _, _ = self.run_case(case)
         want = ("sm90_wgmma", True, tile)
         self.assertEqual((low.plan.kernel, low.plan.pingpong, low.plan.cta_tile_mnk[:2]), want, low)
+
+
+# Forced swapped schedules (`GemmPlan.swap_ab`): (case, tile, ping-pong, cluster). m and n are
+# not multiples of the tiles, so D's M-major stores are clipped at both edges.
+_SWAP_FORCED = (
+    (Case(1000, 520, 256, "float8_e4m3fn", transpose_b=True, bias="float32", activation="relu",
+          seed=23), (128, 192), True, (1, 2)),
+    (Case(520, 1000, 512, "float8_e5m2", transpose_b=True, bias="bfloat16", alpha=0.5,
+          seed=24), (128, 256), False, (2, 1)),
+    (Case(300, 264, 512, "float8_e4m3fn", a_batch=(3,), b_batch=(3,), transpose_b=True,
+          out_dtype="float16", activation="silu", seed=25), (64, 128), False, (1, 1)),
+    (Case(4104, 776, 1024, "float8_e5m2", transpose_b=True, seed=26), (128, 192), True, (2, 1)),
+)  # fmt: skip
+
+
+@absltest.skipIf(*_SKIP)
+class SwapTest(_GpuCase):
+    """Swapped products (`GemmPlan.swap_ab`: the kernel runs D^T = B A^T and stores D M-major,
+    by stmatrix's transposing form and TMA): the planner's in very tall fp8 grids, and forced
+    onto uneven, batched problems with every epilogue a swapped plan takes."""
+
+    @parameterized.named_parameters(
+        _named([
+            Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=21),
+            Case(32768, 2048, 2048, "float8_e5m2", transpose_b=True, bias="float32",
+                 activation="gelu", alpha=0.5, seed=22),
+            # B shared by the batch: folded into 4 x 8200 rows, then swapped.
+            Case(8200, 1032, 1024, "float8_e4m3fn", a_batch=(4,), b_batch=(1,),
+                 transpose_b=True, bias="bfloat16", activation="silu", seed=27),
+        ])
+    )  # fmt: skip
+    def test_planner_swap(self, case):
+        _, low, _, _ = self.run_case(case)
+        got = (low.plan.swap_ab, low.plan.pingpong, low.plan.cta_tile_mnk[:2])
+        self.assertEqual(got, (True, True, (128, 192)), low)
+
+    @parameterized.named_parameters(
+        (f"{c.name}_{t[0]}x{t[1]}_{'pp' if pp else 'coop'}", c, t, pp, cl)
+        for c, t, pp, cl in _SWAP_FORCED
+    )
+    def test_forced(self, case, tile, pingpong, cluster):
+        plan = _force(case.plan(), tile_mn=tile, pingpong=pingpong, cluster_mn=cluster,
+                      swap_ab=True, raster_along_m=True, stream_k=False)  # fmt: skip
+        self.assertTrue(plan.swap_ab)
+        self.run_case(case, plan)
+
+    def test_preact(self):
+        # The forward under grad: D and the pre-activation Z, both stored M-major.
+        case = Case(1000, 520, 256, "float8_e4m3fn", transpose_b=True, bias="float32",
+                    activation="gelu", seed=28)  # fmt: skip
+        plan = _force(case.plan(), tile_mn=(128, 192), pingpong=True, cluster_mn=(1, 2),
+                      swap_ab=True, raster_along_m=True, stream_k=False)  # fmt: skip
+        a, b, bias, _ = _operands(case)
+        fn = jax.jit(lambda a, b, bias: _bind(
+            a, b, bias, out_dtype="bfloat16", plan=plan, transpose_b=True, activation="gelu",
+            save_preact=True))  # fmt: skip
+        out, z = fn(a, b, bias)
+        low = jax_sm100.last_lowering()
+        self.assertTrue(low.plan.swap_ab and low.plan.preact_out, low)
+        self.assert_close(out, _reference(case, a, b, bias, None), "bfloat16", "d")
+        pre = dataclasses.replace(case, activation=None)
+        self.assert_close(z, _reference(pre, a, b, bias, None), "bfloat16", "z")
 
 
 def _split_cases(count: int, seed: int) -> list[tuple[Case, tuple[int, int], int]]:

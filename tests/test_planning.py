@@ -527,22 +527,34 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertFalse(q.pingpong, q)
 
     @parameterized.named_parameters(
-        # (m, n, k, ping-pong, tile, swizzle): 8-bit operands take 128x192 ping-pong tiles for
-        # many waves of at most SM90_PINGPONG_8BIT_MAX_KTILES k-tiles; very tall grids 64x256
-        # ones (where they pad N no more), unswizzled.
-        ("tall", (16384, 4096, 4096), True, (64, 256), 1),
-        ("tall_n_not_256", (32768, 1408, 2048), True, (128, 160), 1),
-        ("square_short_k", (8192, 8192, 4096), True, (128, 192), 8),
-        ("wide", (4096, 14336, 4096), True, (128, 192), 8),
-        ("k_2048", (16384, 8192, 2048), True, (128, 192), 8),
-        ("long_k", (8192, 8192, 8192), False, (128, 256), 8),
-        ("few_waves", (4096, 4096, 4096), False, (128, 256), 8),
+        # (m, n, k, ping-pong, tile, swizzle, swapped): 8-bit operands take 128x192 ping-pong
+        # tiles for many waves of at most SM90_PINGPONG_8BIT_MAX_KTILES k-tiles; very tall grids
+        # run swapped (128x192 over (n, m), `swapped`), or with a C (which a swapped plan does
+        # not take) 64x256 tiles where they pad N no more, unswizzled.
+        ("tall", (16384, 4096, 4096), True, (64, 256), 1, True),
+        ("tall_n_not_256", (32768, 1408, 2048), True, (128, 160), 1, True),
+        ("square_short_k", (8192, 8192, 4096), True, (128, 192), 8, False),
+        ("wide", (4096, 14336, 4096), True, (128, 192), 8, False),
+        ("k_2048", (16384, 8192, 2048), True, (128, 192), 8, False),
+        ("long_k", (8192, 8192, 8192), False, (128, 256), 8, False),
+        ("few_waves", (4096, 4096, 4096), False, (128, 256), 8, False),
     )
-    def test_pingpong_choice_8bit(self, shape, pingpong, tile, swizzle):
+    def test_pingpong_choice_8bit(self, shape, pingpong, tile, swizzle, swapped):
         f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", b_major="k", arch="sm_90a")
         p = planning.plan(*shape, out_dtype="bfloat16", **f8)
-        self.assertEqual((p.kernel, p.pingpong, p.swizzle_size), ("sm90_wgmma", pingpong, swizzle))
-        self.assertEqual(p.cta_tile_mnk[:2], tile)
+        self.assertEqual((p.kernel, p.pingpong, p.swap_ab), ("sm90_wgmma", pingpong, swapped))
+        if swapped:
+            self.assertEqual((p.cta_tile_mnk[:2], p.cluster_shape_mn), ((128, 192), (1, 2)), p)
+            self.assertEqual((p.raster_along_m, p.swizzle_size), (True, 1), p)
+            self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
+            self.assertIn("swapped product D^T = B A^T", p.reason)
+            m, n, _ = shape
+            self.assertEqual(p.num_tiles, math.ceil(n / 128) * math.ceil(m / 192))
+            self.assertIn("swap_ab                  yes", str(p))
+            # The same problem with a C (read transposed if swapped): not swapped.
+            p = planning.plan(*shape, out_dtype="bfloat16", c_dtype="bfloat16", **f8)
+            self.assertFalse(p.swap_ab, p)
+        self.assertEqual((p.cta_tile_mnk[:2], p.swizzle_size), (tile, swizzle), p)
         if pingpong:
             self.assertEqual(p.cluster_shape_mn, (2, 1))
             self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
@@ -566,6 +578,35 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertFalse(planning.plan(*shape, out_dtype="float32", **f8).pingpong)
         mixed = planning.plan(*shape, out_dtype="bfloat16", **dict(f8, b_dtype="float8_e5m2"))
         self.assertEqual(mixed.kernel, planning.KERNEL_XLA, mixed)
+
+    def test_swap_ab_rules(self):
+        # A swapped plan (D^T = B A^T) is the dense sm_90a kernel's, on K-major operands, with
+        # no C, split-K or stream-K; its edits keep it consistent.
+        f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", b_major="k")
+        p = planning.plan(16384, 4096, 4096, out_dtype="bfloat16", arch="sm_90a", **f8)
+        self.assertEqual((p.swap_ab, p.kernel_mn), (True, (4096, 16384)))
+        for bad in (dict(c_dtype="bfloat16"), dict(pingpong=False, stream_k=True),
+                    dict(kernel=planning.KERNEL_XLA)):  # fmt: skip
+            with self.assertRaisesRegex(C.PlanError, "swap_ab"):
+                dataclasses.replace(p, **bad)
+        with self.assertRaisesRegex(C.PlanError, "swap_ab=True needs K-major"):
+            dataclasses.replace(planning.plan(4096, 4096, 4096, a_dtype="bfloat16",
+                                              b_dtype="bfloat16", arch="sm_90a"), swap_ab=True)
+        q = planning.plan(16384, 4096, 4096, out_dtype="bfloat16", arch="sm_100a", **f8)
+        self.assertFalse(q.swap_ab)
+        with self.assertRaisesRegex(C.PlanError, "sm_90a dense kernel"):
+            dataclasses.replace(q, swap_ab=True)
+        self.assertFalse(planning.with_split(p, 2).swap_ab)
+        coop = planning.sm90_variant(p, tile_mn=(128, 256), pingpong=False)
+        self.assertTrue(coop.swap_ab)
+        self.assertEqual(coop.num_tiles, 32 * 64)  # 4096 / 128 x 16384 / 256
+        # The kernel's spec: B as its A, A as its B, D M-major; a C is refused.
+        spec = KernelSpec.for_plan(p)
+        self.assertEqual((spec.a_major, spec.b_major, spec.d_major), ("k", "k", "m"))
+        with self.assertRaisesRegex(ValueError, "takes no C"):
+            dataclasses.replace(spec, c_dtype="bfloat16")
+        with self.assertRaisesRegex(ValueError, "d_major"):
+            dataclasses.replace(spec, d_major="k")
 
     def _coop_stream_k(self):
         """16384x4096x4096 (bf16 output) on the planner's cooperative plan: stream-K."""

@@ -10,7 +10,7 @@ from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import planning
 from jax_sm100._src.kernels import sm90_gemm
 from jax_sm100._src.kernels.spec import KernelSpec
-from tests.test_sm100_ptx import wgmma_serialized
+from tests.test_sm100_ptx import ptxas_spill_bytes, wgmma_serialized
 
 
 def _plan(m, n, k, dtype="bfloat16", **kw):
@@ -161,6 +161,32 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertRegex(ptx, r"bar\.sync\s+%r\d+,\s*256;")
         self.assertRegex(ptx, r"bar\.sync\s+%r\d+,\s*128;")
         self.assertIn("stmatrix.sync.aligned", ptx)
+
+    @parameterized.parameters(
+        ((128, 192), True, None), ((128, 256), False, "float32"), ((64, 128), False, None)
+    )
+    def test_swapped_store(self, tile, pingpong, bias):
+        # A swapped plan's D goes out M-major: stmatrix's transposing form into M-major
+        # sub-tiles, stored as they are by TMA; nothing spills.
+        f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", b_major="k", arch="sm_90a")
+        p = planning.plan(16384, 4096, 4096, out_dtype="bfloat16", **f8)
+        self.assertTrue(p.swap_ab)
+        p = planning.sm90_variant(p, tile_mn=tile, pingpong=pingpong, stream_k=False)
+        spec = dataclasses.replace(KernelSpec.for_plan(p), bias_dtype=bias,
+                                   activation="gelu" if bias else None)  # fmt: skip
+        self.assertEqual((spec.d_major, spec.a_major, spec.b_major), ("m", "k", "k"))
+        ptx = compile_mod.compile_plan(p, spec).ptx
+        self.assertIn("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16", ptx)
+        self.assertNotIn("stmatrix.sync.aligned.m8n8.x4.shared.b16", ptx)
+        self.assertIn("cp.async.bulk.tensor.3d.global.shared::cta", ptx)
+        self.assertIn(f"m64n{tile[1]}k32.f32.e4m3.e4m3", ptx)
+        self.assertIn(ptxas_spill_bytes(ptx, "sm_90a"), ((0, 0), None))  # None: no ptxas
+
+    def test_swapped_spec_refused_elsewhere(self):
+        # D M-major is the dense SM90 kernel's on a swapped plan only.
+        p = _plan(4096, 4096, 4096)
+        spec = dataclasses.replace(KernelSpec.for_plan(p), d_major="m")
+        self.assertIn("swapped dense plans only", sm90_gemm.Sm90GemmKernel.why_not(p, spec))
 
     def test_256_row_tile(self):
         # Two 64-row MMA blocks per consumer warp group; 128x32 epilogue sub-tiles, one block of

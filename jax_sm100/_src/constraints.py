@@ -209,6 +209,25 @@ def check_stage_c(
         )
 
 
+def check_swap_ab(swap_ab: bool, dense_sm90: bool, a_major: str, b_major: str,
+                  c_dtype: str | None, split_k: int, stream_k: bool) -> None:  # fmt: skip
+    """`GemmPlan.swap_ab`: the SM90 dense kernel runs D^T = B A^T (B as its A, A as its B) and
+    stores D M-major, so both operands must be K-major (each becomes the other's K-major
+    operand), and the plan takes no C (read transposed), split-K or stream-K (not built for
+    the swapped store)."""
+    if not swap_ab:
+        return
+    if not dense_sm90:
+        raise PlanError("swap_ab=True is a choice of the sm_90a dense kernel (kernel="
+                        "'sm90_wgmma'); set swap_ab=False")  # fmt: skip
+    if a_major != "k" or b_major != "k":
+        raise PlanError(f"swap_ab=True needs K-major A and B (each becomes the other's operand); "
+                        f"got {a_major=}, {b_major=} (set swap_ab=False)")  # fmt: skip
+    if c_dtype is not None or split_k > 1 or stream_k:
+        raise PlanError(f"swap_ab=True takes no C, split-K or stream-K; got {c_dtype=}, "
+                        f"{split_k=}, {stream_k=} (set swap_ab=False)")  # fmt: skip
+
+
 def check_stream_k(
     arch: str, stream_k: bool, pingpong: bool, split_k: int, cluster_shape_mn: tuple = (1, 1)
 ) -> None:

@@ -134,10 +134,17 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     if bias_name is not None and bias_name not in constraints.KERNEL_OUT_DTYPES:
         dispatch.record(dispatch.Lowered(p, f"bias dtype {bias_name}: XLA dot"))
         return _reference(a, b, bias, c, **kw)
+    swap = p.swap_ab
+    if swap:
+        # D^T = B A^T: the caller's B (K-major, [n, k]) is the kernel's A, its A the kernel's B,
+        # and the kernel stores D M-major, straight into the caller's row-major [m, n].
+        names, a_major, b_major = names[::-1], "k", "k"
+        notes.append("swapped: the kernel runs D^T = B A^T, D stored M-major (plan.swap_ab)")
     spec = KernelSpec(
         a_dtype=names[0], b_dtype=names[1], out_dtype=out_dtype.name, a_major=a_major,
         b_major=b_major, c_dtype=c_name, bias_dtype=bias_name, activation=activation,
         alpha=alpha, beta=1.0 if act_grad else beta, preact_out=save_preact, act_grad=act_grad,
+        d_major="m" if swap else "n",
     )  # fmt: skip
 
     dispatch.record(dispatch.Lowered(p, "; ".join(notes) or "kernel"))
@@ -148,7 +155,11 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         acc = jnp.sum(parts, axis=0)
         outs = P.epilogue_xla(acc, None if c3 is None else c3[0], bias1, **epi)
         return [x.reshape(out_shape) for x in outs]
-    outs = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
+    if swap:
+        outs = _call(compiled, b3, a3, c3, bias1, n, mm, k, LL, a_major, b_major, out_dtype,
+                     d_m_major=True)  # fmt: skip
+    else:
+        outs = _call(compiled, a3, b3, c3, bias1, mm, n, k, LL, a_major, b_major, out_dtype)
     return [x.reshape(out_shape) for x in outs]
 
 
@@ -174,11 +185,13 @@ def _ffi(compiled, out_type, operands, layouts, order, aliases=None):
     )
 
 
-def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
+def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
+          d_m_major=False):  # fmt: skip
     # (shape, strides) of each operand in the kernel's modes (spec.py), for row-major buffers.
     # A split-K kernel (L == 1) takes A and B as (rows, K/s, s) views: split j is columns (or
     # rows) [j K/s, (j + 1) K/s) of the same buffer. With "xla" reduction it returns the float32
-    # partials (s, m, n).
+    # partials (s, m, n). With `d_m_major` (a swapped product: m and n are the kernel's, the
+    # caller's n and m) D and Z are M-major: the buffer is [L, n, m], the caller's [L, m, n].
     s = compiled.split_k
     kc = k // s
     partials = s > 1 and compiled.plan.split_reduce == "xla"
@@ -192,11 +205,12 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
             "a": ((m, k, L), (k, 1, m * k)) if a_major == "k" else ((m, k, L), (1, m, m * k)),
             "b": ((n, k, L), (1, n, n * k)) if b_major == "n" else ((n, k, L), (k, 1, n * k)),
         }
+    d_modes = ((m, n, L), (1, m, m * n)) if d_m_major else ((m, n, L), (n, 1, m * n))
     modes |= {
-        "d": ((m, n, L), (n, 1, m * n)),
-        "z": ((m, n, L), (n, 1, m * n)),
+        "d": d_modes,
+        "z": d_modes,
         "c": ((m, n, L), (n, 1, m * n)),
-        "bias": ((n,), (1,)),
+        "bias": ((m,), (1,)) if d_m_major else ((n,), (1,)),
     }
     if partials:
         modes["d"] = ((m, n, s), (n, 1, m * n))
@@ -208,12 +222,13 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype):
         if x is not None:
             index[name] = nxt
             nxt += 1
-    out_types = [jax.ShapeDtypeStruct((L, m, n), out_dtype)]
+    d_buf = (L, n, m) if d_m_major else (L, m, n)
+    out_types = [jax.ShapeDtypeStruct(d_buf, out_dtype)]
     results = 1
     if compiled.spec.preact_out and not partials:
         # The pre-activation: the second result, in D's dtype and layout.
         index["z"] = -1 - len(out_types)
-        out_types.append(jax.ShapeDtypeStruct((L, m, n), out_dtype))
+        out_types.append(jax.ShapeDtypeStruct(d_buf, out_dtype))
         results = 2
     aliases = {}
     # A stream-K kernel's workspace: "ws" an extra result it writes before it reads; "flags"

@@ -168,7 +168,8 @@ def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
     """Fake tensors `(a, b, d, c_or_None, bias_or_None, z_or_None)` for compiling `plan` with
     `spec`.
 
-    Modes follow spec.py: a (M, K, L), b (N, K, L), d, z and c (M, N, L) N-major, bias (N,).
+    Modes follow spec.py: a (M, K, L), b (N, K, L), d, z and c (M, N, L) N-major (d and z
+    M-major with `spec.d_major="m"`), bias (N,), or (M,) for a swapped product's D M-major.
     m, n, k, l are symbolic and shared across operands; each contiguous dimension is declared
     divisible by the elements in 16 bytes of its operand's dtype.
 
@@ -186,29 +187,31 @@ def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:
 
     a_k_major = spec.a_major == "k"
     b_n_major = spec.b_major == "n"
-    n_dtypes = [spec.out_dtype] + [t for t in (spec.c_dtype, spec.bias_dtype) if t]
-    if b_n_major:
-        n_dtypes.append(spec.b_dtype)
+    d_n_major = spec.d_major == "n"
+    # D (and C, bias) run along its contiguous extent: n, or m for D stored M-major.
+    d_dtypes = [spec.out_dtype] + [t for t in (spec.c_dtype, spec.bias_dtype) if t]
+    n_dtypes = (d_dtypes if d_n_major else []) + ([spec.b_dtype] if b_n_major else [])
+    m_dtypes = ([] if a_k_major else [spec.a_dtype]) + ([] if d_n_major else d_dtypes)
     k_dtypes = ([spec.a_dtype] if a_k_major else []) + ([] if b_n_major else [spec.b_dtype])
-    m = cute.sym_int(divisibility=1 if a_k_major else elems_per_16b(spec.a_dtype))
-    n = cute.sym_int(divisibility=div(*n_dtypes))
+    m = cute.sym_int(divisibility=div(*m_dtypes) if m_dtypes else 1)
+    n = cute.sym_int(divisibility=div(*n_dtypes) if n_dtypes else 1)
     k = cute.sym_int(divisibility=div(*k_dtypes) if k_dtypes else 1)
     l = cute.sym_int()
 
     a = _operand(spec.a_dtype, m, k, l, major_is_cols=a_k_major, batched=spec.a_batched)
     b = _operand(spec.b_dtype, n, k, l, major_is_cols=not b_n_major, batched=spec.b_batched)
-    d = _operand(spec.out_dtype, m, n, l, major_is_cols=True, batched=True)
+    d = _operand(spec.out_dtype, m, n, l, major_is_cols=d_n_major, batched=True)
     c = None
     if spec.has_c:
         c = _operand(spec.c_dtype, m, n, l, major_is_cols=True, batched=spec.c_batched)
     bias = None
     if spec.has_bias:
         bias = make_fake_compact_tensor(
-            cutlass_dtype(spec.bias_dtype), (n,), assumed_align=TMA_ALIGN_BYTES
+            cutlass_dtype(spec.bias_dtype), (n if d_n_major else m,), assumed_align=TMA_ALIGN_BYTES
         )
     z = None
     if spec.preact_out:
-        z = _operand(spec.out_dtype, m, n, l, major_is_cols=True, batched=True)
+        z = _operand(spec.out_dtype, m, n, l, major_is_cols=d_n_major, batched=True)
     return FakeOperands(a, b, d, c, bias, z)
 
 

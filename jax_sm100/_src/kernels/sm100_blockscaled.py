@@ -291,6 +291,8 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
         rules are constraints.py's (`check_sm100_blockscaled`), re-run on the plan as given."""
         if plan.arch != "sm_100a" or plan.kernel != planning.KERNEL_SM100_BLOCKSCALED:
             return f"{plan.arch=}, {plan.kernel=}: not an sm_100a block-scaled plan"
+        if spec.d_major != "n":
+            return f"spec.d_major={spec.d_major!r}: sm_100a kernels store D N-major only"
         for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
             got, want = getattr(plan, field), getattr(spec, field)
             if got != want:

@@ -703,6 +703,8 @@ class Sm100GemmKernel(family.KernelFamily):
         """
         if plan.arch != "sm_100a" or plan.kernel != cls.KERNEL:
             return f"{plan.arch=}, {plan.kernel=}: not an {cls.KERNEL} plan"
+        if spec.d_major != "n":
+            return f"spec.d_major={spec.d_major!r}: sm_100a kernels store D N-major only"
         for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
             got, want = getattr(plan, field), getattr(spec, field)
             if got != want:

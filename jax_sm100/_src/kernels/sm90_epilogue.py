@@ -176,7 +176,8 @@ class Sm90Epilogue:
             rb.fill(0.0)
             for i in cutlass.range_constexpr(n_vals):
                 if cute.elem_less(coords[i], mD.shape):
-                    rb[i] = mBias[coords[i][1]]
+                    # Bias runs along the caller's n: D's N, or its M when D is M-major.
+                    rb[i] = mBias[coords[i][0 if self._d_m_major else 1]]
             bias_vals = rb.load()
         return self._epilogue_math(vals, c_vals, bias_vals, preact)
 

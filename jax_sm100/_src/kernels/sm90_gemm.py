@@ -78,6 +78,8 @@ _SMEM_ALIGN = 1024
 # Named barriers (common.py's table): one per epilogue group (two in ping-pong), then the two
 # ping-pong turn barriers that order the consumer warp groups' main loops.
 _EPI_BARRIER_ID = common.SM90_EPI_BARRIER
+# The plans whose D this family may store M-major (`GemmPlan.swap_ab`).
+_KERNEL_DENSE = "sm90_wgmma"
 _TURN_BARRIER_ID = common.SM90_TURN_BARRIER
 
 # What one consumer warp group's tile epilogue works with (`_store_tile`), built once.
@@ -140,6 +142,11 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         self._b_k_major = spec.b_major == "k"
         self._a_layout = LayoutEnum.ROW_MAJOR if self._a_k_major else LayoutEnum.COL_MAJOR
         self._b_layout = LayoutEnum.ROW_MAJOR if self._b_k_major else LayoutEnum.COL_MAJOR
+        # D (and Z) N-major, or M-major for a swapped product (`GemmPlan.swap_ab`): its
+        # sub-tiles are staged M-major in shared memory (stmatrix's transposing form) and
+        # stored as they are by TMA.
+        self._d_m_major = spec.d_major == "m"
+        self._d_layout = LayoutEnum.COL_MAJOR if self._d_m_major else LayoutEnum.ROW_MAJOR
         # The epilogue also stores the pre-activation Z, through its own staging buffers.
         self.preact = bool(spec.preact_out)
         # C through shared-memory rings filled by TMA rather than global loads into registers:
@@ -200,6 +207,14 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             return str(e)
         if spec.preact_out and not plan.preact_out:
             return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
+        if (spec.d_major == "m") != bool(getattr(plan, "swap_ab", False)) or (
+            spec.d_major == "m" and plan.kernel != _KERNEL_DENSE
+        ):
+            return (f"spec.d_major={spec.d_major!r} with swap_ab={getattr(plan, 'swap_ab', False)} "
+                    f"on kernel={plan.kernel!r}: D is stored M-major by swapped dense plans "
+                    "only (KernelSpec.for_plan gives a plan's spec)")  # fmt: skip
+        if spec.d_major == "m" and (spec.has_c or plan.split_k > 1 or plan.stream_k):
+            return "a swapped product (D M-major) takes no C, split-K or stream-K"
         if plan.split_reduce == "cluster" and tm % plan.split_k:
             return f"split_k={plan.split_k} must divide the tile's {tm} rows (one slice per CTA)"
         # The epilogue takes each sub-tile's registers as one contiguous run of the retiled
@@ -236,7 +251,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             self._b_layout, self.tile_mnk, self.b_dtype, self.ab_stages
         )
         self.d_smem_staged = sm90.make_smem_layout_epi(
-            self.d_dtype, LayoutEnum.ROW_MAJOR, self.epi_tile, self.epi_stages * self.epi_groups
+            self.d_dtype, self._d_layout, self.epi_tile, self.epi_stages * self.epi_groups
         )
         self.cluster_layout = cute.make_layout((*self.cluster_mn, 1))
 
@@ -698,9 +713,11 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         as `_store_tile` takes it: (r2s, thr_r2s, tRS_sD, tRS_acc, sub_acc, sub_out,
         sub_size)."""
         r2s_atom = sm90.get_smem_store_op(
-            LayoutEnum.ROW_MAJOR, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
+            self._d_layout, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype
         )
-        stm_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.d_dtype)
+        stm_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self._d_m_major, 4), self.d_dtype
+        )
         r2s = cute.make_tiled_copy_S(r2s_atom, cute.make_tiled_copy_C_atom(stm_atom, tiled_mma))
         thr_r2s = r2s.get_slice(etidx)
         tRS_sD = thr_r2s.partition_D(sD)

@@ -8,10 +8,14 @@ buffers whose batch dims have been flattened into one leading dim `l`:
 
     a    (M, K, L)  K-major when the buffer is [l, m, k]; M-major when it is [l, k, m]
     b    (N, K, L)  N-major when the buffer is [l, k, n]; K-major when it is [l, n, k]
-    d    (M, N, L)  N-major, buffer [l, m, n]
+    d    (M, N, L)  N-major, buffer [l, m, n]; M-major, buffer [l, n, m], with `d_major="m"`
     c    (M, N, L)  N-major, buffer [l, m, n]                      (only when `c_dtype` is set)
     bias (N,)                                                       (only when `bias_dtype` is set)
-    z    (M, N, L)  N-major, buffer [l, m, n]                      (only when `preact_out`)
+    z    (M, N, L)  d's layout                                      (only when `preact_out`)
+
+`d_major="m"` is how a product swapped by its plan (`GemmPlan.swap_ab`: D^T = B A^T, so that
+the tiles pad the caller's n less) writes the caller's row-major [l, m, n]: the kernel's M is
+the caller's n and its N the caller's m. SM90 dense plans only, without C.
 
 An operand whose `*_batched` flag is False has batch stride 0: one matrix shared by every batch.
 The host entry point of every kernel takes `(a, b, d, c, bias, z, ..., stream)` with `None` for
@@ -36,6 +40,7 @@ GELU_K1 = 0.044715
 ACT_GRAD_CLAMP = 1e4
 A_MAJORS = ("k", "m")
 B_MAJORS = ("n", "k")
+D_MAJORS = ("n", "m")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +62,18 @@ class KernelSpec:
     c_batched: bool = True
     preact_out: bool = False
     act_grad: str | None = None
+    d_major: str = "n"
 
     def __post_init__(self):
         if self.a_major not in A_MAJORS:
             raise ValueError(f"{self.a_major=} must be one of {A_MAJORS}")
         if self.b_major not in B_MAJORS:
             raise ValueError(f"{self.b_major=} must be one of {B_MAJORS}")
+        if self.d_major not in D_MAJORS:
+            raise ValueError(f"{self.d_major=} must be one of {D_MAJORS}")
+        if self.d_major == "m" and self.c_dtype is not None:
+            raise ValueError("d_major='m' (a swapped product) takes no C; its C would be read "
+                             "transposed")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"{self.activation=} must be one of {ACTIVATIONS}")
         if self.act_grad is not None and (
@@ -80,7 +91,12 @@ class KernelSpec:
 
     @classmethod
     def for_plan(cls, plan) -> KernelSpec:
-        """The spec of a plain product of the plan's dtypes and layouts (no epilogue extras)."""
+        """The spec of a plain product of the plan's dtypes and layouts (no epilogue extras);
+        for a swapped plan (`swap_ab`) the product the kernel runs: B as its A, A as its B
+        (both K-major), D stored M-major."""
+        if getattr(plan, "swap_ab", False):
+            return cls(a_dtype=plan.b_dtype, b_dtype=plan.a_dtype, out_dtype=plan.out_dtype,
+                       a_major="k", b_major="k", d_major="m")  # fmt: skip
         return cls(
             a_dtype=plan.a_dtype,
             b_dtype=plan.b_dtype,

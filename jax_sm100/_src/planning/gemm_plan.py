@@ -299,6 +299,11 @@ class GemmPlan:
     # every call) once its producer warp has issued the current tile's loads, instead of every
     # grid-th tile: work tiles of unequal cost (skewed group sizes) spread by when SMs are free.
     dynamic_tiles: bool = False
+    # sm_90a dense plans (8-bit, K-major A and B, no C): the kernel runs D^T = B A^T, B as its
+    # A and A as its B, and stores D M-major (`KernelSpec.d_major`), so its tiles, cluster and
+    # raster are over (n, m): a grid that 128x192 tiles pad less that way round (16384 rows x
+    # 4096 columns: 0.8 % instead of 3.1 %). `planning/sm90.py` says where it is taken.
+    swap_ab: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
     acc_tmem_cols_per_stage: int = dataclasses.field(init=False)
@@ -390,6 +395,10 @@ class GemmPlan:
         )
         C.check_stage_c(self.arch, self.stage_c, self.c_dtype, self.out_dtype, self.stream_k,
                         self.split_k)  # fmt: skip
+        if not isinstance(self.swap_ab, bool):
+            raise C.PlanError(f"swap_ab={self.swap_ab!r} must be a bool")
+        C.check_swap_ab(self.swap_ab, self.kernel == KERNEL_SM90, self.a_major, self.b_major,
+                        self.c_dtype, self.split_k, self.stream_k)  # fmt: skip
         mm, mn, mk = self.mma_tiler_mnk
         cta = (mm // 2 if self.use_2cta else mm, mn, mk)
         setf("cta_tile_mnk", cta)
@@ -511,7 +520,13 @@ class GemmPlan:
     def num_tiles(self) -> int:
         """Output tiles of the whole problem (per split), counting the batch."""
         cm, cn, _ = self.cta_tile_mnk
-        return math.ceil(self.m / cm) * math.ceil(self.n / cn) * self.batch
+        m, n = self.kernel_mn
+        return math.ceil(m / cm) * math.ceil(n / cn) * self.batch
+
+    @property
+    def kernel_mn(self) -> tuple[int, int]:
+        """(m, n) as the kernel sees them: (n, m) for a swapped plan (`swap_ab`)."""
+        return (self.n, self.m) if self.swap_ab else (self.m, self.n)
 
     def _grouped_tiles_text(self) -> str:
         """CTA tiles: a cluster's work tile is `cluster_shape_mn[0]` of them along M."""
@@ -540,6 +555,9 @@ class GemmPlan:
         rows += [
             ("dtypes", dt),
             ("layouts", f"A {self.a_major}-major, B {self.b_major}-major, D n-major"),
+            ("swap_ab", "yes: the kernel runs D^T = B A^T (B as its A, A as its B, D stored "
+                        "M-major); tiles, cluster and raster are over (n, m)"
+                        if self.swap_ab else "no"),
             ("arch", f"{self.arch} ({self.num_sms} SMs)"),
             ("kernel", self.kernel),
             ("reason", self.reason),

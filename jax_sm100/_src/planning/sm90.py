@@ -80,7 +80,9 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     if pingpong or cluster[0] * cluster[1] > 2:
         changes.setdefault("stream_k", False)
     along_m = changes.get("raster_along_m", plan.raster_along_m)
-    if _swizzled_extent(plan.m, plan.n, (tm, tn), cluster, along_m) % plan.swizzle_size:
+    swapped = changes.get("swap_ab", plan.swap_ab)
+    mn = (plan.n, plan.m) if swapped else (plan.m, plan.n)
+    if _swizzled_extent(*mn, (tm, tn), cluster, along_m) % plan.swizzle_size:
         changes.setdefault("swizzle_size", 1)
     edited = dataclasses.replace(
         plan,
@@ -212,7 +214,7 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
         plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
         pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
         num_epi_stages=2, stream_k=plan.stream_k and split == 1,
-        stage_c=plan.stage_c and split == 1,
+        stage_c=plan.stage_c and split == 1, swap_ab=plan.swap_ab and split == 1,
     )  # fmt: skip
     return _fill_sm90_smem(edited)
 
@@ -293,6 +295,46 @@ def _sm90_pingpong_plan(common, tile, cluster, ab_bits) -> GemmPlan | None:
         return None
 
 
+# Very tall 8-bit ping-pong grids run swapped (`GemmPlan.swap_ab`: D^T = B A^T, D stored
+# M-major), where 128x192 tiles fit: the transposed grid is very wide, its 192-column tiles pad
+# the long side (0.8 % at 16384 rows) instead of the short one (3.1 % at 4096 columns), so
+# 128x192 replaces the 64x256 tiles the unswapped grid takes. H200, twenty-fourth session,
+# e4m3 -> bfloat16, device method, one call: the 4096x16384x4096 product (the swapped problem
+# of 16384x4096x4096) in 128x192 ping-pong tiles walked along M, unswizzled: 1349.7 TF/s in
+# 1x2 clusters, 1317.8 / 1324.5 in 2x1, 1227.5-1234.3 swizzled 8 or 4, 1306.8 as the planner
+# plans that wide problem itself (along N, swizzle 8); 16384x4096x4096 unswapped (64x256)
+# 1284.2 / 1289.4; cuBLAS fp8 1315.1-1335.6 at either shape.
+SM90_SWAP_TILE = (128, 192)
+SM90_SWAP_CLUSTER = (1, 2)
+
+
+def _can_swap(common) -> bool:
+    """Whether the problem in `common` may run swapped (constraints.check_swap_ab's rules)."""
+    return (common["a_major"] == "k" and common["b_major"] == "k"
+            and common["c_dtype"] is None and common.get("scale_dtype") is None)  # fmt: skip
+
+
+def _sm90_swapped_plan(common, ktile) -> GemmPlan | None:
+    """The swapped ping-pong plan of a very tall 8-bit grid (`SM90_SWAP_TILE` over (n, m),
+    `SM90_SWAP_CLUSTER`, raster along the kernel's M unswizzled, the 8-bit store ring), or None
+    where it does not fit."""
+    tm, tn = SM90_SWAP_TILE
+    try:
+        plan = GemmPlan(
+            **common, kernel=KERNEL_SM90,
+            reason=(f"wgmma {tm}x{tn} ping-pong tile on the swapped product D^T = B A^T (a very "
+                    f"tall 8-bit grid: {tn}-column tiles pad its {common['m']} rows, not its "
+                    f"{common['n']} columns; measured); raster along the kernel's M (the "
+                    "caller's n), unswizzled"),
+            mma_tiler_mnk=(tm, tn, ktile), cluster_shape_mn=SM90_SWAP_CLUSTER, use_2cta=False,
+            num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=True,
+            swizzle_size=1, pingpong=True, swap_ab=True,
+        )  # fmt: skip
+        return _fill_sm90_smem(plan, SM90_PINGPONG_8BIT_EPI_STAGES)
+    except C.PlanError:
+        return None
+
+
 SM90_PINGPONG_EPI_STAGES = 4
 # Epilogues that stage a second tile in shared memory take 2 store stages, leaving room for one
 # more A/B stage (H200, benchmarks/epilogue_probe.py, interleaved rounds, 2026-12-01,
@@ -361,7 +403,7 @@ def _swizzled_extent(m, n, tile_mn, cluster, along_m) -> int:
 def swizzle_pads(plan: GemmPlan) -> bool:
     """Whether `plan`'s swizzle makes the scheduler run clusters outside the matrix (correct,
     but each runs a full main loop on zero-filled tiles); the planner never plans one."""
-    extent = _swizzled_extent(plan.m, plan.n, plan.cta_tile_mnk[:2], plan.cluster_shape_mn,
+    extent = _swizzled_extent(*plan.kernel_mn, plan.cta_tile_mnk[:2], plan.cluster_shape_mn,
                               plan.raster_along_m)  # fmt: skip
     return extent % plan.swizzle_size != 0
 
@@ -393,6 +435,10 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
         )
     else:
         kernel = KERNEL_SM90
+        if pingpong and ab_bits == 8 and _very_tall_8bit(m, n) and _can_swap(common):
+            plan = _sm90_swapped_plan(common, ktile)
+            if plan is not None:
+                return plan
         if pingpong:
             plan = _sm90_pingpong_plan(common, (tm, tn, ktile), cluster, ab_bits)
             if plan is not None:
