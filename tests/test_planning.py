@@ -590,8 +590,12 @@ class Sm90ScheduleTest(parameterized.TestCase):
             with self.assertRaisesRegex(C.PlanError, "swap_ab"):
                 dataclasses.replace(p, **bad)
         with self.assertRaisesRegex(C.PlanError, "swap_ab=True needs K-major"):
-            dataclasses.replace(planning.plan(4096, 4096, 4096, a_dtype="bfloat16",
-                                              b_dtype="bfloat16", arch="sm_90a"), swap_ab=True)
+            dataclasses.replace(
+                planning.plan(
+                    4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
+                ),
+                swap_ab=True,
+            )
         q = planning.plan(16384, 4096, 4096, out_dtype="bfloat16", arch="sm_100a", **f8)
         self.assertFalse(q.swap_ab)
         with self.assertRaisesRegex(C.PlanError, "sm_90a dense kernel"):

@@ -72,8 +72,9 @@ class KernelSpec:
         if self.d_major not in D_MAJORS:
             raise ValueError(f"{self.d_major=} must be one of {D_MAJORS}")
         if self.d_major == "m" and self.c_dtype is not None:
-            raise ValueError("d_major='m' (a swapped product) takes no C; its C would be read "
-                             "transposed")
+            raise ValueError(
+                "d_major='m' (a swapped product) takes no C; its C would be read transposed"
+            )
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"{self.activation=} must be one of {ACTIVATIONS}")
         if self.act_grad is not None and (
