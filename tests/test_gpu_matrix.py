@@ -648,6 +648,9 @@ class PingPongTest(_GpuCase):
             (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,),
                   transpose_b=True, out_dtype="float16", seed=13), (128, 192)),
             (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 192)),
+            # A wide grid: along M in 1x2 clusters.
+            (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
+                  seed=15), (128, 192)),
         )
     )  # fmt: skip
     def test_planner_plan_8bit(self, case, tile):

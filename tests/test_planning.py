@@ -534,7 +534,7 @@ class Sm90ScheduleTest(parameterized.TestCase):
         ("tall", (16384, 4096, 4096), True, (64, 256), 1, True),
         ("tall_n_not_256", (32768, 1408, 2048), True, (128, 160), 1, True),
         ("square_short_k", (8192, 8192, 4096), True, (128, 192), 8, False),
-        ("wide", (4096, 14336, 4096), True, (128, 192), 8, False),
+        ("wide", (4096, 14336, 4096), True, (128, 192), 1, False),
         ("k_2048", (16384, 8192, 2048), True, (128, 192), 8, False),
         ("long_k", (8192, 8192, 8192), False, (128, 256), 8, False),
         ("few_waves", (4096, 4096, 4096), False, (128, 256), 8, False),
@@ -556,9 +556,13 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertFalse(p.swap_ab, p)
         self.assertEqual((p.cta_tile_mnk[:2], p.swizzle_size), (tile, swizzle), p)
         if pingpong:
-            self.assertEqual(p.cluster_shape_mn, (2, 1))
+            # Wide grids (twice as many tile columns as rows) walk along M in 1x2 clusters.
+            wide = math.ceil(shape[1] / tile[1]) >= 2 * math.ceil(shape[0] / tile[0])
+            self.assertEqual(wide, shape == (4096, 14336, 4096))
+            self.assertEqual(p.cluster_shape_mn, (1, 2) if wide else (2, 1))
             self.assertEqual(p.num_epi_stages, planning.SM90_PINGPONG_8BIT_EPI_STAGES)
-            self.assertFalse(p.raster_along_m)
+            self.assertEqual(p.raster_along_m, wide)
+            self.assertEqual("a wide 8-bit grid" in p.reason, wide, p.reason)
             # The reason names the rule that picked the tile: the very-tall switch or the waves.
             self.assertEqual("in place of 128x192" in p.reason, tile == (64, 256), p.reason)
             self.assertEqual("fewest weighted waves" in p.reason, tile != (64, 256), p.reason)

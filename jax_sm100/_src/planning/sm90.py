@@ -272,16 +272,22 @@ def _sm90_pingpong_plan(common, tile, cluster, ab_bits) -> GemmPlan | None:
         # 4096x14336x4096 ran 3 % and 7 % faster swizzled, 16384x8192x2048 within 1 %; 64x256:
         # 1311 against 1221).
         swizzle = 1
+    wide = eight_bit and _wide_8bit(common["m"], common["n"], tile)
+    if wide:
+        # Wide 8-bit grids walk along M unswizzled, CTAs paired along N (A multicast;
+        # measured beside `_wide_8bit`).
+        cluster, swizzle = SM90_SWAP_CLUSTER, 1
     c_dtype = common["c_dtype"]
     stage_c = c_dtype == common["out_dtype"] and c_dtype is not None and C.DTYPE_BITS[c_dtype] == 16
     try:
         plan = GemmPlan(
             **common, kernel=KERNEL_SM90,
             reason=(f"wgmma {tile[0]}x{tile[1]} ping-pong tile (each warp group's epilogue "
-                    f"hidden under the other's main loop): {why}; raster along N"
+                    f"hidden under the other's main loop): {why}; raster along "
+                    + ("M, unswizzled, CTAs paired along N (a wide 8-bit grid)" if wide else "N")
                     + (", unswizzled (a very tall 8-bit grid)" if tall else "")),
             mma_tiler_mnk=tile, cluster_shape_mn=cluster, use_2cta=False,
-            num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=False,
+            num_ab_stages=C.MIN_AB_STAGES, num_acc_stages=1, raster_along_m=wide,
             swizzle_size=swizzle, pingpong=True, stage_c=stage_c,
         )  # fmt: skip
         if eight_bit:
@@ -306,6 +312,17 @@ def _sm90_pingpong_plan(common, tile, cluster, ab_bits) -> GemmPlan | None:
 # 1284.2 / 1289.4; cuBLAS fp8 1315.1-1335.6 at either shape.
 SM90_SWAP_TILE = (128, 192)
 SM90_SWAP_CLUSTER = (1, 2)
+
+
+# Wide 8-bit ping-pong grids (`_wide_8bit`) walk along M, unswizzled, in 1x2 clusters, as the
+# swapped plans do (each column of tiles reads one block of B while A stays in L2). H200,
+# twenty-fourth session, device method, same calls, against along N swizzled 8 in 2x1:
+# 4096x16384x4096 1349.7 against 1306.8 TF/s, 4096x14336x4096 1290.7 / 1273.4 against
+# 1262.2 / 1265.1 (cuBLAS fp8 1333.6 there).
+def _wide_8bit(m, n, tile) -> bool:
+    """Whether an 8-bit ping-pong grid is wide: at least twice as many tile columns as tile
+    rows (4096 x 14336 in 128x192 tiles is, 75 against 32; 8192 x 8192 is not)."""
+    return math.ceil(n / tile[1]) >= 2 * math.ceil(m / tile[0])
 
 
 def _can_swap(common) -> bool:
