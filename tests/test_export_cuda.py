@@ -9,10 +9,12 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import dispatch, ffi, planning
+from jax_sm100._src import dispatch, ffi, ffi_checks, planning
+from jax_sm100._src.primitive import matmul_p
 
 
 def _export(fn, *args):
@@ -99,6 +101,30 @@ class ExportForSm100Test(parameterized.TestCase):
                       "tensor<1x16384x4096xbf16>", call)  # fmt: skip
         # D's modes (extents, then strides): (4096, 16384, 1) with strides (1, 4096, m * n).
         self.assertIn("4096, 16384, 1, 1, 4096, 67108864]", call)
+        # With bias, gelu and the pre-activation (the forward under grad): bias runs along the
+        # kernel's M (the caller's n), and Z is a second M-major result.
+        bias = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+
+        def fwd(a, b, bias):
+            return matmul_p.bind(
+                a, b, bias, transpose_a=False, transpose_b=True, alpha=1.0, beta=1.0,
+                activation="gelu", out_dtype=np.dtype(jnp.bfloat16), has_bias=True, has_c=False,
+                plan=None, save_preact=True, act_grad=None,
+            )  # fmt: skip
+
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            text = _export(fwd, a, b, bias).mlir_module()
+        low = jax_sm100.last_lowering()
+        self.assertTrue(low.plan.swap_ab and low.plan.preact_out, low)
+        (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
+        self.assertIn("-> (tensor<1x16384x4096xbf16>, tensor<1x16384x4096xbf16>)", call)
+        self.assertIn('names = "a,b,d,bias,z"', call)
+        dims = re.search(r"dims = dense<\[([-\d, ]+)\]>", call)[1].split(",")
+        layouts = {t.name: (t.shape, t.strides) for t in ffi_checks.decode(dims, "a,b,d,bias,z", 5)}
+        m_major = ((4096, 16384, 1), (1, 4096, 16384 * 4096))
+        self.assertEqual((layouts["d"], layouts["z"]), (m_major, m_major))
+        self.assertEqual(layouts["bias"], ((4096,), (1,)))
+        self.assertEqual(layouts["a"], ((4096, 2048, 1), (2048, 1, 4096 * 2048)))
 
     def test_target_arch_without_plan(self):
         # With no plan and no SM90/SM100 device, lowering for CUDA picks XLA's dot, unless

@@ -550,7 +550,7 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertIn("swapped product D^T = B A^T", p.reason)
             m, n, _ = shape
             self.assertEqual(p.num_tiles, math.ceil(n / 128) * math.ceil(m / 192))
-            self.assertIn("swap_ab                  yes", str(p))
+            self.assertRegex(str(p), r"swap_ab\s+yes")
             # The same problem with a C (read transposed if swapped): not swapped.
             p = planning.plan(*shape, out_dtype="bfloat16", c_dtype="bfloat16", **f8)
             self.assertFalse(p.swap_ab, p)
@@ -590,16 +590,16 @@ class Sm90ScheduleTest(parameterized.TestCase):
         p = planning.plan(16384, 4096, 4096, out_dtype="bfloat16", arch="sm_90a", **f8)
         self.assertEqual((p.swap_ab, p.kernel_mn), (True, (4096, 16384)))
         for bad in (dict(c_dtype="bfloat16"), dict(pingpong=False, stream_k=True),
-                    dict(kernel=planning.KERNEL_XLA)):  # fmt: skip
+                    dict(out_dtype="float32")):  # fmt: skip
             with self.assertRaisesRegex(C.PlanError, "swap_ab"):
                 dataclasses.replace(p, **bad)
-        with self.assertRaisesRegex(C.PlanError, "swap_ab=True needs K-major"):
-            dataclasses.replace(
-                planning.plan(
-                    4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a"
-                ),
-                swap_ab=True,
-            )
+        bf16 = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        with self.assertRaisesRegex(C.PlanError, "swap_ab=True takes fp8 operands"):
+            dataclasses.replace(planning.plan(4096, 4096, 4096, b_major="k", **bf16), swap_ab=True)
+        # An XLA plan ignores it (and does not print it).
+        xla = dataclasses.replace(p, kernel=planning.KERNEL_XLA)
+        self.assertNotIn("swap_ab", str(xla))
+        self.assertRegex(str(p), r"swap_ab\s+yes")
         q = planning.plan(16384, 4096, 4096, out_dtype="bfloat16", arch="sm_100a", **f8)
         self.assertFalse(q.swap_ab)
         with self.assertRaisesRegex(C.PlanError, "sm_90a dense kernel"):

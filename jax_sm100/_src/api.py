@@ -285,6 +285,5 @@ def plan_for(
             f"{jax.default_backend()} backend: the primitive lowers to XLA's dot here (the "
             "kernels need an SM90 or SM100 GPU)"
         )
-        return dataclasses.replace(p, kernel=planning.KERNEL_XLA, reason=reason, split_k=1,
-                                   swap_ab=False)  # fmt: skip
+        return dataclasses.replace(p, kernel=planning.KERNEL_XLA, reason=reason, split_k=1)
     return p

@@ -209,17 +209,22 @@ def check_stage_c(
         )
 
 
-def check_swap_ab(swap_ab: bool, dense_sm90: bool, a_major: str, b_major: str,
-                  c_dtype: str | None, split_k: int, stream_k: bool) -> None:  # fmt: skip
+def check_swap_ab(swap_ab: bool, kernel: str, a_dtype: str, b_dtype: str, out_dtype: str,
+                  a_major: str, b_major: str, c_dtype: str | None, split_k: int,
+                  stream_k: bool) -> None:  # fmt: skip
     """`GemmPlan.swap_ab`: the SM90 dense kernel runs D^T = B A^T (B as its A, A as its B) and
-    stores D M-major, so both operands must be K-major (each becomes the other's K-major
-    operand), and the plan takes no C (read transposed), split-K or stream-K (not built for
-    the swapped store)."""
-    if not swap_ab:
+    stores D M-major. As measured and tested on the H200: 8-bit operands, both K-major (each
+    becomes the other's K-major operand), a 16-bit result (stmatrix's transposing form), no C
+    (read transposed), split-K or stream-K. Ignored on an XLA plan (its tile fields hold
+    nothing)."""
+    if not swap_ab or kernel == "xla_dot":
         return
-    if not dense_sm90:
-        raise PlanError("swap_ab=True is a choice of the sm_90a dense kernel (kernel="
-                        "'sm90_wgmma'); set swap_ab=False")  # fmt: skip
+    if kernel != "sm90_wgmma":
+        raise PlanError(f"swap_ab=True is a choice of the sm_90a dense kernel (kernel="
+                        f"'sm90_wgmma'), not of {kernel=}; set swap_ab=False")  # fmt: skip
+    if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES or DTYPE_BITS[out_dtype] != 16:
+        raise PlanError(f"swap_ab=True takes fp8 operands and a 16-bit result; got {a_dtype=}, "
+                        f"{b_dtype=}, {out_dtype=} (set swap_ab=False)")  # fmt: skip
     if a_major != "k" or b_major != "k":
         raise PlanError(f"swap_ab=True needs K-major A and B (each becomes the other's operand); "
                         f"got {a_major=}, {b_major=} (set swap_ab=False)")  # fmt: skip

@@ -205,6 +205,7 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
             "a": ((m, k, L), (k, 1, m * k)) if a_major == "k" else ((m, k, L), (1, m, m * k)),
             "b": ((n, k, L), (1, n, n * k)) if b_major == "n" else ((n, k, L), (k, 1, n * k)),
         }
+    assert not (d_m_major and c3 is not None), "a swapped product takes no C"
     d_modes = ((m, n, L), (1, m, m * n)) if d_m_major else ((m, n, L), (n, 1, m * n))
     modes |= {
         "d": d_modes,

@@ -32,6 +32,11 @@ SMs / cluster size)), rasterised along M or N with the plan's swizzle. Out-of-bo
 columns and k-blocks are handled by TMA (zero fill on load, clipping on store), so any m, n, k
 work as long as each operand's contiguous dimension is 16-byte aligned.
 
+A swapped plan (`plan.swap_ab`, fp8) is this kernel on D^T = B A^T: the caller's B is its A and
+the caller's A its B, and it stores D M-major (`spec.d_major == "m"`): each sub-tile goes to
+shared memory M-major by stmatrix's transposing form and out by TMA as it is, into the caller's
+row-major D; bias runs along its M.
+
 Stream-K (`plan.stream_k`, cooperative plans): when the tiles do not fill the persistent
 clusters' last wave evenly, the first (T // G - 1) G of the T cluster tiles run as above and the
 rest (between one and two waves) are cut into k-blocks shared out evenly over the G clusters,
@@ -78,8 +83,6 @@ _SMEM_ALIGN = 1024
 # Named barriers (common.py's table): one per epilogue group (two in ping-pong), then the two
 # ping-pong turn barriers that order the consumer warp groups' main loops.
 _EPI_BARRIER_ID = common.SM90_EPI_BARRIER
-# The plans whose D this family may store M-major (`GemmPlan.swap_ab`).
-_KERNEL_DENSE = "sm90_wgmma"
 _TURN_BARRIER_ID = common.SM90_TURN_BARRIER
 
 # What one consumer warp group's tile epilogue works with (`_store_tile`), built once.
@@ -207,14 +210,11 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             return str(e)
         if spec.preact_out and not plan.preact_out:
             return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
-        if (spec.d_major == "m") != bool(getattr(plan, "swap_ab", False)) or (
-            spec.d_major == "m" and plan.kernel != _KERNEL_DENSE
-        ):
-            return (f"spec.d_major={spec.d_major!r} with swap_ab={getattr(plan, 'swap_ab', False)} "
-                    f"on kernel={plan.kernel!r}: D is stored M-major by swapped dense plans "
-                    "only (KernelSpec.for_plan gives a plan's spec)")  # fmt: skip
-        if spec.d_major == "m" and (spec.has_c or plan.split_k > 1 or plan.stream_k):
-            return "a swapped product (D M-major) takes no C, split-K or stream-K"
+        # (GemmPlan allows swap_ab on the dense kernel only, with no C, split-K or stream-K.)
+        if (spec.d_major == "m") != plan.swap_ab:
+            return (f"spec.d_major={spec.d_major!r} with swap_ab={plan.swap_ab} on kernel="
+                    f"{plan.kernel!r}: D is stored M-major by swapped dense plans only "
+                    "(KernelSpec.for_plan gives a plan's spec)")  # fmt: skip
         if plan.split_reduce == "cluster" and tm % plan.split_k:
             return f"split_k={plan.split_k} must divide the tile's {tm} rows (one slice per CTA)"
         # The epilogue takes each sub-tile's registers as one contiguous run of the retiled

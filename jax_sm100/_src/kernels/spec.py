@@ -10,7 +10,7 @@ buffers whose batch dims have been flattened into one leading dim `l`:
     b    (N, K, L)  N-major when the buffer is [l, k, n]; K-major when it is [l, n, k]
     d    (M, N, L)  N-major, buffer [l, m, n]; M-major, buffer [l, n, m], with `d_major="m"`
     c    (M, N, L)  N-major, buffer [l, m, n]                      (only when `c_dtype` is set)
-    bias (N,)                                                       (only when `bias_dtype` is set)
+    bias (N,), or (M,) with `d_major="m"`                          (only when `bias_dtype` is set)
     z    (M, N, L)  d's layout                                      (only when `preact_out`)
 
 `d_major="m"` is how a product swapped by its plan (`GemmPlan.swap_ab`: D^T = B A^T, so that

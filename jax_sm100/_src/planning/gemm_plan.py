@@ -299,10 +299,11 @@ class GemmPlan:
     # every call) once its producer warp has issued the current tile's loads, instead of every
     # grid-th tile: work tiles of unequal cost (skewed group sizes) spread by when SMs are free.
     dynamic_tiles: bool = False
-    # sm_90a dense plans (8-bit, K-major A and B, no C): the kernel runs D^T = B A^T, B as its
-    # A and A as its B, and stores D M-major (`KernelSpec.d_major`), so its tiles, cluster and
-    # raster are over (n, m): a grid that 128x192 tiles pad less that way round (16384 rows x
-    # 4096 columns: 0.8 % instead of 3.1 %). `planning/sm90.py` says where it is taken.
+    # sm_90a dense plans (fp8, K-major A and B, a 16-bit result, no C; constraints.py's
+    # `check_swap_ab`): the kernel runs D^T = B A^T, B as its A and A as its B, and stores D
+    # M-major (`KernelSpec.d_major`), so its tiles, cluster and raster are over (n, m): a grid
+    # that 128x192 tiles pad less that way round (16384 rows x 4096 columns: 0.8 % instead of
+    # 3.1 %). `planning/sm90.py` says where it is taken; ignored on an XLA plan.
     swap_ab: bool = False
     cta_tile_mnk: tuple[int, int, int] = dataclasses.field(init=False)
     epi_tile: tuple[int, int] = dataclasses.field(init=False)
@@ -397,8 +398,9 @@ class GemmPlan:
                         self.split_k)  # fmt: skip
         if not isinstance(self.swap_ab, bool):
             raise C.PlanError(f"swap_ab={self.swap_ab!r} must be a bool")
-        C.check_swap_ab(self.swap_ab, self.kernel == KERNEL_SM90, self.a_major, self.b_major,
-                        self.c_dtype, self.split_k, self.stream_k)  # fmt: skip
+        C.check_swap_ab(self.swap_ab, self.kernel, self.a_dtype, self.b_dtype, self.out_dtype,
+                        self.a_major, self.b_major, self.c_dtype, self.split_k,
+                        self.stream_k)  # fmt: skip
         mm, mn, mk = self.mma_tiler_mnk
         cta = (mm // 2 if self.use_2cta else mm, mn, mk)
         setf("cta_tile_mnk", cta)
@@ -554,9 +556,10 @@ class GemmPlan:
             dt += f" (C: {self.c_dtype})"
         rows += [
             ("dtypes", dt),
-            ("layouts", f"A {self.a_major}-major, B {self.b_major}-major, D n-major"),
-            ("swap_ab", "yes: the kernel runs D^T = B A^T (B as its A, A as its B, D stored "
-                        "M-major); tiles, cluster and raster are over (n, m)"
+            ("layouts", f"A {self.a_major}-major, B {self.b_major}-major, D n-major (row-major "
+                        "[m, n], as the caller reads it)"),
+            ("swap_ab", "yes: the kernel runs D^T = B A^T (B as its A, A as its B) and stores "
+                        "D^T M-major, i.e. D row-major; tiles, cluster and raster are over (n, m)"
                         if self.swap_ab else "no"),
             ("arch", f"{self.arch} ({self.num_sms} SMs)"),
             ("kernel", self.kernel),
@@ -575,7 +578,7 @@ class GemmPlan:
         if self.kernel == KERNEL_XLA:
             # XLA's dot runs it: no arch's hardware is involved, and the tile fields are
             # placeholders, not what runs.
-            rows = [r for r in rows if r[0] != "arch"]
+            rows = [r for r in rows if r[0] not in ("arch", "swap_ab")]
             width = max(len(r[0]) for r in rows)
             return "\n".join(f"{name.ljust(width)}  {value}" for name, value in rows)
         rows += [

@@ -31,12 +31,12 @@ _SM90_CANDIDATES = (
     (64, 128, 0.62),
 )
 # Ping-pong tiles (one warp group per tile, so its epilogue hides under the other group's main
-# loop), walked along N in bands of 8 cluster rows. H200, device method, sixth session
-# (benchmarks/RESULTS.md): 128x160 / 128x192 ping-pong with clusters of 2x1 beat the best
-# cooperative 128x256 plan by 1-4 % at 16384x4096x4096, 8192^3 and 4096x14336x4096, the one of
-# the two that wastes the least last wave winning each time; the efficiency below puts that
-# per-tile gain into the wave model. Taken for many waves of 16-bit tiles (measured there), and
-# of short-k 8-bit tiles (below).
+# loop), walked along N in bands of 8 cluster rows (wide 8-bit grids along M, `_wide_8bit`).
+# H200, device method, sixth session (benchmarks/RESULTS.md): 128x160 / 128x192 ping-pong with
+# clusters of 2x1 beat the best cooperative 128x256 plan by 1-4 % at 16384x4096x4096, 8192^3 and
+# 4096x14336x4096, the one of the two that wastes the least last wave winning each time; the
+# efficiency below puts that per-tile gain into the wave model. Taken for many waves of 16-bit
+# tiles (measured there), and of short-k 8-bit tiles (below).
 _SM90_PINGPONG_CANDIDATES = (
     (128, 160, 1.03),
     (128, 192, 1.03),
@@ -117,7 +117,8 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     """(tile_m, tile_n, cluster, pingpong): the tile with the fewest weighted waves; ping-pong
     tiles compete only with `pingpong_ok` and when 128x256 tiles fill at least
     `SM90_PINGPONG_MIN_WAVES` waves (with the 8-bit efficiencies for `ab_bits` 8, and 64x256
-    in place of 128x192 for a very tall 8-bit grid, `_very_tall_8bit`)."""
+    in place of 128x192 for a very tall 8-bit grid, `_very_tall_8bit`: the plan where it
+    cannot run swapped, `_sm90_swapped_plan`)."""
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
     if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
         SM90_PINGPONG_MIN_WAVES * num_sms
@@ -253,8 +254,9 @@ def sm90_too_small(m, n, k, batch, split) -> str | None:
 def _sm90_pingpong_plan(common, tile, cluster, ab_bits) -> GemmPlan | None:
     """The ping-pong plan the planner chose, walked along N (swizzled in bands of 8 cluster rows
     where 8 divides them: the DSL scheduler pads the rows otherwise, see `_sm90_swizzle`; very
-    tall 8-bit grids unswizzled) with the measured 4-deep epilogue store ring (2-deep for 8-bit
-    operands), or None where it does not fit (the caller then plans the cooperative tile). A C
+    tall 8-bit grids unswizzled; wide 8-bit grids along M, unswizzled, in 1x2 clusters) with the
+    measured 4-deep epilogue store ring (2-deep for 8-bit operands), or None where it does not
+    fit (the caller then plans the cooperative tile). A C
     of D's 16-bit dtype (the backward's saved pre-activation, a residual) is staged by TMA
     (`GemmPlan.stage_c`), with a shallower store ring (measured below)."""
     rows = _swizzled_extent(common["m"], common["n"], tile, cluster, along_m=False)
@@ -275,8 +277,8 @@ def _sm90_pingpong_plan(common, tile, cluster, ab_bits) -> GemmPlan | None:
     wide = eight_bit and _wide_8bit(common["m"], common["n"], tile)
     if wide:
         # Wide 8-bit grids walk along M unswizzled, CTAs paired along N (A multicast;
-        # measured beside `_wide_8bit`).
-        cluster, swizzle = SM90_SWAP_CLUSTER, 1
+        # measured beside `_wide_8bit`, without a C or pre-activation).
+        cluster, swizzle = SM90_WIDE_8BIT_CLUSTER, 1
     c_dtype = common["c_dtype"]
     stage_c = c_dtype == common["out_dtype"] and c_dtype is not None and C.DTYPE_BITS[c_dtype] == 16
     try:
@@ -319,6 +321,9 @@ SM90_SWAP_CLUSTER = (1, 2)
 # twenty-fourth session, device method, same calls, against along N swizzled 8 in 2x1:
 # 4096x16384x4096 1349.7 against 1306.8 TF/s, 4096x14336x4096 1290.7 / 1273.4 against
 # 1262.2 / 1265.1 (cuBLAS fp8 1333.6 there).
+SM90_WIDE_8BIT_CLUSTER = (1, 2)
+
+
 def _wide_8bit(m, n, tile) -> bool:
     """Whether an 8-bit ping-pong grid is wide: at least twice as many tile columns as tile
     rows (4096 x 14336 in 128x192 tiles is, 75 against 32; 8192 x 8192 is not)."""
@@ -326,9 +331,9 @@ def _wide_8bit(m, n, tile) -> bool:
 
 
 def _can_swap(common) -> bool:
-    """Whether the problem in `common` may run swapped (constraints.check_swap_ab's rules)."""
-    return (common["a_major"] == "k" and common["b_major"] == "k"
-            and common["c_dtype"] is None and common.get("scale_dtype") is None)  # fmt: skip
+    """Whether the problem in `common` (fp8 with a 16-bit result, as the caller has checked)
+    may run swapped (constraints.check_swap_ab's rules)."""
+    return common["a_major"] == "k" and common["b_major"] == "k" and common["c_dtype"] is None
 
 
 def _sm90_swapped_plan(common, ktile) -> GemmPlan | None:
