@@ -134,18 +134,17 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     if bias_name is not None and bias_name not in constraints.KERNEL_OUT_DTYPES:
         dispatch.record(dispatch.Lowered(p, f"bias dtype {bias_name}: XLA dot"))
         return _reference(a, b, bias, c, **kw)
-    swap = p.swap_ab
-    if swap:
-        # D^T = B A^T: the caller's B (K-major, [n, k]) is the kernel's A, its A the kernel's B,
-        # and the kernel stores D M-major, straight into the caller's row-major [m, n].
-        names, a_major, b_major = names[::-1], "k", "k"
-        notes.append("swapped: the kernel runs D^T = B A^T, D stored M-major (plan.swap_ab)")
     spec = KernelSpec(
         a_dtype=names[0], b_dtype=names[1], out_dtype=out_dtype.name, a_major=a_major,
         b_major=b_major, c_dtype=c_name, bias_dtype=bias_name, activation=activation,
         alpha=alpha, beta=1.0 if act_grad else beta, preact_out=save_preact, act_grad=act_grad,
-        d_major="m" if swap else "n",
     )  # fmt: skip
+    swap = p.swap_ab
+    if swap:
+        # D^T = B A^T: the caller's B (K-major, [n, k]) is the kernel's A, its A the kernel's B,
+        # and the kernel stores D M-major, straight into the caller's row-major [m, n].
+        spec = spec.swapped()
+        notes.append("swapped: the kernel runs D^T = B A^T, D stored M-major (plan.swap_ab)")
 
     dispatch.record(dispatch.Lowered(p, "; ".join(notes) or "kernel"))
     ffi.register()

@@ -93,12 +93,8 @@ class KernelSpec:
     @classmethod
     def for_plan(cls, plan) -> KernelSpec:
         """The spec of a plain product of the plan's dtypes and layouts (no epilogue extras);
-        for a swapped plan (`swap_ab`) the product the kernel runs: B as its A, A as its B
-        (both K-major), D stored M-major."""
-        if getattr(plan, "swap_ab", False):
-            return cls(a_dtype=plan.b_dtype, b_dtype=plan.a_dtype, out_dtype=plan.out_dtype,
-                       a_major="k", b_major="k", d_major="m")  # fmt: skip
-        return cls(
+        for a swapped plan (`swap_ab`) the product the kernel runs (`swapped`)."""
+        spec = cls(
             a_dtype=plan.a_dtype,
             b_dtype=plan.b_dtype,
             out_dtype=plan.out_dtype,
@@ -106,6 +102,15 @@ class KernelSpec:
             b_major=plan.b_major,
             c_dtype=plan.c_dtype,
         )
+        return spec.swapped() if getattr(plan, "swap_ab", False) else spec
+
+    def swapped(self) -> KernelSpec:
+        """The product a swapped plan's kernel runs for this one (D^T = B A^T): B as its A and
+        A as its B (both K-major, as `GemmPlan.swap_ab` requires), D stored M-major."""
+        return dataclasses.replace(
+            self, a_dtype=self.b_dtype, b_dtype=self.a_dtype, a_batched=self.b_batched,
+            b_batched=self.a_batched, d_major="m",
+        )  # fmt: skip
 
     @property
     def has_c(self) -> bool:

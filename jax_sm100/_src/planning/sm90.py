@@ -330,16 +330,11 @@ def _wide_8bit(m, n, tile) -> bool:
     return math.ceil(n / tile[1]) >= 2 * math.ceil(m / tile[0])
 
 
-def _can_swap(common) -> bool:
-    """Whether the problem in `common` (fp8 with a 16-bit result, as the caller has checked)
-    may run swapped (constraints.check_swap_ab's rules)."""
-    return common["a_major"] == "k" and common["b_major"] == "k" and common["c_dtype"] is None
-
-
 def _sm90_swapped_plan(common, ktile) -> GemmPlan | None:
     """The swapped ping-pong plan of a very tall 8-bit grid (`SM90_SWAP_TILE` over (n, m),
     `SM90_SWAP_CLUSTER`, raster along the kernel's M unswizzled, the 8-bit store ring), or None
-    where it does not fit."""
+    where it does not fit or the problem cannot run swapped (a C, an operand not K-major:
+    constraints.check_swap_ab, run by GemmPlan)."""
     tm, tn = SM90_SWAP_TILE
     try:
         plan = GemmPlan(
@@ -457,7 +452,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
         )
     else:
         kernel = KERNEL_SM90
-        if pingpong and ab_bits == 8 and _very_tall_8bit(m, n) and _can_swap(common):
+        if pingpong and ab_bits == 8 and _very_tall_8bit(m, n):
             plan = _sm90_swapped_plan(common, ktile)
             if plan is not None:
                 return plan
