@@ -21,8 +21,9 @@ swap: `fp8:noswap:64x256:c2x1:rn`.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
 `python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing, each `scaled`
 and `tiled` variant's result is compared with the first `scaled` variant's, or the planner's
-`tiled` one's (within 1e-2 of its largest magnitude: bfloat16 rounding apart) and the others
-are checked finite, so a broken variant is reported, not timed.
+`tiled` one's, and each `fp8` variant's with the `cublas` variant's when one runs (within 1e-2
+of its largest magnitude: bfloat16 rounding apart); the others are checked finite, so a broken
+variant is reported, not timed.
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ def main():
         refs["tiled"] = plain[0] if plain else np.asarray(
             jax.jit(product("tiled", variant_plan("tiled", m, n, k)))(a, b).astype(jnp.float32)
         )  # fmt: skip
+    # Unscaled fp8 variants: cuBLAS's product of the same data, when a `cublas` variant runs.
+    refs["fp8"] = next((o for o, s in zip(outs, specs, strict=True) if s == "cublas"), None)
     ok = []
     for s, o in zip(specs, outs, strict=True):
         ref = refs.get(s.split(":")[0])

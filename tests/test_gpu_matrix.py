@@ -522,6 +522,9 @@ _SCHEDULES = (
     ("coop_256x128_1x2", dict(tile_mn=(256, 128), cluster_mn=(1, 2), swizzle_size=1)),
     ("coop_256x128_2x1_swizzle8", dict(tile_mn=(256, 128), cluster_mn=(2, 1), swizzle_size=8)),
     ("coop_128x160_2x1", dict(tile_mn=(128, 160), cluster_mn=(2, 1), swizzle_size=1)),
+    # 176 columns: epilogue sub-tiles of 16.
+    ("coop_128x176_2x1", dict(tile_mn=(128, 176), cluster_mn=(2, 1), swizzle_size=1)),
+    ("coop_256x176_1x2", dict(tile_mn=(256, 176), cluster_mn=(1, 2), swizzle_size=1)),
     ("coop_128x256_2x1_along_n_swizzle2",
      dict(tile_mn=(128, 256), cluster_mn=(2, 1), raster_along_m=False, swizzle_size=2)),
     # Epilogue sub-tiles 64 wide (the planner's are 32).
@@ -531,6 +534,7 @@ _SCHEDULES = (
     # along N with swizzle 2), then the planner's walk along N in swizzled bands.
     ("pingpong_128x128", dict(tile_mn=(128, 128), pingpong=True)),
     ("pingpong_128x192", dict(tile_mn=(128, 192), pingpong=True)),
+    ("pingpong_128x176", dict(tile_mn=(128, 176), pingpong=True)),
     ("pingpong_64x256", dict(tile_mn=(64, 256), pingpong=True)),
     ("pingpong_64x128", dict(tile_mn=(64, 128), pingpong=True)),
     ("pingpong_128x160_along_n_swizzle8", dict(_ALONG_N, tile_mn=(128, 160), swizzle_size=8)),
@@ -648,16 +652,31 @@ class PingPongTest(_GpuCase):
             (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,),
                   transpose_b=True, out_dtype="float16", seed=13), (128, 192)),
             (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 192)),
-            # A wide grid: along M in 1x2 clusters.
+            # A wide grid: along M in 1x2 clusters, in 176-column tiles (82 x 32: 19.9 waves).
             (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
-                  seed=15), (128, 192)),
+                  seed=15), (128, 176)),
         )
     )  # fmt: skip
     def test_planner_plan_8bit(self, case, tile):
-        # Many waves of short-k fp8 tiles: 128x192 ping-pong (swapped in very tall grids).
+        # Many waves of short-k fp8 tiles: 128x192 or 128x176 ping-pong (swapped in very tall
+        # grids).
         _, low, _, _ = self.run_case(case)
         want = ("sm90_wgmma", True, tile)
         self.assertEqual((low.plan.kernel, low.plan.pingpong, low.plan.cta_tile_mnk[:2]), want, low)
+
+    @parameterized.named_parameters(
+        ("2x1", Case(4000, 7096, 1040, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
+                     activation="gelu", seed=16), (2, 1)),
+        ("1x2", Case(3000, 7096, 1040, "float8_e5m2", transpose_b=True, c="bfloat16",
+                     out_dtype="float16", seed=17), (1, 2)),
+    )  # fmt: skip
+    def test_planner_plan_8bit_256x176(self, case, cluster):
+        # A few waves of 8-bit tiles (under ping-pong's 8): cooperative 256x176 where its waves
+        # fill best, in the pairing that adds no wave (planning/sm90.py `_unpadded_cluster`).
+        _, low, _, _ = self.run_case(case)
+        got = (low.plan.kernel, low.plan.pingpong, low.plan.cta_tile_mnk[:2])
+        self.assertEqual(got, ("sm90_wgmma", False, (256, 176)), low)
+        self.assertEqual(low.plan.cluster_shape_mn, cluster, low)
 
 
 # Forced swapped schedules (`GemmPlan.swap_ab`): (case, tile, ping-pong, cluster). m and n are

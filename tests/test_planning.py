@@ -532,9 +532,9 @@ class Sm90ScheduleTest(parameterized.TestCase):
         # run swapped (128x192 over (n, m), `swapped`), or with a C (which a swapped plan does
         # not take) 64x256 tiles where they pad N no more, unswizzled.
         ("tall", (16384, 4096, 4096), True, (64, 256), 1, True),
-        ("tall_n_not_256", (32768, 1408, 2048), True, (128, 160), 1, True),
+        ("tall_n_not_256", (32768, 1408, 2048), True, (128, 176), 1, True),
         ("square_short_k", (8192, 8192, 4096), True, (128, 192), 8, False),
-        ("wide", (4096, 14336, 4096), True, (128, 192), 1, False),
+        ("wide", (4096, 14336, 4096), True, (128, 176), 1, False),
         ("k_2048", (16384, 8192, 2048), True, (128, 192), 8, False),
         ("long_k", (8192, 8192, 8192), False, (128, 256), 8, False),
         ("few_waves", (4096, 4096, 4096), False, (128, 256), 8, False),

@@ -182,6 +182,22 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertIn(f"m64n{tile[1]}k32.f32.e4m3.e4m3", ptx)
         self.assertIn(ptxas_spill_bytes(ptx, "sm_90a"), ((0, 0), None))  # None: no ptxas
 
+    @parameterized.parameters(
+        ((4096, 7168, 16384), (256, 176), False), ((4096, 14336, 4096), (128, 176), True)
+    )
+    def test_176_column_tiles(self, shape, tile, pingpong):
+        # The planner's 176-column 8-bit tiles: 16-column epilogue sub-tiles (32 does not divide
+        # 176), m64n176 wgmmas, not serialized, nothing spilled (256x176 holds 176 float32
+        # accumulators a thread).
+        f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", b_major="k", arch="sm_90a")
+        p = planning.plan(*shape, out_dtype="bfloat16", **f8)
+        self.assertEqual((p.cta_tile_mnk[:2], p.pingpong), (tile, pingpong), p)
+        self.assertEqual(p.epi_tile[1], 16)
+        ptx = compile_mod.compile_plan(p).ptx
+        self.assertIn("wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3", ptx)
+        self.assertIn(ptxas_spill_bytes(ptx, "sm_90a"), ((0, 0), None))  # None: no ptxas
+        self.assertIn(wgmma_serialized(ptx), ([], None))
+
     def test_swapped_spec_refused_elsewhere(self):
         # D M-major is the dense SM90 kernel's on a swapped plan only.
         p = _plan(4096, 4096, 4096)

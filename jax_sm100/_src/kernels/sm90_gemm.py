@@ -93,9 +93,10 @@ _Epilogue = collections.namedtuple(
 )
 
 # 256-row tiles give each consumer warp group two 64-row MMA blocks. N = 160 is cuBLAS's choice
-# for large tall and wide problems on the H200 (benchmarks/cublas_kernels.py).
+# for large tall and wide problems on the H200 (benchmarks/cublas_kernels.py), 176 its fp8 one
+# at 4096x7168x16384 (41 columns of 176 fill the waves; epilogue sub-tiles of 16 columns).
 SUPPORTED_TILE_M = (64, 128, 256)
-SUPPORTED_TILE_N = (64, 128, 160, 192, 256)
+SUPPORTED_TILE_N = (64, 128, 160, 176, 192, 256)
 
 
 class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):

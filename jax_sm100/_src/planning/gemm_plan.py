@@ -96,6 +96,7 @@ def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = Fals
         rows, cols = min(128, cta_m), min(32, cta_n)
     else:
         rows, cols = 64, min(64 if bits == 8 else 32, cta_n)
+    cols = math.gcd(cols, cta_n)  # 176-column tiles: sub-tiles of 16
     if epi_n:
         if epi_n % 16 or epi_n > cta_n or cta_n % epi_n:
             raise C.PlanError(

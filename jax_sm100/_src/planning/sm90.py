@@ -54,7 +54,24 @@ SM90_PINGPONG_MIN_WAVES = 8
 _SM90_PINGPONG_CANDIDATES_8BIT = (
     (128, 160, 1.03),
     (128, 192, 1.08),
+    (128, 176, 1.08),  # after 128x192, which keeps a tie
 )
+# 176-column tiles, for 8-bit operands: cuBLAS's width on the H200 at 4096x7168x16384
+# (`nvjet_sm90_qqtst_176x128_..`, twenty-fourth session), where 41 columns of them times 32
+# rows of 128 fill 9.9 waves of 132 SMs. H200, twenty-fifth session, e4m3 -> bfloat16, device
+# method (`scaled_probe.py`), two calls: 4096x7168x16384 cooperative 256x176 in 2x1 clusters
+# (4.97 waves) 1365.7 / 1349.1 TF/s against 1308.9 / 1336.4 for the 128x256 plan (6.8 waves)
+# and cuBLAS fp8 1310.0 / 1348.2; at 8192^3 (11.4 waves against 15.5) 1247.7 against 1294.8,
+# which the wave model predicts. 128x176 cooperative read 1283-1285 there (not taken). Ping-pong
+# 128x176 at 4096x14336x4096 (19.9 waves against 18.2 of 128x192) 1351.1 against 1290.1,
+# cuBLAS 1366.0. Only 8-bit operands were measured, so 16-bit plans do not take them. A third
+# call, planner (256x176 or ping-pong 128x176) against the plan before, two readings each:
+# 5120x5120x8192 1206-1236 / 1185, 14336x1408x8192 1118-1150 / 976 (128x128), 32768x1408x8192
+# 1247-1256 / 1172, 7168x7168x4096 1259-1275 / 1251, 6144x6144x4096 1283-1288 / 1283; but
+# 3072x3072x8192, 1.6 waves of 256x176, 1094-1110 against 1135 for 128x128 (4.4 waves): the
+# cooperative 256x176 tile competes from `SM90_256X176_MIN_WAVES` waves of it on.
+_SM90_CANDIDATES_8BIT = ((256, 176, 1.00),)
+SM90_256X176_MIN_WAVES = 3
 SM90_PINGPONG_8BIT_MAX_KTILES = 32
 # With 8-bit operands the 2-deep store ring, leaving a fifth A/B stage at 128x192, ran 1-7 %
 # faster than the 4-deep one at those three shapes (any C or pre-activation staged too).
@@ -120,6 +137,10 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     in place of 128x192 for a very tall 8-bit grid, `_very_tall_8bit`: the plan where it
     cannot run swapped, `_sm90_swapped_plan`)."""
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
+    if ab_bits == 8:
+        candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES_8BIT
+                       if math.ceil(m / tm) * math.ceil(n / tn) * batch
+                       >= SM90_256X176_MIN_WAVES * num_sms]  # fmt: skip
     if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
         SM90_PINGPONG_MIN_WAVES * num_sms
     ):
@@ -134,7 +155,7 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong)
     _, tm, tn, pingpong = best
-    if pingpong and ab_bits == 8 and tn == 192 and _very_tall_8bit(m, n):
+    if pingpong and ab_bits == 8 and tn in (176, 192) and _very_tall_8bit(m, n):
         if math.ceil(n / 256) * 256 <= math.ceil(n / tn) * tn:
             # Very tall 8-bit grids: 64x256 ping-pong tiles, where they pad N no more (H200,
             # fifteenth session, against 128x192 in the same call: 16384x4096x4096 1311 / 1287
@@ -161,18 +182,30 @@ def _very_tall_8bit(m, n) -> bool:
     return math.ceil(m / 128) >= 4 * math.ceil(n / 192)
 
 
-def _unpadded_cluster(m, n, tm, tn, cluster):
+def _unpadded_cluster(m, n, tm, tn, cluster, batch=1, num_sms=0):
     """`cluster`, or the other pairing, or none: the first that adds at most CLUSTER_PAD_MAX
     of a tiles_m x tiles_n grid. The DSL's scheduler runs whole clusters, so a pair over an odd
     tile count adds a CTA that runs its main loop on zero-filled tiles outside the matrix
-    (n = 768 in 256-column tiles: 4 CTA columns for 3, a third more work). For cooperative
-    plans; ping-pong plans keep the 2x1 clusters they were measured with (they need 8 waves,
-    so an odd row count pads at most a few percent)."""
+    (n = 768 in 256-column tiles: 4 CTA columns for 3, a third more work). With `num_sms`, the
+    other pairing also replaces `cluster` where `cluster`'s padding alone adds a wave of
+    `num_sms` CTAs that the other's does not (4096x7168 in 256x176 tiles: 16 x 41, 5 waves in
+    2x1 clusters, 6 in 1x2; H200, twenty-fifth session, e4m3, 1365.7 against 1208.8 TF/s at
+    k = 16384). For cooperative plans; ping-pong plans keep the 2x1 clusters they were measured
+    with (they need 8 waves, so an odd row count pads at most a few percent)."""
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    for choice in (cluster, cluster[::-1], (1, 1)):
-        if _cluster_pad(tiles_m, tiles_n, choice) <= CLUSTER_PAD_MAX:
-            return choice
-    return (1, 1)
+    allowed = [c for c in (cluster, cluster[::-1])
+               if _cluster_pad(tiles_m, tiles_n, c) <= CLUSTER_PAD_MAX]  # fmt: skip
+    if not allowed:
+        return (1, 1)
+    if num_sms and len(allowed) == 2:
+
+        def waves(c):
+            padded = math.ceil(tiles_m / c[0]) * c[0] * math.ceil(tiles_n / c[1]) * c[1]
+            return math.ceil(padded * batch / (num_sms // (c[0] * c[1]) * c[0] * c[1]))
+
+        if waves(allowed[1]) < waves(allowed[0]):
+            return allowed[1]
+    return allowed[0]
 
 
 # The share of extra (zero-filled) CTA tiles a cluster shape may add to the grid.
@@ -437,7 +470,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok, ab_bits)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
     if split == 1 and not pingpong:
-        cluster = _unpadded_cluster(m, n, tm, tn, cluster)
+        cluster = _unpadded_cluster(m, n, tm, tn, cluster, batch, num_sms)
     if why_not is None and not force_kernel:
         why_not = sm90_too_small(m, n, k, batch, split)
         split = 1 if why_not else split
@@ -461,7 +494,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
             if plan is not None:
                 return plan
             tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
-            cluster = _unpadded_cluster(m, n, tm, tn, cluster)
+            cluster = _unpadded_cluster(m, n, tm, tn, cluster, batch, num_sms)
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
     stream_k = (kernel == KERNEL_SM90 and ab_bits >= SM90_STREAM_K_MIN_AB_BITS
                 and _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms))  # fmt: skip
