@@ -527,7 +527,7 @@ _SCHEDULES = (
     ("coop_256x176_1x2", dict(tile_mn=(256, 176), cluster_mn=(1, 2), swizzle_size=1)),
     ("coop_128x256_2x1_along_n_swizzle2",
      dict(tile_mn=(128, 256), cluster_mn=(2, 1), raster_along_m=False, swizzle_size=2)),
-    # Epilogue sub-tiles 64 wide (the planner's are 32).
+    # Epilogue sub-tiles 64 wide (the planner's are 32, or 16 in 176-column tiles).
     ("coop_128x256_epi_n64", dict(tile_mn=(128, 256), epi_n=64)),
     ("coop_64x128_epi_n64", dict(tile_mn=(64, 128), epi_n=64)),
     # Ping-pong (one consumer warp group per tile; tests/test_gpu.py has 128x160 and 128x192
@@ -652,9 +652,12 @@ class PingPongTest(_GpuCase):
             (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,),
                   transpose_b=True, out_dtype="float16", seed=13), (128, 192)),
             (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 192)),
-            # A wide grid: along M in 1x2 clusters, in 176-column tiles (82 x 32: 19.9 waves).
+            # A wide grid: along M in 1x2 clusters, in 176-column tiles (82 x 32: 19.9 waves);
+            # then with its C staged by TMA (`GemmPlan.stage_c`, 16-column sub-tiles).
             (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
                   seed=15), (128, 176)),
+            (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, c="bfloat16", beta=0.5,
+                  seed=19), (128, 176)),
         )
     )  # fmt: skip
     def test_planner_plan_8bit(self, case, tile):
@@ -669,6 +672,8 @@ class PingPongTest(_GpuCase):
                      activation="gelu", seed=16), (2, 1)),
         ("1x2", Case(3000, 7096, 1040, "float8_e5m2", transpose_b=True, c="bfloat16",
                      out_dtype="float16", seed=17), (1, 2)),
+        ("float32_out", Case(4000, 7096, 1040, "float8_e4m3fn", transpose_b=True,
+                             out_dtype="float32", seed=18), (2, 1)),
     )  # fmt: skip
     def test_planner_plan_8bit_256x176(self, case, cluster):
         # A few waves of 8-bit tiles (under ping-pong's 8): cooperative 256x176 where its waves

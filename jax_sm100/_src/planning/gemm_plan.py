@@ -80,7 +80,8 @@ def smem_capacity(arch: str) -> int:
 
 @functools.cache
 def _sm90_epi_tile(cta_m: int, cta_n: int, out_dtype: str, pingpong: bool = False, epi_n: int = 0):
-    """The rule of the DSL's `sm90.compute_tile_shape_or_override`, restated in plain ints.
+    """The rule of the DSL's `sm90.compute_tile_shape_or_override`, restated in plain ints, with
+    the width cut to divide the tile's N (176-column tiles: 16; the DSL's rule takes 32).
 
     Calling the helper itself needs an MLIR context (it sizes tuples with cute.size); a context
     created outside the DSL's own compile corrupts the heap once the DSL later compiles in the

@@ -135,7 +135,9 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     tiles compete only with `pingpong_ok` and when 128x256 tiles fill at least
     `SM90_PINGPONG_MIN_WAVES` waves (with the 8-bit efficiencies for `ab_bits` 8, and 64x256
     in place of 128x192 for a very tall 8-bit grid, `_very_tall_8bit`: the plan where it
-    cannot run swapped, `_sm90_swapped_plan`)."""
+    cannot run swapped, `_sm90_swapped_plan`). 8-bit operands also weigh the cooperative
+    256x176 tile (from `SM90_256X176_MIN_WAVES` waves of it) and, except in very tall grids
+    (which run swapped, or in 64x256 or 128x192 tiles, as measured), ping-pong 128x176."""
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
     if ab_bits == 8:
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES_8BIT
@@ -145,7 +147,8 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         SM90_PINGPONG_MIN_WAVES * num_sms
     ):
         pp = _SM90_PINGPONG_CANDIDATES_8BIT if ab_bits == 8 else _SM90_PINGPONG_CANDIDATES
-        candidates += [(tm, tn, True, eff) for tm, tn, eff in pp]
+        tall = ab_bits == 8 and _very_tall_8bit(m, n)
+        candidates += [(tm, tn, True, eff) for tm, tn, eff in pp if not (tall and tn == 176)]
     best = None
     for tm, tn, pingpong, eff in candidates:
         tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
@@ -155,7 +158,7 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong)
     _, tm, tn, pingpong = best
-    if pingpong and ab_bits == 8 and tn in (176, 192) and _very_tall_8bit(m, n):
+    if pingpong and ab_bits == 8 and tn == 192 and _very_tall_8bit(m, n):
         if math.ceil(n / 256) * 256 <= math.ceil(n / tn) * tn:
             # Very tall 8-bit grids: 64x256 ping-pong tiles, where they pad N no more (H200,
             # fifteenth session, against 128x192 in the same call: 16384x4096x4096 1311 / 1287
@@ -187,11 +190,13 @@ def _unpadded_cluster(m, n, tm, tn, cluster, batch=1, num_sms=0):
     of a tiles_m x tiles_n grid. The DSL's scheduler runs whole clusters, so a pair over an odd
     tile count adds a CTA that runs its main loop on zero-filled tiles outside the matrix
     (n = 768 in 256-column tiles: 4 CTA columns for 3, a third more work). With `num_sms`, the
-    other pairing also replaces `cluster` where `cluster`'s padding alone adds a wave of
-    `num_sms` CTAs that the other's does not (4096x7168 in 256x176 tiles: 16 x 41, 5 waves in
-    2x1 clusters, 6 in 1x2; H200, twenty-fifth session, e4m3, 1365.7 against 1208.8 TF/s at
-    k = 16384). For cooperative plans; ping-pong plans keep the 2x1 clusters they were measured
-    with (they need 8 waves, so an odd row count pads at most a few percent)."""
+    other pairing also replaces `cluster` where `cluster`'s padding alone adds more than
+    CLUSTER_PAD_MAX of its waves of `num_sms` CTAs (4096x7168 in 256x176 tiles: 16 x 41, 5
+    waves in 2x1 clusters, 6 in 1x2; H200, twenty-fifth session, e4m3, 1365.7 against 1208.8
+    TF/s at k = 16384); one wave in many is less than the 3-4 % a pairing was measured to be
+    worth (the very tall grids' 1x2 in `_choose_sm90`). For cooperative plans; ping-pong plans
+    keep the 2x1 clusters they were measured with (they need 8 waves, so an odd row count pads
+    at most a few percent)."""
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     allowed = [c for c in (cluster, cluster[::-1])
                if _cluster_pad(tiles_m, tiles_n, c) <= CLUSTER_PAD_MAX]  # fmt: skip
@@ -200,10 +205,12 @@ def _unpadded_cluster(m, n, tm, tn, cluster, batch=1, num_sms=0):
     if num_sms and len(allowed) == 2:
 
         def waves(c):
-            padded = math.ceil(tiles_m / c[0]) * c[0] * math.ceil(tiles_n / c[1]) * c[1]
-            return math.ceil(padded * batch / (num_sms // (c[0] * c[1]) * c[0] * c[1]))
+            size = c[0] * c[1]
+            slots = max(1, num_sms // size) * size
+            return math.ceil(_padded_ctas(tiles_m, tiles_n, c) * batch / slots)
 
-        if waves(allowed[1]) < waves(allowed[0]):
+        first, other = (waves(c) for c in allowed)
+        if first - other > CLUSTER_PAD_MAX * first:
             return allowed[1]
     return allowed[0]
 
@@ -217,8 +224,13 @@ def _cluster_pad(tiles_m: int, tiles_n: int, cluster) -> float:
     cm, cn = cluster
     if (cm > 1 and tiles_m < 2) or (cn > 1 and tiles_n < 2):
         return math.inf  # a cluster along a single tile shares nothing
-    padded = math.ceil(tiles_m / cm) * cm * math.ceil(tiles_n / cn) * cn
-    return padded / (tiles_m * tiles_n) - 1
+    return _padded_ctas(tiles_m, tiles_n, cluster) / (tiles_m * tiles_n) - 1
+
+
+def _padded_ctas(tiles_m: int, tiles_n: int, cluster) -> int:
+    """The CTA tiles a grid of whole `cluster`s over tiles_m x tiles_n runs."""
+    cm, cn = cluster
+    return math.ceil(tiles_m / cm) * cm * math.ceil(tiles_n / cn) * cn
 
 
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
