@@ -203,13 +203,8 @@ def _unpadded_cluster(m, n, tm, tn, cluster, batch=1, num_sms=0):
     if not allowed:
         return (1, 1)
     if num_sms and len(allowed) == 2:
-
-        def waves(c):
-            size = c[0] * c[1]
-            slots = max(1, num_sms // size) * size
-            return math.ceil(_padded_ctas(tiles_m, tiles_n, c) * batch / slots)
-
-        first, other = (waves(c) for c in allowed)
+        grids = (_cluster_grid(tiles_m, tiles_n, c, batch, num_sms) for c in allowed)
+        first, other = (math.ceil(work / clusters) for work, clusters in grids)
         if first - other > CLUSTER_PAD_MAX * first:
             return allowed[1]
     return allowed[0]
@@ -231,6 +226,12 @@ def _padded_ctas(tiles_m: int, tiles_n: int, cluster) -> int:
     """The CTA tiles a grid of whole `cluster`s over tiles_m x tiles_n runs."""
     cm, cn = cluster
     return math.ceil(tiles_m / cm) * cm * math.ceil(tiles_n / cn) * cn
+
+
+def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int):
+    """(cluster work tiles over the batch, persistent clusters on `num_sms` SMs)."""
+    size = cluster[0] * cluster[1]
+    return _padded_ctas(tiles_m, tiles_n, cluster) // size * batch, max(1, num_sms // size)
 
 
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
@@ -417,9 +418,8 @@ def _sm90_stream_k(m, n, batch, tm, tn, cluster, num_sms) -> bool:
     gained 0.5-4.4 % at 15.5 waves, was even at 13.6 and lost 3 % at 3.9, so it is taken from
     `SM90_STREAM_K_MIN_WAVES` full waves on.
     """
-    cm, cn = cluster
-    cluster_tiles = math.ceil(math.ceil(m / tm) / cm) * math.ceil(math.ceil(n / tn) / cn) * batch
-    clusters = max(1, num_sms // (cm * cn))
+    cluster_tiles, clusters = _cluster_grid(math.ceil(m / tm), math.ceil(n / tn), cluster, batch,
+                                            num_sms)  # fmt: skip
     return cluster_tiles // clusters >= SM90_STREAM_K_MIN_WAVES and cluster_tiles % clusters != 0
 
 
