@@ -10,7 +10,9 @@ A variant is `kind[:edit]...`. Kinds: `scaled` (jax_sm100.scaled_matmul's kernel
 with float32 scales per 128 of k), `tiled` (scaled_matmul on the weights scaled per 128 x 128
 tile: the planner's plan; with edits, the kernel called on the edited plan, e.g.
 `tiled:256x128`), `fp8` (the dense fp8 kernel, unscaled, B K-major) and
-`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call). Edits change the
+`cublas` (`lax.dot_general` on the same fp8 data, unscaled: XLA's cuBLAS call) and `jaxnn`
+(`jax.nn.scaled_matmul` on the `scaled` kind's operands, B scaled per row: issue 19's baseline,
+beside ours in one process). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
 `GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan (fp8), `pp` the ping-pong
 schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster,
@@ -19,9 +21,11 @@ epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swa
 (`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped plan of a very tall grid before the
 swap: `fp8:noswap:64x256:c2x1:rn`.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
-`python -m jax_sm100.bench`'s device method (median of 5 rounds). Before timing, each `scaled`
+`python -m jax_sm100.bench`'s device method (median of `--rounds`, 5 by default; each round
+starts one variant later). Before timing, each `scaled`
 and `tiled` variant's result is compared with the first `scaled` variant's, or the planner's
-`tiled` one's, and each `fp8` variant's with the `cublas` variant's when one runs (within 1e-2
+`tiled` one's, each `fp8` variant's with the `cublas` variant's when one runs, and `jaxnn`'s
+with the first `scaled` variant's (within 1e-2
 of its largest magnitude: bfloat16 rounding apart); the others are checked finite, so a broken
 variant is reported, not timed.
 """
@@ -45,7 +49,7 @@ E4M3 = "float8_e4m3fn"
 
 def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     kind, *edits = spec.split(":")
-    if kind in ("scaled", "tiled"):
+    if kind in ("scaled", "tiled", "jaxnn"):
         plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
                               b_major="k", scale_dtype="float32", scale_block=128,
                               b_scale_rows=128 if kind == "tiled" else 1,
@@ -98,6 +102,8 @@ def product(spec: str, plan: planning.GemmPlan):
     ffi.register()
     if spec.split(":")[0] == "cublas":
         return bench_scaled._unscaled(jax.lax.dot_general)
+    if spec.split(":")[0] == "jaxnn":
+        return bench_scaled._scaled(jax.nn.scaled_matmul)
     if spec == "tiled":
         return bench_scaled._scaled(jax_sm100.scaled_matmul, "tiles")
     if plan.kernel == planning.KERNEL_SM90_SCALED:
@@ -130,6 +136,7 @@ def main():
         help="one call of each variant inside cudaProfilerStart/Stop, no timing",
     )
     ap.add_argument("--device-ms", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (the median is kept)")
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split("x"))
     a, b = bench_scaled.operands(0, m, n, k)
@@ -148,6 +155,7 @@ def main():
         )  # fmt: skip
     # Unscaled fp8 variants: cuBLAS's product of the same data, when a `cublas` variant runs.
     refs["fp8"] = next((o for o, s in zip(outs, specs, strict=True) if s == "cublas"), None)
+    refs["jaxnn"] = refs["scaled"]  # the same per-row product, by XLA
     ok = []
     for s, o in zip(specs, outs, strict=True):
         ref = refs.get(s.split(":")[0])
@@ -169,8 +177,9 @@ def main():
         print("profiled one call of each:", ", ".join(specs))
         return
     timed = [(s, p, f) for s, p, f, good in zip(specs, plans, fns, ok, strict=True) if good]
-    timings = bench.time_device([f for _, _, f in timed], a, b, min_seconds=args.device_ms / 1e3)
-    print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of 5")
+    timings = bench.time_device([f for _, _, f in timed], a, b, min_seconds=args.device_ms / 1e3,
+                                rounds=args.rounds)  # fmt: skip
+    print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of {args.rounds}")
     for (s, p, _), t in zip(timed, timings, strict=True):
         tm, tn, _ = p.cta_tile_mnk
         print(

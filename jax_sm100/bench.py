@@ -344,7 +344,8 @@ def time_device(
     """Seconds per `product(a, b)` on the device, by `loop_fn` (see the module docstring).
 
     Each product gets its own R; then the timed calls of several products alternate, round by
-    round, so that a drift of the machine (clocks, other load) falls on all of them alike. Each
+    round, each round starting one product later, so that a drift of the machine (clocks, other
+    load) and the order's own effect fall on all of them alike. Each
     timed call follows an untimed call of the same product, so every product is timed in its
     own steady state: timed right after another product's calls, a power-bound kernel inherits
     that product's clocks (on the H200 an fp8 GEMM timed after a lighter kernel read 10 % faster
@@ -403,7 +404,15 @@ def time_device(
         one_call(compiled)  # untimed: the clocks settle under this product's own load
         return one_call(compiled)
 
-    times = np.array([[settled_call(c) for c, _ in loops] for _ in range(rounds)])
+    # Round r starts at product r (mod their count), so that each takes each place in the
+    # order: the settling call does not absorb everything a predecessor leaves behind (on the
+    # H200, 2026-12-02, the product timed right after `jax.nn.scaled_matmul`'s read 2.5-3.7 %
+    # below its own reading at other places, whichever product it was).
+    times = np.zeros((rounds, len(loops)))
+    for r in range(rounds):
+        for j in range(len(loops)):
+            i = (r + j) % len(loops)
+            times[r, i] = settled_call(loops[i][0])
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
         size = math.prod(jax.eval_shape(product, a, b).shape)
