@@ -534,6 +534,8 @@ class Sm90ScheduleTest(parameterized.TestCase):
         # not take) 64x256 tiles where they pad N no more, unswizzled.
         ("tall", (16384, 4096, 4096), True, (64, 256), 1, True),
         ("tall_n_not_256", (32768, 1408, 2048), True, (128, 160), 1, True),
+        # Where 256x176 weighed 1 % less (tests/test_gpu_matrix.py SwapTest's folded batch).
+        ("tall_folded", (32800, 1032, 1024), True, (128, 192), 1, True),
         ("square_short_k", (8192, 8192, 4096), True, (128, 192), 8, False),
         ("wide", (4096, 14336, 4096), True, (128, 176), 1, False),
         ("k_2048", (16384, 8192, 2048), True, (128, 192), 8, False),

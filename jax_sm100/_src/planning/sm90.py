@@ -136,18 +136,21 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     `SM90_PINGPONG_MIN_WAVES` waves (with the 8-bit efficiencies for `ab_bits` 8, and 64x256
     in place of 128x192 for a very tall 8-bit grid, `_very_tall_8bit`: the plan where it
     cannot run swapped, `_sm90_swapped_plan`). 8-bit operands also weigh the cooperative
-    256x176 tile (from `SM90_256X176_MIN_WAVES` waves of it) and, except in very tall grids
-    (which run swapped, or in 64x256 or 128x192 tiles, as measured), ping-pong 128x176."""
+    256x176 tile (from `SM90_256X176_MIN_WAVES` waves of it) and ping-pong 128x176, except
+    where ping-pong tiles compete in a very tall grid (it runs swapped, or in 64x256 or 128x192
+    tiles, as measured: 256x176 took 4 x 8200 x 1032 x 1024 from the swapped plan by a 1 %
+    weight, on no measurement)."""
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
-    if ab_bits == 8:
+    pp_ok = pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
+        SM90_PINGPONG_MIN_WAVES * num_sms
+    )
+    tall = ab_bits == 8 and _very_tall_8bit(m, n)
+    if ab_bits == 8 and not (pp_ok and tall):
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES_8BIT
                        if math.ceil(m / tm) * math.ceil(n / tn) * batch
                        >= SM90_256X176_MIN_WAVES * num_sms]  # fmt: skip
-    if pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
-        SM90_PINGPONG_MIN_WAVES * num_sms
-    ):
+    if pp_ok:
         pp = _SM90_PINGPONG_CANDIDATES_8BIT if ab_bits == 8 else _SM90_PINGPONG_CANDIDATES
-        tall = ab_bits == 8 and _very_tall_8bit(m, n)
         candidates += [(tm, tn, True, eff) for tm, tn, eff in pp if not (tall and tn == 176)]
     best = None
     for tm, tn, pingpong, eff in candidates:
