@@ -21,13 +21,14 @@ epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swa
 (`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped plan of a very tall grid before the
 swap: `fp8:noswap:64x256:c2x1:rn`.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
-`python -m jax_sm100.bench`'s device method (median of `--rounds`, 5 by default; each round
-starts one variant later). Before timing, each `scaled`
-and `tiled` variant's result is compared with the first `scaled` variant's, or the planner's
-`tiled` one's, each `fp8` variant's with the `cublas` variant's when one runs, and `jaxnn`'s
-with the first `scaled` variant's (within 1e-2
-of its largest magnitude: bfloat16 rounding apart); the others are checked finite, so a broken
-variant is reported, not timed.
+`python -m jax_sm100.bench`'s device method: the median of `--rounds` (5 by default), the
+rounds taking `bench.round_orders`' orders in turn (a multiple of their count, n variants or 2n
+for odd n, balances which variant each follows). Before timing, each `scaled` variant's result
+is compared with the first `scaled` variant's, each `tiled` one's with the planner's `tiled`
+plan's, `jaxnn`'s with the planner's `scaled` plan's (each planner's plan run for the check
+if it is not a variant), and each `fp8` variant's with the `cublas` variant's when one runs
+(within 1e-2 of its largest magnitude: bfloat16 rounding apart); the others are checked
+finite, so a broken variant is reported, not timed.
 """
 
 from __future__ import annotations
@@ -47,8 +48,14 @@ from jax_sm100._src.planning import sm90_scaled
 E4M3 = "float8_e4m3fn"
 
 
+# Kinds that run XLA's product (their plan is a placeholder, the planner's for the problem).
+XLA_KINDS = ("cublas", "jaxnn")
+
+
 def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
     kind, *edits = spec.split(":")
+    if kind in XLA_KINDS and edits:
+        raise SystemExit(f"{spec!r}: {kind} is XLA's product; it takes no edits")
     if kind in ("scaled", "tiled", "jaxnn"):
         plan = jax_sm100.plan(m, n, k, a_dtype=E4M3, b_dtype=E4M3, out_dtype="bfloat16",
                               b_major="k", scale_dtype="float32", scale_block=128,
@@ -144,18 +151,24 @@ def main():
     plans = [variant_plan(s, m, n, k) for s in specs]
     fns = [jax.jit(product(s, p)) for s, p in zip(specs, plans, strict=True)]
     outs = [np.asarray(f(a, b).astype(jnp.float32)) for f in fns]
-    # References: the first `scaled` variant; for `tiled` variants the planner's plan (`tiled`,
-    # run here if it is not among the variants), so an edited plan never checks only itself.
+
+    # References: for `scaled` variants the first of them; for `jaxnn` (the same per-row
+    # product, by XLA) and `tiled` variants the planner's plain `scaled` / `tiled` plan, run
+    # here if it is not among the variants, so that an edited plan never checks only itself.
+    def planner_ref(kind):
+        plain = [o for o, s in zip(outs, specs, strict=True) if s == kind]
+        return plain[0] if plain else np.asarray(
+            jax.jit(product(kind, variant_plan(kind, m, n, k)))(a, b).astype(jnp.float32)
+        )  # fmt: skip
+
     refs = {"scaled": next((o for o, s in zip(outs, specs, strict=True)
                             if s.startswith("scaled")), None)}  # fmt: skip
+    if "jaxnn" in specs:
+        refs["jaxnn"] = planner_ref("scaled")
     if any(s.startswith("tiled") for s in specs):
-        plain = [o for o, s in zip(outs, specs, strict=True) if s == "tiled"]
-        refs["tiled"] = plain[0] if plain else np.asarray(
-            jax.jit(product("tiled", variant_plan("tiled", m, n, k)))(a, b).astype(jnp.float32)
-        )  # fmt: skip
+        refs["tiled"] = planner_ref("tiled")
     # Unscaled fp8 variants: cuBLAS's product of the same data, when a `cublas` variant runs.
     refs["fp8"] = next((o for o, s in zip(outs, specs, strict=True) if s == "cublas"), None)
-    refs["jaxnn"] = refs["scaled"]  # the same per-row product, by XLA
     ok = []
     for s, o in zip(specs, outs, strict=True):
         ref = refs.get(s.split(":")[0])
@@ -181,9 +194,13 @@ def main():
                                 rounds=args.rounds)  # fmt: skip
     print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of {args.rounds}")
     for (s, p, _), t in zip(timed, timings, strict=True):
+        tflops = f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s"
+        if s in XLA_KINDS:
+            print(f"{tflops}   - (XLA's product)")
+            continue
         tm, tn, _ = p.cta_tile_mnk
         print(
-            f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s   {tm}x{tn} "
+            f"{tflops}   {tm}x{tn} "
             f"{p.cluster_shape_mn} {p.num_ab_stages} stages stream_k={p.stream_k} "
             f"pingpong={p.pingpong} overlap={p.scaled_overlap} swap={p.swap_ab} "
             f"{'rm' if p.raster_along_m else 'rn'} swz{p.swizzle_size}"

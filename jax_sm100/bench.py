@@ -344,8 +344,9 @@ def time_device(
     """Seconds per `product(a, b)` on the device, by `loop_fn` (see the module docstring).
 
     Each product gets its own R; then the timed calls of several products alternate, round by
-    round, each round starting one product later, so that a drift of the machine (clocks, other
-    load) and the order's own effect fall on all of them alike. Each
+    round, in the orders of `round_orders` (each product after each other equally often over
+    a full cycle of them), so that a drift of the machine (clocks, other load) and the order's
+    own effect fall on all of them alike. Each
     timed call follows an untimed call of the same product, so every product is timed in its
     own steady state: timed right after another product's calls, a power-bound kernel inherits
     that product's clocks (on the H200 an fp8 GEMM timed after a lighter kernel read 10 % faster
@@ -390,6 +391,8 @@ def time_device(
             grow = math.ceil(trips * 1.25 * min_seconds / max(t, 1e-9))
             trips = min(top_trips, max(2 * trips, grow))
 
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: at least one timed round is needed")
     single = callable(products)
     products = [products] if single else list(products)
     contexts = list(contexts) if contexts is not None else [None] * len(products)
@@ -404,14 +407,14 @@ def time_device(
         one_call(compiled)  # untimed: the clocks settle under this product's own load
         return one_call(compiled)
 
-    # Round r starts at product r (mod their count), so that each takes each place in the
-    # order: the settling call does not absorb everything a predecessor leaves behind (on the
-    # H200, 2026-12-02, the product timed right after `jax.nn.scaled_matmul`'s read 2.5-3.7 %
-    # below its own reading at other places, whichever product it was).
+    # Rounds take the orders of `round_orders` in turn, so that each product follows each other
+    # one equally often: the settling call does not absorb everything a predecessor leaves
+    # behind (on the H200, 2026-12-02, of two block-scaled plans in a fixed order the one timed
+    # right after `jax.nn.scaled_matmul`'s read 2.6-3.7 % below the other, whichever it was).
+    orders = round_orders(len(loops))
     times = np.zeros((rounds, len(loops)))
     for r in range(rounds):
-        for j in range(len(loops)):
-            i = (r + j) % len(loops)
+        for i in orders[r % len(orders)]:
             times[r, i] = settled_call(loops[i][0])
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
@@ -419,6 +422,32 @@ def time_device(
         check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size)
         out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check))
     return out[0] if single else out
+
+
+def round_orders(n: int) -> list[list[int]]:
+    """Orders of `n` products for `time_device`'s rounds, balanced for the product just
+    before: a Williams design, n orders (2n where n is odd) in which each product takes each
+    place equally often and follows each other product equally often (once; twice where n is
+    odd). A round's first product follows the last round's last, which the design leaves out.
+
+    >>> round_orders(4)
+    [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    """
+    if n < 1:
+        return [[]]
+    # First order 0, 1, n-1, 2, n-2, ...; order r adds r to each (mod n).
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    orders = [[(p + r) % n for p in first] for r in range(n)]
+    if n % 2 and n > 1:
+        orders += [order[::-1] for order in orders]
+    return orders
 
 
 def _loop_overhead(a, b, min_seconds: float, unroll: int = DEFAULT_UNROLL) -> DeviceTiming:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import math
@@ -56,6 +57,27 @@ class DeviceTimerTest(parameterized.TestCase):
             self.assertEqual(t.reps % 3, 0)
             self.assertEqual(t.check.trip_count, t.reps // 3)
             self.assertEqual(t.check.problems(), [])
+
+    def test_round_orders_balance_place_and_predecessor(self):
+        # Each product takes each place, and follows each other product, equally often over
+        # the design (a Williams design: n orders, 2n for odd n).
+        self.assertEqual(bench.round_orders(1), [[0]])
+        for n in range(2, 9):
+            orders = bench.round_orders(n)
+            self.assertLen(orders, n if n % 2 == 0 else 2 * n)
+            for order in orders:
+                self.assertCountEqual(order, range(n))
+            places = collections.Counter((i, p) for o in orders for i, p in enumerate(o))
+            follows = collections.Counter((o[i - 1], o[i]) for o in orders for i in range(1, n))
+            self.assertLen(places, n * n)
+            self.assertLen(set(places.values()), 1)
+            self.assertLen(follows, n * (n - 1))
+            self.assertLen(set(follows.values()), 1)
+
+    def test_no_rounds_is_refused(self):
+        a, b = _operands(8, 8, 8)
+        with self.assertRaisesRegex(ValueError, "rounds=0"):
+            bench.time_device(jnp.dot, a, b, rounds=0)
 
     def test_reps_are_multiples_of_unroll_within_bounds(self):
         a, b = _operands(8, 8, 8)

@@ -529,7 +529,7 @@ class Sm90ScheduleTest(parameterized.TestCase):
     @parameterized.named_parameters(
         # (m, n, k, ping-pong, tile, swizzle, swapped): 8-bit operands take 128x192 (or, where
         # its waves fill better, 128x176) ping-pong tiles for many waves of at most
-        # SM90_PINGPONG_8BIT_MAX_KTILES k-tiles; very tall grids (never 128x176)
+        # SM90_PINGPONG_8BIT_MAX_KTILES k-tiles; very tall grids (never 128x176 or 256x176)
         # run swapped (128x192 over (n, m), `swapped`), or with a C (which a swapped plan does
         # not take) 64x256 tiles where they pad N no more, unswizzled.
         ("tall", (16384, 4096, 4096), True, (64, 256), 1, True),

@@ -161,7 +161,7 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
         if best is None or cost < best[0] - 1e-9:
             best = (cost, tm, tn, pingpong)
     _, tm, tn, pingpong = best
-    if pingpong and ab_bits == 8 and tn == 192 and _very_tall_8bit(m, n):
+    if pingpong and tn == 192 and tall:
         if math.ceil(n / 256) * 256 <= math.ceil(n / tn) * tn:
             # Very tall 8-bit grids: 64x256 ping-pong tiles, where they pad N no more (H200,
             # fifteenth session, against 128x192 in the same call: 16384x4096x4096 1311 / 1287
