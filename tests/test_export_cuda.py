@@ -15,6 +15,7 @@ from absl.testing import absltest, parameterized
 import jax_sm100
 from jax_sm100._src import dispatch, ffi, ffi_checks, planning
 from jax_sm100._src.primitive import matmul_p
+from tests import test_gpu_matrix as gpu_matrix
 
 
 def _export(fn, *args):
@@ -185,6 +186,22 @@ class ExportForSm100Test(parameterized.TestCase):
                 jax_sm100.PlanError, "is for sm_100a, but this call runs on sm_90a"
             ):
                 _export(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, a.update(shape=(64, 64)))
+
+
+class GpuSuitePlansTest(parameterized.TestCase):
+    """The planner's choices tests/test_gpu_matrix.py asserts on an SM90 GPU, checked here on
+    the plans the same calls lower to for an sm_90a target, so that CI sees a planner change
+    that moves one (the twenty-fifth session's 256x176 tile took a swapped plan's case, which
+    only the GPU run caught)."""
+
+    @parameterized.named_parameters(*gpu_matrix.planner_choices())
+    def test_plan(self, case, fields, want):
+        operands = jax.eval_shape(lambda: gpu_matrix._operands(case))
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                _export(gpu_matrix._case_fn(case), *operands)
+        (low,) = seen
+        self.assertEqual(fields(low.plan), want, low)
 
 
 if __name__ == "__main__":

@@ -631,6 +631,77 @@ class StreamKTest(_GpuCase):
         self.assertLessEqual(errs[True], 1.5 * errs[False] + 1e-4)
 
 
+# The planner's choices the tests below assert, as constants: tests/test_export_cuda.py checks
+# the same choices on CPU (`planner_choices`, exported for sm_90a), so a planner change that
+# moves one fails in CI, not only on a GPU.
+# Many waves of short-k fp8 tiles: (case, tile) of 128x192 or 128x176 ping-pong (swapped in
+# very tall grids).
+_PLANNER_8BIT = (
+    (Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=11), (128, 192)),
+    (Case(8200, 8200, 2064, "float8_e5m2", transpose_b=True, c="bfloat16", bias="float32",
+          activation="gelu", alpha=0.5, beta=0.75, seed=12), (128, 192)),
+    (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,), transpose_b=True,
+          out_dtype="float16", seed=13), (128, 192)),
+    (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 192)),
+    # A wide grid: along M in 1x2 clusters, in 176-column tiles (82 x 32: 19.9 waves); then
+    # with its C staged by TMA (`GemmPlan.stage_c`, 16-column sub-tiles).
+    (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, bias="bfloat16", seed=15),
+     (128, 176)),
+    (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, c="bfloat16", beta=0.5,
+          seed=19), (128, 176)),
+)  # fmt: skip
+# A few waves of 8-bit tiles (under ping-pong's 8): (name, case, cluster) of cooperative
+# 256x176, in the pairing that adds no wave.
+_PLANNER_256X176 = (
+    ("2x1", Case(4000, 7096, 1040, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
+                 activation="gelu", seed=16), (2, 1)),
+    ("1x2", Case(3000, 7096, 1040, "float8_e5m2", transpose_b=True, c="bfloat16",
+                 out_dtype="float16", seed=17), (1, 2)),
+    ("float32_out", Case(4000, 7096, 1040, "float8_e4m3fn", transpose_b=True,
+                         out_dtype="float32", seed=18), (2, 1)),
+)  # fmt: skip
+# Very tall fp8 grids: the swapped 128x192 ping-pong plan.
+_PLANNER_SWAP = (
+    Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=21),
+    Case(32768, 2048, 2048, "float8_e5m2", transpose_b=True, bias="float32",
+         activation="gelu", alpha=0.5, seed=22),
+    # B shared by the batch: folded into 4 x 8200 rows, then swapped.
+    Case(8200, 1032, 1024, "float8_e4m3fn", a_batch=(4,), b_batch=(1,),
+         transpose_b=True, bias="bfloat16", activation="silu", seed=27),
+)  # fmt: skip
+
+
+def planner_choices():
+    """(name, case, fields, want) for each planner choice a test here asserts: `fields(plan)`
+    is to equal `want` for the plan `case` lowers to on an sm_90a target."""
+
+    def kernel_pp(p):
+        return p.kernel, p.pingpong
+
+    def kernel_pp_tile(p):
+        return p.kernel, p.pingpong, p.cta_tile_mnk[:2]
+
+    def tile_cluster(p):
+        return p.kernel, p.pingpong, p.cta_tile_mnk[:2], p.cluster_shape_mn
+
+    def swapped(p):
+        return p.swap_ab, p.pingpong, p.cta_tile_mnk[:2]
+
+    out = [
+        (f"pingpong_{c.name}", c, kernel_pp, ("sm90_wgmma", True))
+        for c in (_large_case(*shape, activation="silu") for shape in _LARGE_PINGPONG)
+    ]
+    out += [
+        (f"8bit_{c.name}", c, kernel_pp_tile, ("sm90_wgmma", True, t)) for c, t in _PLANNER_8BIT
+    ]
+    out += [
+        (f"256x176_{name}", c, tile_cluster, ("sm90_wgmma", False, (256, 176), cl))
+        for name, c, cl in _PLANNER_256X176
+    ]
+    out += [(f"swap_{c.name}", c, swapped, (True, True, (128, 192))) for c in _PLANNER_SWAP]
+    return out
+
+
 @absltest.skipIf(*_SKIP)
 class PingPongTest(_GpuCase):
     """The planner's ping-pong plans (many waves of 16-bit tiles, walked along N in swizzled
@@ -644,22 +715,7 @@ class PingPongTest(_GpuCase):
         _, low, _, _ = self.run_case(case)
         self.assertEqual((low.plan.kernel, low.plan.pingpong), ("sm90_wgmma", True), low)
 
-    @parameterized.named_parameters(
-        (f"{c.name}_{t[0]}x{t[1]}", c, t) for c, t in (
-            (Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=11), (128, 192)),
-            (Case(8200, 8200, 2064, "float8_e5m2", transpose_b=True, c="bfloat16",
-                  bias="float32", activation="gelu", alpha=0.5, beta=0.75, seed=12), (128, 192)),
-            (Case(4096, 4096, 1024, "float8_e4m3fn", a_batch=(3,), b_batch=(3,),
-                  transpose_b=True, out_dtype="float16", seed=13), (128, 192)),
-            (Case(32768, 1408, 2048, "float8_e4m3fn", transpose_b=True, seed=14), (128, 192)),
-            # A wide grid: along M in 1x2 clusters, in 176-column tiles (82 x 32: 19.9 waves);
-            # then with its C staged by TMA (`GemmPlan.stage_c`, 16-column sub-tiles).
-            (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
-                  seed=15), (128, 176)),
-            (Case(4096, 14336, 4096, "float8_e4m3fn", transpose_b=True, c="bfloat16", beta=0.5,
-                  seed=19), (128, 176)),
-        )
-    )  # fmt: skip
+    @parameterized.named_parameters((f"{c.name}_{t[0]}x{t[1]}", c, t) for c, t in _PLANNER_8BIT)
     def test_planner_plan_8bit(self, case, tile):
         # Many waves of short-k fp8 tiles: 128x192 or 128x176 ping-pong (swapped in very tall
         # grids).
@@ -667,14 +723,7 @@ class PingPongTest(_GpuCase):
         want = ("sm90_wgmma", True, tile)
         self.assertEqual((low.plan.kernel, low.plan.pingpong, low.plan.cta_tile_mnk[:2]), want, low)
 
-    @parameterized.named_parameters(
-        ("2x1", Case(4000, 7096, 1040, "float8_e4m3fn", transpose_b=True, bias="bfloat16",
-                     activation="gelu", seed=16), (2, 1)),
-        ("1x2", Case(3000, 7096, 1040, "float8_e5m2", transpose_b=True, c="bfloat16",
-                     out_dtype="float16", seed=17), (1, 2)),
-        ("float32_out", Case(4000, 7096, 1040, "float8_e4m3fn", transpose_b=True,
-                             out_dtype="float32", seed=18), (2, 1)),
-    )  # fmt: skip
+    @parameterized.named_parameters(*_PLANNER_256X176)
     def test_planner_plan_8bit_256x176(self, case, cluster):
         # A few waves of 8-bit tiles (under ping-pong's 8): cooperative 256x176 where its waves
         # fill best, in the pairing that adds no wave (planning/sm90.py `_unpadded_cluster`).
@@ -703,16 +752,7 @@ class SwapTest(_GpuCase):
     by stmatrix's transposing form and TMA): the planner's in very tall fp8 grids, and forced
     onto uneven, batched problems with every epilogue a swapped plan takes."""
 
-    @parameterized.named_parameters(
-        _named([
-            Case(16384, 4096, 4096, "float8_e4m3fn", transpose_b=True, seed=21),
-            Case(32768, 2048, 2048, "float8_e5m2", transpose_b=True, bias="float32",
-                 activation="gelu", alpha=0.5, seed=22),
-            # B shared by the batch: folded into 4 x 8200 rows, then swapped.
-            Case(8200, 1032, 1024, "float8_e4m3fn", a_batch=(4,), b_batch=(1,),
-                 transpose_b=True, bias="bfloat16", activation="silu", seed=27),
-        ])
-    )  # fmt: skip
+    @parameterized.named_parameters(_named(_PLANNER_SWAP))
     def test_planner_swap(self, case):
         _, low, _, _ = self.run_case(case)
         got = (low.plan.swap_ab, low.plan.pingpong, low.plan.cta_tile_mnk[:2])
