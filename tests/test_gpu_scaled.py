@@ -166,6 +166,8 @@ class GpuScaledTest(parameterized.TestCase):
         self.assertLen(seen, 1)
         self.assertEqual(seen[0].plan.kernel, planning.KERNEL_SM90_SCALED, seen[0].note)
         self.assertEqual(seen[0].plan.scaled_overlap, overlap)
+        # (tests/test_sm90_scaled.py `test_plans_the_gpu_suite_asserts` checks this plan and
+        # test_stream_k's on CPU.)
         if seen[0].plan.m == 2000 and seen[0].plan.b_scale_rows == 1 and not overlap:
             self.assertEqual(seen[0].plan.cta_tile_mnk, (128, 192, 128))
 

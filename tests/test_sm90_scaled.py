@@ -62,6 +62,21 @@ class ScaledPlanTest(parameterized.TestCase):
         self.assertIn("none (unscaled", str(jax_sm100.plan(64, 64, 64, a_dtype="bfloat16",
                                                            b_dtype="bfloat16")))  # fmt: skip
 
+    def test_plans_the_gpu_suite_asserts(self):
+        # tests/test_gpu_scaled.py asserts these plans on the GPU (the 128 x 192 default loop at
+        # 2000x3008x384; stream-K at 7168x3840x512 in either loop): checked here too, so that a
+        # planner change that moves one fails in CI.
+        for overlap in (False, True):
+            env = {scaled_planning.OVERLAP_ENV: "1" if overlap else "0"}
+            with mock.patch.dict(os.environ, env):
+                small, sk = _plan(2000, 3008, 384), _plan(7168, 3840, 512)
+            for p in (small, sk):
+                self.assertEqual((p.kernel, p.scaled_overlap),
+                                 (planning.KERNEL_SM90_SCALED, overlap))  # fmt: skip
+            if not overlap:
+                self.assertEqual(small.cta_tile_mnk, (128, 192, 128))
+            self.assertTrue(sk.stream_k, sk)
+
     def test_skinny_problems_take_64_wide_tiles(self):
         # 128 x 7168 is 56 tiles of 128 x 128 for 132 SMs; 128 x 64 tiles make 112 CTAs.
         p = _plan(128, 7168, 16384)
