@@ -140,22 +140,22 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     where ping-pong tiles compete in a very tall grid (it runs swapped, or in 64x256 or 128x192
     tiles, as measured: 256x176 took 4 x 8200 x 1032 x 1024 from the swapped plan by a 1 %
     weight, on no measurement)."""
+
+    def tiles(tm, tn):
+        return math.ceil(m / tm) * math.ceil(n / tn) * batch
+
     candidates = [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
-    pp_ok = pingpong_ok and math.ceil(m / 128) * math.ceil(n / 256) * batch >= (
-        SM90_PINGPONG_MIN_WAVES * num_sms
-    )
+    pp_ok = pingpong_ok and tiles(128, 256) >= SM90_PINGPONG_MIN_WAVES * num_sms
     tall = ab_bits == 8 and _very_tall_8bit(m, n)
     if ab_bits == 8 and not (pp_ok and tall):
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES_8BIT
-                       if math.ceil(m / tm) * math.ceil(n / tn) * batch
-                       >= SM90_256X176_MIN_WAVES * num_sms]  # fmt: skip
+                       if tiles(tm, tn) >= SM90_256X176_MIN_WAVES * num_sms]  # fmt: skip
     if pp_ok:
         pp = _SM90_PINGPONG_CANDIDATES_8BIT if ab_bits == 8 else _SM90_PINGPONG_CANDIDATES
         candidates += [(tm, tn, True, eff) for tm, tn, eff in pp if not (tall and tn == 176)]
     best = None
     for tm, tn, pingpong, eff in candidates:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-        cost = _wave_cost(tiles, 1, num_sms, tm * tn, eff)
+        cost = _wave_cost(tiles(tm, tn), 1, num_sms, tm * tn, eff)
         if m < tm:
             cost *= tm / m  # rows of padding still cost MMA time
         if best is None or cost < best[0] - 1e-9:
