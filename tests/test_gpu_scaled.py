@@ -109,14 +109,15 @@ def _integer_operand(key, batch, rows, k, dtype):
     return data, scales
 
 
-def _integer_tiled_operands(seed):
-    """(lhs, rhs, lhs scales, rhs scales) of 600x392x512 integer data (`_integer_operand`), the
+def _integer_tiled_operands(seed, n=392):
+    """(lhs, rhs, lhs scales, rhs scales) of 600 x n x 512 integer data (`_integer_operand`), the
     rhs scaled per 128 x 128 tile by powers of two: the kernel's result is exact."""
-    batch, m, n, k = 1, 600, 392, 512
+    batch, m, k = 1, 600, 512
     ka, kb, ks = jax.random.split(jax.random.key(seed), 3)
     lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
     rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
-    rs = jnp.exp2(jax.random.randint(ks, (batch, 4, k // 128), 0, 4).astype(jnp.float32))
+    tiles = -(-n // 128)
+    rs = jnp.exp2(jax.random.randint(ks, (batch, tiles, k // 128), 0, 4).astype(jnp.float32))
     return lhs, rhs, ls, rs
 
 
@@ -129,10 +130,10 @@ def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
     return out, seen
 
 
-def _run_256_rows(lhs, rhs, ls, rs, out_dtype):
-    """The product on the kernel in 256 x 128 tiles, forced (B scaled per 128 x 128 tile, or
-    per row when `rs` has a row of scales per row of `rhs`), through the lowering's own kernel
-    call."""
+def _run_256_rows(lhs, rhs, ls, rs, out_dtype, tile_mn=(256, 128), overlap=False):
+    """The product on the kernel in 256 x 128 tiles (or `tile_mn`, on the overlapped loop with
+    `overlap`), forced (B scaled per 128 x 128 tile, or per row when `rs` has a row of scales
+    per row of `rhs`), through the lowering's own kernel call."""
     from jax_sm100._src import scaled_gpu  # noqa: PLC0415
 
     batch, m, k = lhs.shape
@@ -141,7 +142,7 @@ def _run_256_rows(lhs, rhs, ls, rs, out_dtype):
                           b_major="k", batch=batch, scale_dtype="float32", scale_block=128,
                           b_scale_rows=1 if rs.shape[1] == n else 128,
                           arch="sm_90a")  # fmt: skip
-    plan = planning.sm90_variant(plan, tile_mn=(256, 128), scaled_overlap=False)
+    plan = planning.sm90_variant(plan, tile_mn=tile_mn, scaled_overlap=overlap)
     assert plan.kernel == planning.KERNEL_SM90_SCALED, plan
     return jax.jit(lambda *a: scaled_gpu._call_sm90(plan, *a))(lhs, rhs, ls, rs)
 
@@ -317,6 +318,18 @@ class GpuScaledTest(parameterized.TestCase):
                 .astype(np.float64)
             )
             np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
+
+    @parameterized.parameters(((256, 128), False), ((128, 128), False), ((128, 128), True),
+                              ((128, 64), False), ((128, 64), True))  # fmt: skip
+    def test_weight_tiles_of_every_window_exact(self, tile_mn, overlap):
+        # The kernel takes B's scales per tile compact and loads a k-block's scales of 4 tiles
+        # a stage (sm90_scaled._B_TILE_WINDOW), reading its own tile's: 1160 rows of rhs are 10
+        # scale tiles, so tiles at every place in a window and a last window partly past the
+        # scales. Integer data, power-of-two scales: a wrong tile's scale shows exactly.
+        lhs, rhs, ls, rs = _integer_tiled_operands(23, n=1160)
+        out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32, tile_mn, overlap)
+        want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
+        np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
 
     @parameterized.named_parameters(
         (f"_{w}_{'x'.join(map(str, shape))}_{jnp.dtype(out).name}", shape, out, w)

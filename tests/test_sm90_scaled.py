@@ -575,11 +575,20 @@ class WeightTilesTest(parameterized.TestCase):
 
     def test_lowering_plans_the_weight_tiles(self):
         a, b, sa, _ = _avals(1, 4096, 1008, 1024)
-        tiles = jax.ShapeDtypeStruct((1, 8, 8), jnp.float32)  # ceil(1008 / 128) tiles of rows
+        tiles = jax.ShapeDtypeStruct((1, 10, 8), jnp.float32)  # ceil(1160 / 128) tiles of rows
+        b = jax.ShapeDtypeStruct((1, 1160, 1024), b.dtype)
         text, how = _export((a, b, sa, tiles))
-        self.assertIn("jax_sm100_gemm", text)
         self.assertEqual((how.plan.b_scale_rows, how.plan.cta_tile_mnk[1] in (64, 128)),
                          (128, True))  # fmt: skip
+        # The tiles' scales go to the kernel as they are, transposed ([1, k / 128, tiles] with
+        # the tiles padded to 16 bytes), not repeated per row: a TMA box of 4 tiles a stage.
+        (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
+        self.assertIn("tensor<1x8x12xf32>", call)
+        self.assertNotIn("x1160xf32", call)
+        self.assertEqual(
+            how.plan.ab_stage_bytes,
+            sum(how.plan.cta_tile_mnk[:2]) * 128 + how.plan.cta_tile_mnk[0] * 4 + 128,
+        )
         _, per_row = _export(_avals(1, 4096, 1008, 1024))
         self.assertEqual(per_row.plan.b_scale_rows, 1)
 

@@ -447,6 +447,11 @@ def check_scaled(arch, kernel_scaled, kernel_xla, scale_dtype, scale_block, tile
 # The rows of B one B scale may cover (GemmProblem.b_scale_rows): each row (jax.nn.scaled_matmul),
 # or tiles of 128 (DeepSeek-V3's weights).
 B_SCALE_ROWS = (1, 128)
+# B scaled per 128-row tile on the sm_90a kernel: each A/B stage holds a k-block's scales of this
+# many of B's tiles (TMA's narrowest box of float32, 16 bytes; the tile's own among them), at
+# `SCALE_STAGE_ALIGN_BYTES` (TMA's shared-memory alignment) from the stage before.
+B_SCALE_TILE_WINDOW = 4
+SCALE_STAGE_ALIGN_BYTES = 128
 
 
 def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int) -> None:

@@ -6,7 +6,8 @@ lhs [B, m, k] and rhs [B, n, k] are K-major as the fp8 wgmma needs them, so they
 kernel as they are: a (m, k, B), b (n, k, B), d (m, n, B). The scales go transposed,
 [B, k / 128, rows] with each leading dimension padded to 16 bytes (TMA loads a k-block's scales
 of a tile's rows as one box, which needs the rows contiguous; an XLA transpose of m k / 32 bytes,
-against the product's m n k). The plan is `dispatch.plan_call`'s for the problem with its
+against the product's m n k); rhs scales per 128 x 128 tile as tiles, [B, k / 128,
+ceil(n / 128)]. The plan is `dispatch.plan_call`'s for the problem with its
 `scale_dtype` and `scale_block` (planning/sm90_scaled.py); one `jax_sm100_gemm` custom call
 runs it, through the FFI handler and checks the matmul lowering uses (gpu_lowering.py).
 
@@ -100,17 +101,23 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
 
     compiled = compile_mod.compile_plan(plan)
     batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
-    # Scales of 128-row tiles go repeated per row (one XLA fusion with the transpose): the
-    # kernel reads B's of a 128 x 128 tile once per k-tile, from its first column.
+    # A's scales of 128-row tiles go repeated per row (one XLA fusion with the transpose). B's
+    # per 128 x 128 tile (the plan's b_scale_rows) go as they are, one per tile and k-block:
+    # the kernel reads one B scale per k-tile.
     sfa, ld_a = _transposed(scale_layout.plain(lhs.shape, lhs_scales), plan.scale_dtype)
-    sfb, ld_b = _transposed(scale_layout.plain(rhs.shape, rhs_scales), plan.scale_dtype)
+    b_rows = n
+    if plan.b_scale_rows == 1:
+        rhs_scales = scale_layout.plain(rhs.shape, rhs_scales)
+    else:
+        b_rows = rhs_scales.shape[1]
+    sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
     blocks = k // plan.scale_block
     modes = {
         "a": ((m, k, batch), (k, 1, m * k)),
         "b": ((n, k, batch), (k, 1, n * k)),
         "d": ((m, n, batch), (n, 1, m * n)),
         "sfa": ((m, blocks, batch), (1, ld_a, blocks * ld_a)),
-        "sfb": ((n, blocks, batch), (1, ld_b, blocks * ld_b)),
+        "sfb": ((b_rows, blocks, batch), (1, ld_b, blocks * ld_b)),
     }
     dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
               "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip

@@ -672,7 +672,8 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
                 if cutlass.const_expr(self.pingpong):
                     my_turn.arrive_and_wait()
                 read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                               k_tiles, read, release, extra)  # fmt: skip
+                                               k_tiles, read, release,
+                                               self._tile_extra(extra, tile))  # fmt: skip
                 if cutlass.const_expr(self.pingpong):
                     # Every stage of this tile has landed: the other group's tile is next in the
                     # ring. Hand it the turn (if it has a tile) and skip its stages.
@@ -786,6 +787,10 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
 
     def _produce_stage_extra(self, extra, tile, k, state, barrier):
         """The producer's loads of the extras of k-block `k` of `tile` into stage `state`."""
+
+    def _tile_extra(self, extra, tile):
+        """The consumers' `extra` for `tile`'s main loop (`extra` itself here)."""
+        return extra
 
 
 def turn_barriers(consumer_wg):

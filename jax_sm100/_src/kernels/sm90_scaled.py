@@ -5,9 +5,11 @@
 The dense SM90 family (sm90_gemm.py) with two things added, through its stage hooks:
 
 * Each A/B stage also holds the k-block's scales: one float32 per row of the tile's A (128, or
-  256) and one per row of its B (column of D: 192, 128 or 64), loaded by the producer warp with
-  two more TMA copies under the stage's barrier (their bytes in its transaction count). The
-  scales come transposed, [L, k/128, rows] with rows contiguous (the lowering transposes jax's
+  256) and one per row of its B (column of D: 192, 128 or 64), or with B scaled per 128 x 128
+  tile those of a window of 4 of B's tiles, the tile's own among them (16 bytes, TMA's
+  narrowest box: `_B_TILE_WINDOW`), loaded by the producer warp with two more TMA copies under
+  the stage's barrier (their bytes in its transaction count). The scales come transposed,
+  [L, k/128, rows] with rows (or B's tiles) contiguous (the lowering transposes jax's
   [L, rows, k/128] layout: TMA cannot load a column of 4-byte elements), so each is one box.
   Rows past the matrix are zero-filled, as A's and B's are.
 * The consumers' main loop. A 128-element fp8 k-tile is exactly one scale block, so per k-tile
@@ -33,8 +35,10 @@ The dense SM90 family (sm90_gemm.py) with two things added, through its stage ho
   N <= 128.
 * B scaled per 128 x 128 tile (`plan.b_scale_rows == 128`, DeepSeek-V3's weights): the tile's
   columns (128 or 64, inside one scale tile) share one B scale per k-block, read from the
-  stage's first column, so the promotion is one multiply per row of the thread and one FMA per
-  accumulator (the lowering repeats those scales per row for the stage's TMA box).
+  stage's window at the tile's place in it (`_tile_extra`), so the promotion is one multiply per
+  row of the thread and one FMA per accumulator. (Until the twenty-seventh session the lowering
+  repeated those scales per row, an XLA fusion writing n k / 32 bytes a call, and each stage
+  held a tile's width of copies.)
   The H200 (tenth session, benchmarks/RESULTS.md) ran the default loop at 744-830 TF/s on
   128 x 128 tiles and 869 on 128 x 192, the overlapped one at 752-821 (128 x 128), where the
   unscaled fp8 kernel runs 1270-1440 on the same data: the promotion is the cost. With the
@@ -75,6 +79,11 @@ _KERNEL = "sm90_wgmma_scaled"
 # Rows of a tile that one wgmma batch of both consumer warp groups covers (64 each): 256-row
 # tiles take two such waves per k-tile (`_mainloop_waves`).
 _WAVE_ROWS = 128
+# B scaled per 128 x 128 tile: the kernel takes the scales compact, [L, k / 128, tiles of B's
+# rows] (`scaled_gpu`), and each stage holds a k-block's scales of a window of tiles, the tile's
+# among them (`constraints.B_SCALE_TILE_WINDOW`; each stage's at `SCALE_STAGE_ALIGN_BYTES`).
+_B_TILE_WINDOW = constraints.B_SCALE_TILE_WINDOW
+_SCALE_STAGE_ALIGN = constraints.SCALE_STAGE_ALIGN_BYTES
 # The widest 128-row tile whose serial main loop reads a k-block's scales into registers up
 # front.
 _EARLY_SCALES_MAX_N = 128
@@ -96,7 +105,8 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
 
     Host entry point: `__call__(a, b, d, sfa, sfb, ws, flags, stream)`: a (M, K, L) and
     b (N, K, L) K-major fp8, d (M, N, L) N-major, sfa (M, K / 128, L) and sfb (N, K / 128, L)
-    float32 with M (N) contiguous; ws and flags a stream-K plan's workspace (None otherwise).
+    float32 with M (N) contiguous (sfb (ceil(N / 128), K / 128, L) with B scaled per 128 x 128
+    tile); ws and flags a stream-K plan's workspace (None otherwise).
     """
 
     HOST_OPERANDS = ("a", "b", "d", "sfa", "sfb", "ws", "flags")
@@ -108,6 +118,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         # B scaled per 128 x 128 tile: the tile's columns share one B scale per k-block (its
         # first column's), so the promotion multiplies by one scale per row.
         self.b_tiled = plan.b_scale_rows > 1
+        self.b_scale_rows = plan.b_scale_rows
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -137,7 +148,8 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     @classmethod
     def compile_inputs(cls, plan, spec: KernelSpec) -> family.CompileInputs:
         """A, B and D as for a dense product; the scales (rows, k / 128, L) with the rows
-        contiguous, each leading dimension a multiple of 4 (16 bytes, for TMA)."""
+        contiguous, each leading dimension a multiple of 4 (16 bytes, for TMA). B's rows are
+        its 128-row tiles where B is scaled per 128 x 128 tile (`b_scale_rows`)."""
         from cutlass.cute.runtime import make_fake_tensor  # noqa: PLC0415
 
         a, b, d, _, _, _ = common.make_fake_operands(plan, spec)
@@ -151,7 +163,8 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
             return make_fake_tensor(scale_type, (rows, blocks, l), (1, ld, batch),
                                     assumed_align=common.TMA_ALIGN_BYTES)  # fmt: skip
 
-        operands = (a, b, d, scales(m), scales(n), *_fake_workspace(plan))
+        b_rows = cute.sym_int() if plan.b_scale_rows > 1 else n
+        operands = (a, b, d, scales(m), scales(b_rows), *_fake_workspace(plan))
         return family.CompileInputs(plan, spec, operands)
 
     # ---------------------------------------------------------------- host
@@ -170,15 +183,24 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     ):
         self._launch(a, b, d, None, None, None, ws, flags, stream, (sfa, sfb))
 
+    def _scale_boxes(self):
+        """(rows, stage stride) of each stage's scales, A's then B's: a tile's rows and
+        columns; with `b_tiled` B's box is `_B_TILE_WINDOW` 128 x 128 tiles (the tile's among
+        them), each stage's at a 128-byte boundary."""
+        tm, tn, _ = self.tile_mnk
+        if self.b_tiled:
+            return (tm, tm), (_B_TILE_WINDOW, _SCALE_STAGE_ALIGN // (self.scale_dtype.width // 8))
+        return (tm, tm), (tn, tn)
+
     def _stage_extra_host(self, stage_extra):
         """TMA atoms for one k-block's scales of a tile's rows (A) and columns (B), and their
         stage rings in shared memory."""
         sfa, sfb = stage_extra
-        tm, tn, _ = self.tile_mnk
         params = []
         fields = {}
-        for name, tensor, rows in (("sfa", sfa, tm), ("sfb", sfb, tn)):
-            staged = cute.make_layout((rows, 1, self.ab_stages), stride=(1, rows, rows))
+        for name, tensor, (rows, stride) in zip(("sfa", "sfb"), (sfa, sfb), self._scale_boxes(),
+                                                strict=True):  # fmt: skip
+            staged = cute.make_layout((rows, 1, self.ab_stages), stride=(1, stride, stride))
             atom, gmem = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), tensor, cute.slice_(staged, (None, None, 0)),
                 (rows, 1),
@@ -190,19 +212,19 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         return tuple(params), fields
 
     def _stage_extra_bytes(self) -> int:
-        tm, tn, _ = self.tile_mnk
-        return (tm + tn) * self.scale_dtype.width // 8
+        (rows_a, _), (rows_b, _) = self._scale_boxes()
+        return (rows_a + rows_b) * self.scale_dtype.width // 8
 
     # ---------------------------------------------------------------- device
 
     def _stage_extra_smem(self, storage, extra_params):
         """(producer's TMA views, consumers' stage rings) of both scale operands."""
         tma_sfa, mSFA, sfa_staged, tma_sfb, mSFB, sfb_staged = extra_params
-        tm, tn, _ = self.tile_mnk
+        (rows_a, _), (rows_b, _) = self._scale_boxes()
         out = []
         for atom, tensor, staged, buf, rows in (
-            (tma_sfa, mSFA, sfa_staged, storage.ssfa, tm),
-            (tma_sfb, mSFB, sfb_staged, storage.ssfb, tn),
+            (tma_sfa, mSFA, sfa_staged, storage.ssfa, rows_a),
+            (tma_sfb, mSFB, sfb_staged, storage.ssfb, rows_b),
         ):  # fmt: skip
             smem = buf.get_tensor(staged)
             # (rows, 1, tiles, k-blocks, L) tiles of the scales: one k-block of one tile each.
@@ -215,10 +237,27 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         return tuple(out)
 
     def _produce_stage_extra(self, extra, tile, k, state, barrier):
-        """k-block `k`'s scales of this tile's rows (A) and columns (B)."""
-        for (atom, g, s, _), which in zip(extra, (0, 1), strict=True):
-            cute.copy(atom, g[(None, tile[which], k, tile[2])],
+        """k-block `k`'s scales of this tile's rows (A) and columns (B); with `b_tiled`, of the
+        window of `_B_TILE_WINDOW` 128 x 128 tiles that holds this tile's columns."""
+        box_b = tile[1]
+        if cutlass.const_expr(self.b_tiled):
+            box_b = self._b_scale_tile(tile) // _B_TILE_WINDOW
+        for (atom, g, s, _), box in zip(extra, (tile[0], box_b), strict=True):
+            cute.copy(atom, g[(None, box, k, tile[2])],
                       s[(None, state.index)], tma_bar_ptr=barrier)  # fmt: skip
+
+    def _b_scale_tile(self, tile):
+        """The 128 x 128 B scale tile that holds `tile`'s columns (`b_tiled`)."""
+        return tile[1] // (self.b_scale_rows // self.tile_mnk[1])
+
+    def _tile_extra(self, extra, tile):
+        """With `b_tiled`, B's stage ring seen from `tile`'s scale tile within its window (so
+        element (0, 0, stage) is the one the promotion reads); otherwise `extra`."""
+        if cutlass.const_expr(not self.b_tiled):
+            return extra
+        atom, g, s, smem = extra[1]
+        offset = self._b_scale_tile(tile) % _B_TILE_WINDOW
+        return extra[0], (atom, g, s, cute.domain_offset((offset, 0, 0), smem))
 
     def _mainloop(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
                   extra=None):  # fmt: skip

@@ -137,7 +137,8 @@ class Sm90SplitSchedules:
         while work.is_valid_tile:
             tile = work.tile_idx
             read, release = self._mainloop(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                           ke - kb, read, release, extra)  # fmt: skip
+                                           ke - kb, read, release,
+                                           self._tile_extra(extra, tile))  # fmt: skip
             warpgroup.wait_group(0)
             ab_pipe.consumer_release(release)
             release.advance()

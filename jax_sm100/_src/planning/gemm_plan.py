@@ -670,13 +670,19 @@ def _ab_stage_bytes(cta, b_rows, ab_bits) -> int:
 
 def scale_stage_bytes(cta, problem) -> int:
     """Shared memory of one stage's scale factors (a block-scaled problem's; 0 otherwise): one
-    per row of the stage's A tile and one per row of its B tile (column of D), for its k-block."""
+    per row of the stage's A tile and one per row of its B tile (column of D), for its k-block;
+    B scaled per 128-row tile, a window of its tiles' (`C.B_SCALE_TILE_WINDOW`) at an aligned
+    stride (kernels/sm90_scaled.py)."""
     if problem.scale_dtype is None:
         return 0
     if getattr(problem, "kernel", None) == KERNEL_SM100_BLOCKSCALED:
         return sum(blockscaled_stage_bytes(problem.mma_tiler_mnk, problem.use_2cta,
                                            problem.scale_dtype, problem.scale_block))  # fmt: skip
-    return (cta[0] + cta[1]) * C.SCALE_DTYPE_BITS[problem.scale_dtype] // 8
+    bits = C.SCALE_DTYPE_BITS[problem.scale_dtype]
+    if problem.b_scale_rows > 1:
+        align = C.SCALE_STAGE_ALIGN_BYTES
+        return cta[0] * bits // 8 + -(-C.B_SCALE_TILE_WINDOW * bits // 8 // align) * align
+    return (cta[0] + cta[1]) * bits // 8
 
 
 def _max_ab_stages(arch, cta, b_rows, ab_bits, epi_bytes) -> int:
