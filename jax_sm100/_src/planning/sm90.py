@@ -508,7 +508,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
             plan = _sm90_pingpong_plan(common, (tm, tn, ktile), cluster, ab_bits)
             if plan is not None:
                 return plan
-            tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms)
+            tm, tn, cluster, _ = _choose_sm90(m, n, k, batch, num_sms, ab_bits=ab_bits)
             cluster = _unpadded_cluster(m, n, tm, tn, cluster, batch, num_sms)
         reason = f"wgmma {tm}x{tn} tile: fewest weighted waves on {num_sms} SMs"
     stream_k = (kernel == KERNEL_SM90 and ab_bits >= SM90_STREAM_K_MIN_AB_BITS
