@@ -19,7 +19,8 @@ schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the clu
 `sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the
 epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swapped product
 (`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped plan of a very tall grid before the
-swap: `fp8:noswap:64x256:c2x1:rn`.
+swap: `fp8:noswap:64x256:c2x1:rn`, `smsN` the SMs the persistent grid takes (`GemmPlan.num_sms`;
+e.g. `tiled:sms128`).
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
 `python -m jax_sm100.bench`'s device method: the median of `--rounds` (5 by default), the
 rounds taking `bench.round_orders`' orders in turn (a multiple of their count, n variants or 2n
@@ -34,6 +35,9 @@ finite, so a broken variant is reported, not timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +45,7 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100 import bench, bench_scaled
-from jax_sm100._src import ffi, planning, scaled_gpu
+from jax_sm100._src import dispatch, ffi, planning, scaled_gpu
 from jax_sm100._src import primitive as P
 from jax_sm100._src.planning import sm90_scaled
 
@@ -92,6 +96,8 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
             plan = planning.sm90_variant(plan, raster_along_m=edit == "rm")
         elif edit in ("swap", "noswap"):  # D^T = B A^T on the same tiles (fp8), or not
             plan = planning.sm90_variant(plan, swap_ab=edit == "swap")
+        elif edit.startswith("sms"):  # the persistent grid's SMs, e.g. sms128
+            plan = dataclasses.replace(plan, num_sms=int(edit[3:]))
         else:
             tile = tuple(int(v) for v in edit.split("x"))
             # 256-row tiles run the serial loop only (constraints.check_scaled_overlap): the
@@ -101,6 +107,17 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
             serial = {"scaled_overlap": False} if tile[0] == 256 and plan.scale_dtype else {}
             plan = planning.sm90_variant(plan, tile_mn=tile, **serial)
     return plan
+
+
+def sms_context(spec: str, plan: planning.GemmPlan):
+    """For an unscaled variant with an `smsN` edit: a context in which the matmul lowering
+    sees a device of that many SMs (it otherwise resizes a caller's plan to the device's), so
+    the kernel's persistent grid takes N SMs; None for the others (the block-scaled kernel is
+    called on its plan as it is)."""
+    if spec.split(":")[0] != "fp8" or not any(e.startswith("sms") for e in spec.split(":")):
+        return None
+    target = dispatch.Target(plan.arch, plan.num_sms, on_device=True)
+    return lambda: mock.patch.object(dispatch, "device_target", lambda: target)
 
 
 def product(spec: str, plan: planning.GemmPlan):
@@ -150,7 +167,11 @@ def main():
     specs = args.variants.split(",")
     plans = [variant_plan(s, m, n, k) for s in specs]
     fns = [jax.jit(product(s, p)) for s, p in zip(specs, plans, strict=True)]
-    outs = [np.asarray(f(a, b).astype(jnp.float32)) for f in fns]
+    contexts = [sms_context(s, p) for s, p in zip(specs, plans, strict=True)]
+    outs = []
+    for f, ctx in zip(fns, contexts, strict=True):
+        with ctx() if ctx else contextlib.nullcontext():
+            outs.append(np.asarray(f(a, b).astype(jnp.float32)))
 
     # References: for `scaled` variants the first of them; for `jaxnn` (the same per-row
     # product, by XLA) and `tiled` variants the planner's plain `scaled` / `tiled` plan, run
@@ -190,8 +211,9 @@ def main():
         print("profiled one call of each:", ", ".join(specs))
         return
     timed = [(s, p, f) for s, p, f, good in zip(specs, plans, fns, ok, strict=True) if good]
+    timed_contexts = [c for c, good in zip(contexts, ok, strict=True) if good]
     timings = bench.time_device([f for _, _, f in timed], a, b, min_seconds=args.device_ms / 1e3,
-                                rounds=args.rounds)  # fmt: skip
+                                rounds=args.rounds, contexts=timed_contexts)  # fmt: skip
     print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of {args.rounds}")
     for (s, p, _), t in zip(timed, timings, strict=True):
         tflops = f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s"
@@ -203,7 +225,7 @@ def main():
             f"{tflops}   {tm}x{tn} "
             f"{p.cluster_shape_mn} {p.num_ab_stages} stages stream_k={p.stream_k} "
             f"pingpong={p.pingpong} overlap={p.scaled_overlap} swap={p.swap_ab} "
-            f"{'rm' if p.raster_along_m else 'rn'} swz{p.swizzle_size}"
+            f"{'rm' if p.raster_along_m else 'rn'} swz{p.swizzle_size} sms{p.num_sms}"
         )
     for s, good in zip(specs, ok, strict=True):
         if not good:
