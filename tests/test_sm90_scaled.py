@@ -5,6 +5,7 @@ exported for an sm_90a target. tests/test_gpu_scaled.py runs it on an H100/H200.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import shutil
@@ -591,6 +592,13 @@ class WeightTilesTest(parameterized.TestCase):
         )
         _, per_row = _export(_avals(1, 4096, 1008, 1024))
         self.assertEqual(per_row.plan.b_scale_rows, 1)
+        # A plan for tile scales called with per-row ones is refused before the kernel is built
+        # (it would read row t's scales as tile t's).
+        from jax_sm100._src import scaled_gpu  # noqa: PLC0415
+
+        with self.assertRaisesRegex(ValueError, "per 128 rows .* these are per 1"):
+            jax.eval_shape(functools.partial(scaled_gpu._call_sm90, how.plan),
+                           *_avals(1, 4096, 1160, 1024))  # fmt: skip
 
 
 def _avals(batch, m, n, k, dtype=jnp.float8_e4m3fn, block=128, scale=jnp.float32):

@@ -454,6 +454,13 @@ B_SCALE_TILE_WINDOW = 4
 SCALE_STAGE_ALIGN_BYTES = 128
 
 
+def b_tile_scale_stage_bytes(scale_bits: int) -> int:
+    """Shared memory a stage gives B's window of tile scales: `B_SCALE_TILE_WINDOW` scales of
+    `scale_bits` bits, rounded up to `SCALE_STAGE_ALIGN_BYTES`."""
+    window = B_SCALE_TILE_WINDOW * scale_bits // 8
+    return -(-window // SCALE_STAGE_ALIGN_BYTES) * SCALE_STAGE_ALIGN_BYTES
+
+
 def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int) -> None:
     """B's scales cover 1 or 128 of its rows (`B_SCALE_ROWS`), 1 when unscaled; on the
     block-scaled kernel a tile of D's columns then lies within one scale tile (its width divides

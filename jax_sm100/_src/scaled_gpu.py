@@ -99,6 +99,14 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     from jax_sm100._src import compile as compile_mod  # noqa: PLC0415
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415
 
+    rows = scale_layout.row_block(rhs.shape, rhs_scales.shape)
+    if plan.b_scale_rows not in (1, rows):
+        # A caller's plan (tests, benchmarks/scaled_probe.py) for tile scales given per-row
+        # ones: the kernel would read row t's scales as tile t's.
+        raise ValueError(
+            f"the plan takes rhs scales per {plan.b_scale_rows} rows (b_scale_rows), these are "
+            f"per {rows} ({tuple(rhs_scales.shape)} for rhs {tuple(rhs.shape)})"
+        )
     compiled = compile_mod.compile_plan(plan)
     batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
     # A's scales of 128-row tiles go repeated per row (one XLA fusion with the transpose). B's

@@ -81,9 +81,8 @@ _KERNEL = "sm90_wgmma_scaled"
 _WAVE_ROWS = 128
 # B scaled per 128 x 128 tile: the kernel takes the scales compact, [L, k / 128, tiles of B's
 # rows] (`scaled_gpu`), and each stage holds a k-block's scales of a window of tiles, the tile's
-# among them (`constraints.B_SCALE_TILE_WINDOW`; each stage's at `SCALE_STAGE_ALIGN_BYTES`).
+# among them (`constraints.B_SCALE_TILE_WINDOW`, `constraints.b_tile_scale_stage_bytes`).
 _B_TILE_WINDOW = constraints.B_SCALE_TILE_WINDOW
-_SCALE_STAGE_ALIGN = constraints.SCALE_STAGE_ALIGN_BYTES
 # The widest 128-row tile whose serial main loop reads a k-block's scales into registers up
 # front.
 _EARLY_SCALES_MAX_N = 128
@@ -115,8 +114,9 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         super().__init__(plan, spec)
         self.scale_dtype = common.cutlass_dtype(plan.scale_dtype)
         self.overlap = bool(plan.scaled_overlap)
-        # B scaled per 128 x 128 tile: the tile's columns share one B scale per k-block (its
-        # first column's), so the promotion multiplies by one scale per row.
+        # B scaled per 128 x 128 tile: the tile's columns share one B scale per k-block (the
+        # tile's own in the stage's window, `_tile_extra`), so the promotion multiplies by one
+        # scale per row.
         self.b_tiled = plan.b_scale_rows > 1
         self.b_scale_rows = plan.b_scale_rows
 
@@ -186,10 +186,13 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
     def _scale_boxes(self):
         """(rows, stage stride) of each stage's scales, A's then B's: a tile's rows and
         columns; with `b_tiled` B's box is `_B_TILE_WINDOW` 128 x 128 tiles (the tile's among
-        them), each stage's at a 128-byte boundary."""
+        them), each stage's at `constraints.b_tile_scale_stage_bytes` from the last (as the
+        planner counts it)."""
         tm, tn, _ = self.tile_mnk
         if self.b_tiled:
-            return (tm, tm), (_B_TILE_WINDOW, _SCALE_STAGE_ALIGN // (self.scale_dtype.width // 8))
+            width = self.scale_dtype.width
+            stride = constraints.b_tile_scale_stage_bytes(width) * 8 // width
+            return (tm, tm), (_B_TILE_WINDOW, stride)
         return (tm, tm), (tn, tn)
 
     def _stage_extra_host(self, stage_extra):
@@ -516,7 +519,8 @@ def _read_scales(row_scale, col_scale, coords, sSFA, sSFB, stage, b_tiled):
     """Each accumulator's row scale (A's) and column scale (B's) of k-block `stage`. Registers
     that share a row or column read the same word: the compiler loads each distinct word once
     (2 rows and tn / 4 columns per thread, as 16 pairs of columns; with `b_tiled`, B scaled per
-    128 x 128 tile, one column: the tile's first)."""
+    128 x 128 tile, one: element 0 of `sSFB`, the tile's own scale through `_tile_extra`'s
+    view)."""
     for i in range(cute.size(coords)):
         row_scale[i] = sSFA[(coords[i][0], 0, stage)]
         col_scale[i] = sSFB[(0 if b_tiled else coords[i][1], 0, stage)]

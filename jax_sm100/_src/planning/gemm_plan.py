@@ -680,8 +680,7 @@ def scale_stage_bytes(cta, problem) -> int:
                                            problem.scale_dtype, problem.scale_block))  # fmt: skip
     bits = C.SCALE_DTYPE_BITS[problem.scale_dtype]
     if problem.b_scale_rows > 1:
-        align = C.SCALE_STAGE_ALIGN_BYTES
-        return cta[0] * bits // 8 + -(-C.B_SCALE_TILE_WINDOW * bits // 8 // align) * align
+        return cta[0] * bits // 8 + C.b_tile_scale_stage_bytes(bits)
     return (cta[0] + cta[1]) * bits // 8
 
 
