@@ -109,10 +109,11 @@ def _integer_operand(key, batch, rows, k, dtype):
     return data, scales
 
 
-def _integer_tiled_operands(seed, n=392):
-    """(lhs, rhs, lhs scales, rhs scales) of 600 x n x 512 integer data (`_integer_operand`), the
-    rhs scaled per 128 x 128 tile by powers of two: the kernel's result is exact."""
-    batch, m, k = 1, 600, 512
+def _integer_tiled_operands(seed, n=392, m=600, batch=1):
+    """(lhs, rhs, lhs scales, rhs scales) of batch x m x n x 512 integer data
+    (`_integer_operand`), the rhs scaled per 128 x 128 tile by powers of two: the kernel's
+    result is exact."""
+    k = 512
     ka, kb, ks = jax.random.split(jax.random.key(seed), 3)
     lhs, ls = _integer_operand(ka, batch, m, k, E4M3)
     rhs, _ = _integer_operand(kb, batch, n, k, E4M3)
@@ -130,10 +131,11 @@ def _run(lhs, rhs, ls, rs, out_dtype, overlap=False):
     return out, seen
 
 
-def _run_256_rows(lhs, rhs, ls, rs, out_dtype, tile_mn=(256, 128), overlap=False):
+def _run_256_rows(lhs, rhs, ls, rs, out_dtype, tile_mn=(256, 128), overlap=False, **edits):
     """The product on the kernel in 256 x 128 tiles (or `tile_mn`, on the overlapped loop with
-    `overlap`), forced (B scaled per 128 x 128 tile, or per row when `rs` has a row of scales
-    per row of `rhs`), through the lowering's own kernel call."""
+    `overlap`; other plan `edits` for `sm90_variant`, e.g. stream_k), forced (B scaled per
+    128 x 128 tile, or per row when `rs` has a row of scales per row of `rhs`), through the
+    lowering's own kernel call."""
     from jax_sm100._src import scaled_gpu  # noqa: PLC0415
 
     batch, m, k = lhs.shape
@@ -142,7 +144,7 @@ def _run_256_rows(lhs, rhs, ls, rs, out_dtype, tile_mn=(256, 128), overlap=False
                           b_major="k", batch=batch, scale_dtype="float32", scale_block=128,
                           b_scale_rows=1 if rs.shape[1] == n else 128,
                           arch="sm_90a")  # fmt: skip
-    plan = planning.sm90_variant(plan, tile_mn=tile_mn, scaled_overlap=overlap)
+    plan = planning.sm90_variant(plan, tile_mn=tile_mn, scaled_overlap=overlap, **edits)
     assert plan.kernel == planning.KERNEL_SM90_SCALED, plan
     return jax.jit(lambda *a: scaled_gpu._call_sm90(plan, *a))(lhs, rhs, ls, rs)
 
@@ -328,6 +330,16 @@ class GpuScaledTest(parameterized.TestCase):
         # scales. Integer data, power-of-two scales: a wrong tile's scale shows exactly.
         lhs, rhs, ls, rs = _integer_tiled_operands(23, n=1160)
         out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32, tile_mn, overlap)
+        want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
+        np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
+
+    @parameterized.parameters(False, True)
+    def test_weight_tiles_batched_exact(self, stream_k):
+        # The same with 2 batches (each its own tiles' scales) of 4096 rows: 80 cluster tiles of
+        # 256 x 128 for 66 clusters, so with stream-K every tile's k-blocks are shared out
+        # between clusters, each segment reading its k-blocks' window.
+        lhs, rhs, ls, rs = _integer_tiled_operands(29, n=1160, m=4096, batch=2)
+        out = _run_256_rows(lhs, rhs, ls, rs, jnp.float32, stream_k=stream_k)
         want = _reference64(lhs, rhs, ls, rs).astype(np.float32).astype(np.float64)
         np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
 
