@@ -22,7 +22,8 @@ epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swa
 swap: `fp8:noswap:64x256:c2x1:rn`, `smsN` the SMs the persistent grid takes (`GemmPlan.num_sms`;
 e.g. `tiled:sms128`).
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
-`python -m jax_sm100.bench`'s device method: the median of `--rounds` (5 by default), the
+`python -m jax_sm100.bench`'s device method (with the SM clock and board power NVML saw during
+each variant's timed calls, `bench.ClockSampler`): the median of `--rounds` (5 by default), the
 rounds taking `bench.round_orders`' orders in turn (a multiple of their count, n variants or 2n
 for odd n, balances which variant each follows). Before timing, each `scaled` variant's result
 is compared with the first `scaled` variant's, each `tiled` one's with the planner's `tiled`
@@ -212,11 +213,18 @@ def main():
         return
     timed = [(s, p, f) for s, p, f, good in zip(specs, plans, fns, ok, strict=True) if good]
     timed_contexts = [c for c, good in zip(contexts, ok, strict=True) if good]
-    timings = bench.time_device([f for _, _, f in timed], a, b, min_seconds=args.device_ms / 1e3,
-                                rounds=args.rounds, contexts=timed_contexts)  # fmt: skip
-    print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of {args.rounds}")
+    with bench.ClockSampler() as clocks:
+        timings = bench.time_device([f for _, _, f in timed], a, b,
+                                    min_seconds=args.device_ms / 1e3, rounds=args.rounds,
+                                    contexts=timed_contexts)  # fmt: skip
+    print(f"{jax.devices()[0].device_kind}, {m}x{n}x{k}, device method, median of {args.rounds}; "
+          "SM clock and board power: means over the timed calls (NVML)")  # fmt: skip
     for (s, p, _), t in zip(timed, timings, strict=True):
-        tflops = f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s"
+        seen = clocks.over(t.intervals)
+        power = "" if seen is None else (
+            f" @ {seen.sm_mhz:6.0f} MHz {seen.watts:5.0f} W (reasons {seen.reasons:#x})"
+        )  # fmt: skip
+        tflops = f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s{power}"
         if s in XLA_KINDS:
             print(f"{tflops}   - (XLA's product)")
             continue

@@ -322,11 +322,102 @@ class LoopCheck:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceTiming:
-    """One side's device-method figure: seconds per product, the R it used, its HLO check."""
+    """One side's device-method figure: seconds per product, the R it used, its HLO check, and
+    each timed call's (start, end) on `time.perf_counter`'s clock (for `ClockSampler.over`)."""
 
     seconds: float
     reps: int
     check: LoopCheck
+    intervals: tuple[tuple[float, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockReading:
+    """What `ClockSampler` saw over some intervals: the mean SM clock (MHz) and board power
+    (W) of its samples in them, how many, and the clock-event reasons NVML reported in any of
+    them, OR'd (0x4: the software power cap; 0x8: HW slowdown; 0x20 / 0x40: thermal)."""
+
+    sm_mhz: float
+    watts: float
+    samples: int
+    reasons: int
+
+
+class ClockSampler:
+    """Samples GPU 0's SM clock, power draw and clock-event reasons through NVML
+    (libnvidia-ml, which the driver installs) every `period` seconds on a thread, while entered:
+
+        with bench.ClockSampler() as clocks:
+            timings = bench.time_device([f, g], a, b)
+        clocks.over(timings[0].intervals)  # a ClockReading, or None
+
+    The H200 runs fp8 GEMMs at its software power cap, where a kernel's TF/s follows the
+    clock it is granted (twenty-fourth session, benchmarks/RESULTS.md); a reading per side
+    tells the kernel's own speed from the card's state. Where NVML cannot be loaded (no
+    NVIDIA driver) nothing is sampled and `over` returns None.
+    """
+
+    _SM_CLOCK = 1  # NVML_CLOCK_SM
+
+    def __init__(self, period: float = 0.002):
+        self.period = period
+        self.samples: list[tuple[float, int, int, int]] = []  # (t, MHz, mW, reasons)
+        self._nvml = self._handle = self._thread = None
+        self._stop = None
+
+    def __enter__(self):
+        import ctypes  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+                return self
+        except (OSError, AttributeError):
+            return self
+        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
+        self._nvml, self._handle, self._stop = nvml, handle, threading.Event()
+
+        def sample():
+            mhz, mw, why = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                nvml.nvmlDeviceGetClockInfo(handle, self._SM_CLOCK, ctypes.byref(mhz))
+                nvml.nvmlDeviceGetPowerUsage(handle, ctypes.byref(mw))
+                if reasons_fn is not None:
+                    reasons_fn(handle, ctypes.byref(why))
+                self.samples.append((t, mhz.value, mw.value, why.value))
+                self._stop.wait(self.period)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._nvml.nvmlShutdown()
+        return False
+
+    def over(self, intervals) -> ClockReading | None:
+        """The samples taken inside any of `intervals` ((start, end) pairs), summarized; None
+        when there are none."""
+        inside = [s for s in self.samples if any(t0 <= s[0] <= t1 for t0, t1 in intervals)]
+        if not inside:
+            return None
+        reasons = 0
+        for s in inside:
+            reasons |= s[3]
+        return ClockReading(
+            sm_mhz=float(np.mean([s[1] for s in inside])),
+            watts=float(np.mean([s[2] for s in inside])) / 1e3,
+            samples=len(inside),
+            reasons=reasons,
+        )
 
 
 def time_device(
@@ -374,10 +465,10 @@ def time_device(
     scale = jnp.zeros((), jnp.float32)
     top_trips = max(1, max_reps // unroll)
 
-    def one_call(compiled) -> float:
+    def one_call(compiled) -> tuple[float, float]:
         t = time.perf_counter()
         compiled(a, b, scale).block_until_ready()
-        return time.perf_counter() - t
+        return t, time.perf_counter()
 
     def calibrate(product):
         trips = max(1, min(start_trips, top_trips))
@@ -385,7 +476,8 @@ def time_device(
             reps = trips * unroll
             compiled = jax.jit(loop_fn(product, reps, unroll)).lower(a, b, scale).compile()
             one_call(compiled)  # warm-up: first-call allocation and loading
-            t = one_call(compiled)
+            t0, t1 = one_call(compiled)
+            t = t1 - t0
             if t >= min_seconds or trips >= top_trips:
                 return compiled, reps
             grow = math.ceil(trips * 1.25 * min_seconds / max(t, 1e-9))
@@ -403,7 +495,7 @@ def time_device(
         with context() if context is not None else contextlib.nullcontext():
             loops.append(calibrate(product))
 
-    def settled_call(compiled) -> float:
+    def settled_call(compiled) -> tuple[float, float]:
         one_call(compiled)  # untimed: the clocks settle under this product's own load
         return one_call(compiled)
 
@@ -412,15 +504,17 @@ def time_device(
     # behind (on the H200, 2026-12-02, of two block-scaled plans in a fixed order the one timed
     # right after `jax.nn.scaled_matmul`'s read 2.6-3.7 % below the other, whichever it was).
     orders = round_orders(len(loops))
-    times = np.zeros((rounds, len(loops)))
+    spans = np.zeros((rounds, len(loops), 2))
     for r in range(rounds):
         for i in orders[r % len(orders)]:
-            times[r, i] = settled_call(loops[i][0])
+            spans[r, i] = settled_call(loops[i][0])
+    times = spans[:, :, 1] - spans[:, :, 0]
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
         size = math.prod(jax.eval_shape(product, a, b).shape)
         check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size)
-        out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check))
+        intervals = tuple((float(t0), float(t1)) for t0, t1 in spans[:, i])
+        out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check, intervals))
     return out[0] if single else out
 
 

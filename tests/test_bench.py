@@ -8,6 +8,7 @@ import io
 import math
 import os
 import tempfile
+import time
 from unittest import mock
 
 import jax
@@ -57,6 +58,64 @@ class DeviceTimerTest(parameterized.TestCase):
             self.assertEqual(t.reps % 3, 0)
             self.assertEqual(t.check.trip_count, t.reps // 3)
             self.assertEqual(t.check.problems(), [])
+        # Each timed call's span, one per round: the median span over R is the figure, and the
+        # two products' spans never overlap (rounds run them one after the other).
+        spans = sorted(iv for t in timings for iv in t.intervals)
+        self.assertLen(spans, 3 * len(PRODUCTS))
+        for t in timings:
+            self.assertLen(t.intervals, 3)
+            lengths = sorted(t1 - t0 for t0, t1 in t.intervals)
+            self.assertAlmostEqual(lengths[1] / t.reps, t.seconds, delta=1e-12)
+        for (_, end), (start, _) in zip(spans[:-1], spans[1:], strict=True):
+            self.assertLessEqual(end, start)
+
+    def test_clock_sampler(self):
+        # Without an NVIDIA driver (CI, this machine) nothing is sampled, and a reading is None.
+        with bench.ClockSampler(period=1e-3) as clocks:
+            pass
+        if clocks.samples:
+            self.skipTest("NVML present: the samples are the GPU's")
+        self.assertIsNone(clocks.over([(0.0, float("inf"))]))
+        # A reading summarizes the samples inside the intervals: (t, MHz, mW, reasons).
+        clocks.samples = [(1.0, 1400, 600_000, 0x4), (2.0, 1600, 700_000, 0x0),
+                          (3.0, 1980, 100_000, 0x1), (4.0, 1500, 650_000, 0x20)]  # fmt: skip
+        seen = clocks.over([(0.5, 2.5), (3.5, 4.0)])
+        self.assertEqual(seen, bench.ClockReading(1500.0, 650.0, 3, 0x24))
+        self.assertIsNone(clocks.over([(5.0, 6.0)]))
+
+    def test_clock_sampler_reads_nvml(self):
+        # The sampling thread against a stand-in for libnvidia-ml: each call writes through
+        # its pointer argument, as NVML does.
+        class FakeNvml:
+            shut = False
+
+            def nvmlInit_v2(self):
+                return 0
+
+            def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+                return 0
+
+            def nvmlDeviceGetClockInfo(self, handle, clock, out):
+                out._obj.value = 1410 if clock == bench.ClockSampler._SM_CLOCK else 0
+
+            def nvmlDeviceGetPowerUsage(self, handle, out):
+                out._obj.value = 699_000
+
+            def nvmlDeviceGetCurrentClocksEventReasons(self, handle, out):
+                out._obj.value = 0x4
+
+            def nvmlShutdown(self):
+                FakeNvml.shut = True
+
+        with mock.patch("ctypes.CDLL", return_value=FakeNvml()):
+            with bench.ClockSampler(period=1e-3) as clocks:
+                t0 = time.perf_counter()
+                time.sleep(0.05)
+                t1 = time.perf_counter()
+        self.assertTrue(FakeNvml.shut)
+        seen = clocks.over([(t0, t1)])
+        self.assertGreater(seen.samples, 5)
+        self.assertEqual((seen.sm_mhz, seen.watts, seen.reasons), (1410.0, 699.0, 0x4))
 
     def test_round_orders_balance_place_and_predecessor(self):
         # Each product takes each place, and follows each other product, equally often over
