@@ -353,8 +353,10 @@ class ClockSampler:
 
     The H200 runs fp8 GEMMs at its software power cap, where a kernel's TF/s follows the
     clock it is granted (twenty-fourth session, benchmarks/RESULTS.md); a reading per side
-    tells the kernel's own speed from the card's state. Where NVML cannot be loaded (no
-    NVIDIA driver) nothing is sampled and `over` returns None.
+    tells the kernel's own speed from the card's state. The clock is NVML's current one; the
+    power is `nvmlDeviceGetPowerUsage`'s, which recent GPUs average over up to a second, so
+    with sides alternating every few tens of milliseconds it blends them. Where NVML cannot be
+    loaded (no NVIDIA driver) nothing is sampled and `over` returns None.
     """
 
     _SM_CLOCK = 1  # NVML_CLOCK_SM
@@ -372,7 +374,10 @@ class ClockSampler:
         try:
             nvml = ctypes.CDLL("libnvidia-ml.so.1")
             handle = ctypes.c_void_p()
-            if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+            if nvml.nvmlInit_v2():
+                return self
+            if nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+                nvml.nvmlShutdown()
                 return self
         except (OSError, AttributeError):
             return self
