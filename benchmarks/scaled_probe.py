@@ -221,10 +221,13 @@ def main():
           "SM clock and board power: means over the timed calls (NVML)")  # fmt: skip
     for (s, p, _), t in zip(timed, timings, strict=True):
         seen = clocks.over(t.intervals)
+        rate = 2 * m * n * k / t.seconds / 1e12
+        # TF/s per GHz of SM clock: the kernel's work per cycle, apart from the clock it got.
         power = "" if seen is None else (
-            f" @ {seen.sm_mhz:6.0f} MHz {seen.watts:5.0f} W (reasons {seen.reasons:#x})"
+            f" @ {seen.sm_mhz:6.0f} MHz ({rate / seen.sm_mhz * 1e3:6.1f} TF/s/GHz) "
+            f"{seen.watts:5.0f} W (reasons {seen.reasons:#x})"
         )  # fmt: skip
-        tflops = f"{s:28s} {2 * m * n * k / t.seconds / 1e12:8.1f} TF/s{power}"
+        tflops = f"{s:28s} {rate:8.1f} TF/s{power}"
         if s in XLA_KINDS:
             print(f"{tflops}   - (XLA's product)")
             continue
