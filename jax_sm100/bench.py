@@ -364,8 +364,7 @@ class ClockSampler:
     def __init__(self, period: float = 0.002):
         self.period = period
         self.samples: list[tuple[float, int, int, int]] = []  # (t, MHz, mW, reasons)
-        self._nvml = self._handle = self._thread = None
-        self._stop = None
+        self._nvml = self._thread = self._stop = None
 
     def __enter__(self):
         import ctypes  # noqa: PLC0415
@@ -384,7 +383,7 @@ class ClockSampler:
         reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
             nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )
-        self._nvml, self._handle, self._stop = nvml, handle, threading.Event()
+        self._nvml, self._stop = nvml, threading.Event()
 
         def sample():
             mhz, mw, why = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_ulonglong()

@@ -113,11 +113,9 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     # per 128 x 128 tile (the plan's b_scale_rows) go as they are, one per tile and k-block:
     # the kernel reads one B scale per k-tile.
     sfa, ld_a = _transposed(scale_layout.plain(lhs.shape, lhs_scales), plan.scale_dtype)
-    b_rows = n
     if plan.b_scale_rows == 1:
         rhs_scales = scale_layout.plain(rhs.shape, rhs_scales)
-    else:
-        b_rows = rhs_scales.shape[1]
+    b_rows = rhs_scales.shape[1]  # n, or B's tiles
     sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
     blocks = k // plan.scale_block
     modes = {
