@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 
+from jax_sm100._src.constraints import KERNEL_XLA
 from jax_sm100._src.kernels.spec import KernelSpec
 
 
@@ -243,7 +244,7 @@ def _compile(plan, spec: KernelSpec) -> CompiledGemm:
 
     from jax_sm100._src.kernels import common, family  # noqa: PLC0415
 
-    if plan.kernel == "xla_dot":
+    if plan.kernel == KERNEL_XLA:
         raise ValueError(f"the plan runs on XLA's dot, not a kernel: {plan.reason}")
     kernel_family = family.family(plan.kernel)
     inputs = kernel_family.compile_inputs(plan, spec)

@@ -40,6 +40,28 @@ SM100_BLOCKSCALED_KINDS = {
 SCALE_ATOM_ROWS = 128
 SCALE_ATOM_BLOCKS = 4
 
+# The kernels a plan names (`GemmPlan.kernel`); planning re-exports them.
+KERNEL_SM100 = "sm100_tcgen05"
+# Block-scaled operands (scaled_matmul: mxfp8, nvfp4) on sm_100a: kernels/sm100_blockscaled.py.
+KERNEL_SM100_BLOCKSCALED = "sm100_tcgen05_blockscaled"
+KERNEL_SM90 = "sm90_wgmma"
+KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
+KERNEL_SM90_SCALED = "sm90_wgmma_scaled"
+KERNEL_SM90_GROUPED = "sm90_wgmma_grouped"
+# Grouped problems (ragged_dot) on sm_100a: kernels/sm100_grouped.py.
+KERNEL_SM100_GROUPED = "sm100_tcgen05_grouped"
+KERNEL_XLA = "xla_dot"
+KERNELS = (
+    KERNEL_SM100,
+    KERNEL_SM100_BLOCKSCALED,
+    KERNEL_SM100_GROUPED,
+    KERNEL_SM90,
+    KERNEL_SM90_SPLITK,
+    KERNEL_SM90_GROUPED,
+    KERNEL_SM90_SCALED,
+    KERNEL_XLA,
+)
+
 # Operand dtypes each kernel family implements (A and B of one dtype), and the output dtypes
 # its epilogue can write.
 KERNEL_OPERAND_DTYPES = {
@@ -217,9 +239,9 @@ def check_swap_ab(swap_ab: bool, kernel: str, a_dtype: str, b_dtype: str, out_dt
     becomes the other's K-major operand), a 16-bit result (stmatrix's transposing form), no C
     (read transposed), split-K or stream-K. Ignored on an XLA plan (its tile fields hold
     nothing)."""
-    if not swap_ab or kernel == "xla_dot":
+    if not swap_ab or kernel == KERNEL_XLA:
         return
-    if kernel != "sm90_wgmma":
+    if kernel != KERNEL_SM90:
         raise PlanError(f"swap_ab=True is a choice of the sm_90a dense kernel (kernel="
                         f"'sm90_wgmma'), not of {kernel=}; set swap_ab=False")  # fmt: skip
     if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES or DTYPE_BITS[out_dtype] != 16:

@@ -17,27 +17,18 @@ from typing import ClassVar
 import numpy as np
 
 from jax_sm100._src import constraints as C
-
-KERNEL_SM100 = "sm100_tcgen05"
-# Block-scaled operands (scaled_matmul: mxfp8, nvfp4) on sm_100a: kernels/sm100_blockscaled.py.
-KERNEL_SM100_BLOCKSCALED = "sm100_tcgen05_blockscaled"
-KERNEL_SM90 = "sm90_wgmma"
-KERNEL_SM90_SPLITK = "sm90_wgmma_splitk"
-KERNEL_SM90_SCALED = "sm90_wgmma_scaled"
-KERNEL_SM90_GROUPED = "sm90_wgmma_grouped"
-# Grouped problems (ragged_dot) on sm_100a: kernels/sm100_grouped.py.
-KERNEL_SM100_GROUPED = "sm100_tcgen05_grouped"
-KERNEL_XLA = "xla_dot"
-KERNELS = (
+from jax_sm100._src.constraints import (
+    KERNEL_SM90,
+    KERNEL_SM90_GROUPED,
+    KERNEL_SM90_SCALED,
+    KERNEL_SM90_SPLITK,
     KERNEL_SM100,
     KERNEL_SM100_BLOCKSCALED,
     KERNEL_SM100_GROUPED,
-    KERNEL_SM90,
-    KERNEL_SM90_SPLITK,
-    KERNEL_SM90_GROUPED,
-    KERNEL_SM90_SCALED,
     KERNEL_XLA,
+    KERNELS,
 )
+
 # A grouped problem's ragged mode: "m" (rows of A and D in groups, one B per group: ragged_dot
 # and its d lhs) or "k" (the contraction in groups, one D per group: ragged_dot's d rhs).
 RAGGED_MODES = ("", "m", "k")
