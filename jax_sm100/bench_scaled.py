@@ -45,6 +45,7 @@ from jax import lax
 
 import jax_sm100
 from jax_sm100 import bench
+from jax_sm100._src import planning
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
 
 PROBLEMS = ((8192, 8192, 8192), (4096, 7168, 16384), (128, 7168, 16384))
@@ -163,7 +164,7 @@ def run(problems, *, min_seconds: float, unroll: int, with_jax_nn: bool, overlap
 def _path(lowered) -> str:
     """A lowering's note, with its plan's tile, cluster and schedule where a kernel runs it."""
     p = lowered.plan
-    if p is None or p.kernel == "xla_dot":
+    if p is None or p.kernel == planning.KERNEL_XLA:
         return lowered.note
     tm, tn, _ = p.cta_tile_mnk
     cm, cn = p.cluster_shape_mn

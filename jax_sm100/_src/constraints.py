@@ -243,7 +243,7 @@ def check_swap_ab(swap_ab: bool, kernel: str, a_dtype: str, b_dtype: str, out_dt
         return
     if kernel != KERNEL_SM90:
         raise PlanError(f"swap_ab=True is a choice of the sm_90a dense kernel (kernel="
-                        f"'sm90_wgmma'), not of {kernel=}; set swap_ab=False")  # fmt: skip
+                        f"{KERNEL_SM90!r}), not of {kernel=}; set swap_ab=False")  # fmt: skip
     if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES or DTYPE_BITS[out_dtype] != 16:
         raise PlanError(f"swap_ab=True takes fp8 operands and a 16-bit result; got {a_dtype=}, "
                         f"{b_dtype=}, {out_dtype=} (set swap_ab=False)")  # fmt: skip

@@ -23,17 +23,18 @@ import dataclasses
 import importlib
 from typing import Any, ClassVar
 
+from jax_sm100._src import constraints as C
 from jax_sm100._src.kernels.spec import KernelSpec
 
 # GemmPlan.kernel -> the family that compiles it.
 FAMILIES = {
-    "sm90_wgmma": "sm90_gemm:Sm90GemmKernel",
-    "sm90_wgmma_splitk": "sm90_gemm:Sm90GemmKernel",
-    "sm90_wgmma_scaled": "sm90_scaled:Sm90ScaledGemmKernel",
-    "sm90_wgmma_grouped": "sm90_grouped:Sm90GroupedGemmKernel",
-    "sm100_tcgen05": "sm100_gemm:Sm100GemmKernel",
-    "sm100_tcgen05_blockscaled": "sm100_blockscaled:Sm100BlockScaledGemmKernel",
-    "sm100_tcgen05_grouped": "sm100_grouped:Sm100GroupedGemmKernel",
+    C.KERNEL_SM90: "sm90_gemm:Sm90GemmKernel",
+    C.KERNEL_SM90_SPLITK: "sm90_gemm:Sm90GemmKernel",
+    C.KERNEL_SM90_SCALED: "sm90_scaled:Sm90ScaledGemmKernel",
+    C.KERNEL_SM90_GROUPED: "sm90_grouped:Sm90GroupedGemmKernel",
+    C.KERNEL_SM100: "sm100_gemm:Sm100GemmKernel",
+    C.KERNEL_SM100_BLOCKSCALED: "sm100_blockscaled:Sm100BlockScaledGemmKernel",
+    C.KERNEL_SM100_GROUPED: "sm100_grouped:Sm100GroupedGemmKernel",
 }
 
 

@@ -88,7 +88,7 @@ class Sm100GemmKernel(family.KernelFamily):
     """
 
     # The `GemmPlan.kernel` this class compiles (`why_not`; a subclass may name its own).
-    KERNEL = "sm100_tcgen05"
+    KERNEL = constraints.KERNEL_SM100
 
     def __init__(self, plan: Any, spec: KernelSpec):
         super().__init__(plan, spec)

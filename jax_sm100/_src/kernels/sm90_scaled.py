@@ -75,7 +75,7 @@ from jax_sm100._src.kernels.sm90_gemm import (
 )
 from jax_sm100._src.kernels.spec import KernelSpec
 
-_KERNEL = "sm90_wgmma_scaled"
+_KERNEL = constraints.KERNEL_SM90_SCALED
 # Rows of a tile that one wgmma batch of both consumer warp groups covers (64 each): 256-row
 # tiles take two such waves per k-tile (`_mainloop_waves`).
 _WAVE_ROWS = 128
