@@ -21,6 +21,8 @@ epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swa
 (`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped plan of a very tall grid before the
 swap: `fp8:noswap:64x256:c2x1:rn`, `smsN` the SMs the persistent grid takes (`GemmPlan.num_sms`;
 e.g. `tiled:sms128`).
+`--pairs a/b,...` adds, for each pair of variants, the ratio of a's TF/s to b's in each round
+(both timed in it, a few hundred ms apart), as median, quartiles and range over the rounds.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
 `python -m jax_sm100.bench`'s device method (with the SM clock and board power NVML saw during
 each variant's timed calls, `bench.ClockSampler`): the median of `--rounds` (5 by default), the
@@ -162,6 +164,12 @@ def main():
     )
     ap.add_argument("--device-ms", type=float, default=20.0)
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds (the median is kept)")
+    ap.add_argument(
+        "--pairs",
+        default="",
+        help="comma-separated a/b variant pairs: the TF/s ratio of a to b in each round (both "
+        "timed in it), summarized as median and range",
+    )
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split("x"))
     a, b = bench_scaled.operands(0, m, n, k)
@@ -241,6 +249,23 @@ def main():
     for s, good in zip(specs, ok, strict=True):
         if not good:
             print(f"{s}: WRONG result, not timed")
+    by_spec = {s: t for (s, _, _), t in zip(timed, timings, strict=True)}
+    for pair in filter(None, args.pairs.split(",")):
+        num, den = pair.split("/")
+        if num not in by_spec or den not in by_spec:
+            print(f"{pair}: not both timed")
+            continue
+        ratios = per_round(by_spec[den]) / per_round(by_spec[num])
+        q1, med, q3 = np.percentile(ratios, [25, 50, 75])
+        print(
+            f"{pair}: per-round TF/s ratio median {med:.3f} (quartiles {q1:.3f}-{q3:.3f}, "
+            f"range {ratios.min():.3f}-{ratios.max():.3f}, {len(ratios)} rounds)"
+        )
+
+
+def per_round(timing: bench.DeviceTiming) -> np.ndarray:
+    """Seconds per product in each timed round of `timing`."""
+    return np.array([t1 - t0 for t0, t1 in timing.intervals]) / timing.reps
 
 
 if __name__ == "__main__":
