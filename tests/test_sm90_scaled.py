@@ -87,9 +87,8 @@ class ScaledPlanTest(parameterized.TestCase):
         self.assertTrue(p.scaled_overlap)
         self.assertIn("measured faster", p.reason)
         ptx = _ptx(jax_sm100.tuning.with_scaled_overlap(p, False))
-        # The serial loop's k-tile, written twice (the loop's and the peeled last).
-        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32", ptx)), 8)
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 64)
+        self.assertEqual(len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k32", ptx)), 4)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 32)
         self.assertEqual(_plan(4096, 7168, 16384).cta_tile_mnk, (256, 128, 128))
 
     @parameterized.named_parameters(
@@ -215,29 +214,25 @@ class ScaledPtxTest(parameterized.TestCase):
         ptx = compiled.ptx
         kind = {E4M3: "e4m3", E5M2: "e5m2"}[dtype]
         # One k-tile: four k32 wgmma of 64 x 128 per consumer warp group, into the k-block
-        # fragment (the first overwrites it: its scale-d predicate is 0), then the promotion;
-        # written twice (the loop's k-tile and the peeled last one).
+        # fragment (the first overwrites it: its scale-d predicate is 0), then the promotion.
         self.assertEqual(
             len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.{kind}\.{kind}",
-                           ptx)), 8)  # fmt: skip
+                           ptx)), 4)  # fmt: skip
         # acc += frag * (sfa[row] * sfb[col]): a multiply and a fused multiply-add for each of
         # the 64 accumulators of a thread, once per k-tile.
-        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 128)
-        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 128)
+        self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), 64)
+        self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), 64)
         # The scales of a thread's 2 rows and 32 columns, each read once per k-tile.
-        self.assertEqual(len(re.findall(r"ld\.shared\.b32", ptx)), 4)
-        self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", ptx)), 32)
+        self.assertEqual(len(re.findall(r"ld\.shared\.b32", ptx)), 2)
+        self.assertEqual(len(re.findall(r"ld\.shared\.v2\.b32", ptx)), 16)
         # The batch retires before its fragment is read: one full wait per k-tile (and the
-        # caller's after the tile's last). In the loop the next stage is polled as soon as the
-        # batch retires and this one released before the promotion; the peeled last k-tile
-        # polls and releases nothing (the caller releases its stage).
-        self.assertEqual(len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)), 3)
+        # caller's after the tile's last), the stage released before the promotion.
+        self.assertEqual(len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)), 2)
         self.assertNotIn("wgmma.wait_group.sync.aligned 	1;", ptx)
         self.assertEqual(
             _events(ptx),
-            "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0 | stage wait | "
-            "release | fma x64 | blocking wait | wgmma.fence | wgmma.mma_async x4 | "
-            "wgmma.commit_group | wait 0 | fma x64 | wait 0 | release",
+            "wgmma.fence | wgmma.mma_async x4 | wgmma.commit_group | wait 0 | release | fma x64 "
+            "| wait 0 | release",
         )
         # Five TMA operands: A, B, D and the two scale tensors (3-D boxes, one CTA each).
         self.assertEqual([t.name for t in compiled.tensor_args], ["a", "b", "d", "sfa", "sfb"])
@@ -455,10 +450,9 @@ class WeightTilesTest(parameterized.TestCase):
         # Per 128-row wave, one promotion of a thread's tile[1] / 2 accumulators: an FMA each,
         # the products of the 2 row scales and the tile's one B scale (2 multiplies), 3 shared
         # loads. The 256-row loop's k-tile is written six times (a ring of its 4 stages at
-        # trace-time indices, the run-time one, the peeled last); per-row B scales' twice, as
-        # the 128-row loop's.
+        # trace-time indices, the run-time one, the peeled last); per-row B scales' twice.
         waves, regs = tile[0] // 128, tile[1] // 2
-        copies, row_copies = (6, 2) if waves > 1 else (2, 2)
+        copies, row_copies = (6, 2) if waves > 1 else (1, 1)
         self.assertEqual(len(re.findall(r"\bfma\.rn\.f32\b", ptx)), copies * waves * regs)
         self.assertEqual(len(re.findall(r"\bmul(\.rn)?\.f32\b", ptx)), copies * waves * 2)
         self.assertEqual(len(re.findall(r"ld\.shared(\.v2)?\.b32", ptx)), copies * waves * 3)

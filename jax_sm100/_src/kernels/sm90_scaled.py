@@ -290,58 +290,29 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         if cutlass.const_expr(tn <= _EARLY_SCALES_MAX_N):
             row_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
             col_scale = cute.make_rmem_tensor(acc.shape, self.acc_dtype)
-        regs = (frag, row_scale, col_scale, coords, sSFA, sSFB)
+        # Up to 128 columns the k-block's scales are read into registers before the batch
+        # (their latency hides under it); wider tiles would spill them beside the two
+        # fragments, so they are read during the promotion, from the stage (released after).
+        early = tn <= _EARLY_SCALES_MAX_N
         acc.fill(0.0)
-        # As the 256-row loop (`_mainloop_waves`): the last k-tile peeled off, so that the
-        # loop releases every stage it reads without a branch, and the next stage polled as
-        # soon as the batch has retired, under the promotion.
-        landed = ab_pipe.consumer_try_wait(read)
-        for _ in range(n_k - 1):
-            tiled_mma, landed = self._serial_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                                   read, release, landed, regs, True)  # fmt: skip
+        for kt in range(n_k):
+            common.wait_full(ab_pipe, read)
+            if cutlass.const_expr(early):
+                _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
+            tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
+            warpgroup.wait_group(0)
+            if cutlass.const_expr(early):
+                if kt + 1 < n_k:
+                    ab_pipe.consumer_release(release)
+                    release.advance()
+                _promote(acc, frag, row_scale, col_scale)
+            else:
+                _promote_from(acc, frag, coords, sSFA, sSFB, read.index, self.b_tiled)
+                if kt + 1 < n_k:
+                    ab_pipe.consumer_release(release)
+                    release.advance()
             read.advance()
-            release.advance()
-        tiled_mma, landed = self._serial_ktile(ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks,
-                                               read, release, landed, regs, False)  # fmt: skip
-        read.advance()
         return read, release
-
-    @cute.jit
-    def _serial_ktile(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, read, release, landed,
-                      regs, release_it: cutlass.Constexpr):  # fmt: skip
-        """One k-tile of `_mainloop_serial`: waits for stage `read` (polled as `landed`), runs
-        its batch into the fragment and promotes it; with `release_it` (every k-tile but a
-        tile's last) it polls the next stage once the batch has retired and releases stage
-        `release` (the same stage: `read` and `release` advance together) as soon as nothing
-        more reads it. Returns (`tiled_mma`, the poll of the next stage, or `landed` without
-        `release_it`); the caller advances the states.
-
-        Up to 128 columns the k-block's scales are read into registers before the batch (their
-        latency hides under it) and the stage is released before the promotion; wider tiles
-        would spill them beside the two fragments, so they are read during the promotion, from
-        the stage, released after it."""
-        frag, row_scale, col_scale, coords, sSFA, sSFB = regs
-        early = row_scale is not None
-        ab_pipe.consumer_wait(read, landed)
-        nxt = None
-        if cutlass.const_expr(release_it):
-            nxt = read.clone()  # the stage the caller's advance of `read` names next
-            nxt.advance()
-        if cutlass.const_expr(early):
-            _read_scales(row_scale, col_scale, coords, sSFA, sSFB, read.index, self.b_tiled)
-        tiled_mma = self._batch(tiled_mma, tCrA, tCrB, frag, k_blocks, read)
-        warpgroup.wait_group(0)
-        if cutlass.const_expr(release_it):
-            landed = ab_pipe.consumer_try_wait(nxt)
-        if cutlass.const_expr(early):
-            if cutlass.const_expr(release_it):
-                ab_pipe.consumer_release(release)
-            _promote(acc, frag, row_scale, col_scale)
-        else:
-            _promote_from(acc, frag, coords, sSFA, sSFB, read.index, self.b_tiled)
-            if cutlass.const_expr(release_it):
-                ab_pipe.consumer_release(release)
-        return tiled_mma, landed
 
     @cute.jit
     def _mainloop_waves(self, ab_pipe, tiled_mma, tCrA, tCrB, acc, k_blocks, n_k, read, release,
