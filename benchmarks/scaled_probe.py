@@ -168,12 +168,17 @@ def main():
         "--pairs",
         default="",
         help="comma-separated a/b variant pairs: the TF/s ratio of a to b in each round (both "
-        "timed in it), summarized as median and range",
+        "timed in it), summarized as median, quartiles and range",
     )
     args = ap.parse_args()
     m, n, k = (int(v) for v in args.shape.split("x"))
-    a, b = bench_scaled.operands(0, m, n, k)
     specs = args.variants.split(",")
+    pairs = [pair.split("/") for pair in filter(None, args.pairs.split(","))]
+    for pair in pairs:
+        # Checked before anything is compiled or timed, so a typo costs no device time.
+        if len(pair) != 2 or not set(pair) <= set(specs):
+            ap.error(f"--pairs {'/'.join(pair)!r}: want a/b with a and b among --variants {specs}")
+    a, b = bench_scaled.operands(0, m, n, k)
     plans = [variant_plan(s, m, n, k) for s in specs]
     fns = [jax.jit(product(s, p)) for s, p in zip(specs, plans, strict=True)]
     contexts = [sms_context(s, p) for s, p in zip(specs, plans, strict=True)]
@@ -250,10 +255,10 @@ def main():
         if not good:
             print(f"{s}: WRONG result, not timed")
     by_spec = {s: t for (s, _, _), t in zip(timed, timings, strict=True)}
-    for pair in filter(None, args.pairs.split(",")):
-        num, den = pair.split("/")
+    for num, den in pairs:
+        pair = f"{num}/{den}"
         if num not in by_spec or den not in by_spec:
-            print(f"{pair}: not both timed")
+            print(f"{pair}: not both timed (a wrong result is not timed)")
             continue
         ratios = per_round(by_spec[den]) / per_round(by_spec[num])
         q1, med, q3 = np.percentile(ratios, [25, 50, 75])
