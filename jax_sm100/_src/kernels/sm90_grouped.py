@@ -46,12 +46,6 @@ from jax_sm100._src.kernels.spec import KernelSpec
 # Rows of one wgmma: a cooperative tile's warp groups take them in turn along M.
 _WGMMA_M = 64
 
-import os as _os  # noqa: E402  (experiment: L2 prefetch of B ahead of the stage ring)
-
-_PF = _os.environ.get("JAX_SM100_GROUPED_L2_PREFETCH", "0")
-_PF_AHEAD = int(_PF.split(":")[0])
-_PF_SMALL = _PF.endswith(":small")
-
 
 class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     """A persistent grouped wgmma GEMM for one (GemmPlan with `groups`, KernelSpec).
@@ -221,23 +215,12 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 tma_b, rank, cute.make_layout(self.pair), sBg, cute.group_modes(gB, 0, 2)
             )
             n_k = self._k_tiles(sched, rows, zeros)
-            ahead = cutlass.Int32(0)
-            if cutlass.const_expr(_PF_AHEAD > 0 and self.ragged == "m"):
-                ahead = cutlass.Int32(_PF_AHEAD)
-                if cutlass.const_expr(_PF_SMALL):
-                    if rows - m_tile * tm >= _WGMMA_M:
-                        ahead = cutlass.Int32(0)
-                for kt in range(cutlass.min(ahead, n_k)):
-                    cute.prefetch(tma_b, tBgB[(None, kt)])
             for kt in range(n_k):
                 common.acquire_empty(ab_pipe, state)
                 barrier = ab_pipe.producer_get_barrier(state)
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                 cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
                           mcast_mask=b_mask)  # fmt: skip
-                if cutlass.const_expr(_PF_AHEAD > 0 and self.ragged == "m"):
-                    if ahead > 0 and kt + ahead < n_k:
-                        cute.prefetch(tma_b, tBgB[(None, kt + ahead)])
                 ab_pipe.producer_commit(state)
                 state.advance()
             w, published = self._produce_next(work, published, w, stride)
