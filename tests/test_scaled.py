@@ -238,6 +238,100 @@ class ScaledMatmulTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "multiple of the mxfp8 block"):
             jax_sm100.quantize(jnp.ones((4, 48), jnp.float32), "mxfp8")
 
+    def test_output_dtype_is_canonicalized(self):
+        lhs, ls = jax_sm100.quantize(_normal(10, (1, 8, 128)), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_normal(11, (1, 4, 128)), "fp8_block128")
+        with jax.enable_x64(False):  # float64 means float32, as everywhere in JAX
+            out = jax.jit(jax_sm100.scaled_matmul, static_argnums=4)(lhs, rhs, ls, rs,
+                                                                      jnp.float64)  # fmt: skip
+            self.assertEqual(out.dtype, jnp.float32)
+        for bad, message in ((None, "preferred_element_type=None"), (jnp.int32, "not a floating")):
+            with self.assertRaisesRegex(TypeError, message):
+                jax_sm100.scaled_matmul(lhs, rhs, ls, rs, bad)
+
+    def test_low_precision_gradients_saturate(self):
+        # d out / d lhs of fp8 (and fp4) data is rounded to the data's format: past its largest
+        # finite magnitude it saturates there (a plain cast would give NaN: e4m3fn has no inf).
+        for recipe in ("fp8_block128", "nvfp4"):
+            lhs, ls = jax_sm100.quantize(_normal(12, (1, 16, 256)), recipe)
+            rhs, rs = jax_sm100.quantize(_normal(13, (1, 8, 256)), recipe)
+            ct = 1e6 * _normal(14, (1, 16, 8))
+            f = lambda x, ct=ct, rhs=rhs, ls=ls, rs=rs: (  # noqa: E731
+                jax_sm100.scaled_matmul(x, rhs, ls, rs) * ct
+            ).sum()
+            got = jax.jit(jax.grad(f))(lhs)
+            self.assertEqual(got.dtype, lhs.dtype)
+            got = np.asarray(got, np.float32)
+            self.assertFalse(np.isnan(got).any())
+            want = np.asarray(jax.grad(f)(lhs.astype(jnp.float32)))
+            top = float(jnp.finfo(lhs.dtype).max)
+            self.assertGreater(np.abs(want).max(), top)  # the case exercised: past the range
+            np.testing.assert_array_equal(
+                got, np.asarray(jnp.asarray(np.clip(want, -top, top)).astype(lhs.dtype),
+                                np.float32))  # fmt: skip
+
+    def test_no_derivative_with_respect_to_e8m0_scales(self):
+        lhs, ls = jax_sm100.quantize(_normal(15, (1, 8, 64)), "mxfp8")
+        rhs, rs = jax_sm100.quantize(_normal(16, (1, 4, 64)), "mxfp8")
+        with self.assertRaisesRegex(TypeError, "stop_gradient"):
+            jax.grad(lambda s: jax_sm100.scaled_matmul(lhs, rhs, s, rs).sum())(ls)
+        stopped = jax.grad(
+            lambda x: jax_sm100.scaled_matmul(x, rhs, jax.lax.stop_gradient(ls), rs).sum()
+        )(lhs)  # fmt: skip
+        self.assertEqual(stopped.dtype, lhs.dtype)
+
+    @parameterized.parameters("fp8_block128", "fp8_block128x128", "mxfp8")
+    def test_e5m2_recipes(self, recipe):
+        lhs, ls = jax_sm100.quantize(_normal(17, (2, 40, 256)), recipe, data_dtype=jnp.float8_e5m2)
+        rhs, rs = jax_sm100.quantize(_normal(18, (2, 24, 256)), recipe, data_dtype="float8_e5m2")
+        self.assertEqual((lhs.dtype, rhs.dtype), (jnp.float8_e5m2, jnp.float8_e5m2))
+        out = jax_sm100.scaled_matmul(lhs, rhs, ls, rs)
+        tu.assert_close(self, out, _reference64(lhs, rhs, ls, rs), "float32", 256)
+        back = np.asarray(scaled._dequantized(rhs, rs))
+        x = np.asarray(_normal(18, (2, 24, 256)))
+        # e5m2 has 2 mantissa bits: half a unit in the last place at the top binade is 2^-3,
+        # twice that for mxfp8's power-of-two scales.
+        tol = 2**-2 if recipe == "mxfp8" else 2**-3
+        self.assertLessEqual(np.abs(back - x).max(), tol * np.abs(x).max())
+        with self.assertRaisesRegex(TypeError, "not int8"):
+            jax_sm100.quantize(x, recipe, data_dtype=jnp.int8)
+
+    @parameterized.parameters(1.0, 1e5, 1e-5)
+    def test_nvfp4_global_scale(self, magnitude):
+        # Blocks past 6 x 448 (or under 6 x 2^-9) do not fit nvfp4's e4m3 scales alone; with a
+        # per-tensor float32 scale the product is as accurate at every magnitude.
+        a, b = _normal(19, (1, 32, 128)) * magnitude, _normal(20, (1, 16, 128)) * magnitude
+        lhs, ls, ga = jax_sm100.quantize(a, "nvfp4", global_scale=True)
+        rhs, rs, gb = jax_sm100.quantize(b, "nvfp4", global_scale=True)
+        self.assertEqual((ga.shape, ga.dtype), ((), jnp.float32))
+        out = np.asarray(jax_sm100.scaled_matmul(lhs, rhs, ls, rs) * (ga * gb), np.float64)
+        exact = np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64).transpose(0, 2, 1))
+        # e2m1's 1 mantissa bit: a relative error of the product's scale near 2^-2 (the
+        # unit-magnitude case reads ~0.15).
+        self.assertLess(np.abs(out - exact).max(), 0.25 * np.abs(exact).max())
+        with self.assertRaisesRegex(ValueError, "global_scale is for nvfp4"):
+            jax_sm100.quantize(a, "mxfp8", global_scale=True)
+
+    def test_plan_of_a_scaled_problem(self):
+        f8 = jnp.float8_e4m3fn
+        common = dict(m=1024, n=1024, a_dtype=f8, b_dtype=f8)
+        # B defaults to K-major, as scaled_matmul's rhs [n, k] is.
+        p = jax_sm100.plan(k=1024, scale_dtype=jnp.float32, scale_block=128, arch="sm_90a",
+                           **common)  # fmt: skip
+        self.assertEqual((p.b_major, p.kernel), ("k", "sm90_wgmma_scaled"))
+        for arch, dtype, block in (("sm_90a", jnp.float32, 128),
+                                   ("sm_100a", jnp.float8_e8m0fnu, 32)):  # fmt: skip
+            with self.assertRaisesRegex(jax_sm100.PlanError, "dividing k=1000"):
+                jax_sm100.plan(k=1000, scale_dtype=dtype, scale_block=block, arch=arch, **common)
+        with self.assertRaisesRegex(jax_sm100.PlanError, "without a scale_dtype"):
+            jax_sm100.plan(k=1024, scale_block=32, arch="sm_90a", **common)
+        # nvfp4 on sm_90a: no kernel takes fp4 data there; the plan says XLA and why.
+        p = jax_sm100.plan(1024, 1024, 1024, a_dtype=jnp.float4_e2m1fn,
+                           b_dtype=jnp.float4_e2m1fn, scale_dtype=jnp.float8_e4m3fn,
+                           scale_block=16, arch="sm_90a")  # fmt: skip
+        self.assertEqual(p.kernel, "xla_dot")
+        self.assertIn("float4_e2m1fn", p.reason)
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -13,14 +13,15 @@ which means the same as those scales repeated per row:
 
 accumulated in float32 and rounded once to `preferred_element_type`. On an sm_90a device (or
 target) fp8 data with float32 scales per 128 of k runs on the block-scaled wgmma kernel
-(scaled_gpu.py, kernels/sm90_scaled.py); everything else, every other platform included,
-computes that math in XLA ops (`reference`; tcgen05 block-scaled MMAs on SM100 are issue 19's
-open work). Each CUDA lowering records which it took in `jax_sm100.lowerings()`.
+(scaled_gpu.py, kernels/sm90_scaled.py); on sm_100a mxfp8 and nvfp4 run on the block-scaled
+tcgen05 kernel (kernels/sm100_blockscaled.py); everything else, every other platform included,
+computes that math in XLA ops (`reference`). Each CUDA lowering records which it took in
+`jax_sm100.lowerings()`.
 `jax.nn.scaled_matmul` itself has no CPU lowering in JAX 0.10.
 
 `quantize(x, recipe)` makes data and scales in exactly the layouts `scaled_matmul` reads, for
-four recipes (`RECIPES`): float8_e4m3fn with float32 scales per 128 along k (DeepSeek-V3's
-activations) or per 128 x 128 tile (its weights),
+four recipes (`RECIPES`): float8_e4m3fn (or, with `data_dtype`, float8_e5m2) with float32
+scales per 128 along k (DeepSeek-V3's activations) or per 128 x 128 tile (its weights),
 mxfp8 (float8_e4m3fn data, float8_e8m0fnu power-of-two scales per 32) and nvfp4 (float4_e2m1fn
 data, float8_e4m3fn scales per 16). mxfp8's and nvfp4's scales come in the "blocked" layout
 the SM100 block-scaled MMA reads (scale_layout.py: [B, ceil(rows / 128), ceil(k / block / 4),
@@ -60,6 +61,8 @@ class Recipe:
     row_block: int = 1  # rows one scale covers (plain layout)
 
 
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+
 RECIPES = {
     "fp8_block128": Recipe("float8_e4m3fn", "float32", 128),
     # DeepSeek-V3's weights: one scale per 128 x 128 tile (rows x k), [..., ceil(rows / 128),
@@ -80,12 +83,17 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
     "fp8_block128x128")` makes them; or be in the blocked layout `quantize` makes for mxfp8 and
     nvfp4: scale_layout.py).
 
-    Differentiable with respect to every operand (the backward runs in XLA ops), and under
-    `vmap`.
+    Differentiable (the backward runs in XLA ops), and under `vmap`. A gradient takes its
+    operand's dtype, as JAX's gradients do: for fp8 and fp4 data and float8_e4m3fn scales it is
+    computed in float32 and rounded saturating (to the format's largest finite magnitude, not to
+    NaN). float8_e8m0fnu scales hold no sign, so no derivative with respect to them exists:
+    differentiating with respect to them raises (`jax.lax.stop_gradient` them).
 
     Raises:
       ValueError: shapes that do not match, or a k that the scales' blocks do not divide.
-      TypeError: a data or scale dtype outside `DATA_DTYPES` / `SCALE_DTYPES`.
+      TypeError: a data or scale dtype outside `DATA_DTYPES` / `SCALE_DTYPES`; a
+        `preferred_element_type` that is None or not floating; a derivative with respect to
+        float8_e8m0fnu scales.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     lhs_scales, rhs_scales = jnp.asarray(lhs_scales), jnp.asarray(rhs_scales)
@@ -99,15 +107,43 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
                 f"{allowed} (jax_sm100.quantize makes data and scales for the usual recipes)"
             )
     _check_shapes(lhs, rhs, lhs_scales, rhs_scales)
-    out_dtype = np.dtype(preferred_element_type)
+    out_dtype = _out_dtype(preferred_element_type)
     return scaled_matmul_p.bind(lhs, rhs, lhs_scales, rhs_scales, out_dtype=out_dtype)
 
 
-def quantize(x, recipe: str, *, axis: int = -1):
+def _out_dtype(preferred_element_type) -> np.dtype:
+    """`preferred_element_type` as the dtype the product is rounded to: canonicalized as JAX
+    does (float64 is float32 unless x64 is on), and floating."""
+    if preferred_element_type is None:
+        raise TypeError(
+            "jax_sm100.scaled_matmul: preferred_element_type=None; name the output dtype, e.g. "
+            "jnp.float32 (the default) or jnp.bfloat16, as jax.nn.scaled_matmul needs one too"
+        )
+    out = np.dtype(jax.dtypes.canonicalize_dtype(preferred_element_type))
+    if not jnp.issubdtype(out, jnp.floating):
+        raise TypeError(
+            f"jax_sm100.scaled_matmul: preferred_element_type={out.name} is not a floating "
+            "dtype; use jnp.float32, jnp.bfloat16 or jnp.float16"
+        )
+    return out
+
+
+def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: bool = False):
     """(data, scales) of `x` for `recipe` (one of `RECIPES`), blocks taken along `axis` (the
     contracting dim: the last, as `scaled_matmul` reads it), so that `data * repeat(scales)`
     approximates x. Each block's scale maps its largest magnitude onto the data format's largest
     finite value (mxfp8: the power of two at or above that, as e8m0 holds only powers of two).
+
+    `data_dtype` picks the fp8 format of the fp8 recipes (fp8_block128, fp8_block128x128,
+    mxfp8): float8_e4m3fn (the default) or float8_e5m2 (wider range, for gradients); nvfp4's
+    data is float4_e2m1fn only.
+
+    nvfp4's float8_e4m3fn scales hold magnitudes from 2^-9 to 448, so blocks whose largest
+    magnitude lies outside 6 x that range do not fit them (past it, NaN; under it, zeros). With
+    `global_scale=True` (nvfp4 only) x is first divided by one float32 scale for the whole array,
+    its largest magnitude over 6 x 448, and the call returns (data, scales, global_scale): the
+    product of two such operands is `scaled_matmul(a, b, sa, sb) * (ga * gb)` (NVIDIA's nvfp4
+    recipe's per-tensor scale).
 
     The data keeps x's shape. fp8_block128's scales are x's shape with the axis divided by the
     block; fp8_block128x128's (for weights, x [..., rows, k]) also have the rows divided by 128,
@@ -117,13 +153,31 @@ def quantize(x, recipe: str, *, axis: int = -1):
     the padding 1.0.
 
     Raises:
-      ValueError: an unknown recipe, an axis whose length the block does not divide, or a 1-D x
-        for a blocked or 128 x 128 recipe.
+      ValueError: an unknown recipe, an axis whose length the block does not divide, a 1-D x
+        for a blocked or 128 x 128 recipe, or `global_scale` for a recipe other than nvfp4.
+      TypeError: a `data_dtype` the recipe does not take.
     """
     if recipe not in RECIPES:
         raise ValueError(f"jax_sm100.quantize: {recipe=} is not one of {tuple(RECIPES)}")
     r = RECIPES[recipe]
+    if data_dtype is not None:
+        name = np.dtype(data_dtype).name
+        allowed = _FP8 if r.data_dtype in _FP8 else (r.data_dtype,)
+        if name not in allowed:
+            raise TypeError(f"jax_sm100.quantize: {recipe} data is one of {allowed}, not {name}")
+        r = dataclasses.replace(r, data_dtype=name)
+    if global_scale and r.scale_dtype != "float8_e4m3fn":
+        raise ValueError(
+            f"jax_sm100.quantize: global_scale is for nvfp4, whose float8_e4m3fn scales span "
+            f"2^-9 to 448; {recipe}'s {r.scale_dtype} scales cover x's range without one"
+        )
     x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, -1)
+    g = None
+    if global_scale:
+        amax_all = jnp.max(jnp.abs(x))
+        top_all = float(jnp.finfo(r.data_dtype).max) * float(jnp.finfo(r.scale_dtype).max)
+        g = jnp.where(amax_all > 0, amax_all / top_all, 1.0).astype(jnp.float32)
+        x = x / g
     if r.layout == "blocked" and x.ndim < 2:
         raise ValueError(f"jax_sm100.quantize: {recipe} scales rows of a matrix; x is 1-D")
     if x.shape[-1] % r.block:
@@ -151,10 +205,12 @@ def quantize(x, recipe: str, *, axis: int = -1):
     scale = scale.astype(r.scale_dtype)
     data = (blocks / scale.astype(jnp.float32)[..., None]).reshape(x.shape).astype(r.data_dtype)
     if r.layout == "blocked":
-        return jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale)
-    if r.row_block > 1:
-        scale = scale[..., :: r.row_block, :]  # one per tile
-    return jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis)
+        out = (jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale))
+    else:
+        if r.row_block > 1:
+            scale = scale[..., :: r.row_block, :]  # one per tile
+        out = (jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis))
+    return out if g is None else (*out, g)
 
 
 # --- shapes and math ----------------------------------------------------------------------------
@@ -236,14 +292,48 @@ batching.primitive_batchers[scaled_matmul_p] = _batch
 # --- differentiation: linear in each operand; tangents through the documented math --------------
 
 
+# Formats whose gradients are rounded saturating: a float32 cotangent past the format's largest
+# finite magnitude would otherwise round to NaN (float8_e4m3fn has no infinity).
+_SATURATED = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+_OPERANDS = ("lhs", "rhs", "lhs_scales", "rhs_scales")
+
+
+def _widen_impl(t, *, dtype):
+    return t.astype(jnp.float32)
+
+
+def _narrow(ct, dtype):
+    """A float32 cotangent rounded to `dtype`, saturating for the formats in `_SATURATED`."""
+    if np.dtype(dtype).name in _SATURATED:
+        top = float(jnp.finfo(dtype).max)
+        ct = jnp.clip(ct, -top, top)
+    return ct.astype(dtype)
+
+
+# A tangent's conversion to float32 whose transpose rounds the cotangent back saturating (the
+# transpose of `astype` would round past-range values of fp8 data to NaN).
+_widen_p = jex_core.Primitive("jax_sm100_scaled_widen")
+_widen_p.def_impl(_widen_impl)
+_widen_p.def_abstract_eval(lambda t, *, dtype: jax.core.ShapedArray(t.shape, np.dtype(np.float32)))
+mlir.register_lowering(_widen_p, mlir.lower_fun(_widen_impl, multiple_results=False))
+ad.deflinear2(_widen_p, lambda ct, t, *, dtype: [_narrow(ct, dtype)])
+batching.defvectorized(_widen_p)
+
+
 def _jvp(primals, tangents, *, out_dtype):
     out = scaled_matmul_p.bind(*primals, out_dtype=out_dtype)
     terms = []
     for i, t in enumerate(tangents):
         if type(t) is ad.Zero:
             continue
+        if np.dtype(primals[i].dtype).name == "float8_e8m0fnu":
+            raise TypeError(
+                f"jax_sm100.scaled_matmul: a derivative with respect to {_OPERANDS[i]} "
+                "(float8_e8m0fnu, unsigned powers of two) has no representation; wrap them in "
+                "jax.lax.stop_gradient, or differentiate with respect to float32 scales"
+            )
         args = list(primals)
-        args[i] = t
+        args[i] = _widen_p.bind(t, dtype=np.dtype(t.dtype))
         # The tangent is linear in `t` through XLA ops, which JAX transposes itself.
         terms.append(reference(*args, out_dtype=np.dtype(np.float32)))
     if not terms:

@@ -2,17 +2,19 @@
 
     cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype) -> out
 
-lhs [B, m, k] and rhs [B, n, k] are K-major as the fp8 wgmma needs them, so they go to the
-kernel as they are: a (m, k, B), b (n, k, B), d (m, n, B). The scales go transposed,
+On sm_90a: lhs [B, m, k] and rhs [B, n, k] are K-major as the fp8 wgmma needs them, so they
+go to the kernel as they are: a (m, k, B), b (n, k, B), d (m, n, B). The scales go transposed,
 [B, k / 128, rows] with each leading dimension padded to 16 bytes (TMA loads a k-block's scales
 of a tile's rows as one box, which needs the rows contiguous; an XLA transpose of m k / 32 bytes,
 against the product's m n k); rhs scales per 128 x 128 tile as tiles, [B, k / 128,
 ceil(n / 128)]. The plan is `dispatch.plan_call`'s for the problem with its
 `scale_dtype` and `scale_block` (planning/sm90_scaled.py); one `jax_sm100_gemm` custom call
-runs it, through the FFI handler and checks the matmul lowering uses (gpu_lowering.py).
+runs it, through the FFI handler and checks the matmul lowering uses (gpu_lowering.py). On
+sm_100a, mxfp8 and nvfp4 go to the block-scaled tcgen05 kernel (`_call_sm100`), their scales in
+the blocked layout that kernel reads.
 
-Where no kernel takes the call (no sm_90a device or target, non-fp8 data, scales other than
-float32 per 128, different blocks for lhs and rhs, misaligned n, dtypes the kernels do not
+Where no kernel takes the call (no sm_90a or sm_100a device or target, a recipe the arch's
+kernel does not take, different blocks for lhs and rhs, misaligned n, dtypes the kernels do not
 write), the documented math runs in XLA ops (`scaled.reference`), and the reason is recorded
 (`jax_sm100.last_lowering()`).
 """

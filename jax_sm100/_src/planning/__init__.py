@@ -141,7 +141,7 @@ def plan(
     batch: int = 1,
     arch: str = "sm_100a",
     a_major: str = "k",
-    b_major: str = "n",
+    b_major: str | None = None,
     force_kernel: bool = False,
     preact_out: bool = False,
     num_sms: int | None = None,
@@ -161,7 +161,8 @@ def plan(
       batch: number of GEMMs in the batch (L) mode.
       arch: "sm_100a" (tcgen05 kernels) or "sm_90a" (wgmma kernels).
       a_major, b_major: which dim of A ("k" for a row-major [m, k]) and B ("n" for a row-major
-        [k, n]) is contiguous in memory.
+        [k, n]) is contiguous in memory; B defaults to "n", or for a block-scaled problem to
+        "k" (`scaled_matmul`'s rhs is [n, k]).
       force_kernel: plan the arch's kernel even for a problem small enough that XLA's dot is
         measured faster (sm_90a below `SM90_MIN_FLOPS`); for tests and benchmarks. Problems a
         kernel cannot take at all still go to XLA's dot. `JAX_SM100_SMALL_PROBLEMS=kernel` in
@@ -174,6 +175,10 @@ def plan(
       scale_dtype, scale_block: a block-scaled problem (`scaled_matmul`): A's and B's rows
         scaled per `scale_block` elements of k by factors of `scale_dtype` (sm_90a runs float32
         per 128 on its block-scaled kernel, `planning/sm90_scaled.py`); None and 0 otherwise.
+        The block must divide k, as `scaled_matmul` requires; data dtypes no kernel of the arch
+        takes (nvfp4's float4_e2m1fn on sm_90a) plan XLA's ops, the reason saying why. The
+        output defaults to bfloat16 (`scaled_matmul`'s own default is float32: pass
+        `out_dtype` to plan what a call runs).
         sm_100a runs mxfp8 (float8_e8m0fnu per 32) and nvfp4 (float4_e2m1fn data,
         float8_e4m3fn per 16) on its block-scaled tcgen05 kernel (`planning/sm100_blockscaled.py`).
       b_scale_rows: with scales, the rows of B one B scale covers: 1 (each row, as
@@ -188,27 +193,27 @@ def plan(
       A frozen `GemmPlan`; `str(plan)` prints it as a table.
 
     Raises:
-      PlanError: for an unknown arch or non-positive sizes.
+      PlanError: for an unknown arch or non-positive sizes; for a block-scaled problem, a
+        block that does not divide k or a block without a scale dtype.
       TypeError: for dtypes the primitive does not take.
     """
     if b_scale_rows not in C.B_SCALE_ROWS:
         raise C.PlanError(f"{b_scale_rows=} must be one of {C.B_SCALE_ROWS}")
-    if (scale_dtype is not None or scale_block) and arch == "sm_100a":
-        # B's scales per 128 x 128 tile reach the sm_100a kernel repeated per row (its
-        # lowering packs them so): the plan is the per-row one.
-        return sm100_blockscaled.plan_sm100_scaled(
-            m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
-            batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out,
-            scale_dtype=scale_dtype, scale_block=scale_block, num_sms=num_sms,
-        )  # fmt: skip
     if scale_dtype is not None or scale_block:
-        p = make_problem(m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
-                         c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
-                         preact_out=preact_out)  # fmt: skip
-        return sm90_scaled.plan_scaled(p, scale_dtype, scale_block, arch, num_sms=num_sms,
-                                       b_scale_rows=b_scale_rows)  # fmt: skip
+        # One check of the problem for every arch; B defaults to K-major ([n, k]), as
+        # `scaled_matmul` takes it.
+        p = sm100_blockscaled.scaled_problem(
+            m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+            batch=batch, a_major=a_major, b_major=b_major or "k", preact_out=preact_out,
+            scale_dtype=scale_dtype, scale_block=scale_block, num_sms=num_sms,
+            b_scale_rows=b_scale_rows,
+        )  # fmt: skip
+        if arch == "sm_100a":
+            return sm100_blockscaled.plan_sm100_scaled(p, num_sms=num_sms)
+        return sm90_scaled.plan_scaled(p, arch, num_sms=num_sms)
     if b_scale_rows != 1:
         raise C.PlanError(f"{b_scale_rows=} needs a block-scaled problem (scale_dtype)")
+    b_major = b_major or "n"
     p = make_problem(
         m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
         batch=batch, a_major=a_major, b_major=b_major, preact_out=preact_out, groups=groups,

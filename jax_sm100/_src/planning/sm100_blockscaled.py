@@ -43,22 +43,26 @@ _SMEM_ALIGN = 1024
 _MAX_AB_STAGES = 16
 
 
-def plan_sm100_scaled(
+def scaled_problem(
     m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
-    b_major="k", preact_out=False, scale_dtype, scale_block, num_sms=None,
-) -> GemmPlan:  # fmt: skip
-    """`planning.plan` of a block-scaled problem for sm_100a: `batch` products of `[m, k]` and
-    `[n, k]` each scaled per `scale_block` of k by `scale_dtype` factors. The output defaults to
-    bfloat16. Both operands are K-major, as `scaled_matmul` takes them (its rhs is [n, k]):
-    `b_major` is not read, and `a_major="m"` raises.
+    b_major="k", preact_out=False, scale_dtype, scale_block, num_sms=None, b_scale_rows=1,
+) -> GemmProblem:  # fmt: skip
+    """The `GemmProblem` of a block-scaled product (`planning.plan`'s scale arguments), checked
+    the same way for every arch: `batch` products of `[m, k]` and `[n, k]` (`b_major` "k", as
+    `scaled_matmul` takes its rhs; "n" is planned, on XLA), each row scaled per `scale_block`
+    of k by `scale_dtype` factors. The output defaults to bfloat16.
 
     Raises:
-      PlanError: non-positive sizes or `num_sms`, a block that does not divide k, or C or the
-        pre-activation asked for (a block-scaled product has no fused epilogue).
+      PlanError: non-positive sizes or `num_sms`, no scale dtype, a block that does not divide
+        k, an M-major A, or C or the pre-activation asked for (a block-scaled product has no
+        fused epilogue).
       TypeError: a dtype no block-scaled problem takes.
     """
     from jax_sm100._src import dtypes as D  # noqa: PLC0415
 
+    if scale_dtype is None:
+        raise C.PlanError(f"{scale_block=} without a scale_dtype: a block-scaled problem names "
+                          f"both (one of {tuple(C.SCALE_DTYPE_BITS)})")  # fmt: skip
     names = {}
     for what, v, known in (("a_dtype", a_dtype, C.OPERAND_BITS),
                            ("b_dtype", b_dtype, C.OPERAND_BITS),
@@ -70,20 +74,29 @@ def plan_sm100_scaled(
     for what, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise C.PlanError(f"{what}={v!r} must be a positive int")
-    if not isinstance(scale_block, (int, np.integer)) or scale_block < 1 or k % scale_block:
+    if (not isinstance(scale_block, (int, np.integer)) or isinstance(scale_block, bool)
+            or scale_block < 1 or k % scale_block):  # fmt: skip
         raise C.PlanError(f"{scale_block=} must be a positive int dividing {k=}")
-    if a_major != "k":
-        raise C.PlanError(f"{a_major=}: a block-scaled A is [m, k], K-major")
+    if a_major != "k" or b_major not in ("k", "n"):
+        raise C.PlanError(f"{a_major=}, {b_major=}: a block-scaled A is [m, k], K-major, and "
+                          "B [n, k] (b_major='k') or [k, n] ('n')")  # fmt: skip
     if c_dtype is not None or preact_out:
         raise C.PlanError("a block-scaled problem is a plain product: no C and no preact_out")
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
-    problem = GemmProblem(
+    return GemmProblem(
         m=int(m), n=int(n), k=int(k), a_dtype=names["a_dtype"], b_dtype=names["b_dtype"],
         out_dtype="bfloat16" if out_dtype is None else D.name(out_dtype), batch=int(batch),
-        a_major="k", b_major="k", scale_dtype=names["scale_dtype"],
-        scale_block=int(scale_block),
+        a_major="k", b_major=b_major, scale_dtype=names["scale_dtype"],
+        scale_block=int(scale_block), b_scale_rows=int(b_scale_rows),
     )  # fmt: skip
+
+
+def plan_sm100_scaled(problem: GemmProblem, num_sms=None) -> GemmPlan:
+    """`planning.plan` of a block-scaled problem (`scaled_problem`) for sm_100a. Both operands
+    are read K-major, as `scaled_matmul` takes them (B's major is not read); B scaled per 128 x
+    128 tile is planned as per-row scales, which its lowering repeats them to."""
+    problem = dataclasses.replace(problem, b_major="k", b_scale_rows=1)
     return _plan(problem, int(num_sms or DEFAULT_NUM_SMS["sm_100a"]))
 
 

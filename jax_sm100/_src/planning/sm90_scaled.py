@@ -85,32 +85,18 @@ SCALED_TILES = ((128, 192, 1.1), (128, 128, 1.0), (128, 64, 0.8))
 WAVE_TILES = ((256, 128, 1.14),)
 
 
-def plan_scaled(problem: GemmProblem, scale_dtype, scale_block: int, arch: str,
-                num_sms: int | None = None, b_scale_rows: int = 1) -> GemmPlan:  # fmt: skip
-    """The plan of `problem` with A's and B's rows scaled per `scale_block` of k by factors of
-    `scale_dtype` (the `scale_*` arguments of `planning.plan`).
+def plan_scaled(problem: GemmProblem, arch: str, num_sms: int | None = None) -> GemmPlan:
+    """The plan of a block-scaled `problem` (`sm100_blockscaled.scaled_problem`, which checked
+    it) for `arch` other than sm_100a: the block-scaled wgmma kernel's where it takes the
+    problem, else XLA's ops, the reason saying why.
 
     Raises:
-      PlanError: an unknown arch or scale format, a non-positive block, a non-positive
-        `num_sms`, or a problem with C or the pre-activation output (scaled products have no
-        fused epilogue).
+      PlanError: an unknown arch, or a scale format no block-scaled problem has.
     """
-    from jax_sm100._src import dtypes as D  # noqa: PLC0415
-
     C.check_arch(arch)
-    scale_name = None if scale_dtype is None else D.name(scale_dtype)
-    if not isinstance(scale_block, int) or isinstance(scale_block, bool):
-        raise C.PlanError(f"scale_block={scale_block!r} must be an int")
-    if problem.c_dtype is not None or problem.preact_out:
-        raise C.PlanError(
-            "a block-scaled problem is a plain product: no C (c_dtype) and no preact_out"
-        )
-    if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
-        raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
-    scaled = dataclasses.replace(problem, scale_dtype=scale_name, scale_block=scale_block,
-                                 b_scale_rows=b_scale_rows)  # fmt: skip
-    C.check_scaled(arch, False, True, scale_name, scale_block, 128, False, 1, False, False)
-    return _plan_scaled(scaled, arch, num_sms or 0, overlap_requested())
+    C.check_scaled(arch, False, True, problem.scale_dtype, problem.scale_block, 128, False, 1,
+                   False, False)  # fmt: skip
+    return _plan_scaled(problem, arch, num_sms or 0, overlap_requested())
 
 
 # The kernel's outputs (bfloat16, float16, float32) all passed tests/test_gpu_scaled.py on the
@@ -255,7 +241,7 @@ def _plan_scaled(problem: GemmProblem, arch: str, num_sms: int,
     ) or C.scaled_support(
         arch, k, problem.a_dtype, problem.b_dtype, problem.scale_dtype, problem.scale_block
     )  # fmt: skip
-    ktile = 1024 // C.DTYPE_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
+    ktile = 1024 // C.OPERAND_BITS[mma_operand_dtype(arch, problem.a_dtype, problem.b_dtype)]
     tm, tn = SCALED_TILES[0][:2]
     if why_not is not None:
         # XLA runs it; the tile fields are placeholders that hold on either arch.
