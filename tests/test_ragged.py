@@ -506,15 +506,100 @@ class RaggedDotTest(parameterized.TestCase):
         ("k", (8, 4), (2, 5, 3), (2,), ValueError, "k and g must agree"),
         ("g", (8, 4), (2, 4, 3), (3,), ValueError, "k and g must agree"),
         ("sizes_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "group_sizes must be integers"),
-        ("operand_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "integer dtype"),
+        ("operand_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "ragged_dot: lhs has boolean"),
     )
     def test_errors_name_the_fix(self, lhs_shape, rhs_shape, sizes_shape, error, message):
-        lhs_dtype = jnp.int32 if "operand" in message or message == "integer dtype" else jnp.float32
+        lhs_dtype = jnp.bool_ if "boolean" in message else jnp.float32
         lhs = jnp.ones(lhs_shape, lhs_dtype)
         rhs = jnp.ones(rhs_shape, jnp.float32)
         sizes = jnp.ones(sizes_shape, jnp.float32 if "integers" in message else jnp.int32)
         with self.assertRaisesRegex(error, message):
             jax_sm100.ragged_dot(lhs, rhs, sizes)
+
+    def test_what_runs_on_lax_ragged_dot(self):
+        # Integer operands, and dot algorithms the kernels do not compute, run on lax.ragged_dot
+        # itself, recorded; the kernels' own algorithms stay on the primitive.
+        rng = np.random.default_rng(21)
+        sizes = jnp.array([5, 0, 6], jnp.int32)
+        li = jnp.asarray(rng.integers(-8, 8, (12, 16)), jnp.int8)
+        ri = jnp.asarray(rng.integers(-8, 8, (3, 16, 4)), jnp.int8)
+        with jax_sm100.lowerings() as seen:
+            got = jax_sm100.ragged_dot(li, ri, sizes, preferred_element_type=jnp.int32)
+        np.testing.assert_array_equal(
+            got, lax.ragged_dot(li, ri, sizes, preferred_element_type=jnp.int32)
+        )  # fmt: skip
+        self.assertIn("int8 x int8 operands", seen[-1].note)
+        with self.assertRaisesRegex(TypeError, "no bias or activation"):
+            jax_sm100.ragged_dot(li, ri, sizes, activation="relu")
+        lhs = jnp.asarray(rng.standard_normal((12, 16)), jnp.float32)
+        rhs = jnp.asarray(rng.standard_normal((3, 16, 4)), jnp.float32)
+        with jax_sm100.lowerings() as seen:
+            got = jax_sm100.ragged_dot(lhs, rhs, sizes,
+                                       precision=lax.DotAlgorithmPreset.F32_F32_F32)  # fmt: skip
+        self.assertIn("precision=F32_F32_F32", seen[-1].note)
+        tu.assert_close(self, got, _reference(lhs, rhs, sizes), "float32", 16)
+        lb, rb = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+        jaxpr = jax.make_jaxpr(
+            lambda a, b: jax_sm100.ragged_dot(a, b, sizes,
+                                              precision=lax.DotAlgorithmPreset.BF16_BF16_F32)
+        )(lb, rb)  # fmt: skip
+        self.assertIn("ragged", str(jaxpr))
+        self.assertNotIn("ragged_dot_general", str(jaxpr))
+
+    def test_group_sizes_clamp_in_their_own_dtype(self):
+        # Sizes past int32 saturate at m instead of wrapping; negative sizes are empty groups
+        # (lax.ragged_dot's own CPU path would overlap the groups there).
+        rng = np.random.default_rng(22)
+        lhs = jnp.asarray(rng.standard_normal((12, 8)), jnp.float32)
+        rhs = jnp.asarray(rng.standard_normal((3, 8, 5)), jnp.float32)
+        want = lax.ragged_dot(lhs, rhs, jnp.array([3, 9, 0], jnp.int32))
+        with jax.enable_x64(True):
+            big = jnp.array([3, 2**32 + 11, 7], jnp.int64)
+            np.testing.assert_array_equal(jax_sm100.ragged_dot(lhs, rhs, big), want)
+        unsigned = jnp.array([3, 2**31 + 5, 1], jnp.uint32)
+        np.testing.assert_array_equal(jax_sm100.ragged_dot(lhs, rhs, unsigned), want)
+        negative = jnp.array([6, -2, 5], jnp.int32)
+        bias = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+        got = jax_sm100.ragged_dot(lhs, rhs, negative, bias=bias)
+        clamped = jnp.array([6, 0, 5], jnp.int32)
+        ref = lax.ragged_dot(lhs, rhs, clamped) + jnp.concatenate(
+            [jnp.repeat(bias[0:1], 6, 0), jnp.repeat(bias[2:3], 5, 0), jnp.zeros((1, 5))]
+        )  # fmt: skip
+        tu.assert_close(self, got, ref, "float32", 8)
+
+    def test_out_sharding_as_lax(self):
+        lhs, rhs = jnp.ones((8, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32)
+        sizes = jnp.array([3, 5], jnp.int32)
+        mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+        with jax.set_mesh(mesh):
+            spec = jax.sharding.PartitionSpec("x", None)
+            out = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s, out_sharding=spec))(
+                lhs, rhs, sizes
+            )  # fmt: skip
+            self.assertEqual(out.sharding.spec, spec)
+        np.testing.assert_array_equal(out, lax.ragged_dot(lhs, rhs, sizes))
+
+    @parameterized.parameters(0, 1, 2)
+    def test_random_gradients_against_lax(self, seed):
+        # Values and both gradients against lax.ragged_dot's own on random sizes: empty groups,
+        # sums below m, boundaries at no particular multiple.
+        rng = np.random.default_rng(100 + seed)
+        g, m, k, n = 5, int(rng.integers(20, 60)), int(rng.integers(3, 40)), int(rng.integers(1, 9))
+        sizes = rng.multinomial(int(rng.integers(0, m + 1)), rng.dirichlet(np.full(g, 0.5)))
+        sizes[rng.integers(0, g)] = 0
+        sizes = jnp.asarray(sizes, jnp.int32)
+        lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        rhs = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
+        ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+        def vjp(f):
+            out, back = jax.vjp(lambda a, b: f(a, b, sizes), lhs, rhs)
+            return (out, *back(ct))
+
+        ours = jax.jit(lambda: vjp(jax_sm100.ragged_dot))()
+        want = vjp(functools.partial(lax.ragged_dot, precision=lax.Precision.HIGHEST))
+        for got, ref in zip(ours, want, strict=True):
+            tu.assert_close(self, got, ref, "float32", max(k, m))
 
 
 _SHARDED = """

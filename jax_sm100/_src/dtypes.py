@@ -18,8 +18,9 @@ def name(dtype) -> str:
         raise TypeError(f"{dtype!r} is not a dtype; use one of {SUPPORTED}") from e
 
 
-def operand_dtype_name(dtype, operand: str) -> str:
-    """Validates an operand dtype, returning its name; TypeError says what is accepted."""
+def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") -> str:
+    """Validates an operand dtype, returning its name; TypeError (naming `caller`) says what is
+    accepted."""
     n = name(dtype)
     if n not in DTYPE_BITS:
         kind = np.dtype(dtype).kind
@@ -27,7 +28,7 @@ def operand_dtype_name(dtype, operand: str) -> str:
             kind, "unsupported"
         )
         raise TypeError(
-            f"jax_sm100.matmul: {operand} has {what} dtype {n}; the kernels take floating "
+            f"{caller}: {operand} has {what} dtype {n}; the kernels take floating "
             f"operands of {SUPPORTED}. Cast it first, e.g. {operand}.astype(jnp.bfloat16)."
         )
     return n

@@ -68,6 +68,7 @@ def ragged_dot(
     precision=None,
     preferred_element_type=None,
     group_offset=None,
+    out_sharding=None,
     *,
     bias=None,
     activation=None,
@@ -80,16 +81,23 @@ def ragged_dot(
     row per group, as experts with biases have), each row of group i gets bias[i] (in float32)
     added to its float32 sum before the activation, in the grouped kernel's epilogue; rows past
     the last group stay zero. Its gradient is the per-group sum of the cotangent's rows.
+    `out_sharding`, as lax.ragged_dot's: the result is resharded to it.
 
     Differences from `lax.ragged_dot`, as for `jax_sm100.matmul`: products accumulate in float32
-    and round once; float32 operands with `Precision.HIGHEST` run on XLA's `ragged_dot` (recorded
-    in `jax_sm100.lowerings()`); `group_offset` raises NotImplementedError (lax.ragged_dot
-    cannot take one either).
+    and round once; two fp8 operands give bfloat16 unless `preferred_element_type` says
+    otherwise (fp8 results lose too much); group sizes are clamped to [0, m] before use (in
+    their own dtype: sizes past int32 do not wrap), negative ones being empty groups, as the
+    kernels read them, so the groups never overlap. These run on lax.ragged_dot itself
+    (recorded in `jax_sm100.lowerings()`): float32 operands with `Precision.HIGHEST`, integer
+    and complex operands, and a `lax.DotAlgorithmPreset` other than the kernels' own (DEFAULT;
+    BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). `group_offset` raises
+    NotImplementedError (lax.ragged_dot cannot take one either).
 
     Raises:
       ValueError: ranks or sizes that do not match (named in the message), a bias not [g, n],
         or an unknown activation.
-      TypeError: non-floating operands or bias, or group sizes that are not integers.
+      TypeError: boolean operands, a bias or activation with integer operands, a non-floating
+        bias, or group sizes that are not integers.
       NotImplementedError: a `group_offset`.
     """
     lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
@@ -98,7 +106,6 @@ def ragged_dot(
             f"jax_sm100.ragged_dot: {activation=} must be one of {ACTIVATIONS} (None: the plain "
             "product)"
         )
-    a_name, b_name = D.operand_dtype_name(lhs.dtype, "lhs"), D.operand_dtype_name(rhs.dtype, "rhs")
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
         raise ValueError(
             f"jax_sm100.ragged_dot: lhs must be [m, k], rhs [g, k, n] and group_sizes [g]; got "
@@ -115,39 +122,102 @@ def ragged_dot(
             f"jax_sm100.ragged_dot: lhs.shape={lhs.shape} has k={k}, rhs.shape={rhs.shape} has "
             f"k={kb} and g={g}, group_sizes.shape={group_sizes.shape}: k and g must agree"
         )
-    if preferred_element_type is None:
-        out_dtype = np.dtype(D.default_out_dtype(a_name, b_name))
-    else:
-        out_dtype = np.dtype(D.operand_dtype_name(preferred_element_type, "preferred_element_type"))
     if group_offset is not None:
         raise NotImplementedError(
             "jax_sm100.ragged_dot: group_offset is not supported (nor does lax.ragged_dot "
             f"take one in JAX {jax.__version__}); for experts held locally, pass rhs and "
             "group_sizes sliced to them and the rows routed to them"
         )
+    sizes = _int32_sizes(group_sizes, lhs.shape[0])
+    numeric = [jnp.issubdtype(x.dtype, jnp.integer) or jnp.issubdtype(x.dtype, jnp.complexfloating)
+               for x in (lhs, rhs)]  # fmt: skip
+    if any(numeric):
+        if bias is not None or activation is not None:
+            raise TypeError(
+                f"jax_sm100.ragged_dot: {lhs.dtype} x {rhs.dtype} operands run on "
+                "lax.ragged_dot, which takes no bias or activation; apply them to its result"
+            )
+        return _on_lax(f"{lhs.dtype} x {rhs.dtype} operands", lhs, rhs, sizes, precision,
+                       preferred_element_type, out_sharding)  # fmt: skip
+    a_name = D.operand_dtype_name(lhs.dtype, "lhs", "jax_sm100.ragged_dot")
+    b_name = D.operand_dtype_name(rhs.dtype, "rhs", "jax_sm100.ragged_dot")
+    if preferred_element_type is None:
+        out_dtype = np.dtype(D.default_out_dtype(a_name, b_name))
+    else:
+        out_dtype = np.dtype(D.operand_dtype_name(preferred_element_type,
+                                                  "preferred_element_type",
+                                                  "jax_sm100.ragged_dot"))  # fmt: skip
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     biases = ()
     if bias is not None:
         biases = (_check_bias(bias, g, rhs.shape[2]).astype(acc),)
-    fallback = None
-    if _highest(precision) and "float32" in (a_name, b_name):
-        fallback = "precision=HIGHEST with float32 operands"
+    fallback = _precision_fallback(precision, a_name, b_name)
     if fallback is not None:
-        dispatch.record(
-            dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({fallback})")
-        )
         if activation is None and bias is None:
-            return lax.ragged_dot(
-                lhs, rhs, group_sizes, precision=precision, preferred_element_type=out_dtype
-            )
-        z = lax.ragged_dot(lhs, rhs, group_sizes, precision=precision, preferred_element_type=acc)
+            return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
+        z = _on_lax(fallback, lhs, rhs, sizes, precision, acc, None)
         if bias is not None:
-            z = z + group_rows(biases[0], group_sizes, lhs.shape[0])
-        return P.apply_activation(z, activation).astype(out_dtype)
-    return ragged_dot_p.bind(
-        lhs, rhs, group_sizes.astype(jnp.int32), *biases, transpose_rhs=False,
-        out_dtype=out_dtype, activation=activation,
+            z = z + group_rows(biases[0], sizes, lhs.shape[0])
+        out = P.apply_activation(z, activation).astype(out_dtype)
+        return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+    out = ragged_dot_p.bind(
+        lhs, rhs, sizes, *biases, transpose_rhs=False, out_dtype=out_dtype,
+        activation=activation,
     )  # fmt: skip
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+
+
+def _int32_sizes(group_sizes, m: int):
+    """The sizes as int32, as the primitive takes them. Sizes of wider or unsigned 32-bit types
+    are clamped to [0, m] first, in their own dtype, so that one past int32 saturates at m
+    rather than wrapping; int32 and narrower pass as they are (an op on them would cost the
+    expert-sharded sizes a gather). Negative sizes are empty groups on every path (the kernels
+    clamp them, `_nonnegative` on XLA's)."""
+    dtype = np.dtype(group_sizes.dtype)
+    if dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4):
+        group_sizes = jnp.clip(group_sizes, 0, m)
+    return group_sizes.astype(jnp.int32)
+
+
+def _nonnegative(gs):
+    """XLA's ragged dot with negative sizes overlaps the groups; the kernels read them as
+    empty groups, and so does this (XLA) path."""
+    return jnp.maximum(gs, 0)
+
+
+def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_sharding):
+    """lax.ragged_dot itself, recorded as the path taken and why."""
+    dispatch.record(dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({why})"))
+    return lax.ragged_dot(lhs, rhs, _nonnegative(sizes), precision=precision,
+                          preferred_element_type=preferred_element_type,
+                          out_sharding=out_sharding)  # fmt: skip
+
+
+# The dot algorithms the grouped kernels compute (float32 accumulation of their operands), by
+# the operand dtypes they name; other presets run on lax.ragged_dot.
+_KERNEL_ALGORITHMS = {
+    "BF16_BF16_F32": ("bfloat16",),
+    "F16_F16_F32": ("float16",),
+    "ANY_F8_ANY_F8_F32": D.FP8_DTYPES,
+}
+
+
+def _precision_fallback(precision, a_name: str, b_name: str) -> str | None:
+    """Why `precision` sends a call of these operand dtypes to lax.ragged_dot, or None."""
+    values = precision if isinstance(precision, (tuple, list)) else (precision,)
+    for p in values:
+        if p is None:
+            continue
+        if isinstance(p, lax.DotAlgorithmPreset):
+            if p == lax.DotAlgorithmPreset.DEFAULT:
+                continue
+            if a_name in _KERNEL_ALGORITHMS.get(p.name, ()) and b_name in _KERNEL_ALGORITHMS[
+                    p.name]:  # fmt: skip
+                continue
+            return f"precision={p.name}, not a dot algorithm of the grouped kernels"
+        if lax.Precision(p) == lax.Precision.HIGHEST and "float32" in (a_name, b_name):
+            return "precision=HIGHEST with float32 operands"
+    return None
 
 
 def _check_bias(bias, g: int, n: int):
@@ -191,13 +261,6 @@ def _row_groups(group_sizes, m: int):
     # at each of its log2(g) steps: about 150 us at 128 groups, as long as the product).
     marks = jnp.zeros((m,), jnp.int32).at[ends].add(1, mode="drop")
     return jnp.cumsum(marks)
-
-
-def _highest(precision) -> bool:
-    if precision is None:
-        return False
-    values = precision if isinstance(precision, (tuple, list)) else (precision,)
-    return any(lax.Precision(p) == lax.Precision.HIGHEST for p in values if p is not None)
 
 
 # --- abstract evaluation --------------------------------------------------------------------------
@@ -261,7 +324,7 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, acti
         zeros = jnp.zeros((*lhs.shape[:-1], n), jnp.float32)
         return P.apply_activation(zeros, activation).astype(out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
-    l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
+    l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _nonnegative(_flat(group_sizes, nb))
     if transpose_rhs:
         r4 = jnp.swapaxes(r4, -1, -2)
     dn = lax.RaggedDotDimensionNumbers(
@@ -285,7 +348,7 @@ def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
         tail = (rhs.shape[-1], lhs.shape[-1]) if transpose_out else (lhs.shape[-1], rhs.shape[-1])
         return jnp.zeros((*lhs.shape[:-2], 0, *tail), out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
-    l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _flat(group_sizes, nb)
+    l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _nonnegative(_flat(group_sizes, nb))
     dn = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (1,)), ((0,), (0,))),
         lhs_ragged_dimensions=[1],

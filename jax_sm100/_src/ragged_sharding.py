@@ -123,7 +123,10 @@ def lowering(prim, name: str, local_fn):
             return local_fn(*operands, **params)
 
         partitioned = _partition_call(prim, name, fn, ctx, params)
-        if partitioned is fn and _typed_over_explicit_axes(ctx):
+        if partitioned is fn and (_typed_over_explicit_axes(ctx) or _explicit_context()):
+            # Nothing partitioned: traced on plain avals outside the mesh (operands typed over
+            # Explicit axes of size 1, or plain ones under a mesh of Explicit axes, would leave
+            # XLA's ragged dot an `out_sharding` to infer, which it cannot).
             ctx, partitioned = _untyped_context(ctx), _untyped(fn)
         return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *operands)
 
@@ -230,6 +233,13 @@ def explicit_type(x):
 
 def _typed_over_explicit_axes(ctx) -> bool:
     return any(_explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out))
+
+
+def _explicit_context() -> bool:
+    """Whether the mesh in context (`jax.set_mesh`) has Explicit axes and no Manual ones (in
+    `shard_map` the body is traced in its own, manual, context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh._any_axis_explicit and not mesh._any_axis_manual
 
 
 def _explicit_mesh(aval) -> bool:
