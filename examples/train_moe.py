@@ -1,9 +1,11 @@
-"""Trains a small mixture-of-experts transformer MLP with every expert product in `ragged_dot`.
+"""Trains a small mixture-of-experts transformer with every expert product in `ragged_dot`.
 
     python examples/train_moe.py [--steps 60] [--experts 8] [--top-k 2] [--dtype bfloat16]
     python examples/train_moe.py --reference     # the same model on jax.lax.ragged_dot
 
-The model is a pre-norm residual stack of MoE layers: a router (`jax_sm100.matmul`) scores each
+The model is a pre-norm residual stack of transformer blocks over sequences of `--seq` tokens:
+causal multi-head self-attention (its q, k, v and output projections `jax_sm100.matmul`, the
+scores and their weighted sum XLA's), then a MoE MLP: a router (`jax_sm100.matmul`) scores each
 token's experts, each token goes to its top-k experts (its copies sorted by expert, so every
 expert's rows are consecutive), each expert runs a SwiGLU MLP on its rows, gate and up
 projections and the down projection each one `jax_sm100.ragged_dot` over all experts, and the
@@ -29,8 +31,10 @@ import jax_sm100
 def init(key, layers, d_model, d_ff, experts, dtype):
     params = []
     for layer_key in jax.random.split(key, layers):
-        kr, kg, ku, kd = jax.random.split(layer_key, 4)
+        kr, kg, ku, kd, ka = jax.random.split(layer_key, 5)
+        attn = jax.random.normal(ka, (4, d_model, d_model)) * d_model**-0.5
         params.append({
+            "qkvo": attn.astype(dtype),
             "router": jax.random.normal(kr, (d_model, experts), jnp.float32) * d_model**-0.5,
             "gate": (jax.random.normal(kg, (experts, d_model, d_ff)) * d_model**-0.5).astype(dtype),
             "up": (jax.random.normal(ku, (experts, d_model, d_ff)) * d_model**-0.5).astype(dtype),
@@ -57,12 +61,28 @@ def moe_layer(p, x, top_k, grouped, dense):
     return (unsorted.astype(jnp.float32) * weights[..., None]).sum(1).astype(x.dtype)
 
 
-def model(params, x, top_k, grouped, dense):
+def attention(p, x, seq, heads, dense):
+    """Causal multi-head self-attention on x [tokens, d], tokens in sequences of `seq`."""
+    tokens, d = x.shape
+    q, k, v = (dense(x, p["qkvo"][i]).reshape(tokens // seq, seq, heads, d // heads)
+               for i in range(3))  # fmt: skip
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    scores = jnp.where(causal, scores * (d // heads) ** -0.5, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(tokens, d)
+    return dense(out, p["qkvo"][3])
+
+
+def _rms(x):
+    return (x * lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6)
+            ).astype(x.dtype)  # fmt: skip
+
+
+def model(params, x, top_k, grouped, dense, seq=64, heads=4):
     for p in params:
-        normed = x * lax.rsqrt(
-            jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6
-        )
-        x = x + moe_layer(p, normed.astype(x.dtype), top_k, grouped, dense)
+        x = x + attention(p, _rms(x), seq, heads, dense)
+        x = x + moe_layer(p, _rms(x), top_k, grouped, dense)
     return x
 
 
@@ -75,6 +95,8 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence (attention)")
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reference", action="store_true", help="lax.ragged_dot and jnp.matmul")
@@ -85,7 +107,11 @@ def main(argv=None) -> None:
         dense = jnp.matmul
     else:
         grouped, dense = jax_sm100.ragged_dot, jax_sm100.matmul
-    forward = functools.partial(model, top_k=args.top_k, grouped=grouped, dense=dense)
+    if args.tokens % args.seq or args.d_model % args.heads:
+        ap.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}, and "
+                 f"--d-model {args.d_model} of --heads {args.heads}")  # fmt: skip
+    forward = functools.partial(model, top_k=args.top_k, grouped=grouped, dense=dense,
+                                seq=args.seq, heads=args.heads)  # fmt: skip
 
     k_teacher, k_student, k_data = jax.random.split(jax.random.key(0), 3)
     shapes = (args.layers, args.d_model, args.d_ff, args.experts, dtype)
