@@ -12,7 +12,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import scaled
+from jax_sm100._src import scale_layout, scaled
 from tests import test_util as tu
 
 # The k elements one scale covers in the blocked layout, by scale dtype (mxfp8, nvfp4).
@@ -245,7 +245,8 @@ class ScaledMatmulTest(parameterized.TestCase):
             out = jax.jit(jax_sm100.scaled_matmul, static_argnums=4)(lhs, rhs, ls, rs,
                                                                       jnp.float64)  # fmt: skip
             self.assertEqual(out.dtype, jnp.float32)
-        for bad, message in ((None, "preferred_element_type=None"), (jnp.int32, "not a floating")):
+        for bad, message in ((None, "preferred_element_type=None"), (jnp.int32, "not one of"),
+                             (jnp.float8_e8m0fnu, "not one of")):  # fmt: skip
             with self.assertRaisesRegex(TypeError, message):
                 jax_sm100.scaled_matmul(lhs, rhs, ls, rs, bad)
 
@@ -269,6 +270,21 @@ class ScaledMatmulTest(parameterized.TestCase):
             np.testing.assert_array_equal(
                 got, np.asarray(jnp.asarray(np.clip(want, -top, top)).astype(lhs.dtype),
                                 np.float32))  # fmt: skip
+
+    def test_nvfp4_scale_gradients(self):
+        # float8_e4m3fn scales in the blocked layout: the gradient is the documented math's,
+        # rounded (saturating) to e4m3 in that layout.
+        lhs, ls = jax_sm100.quantize(_normal(23, (1, 8, 64)), "nvfp4")
+        rhs, rs = jax_sm100.quantize(_normal(24, (1, 4, 64)), "nvfp4")
+        ct = _normal(25, (1, 8, 4))
+        got = jax.grad(lambda s: (jax_sm100.scaled_matmul(lhs, rhs, s, rs) * ct).sum())(ls)
+        self.assertEqual((got.shape, got.dtype), (ls.shape, ls.dtype))
+        plain = scale_layout.plain(lhs.shape, ls).astype(jnp.float32)
+        want = jax.grad(
+            lambda s: (scaled.reference(lhs, rhs, s, rs, out_dtype=jnp.float32) * ct).sum()
+        )(plain)  # fmt: skip
+        back = np.asarray(scale_layout.plain(lhs.shape, got), np.float32)
+        np.testing.assert_array_equal(back, np.asarray(want.astype(ls.dtype), np.float32))
 
     def test_no_derivative_with_respect_to_e8m0_scales(self):
         lhs, ls = jax_sm100.quantize(_normal(15, (1, 8, 64)), "mxfp8")
@@ -331,6 +347,13 @@ class ScaledMatmulTest(parameterized.TestCase):
                            scale_block=16, arch="sm_90a")  # fmt: skip
         self.assertEqual(p.kernel, "xla_dot")
         self.assertIn("float4_e2m1fn", p.reason)
+        # An N-major B ([k, n]) plans XLA on sm_100a too; scales and groups do not combine.
+        p = jax_sm100.plan(k=1024, scale_dtype=jnp.float8_e8m0fnu, scale_block=32,
+                           arch="sm_100a", b_major="n", **common)  # fmt: skip
+        self.assertEqual(p.kernel, "xla_dot")
+        with self.assertRaisesRegex(jax_sm100.PlanError, "no block-scaled grouped"):
+            jax_sm100.plan(k=1024, scale_dtype=jnp.float32, scale_block=128, arch="sm_90a",
+                           groups=4, ragged="m", **common)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -120,12 +120,17 @@ def _out_dtype(preferred_element_type) -> np.dtype:
             "jnp.float32 (the default) or jnp.bfloat16, as jax.nn.scaled_matmul needs one too"
         )
     out = np.dtype(jax.dtypes.canonicalize_dtype(preferred_element_type))
-    if not jnp.issubdtype(out, jnp.floating):
+    if out.name not in _OUT_DTYPES:
         raise TypeError(
-            f"jax_sm100.scaled_matmul: preferred_element_type={out.name} is not a floating "
-            "dtype; use jnp.float32, jnp.bfloat16 or jnp.float16"
+            f"jax_sm100.scaled_matmul: preferred_element_type={out.name} is not one of "
+            f"{_OUT_DTYPES}; use jnp.float32 (the default), jnp.bfloat16 or jnp.float16"
         )
     return out
+
+
+# The dtypes a product rounds to (float64 with x64 on); 8-bit and narrower outputs would lose
+# too much (e8m0 has no sign).
+_OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: bool = False):
@@ -333,6 +338,10 @@ def _jvp(primals, tangents, *, out_dtype):
                 "jax.lax.stop_gradient, or differentiate with respect to float32 scales"
             )
         args = list(primals)
+        if i >= 2:
+            # Scales in the plain layout before widening: the blocked layout's block is read
+            # off the scale dtype.
+            t = scale_layout.plain(primals[i - 2].shape, t)
         args[i] = _widen_p.bind(t, dtype=np.dtype(t.dtype))
         # The tangent is linear in `t` through XLA ops, which JAX transposes itself.
         terms.append(reference(*args, out_dtype=np.dtype(np.float32)))

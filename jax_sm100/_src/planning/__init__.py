@@ -200,6 +200,9 @@ def plan(
     if b_scale_rows not in C.B_SCALE_ROWS:
         raise C.PlanError(f"{b_scale_rows=} must be one of {C.B_SCALE_ROWS}")
     if scale_dtype is not None or scale_block:
+        if groups or ragged:
+            raise C.PlanError(f"{groups=}, {ragged=} with scales: no block-scaled grouped "
+                              "product exists (plan the groups or the scales)")  # fmt: skip
         # One check of the problem for every arch; B defaults to K-major ([n, k]), as
         # `scaled_matmul` takes it.
         p = sm100_blockscaled.scaled_problem(

@@ -49,8 +49,8 @@ def scaled_problem(
 ) -> GemmProblem:  # fmt: skip
     """The `GemmProblem` of a block-scaled product (`planning.plan`'s scale arguments), checked
     the same way for every arch: `batch` products of `[m, k]` and `[n, k]` (`b_major` "k", as
-    `scaled_matmul` takes its rhs; "n" is planned, on XLA), each row scaled per `scale_block`
-    of k by `scale_dtype` factors. The output defaults to bfloat16.
+    `scaled_matmul` takes its rhs; "n", B as [k, n], is planned on XLA's ops), each row scaled
+    per `scale_block` of k by `scale_dtype` factors. The output defaults to bfloat16.
 
     Raises:
       PlanError: non-positive sizes or `num_sms`, no scale dtype, a block that does not divide
@@ -93,10 +93,11 @@ def scaled_problem(
 
 
 def plan_sm100_scaled(problem: GemmProblem, num_sms=None) -> GemmPlan:
-    """`planning.plan` of a block-scaled problem (`scaled_problem`) for sm_100a. Both operands
-    are read K-major, as `scaled_matmul` takes them (B's major is not read); B scaled per 128 x
-    128 tile is planned as per-row scales, which its lowering repeats them to."""
-    problem = dataclasses.replace(problem, b_major="k", b_scale_rows=1)
+    """`planning.plan` of a block-scaled problem (`scaled_problem`) for sm_100a: the kernel
+    reads both operands K-major, as `scaled_matmul` takes them (an N-major B plans XLA's ops);
+    B scaled per 128 x 128 tile is planned as per-row scales, which its lowering repeats them
+    to."""
+    problem = dataclasses.replace(problem, b_scale_rows=1)
     return _plan(problem, int(num_sms or DEFAULT_NUM_SMS["sm_100a"]))
 
 
