@@ -546,6 +546,24 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertIn("ragged", str(jaxpr))
         self.assertNotIn("ragged_dot_general", str(jaxpr))
 
+    def test_fp8_weights_with_bfloat16_rows(self):
+        # The fp8 operand is widened exactly to bfloat16, so the pair takes the primitive (the
+        # 16-bit kernel on a GPU) and equals the product of the widened operands.
+        rng = np.random.default_rng(23)
+        sizes = jnp.array([7, 0, 9], jnp.int32)
+        lhs = jnp.asarray(rng.standard_normal((16, 32)), jnp.bfloat16)
+        rhs = jnp.asarray(rng.standard_normal((3, 32, 8)), jnp.float8_e4m3fn)
+        jaxpr = str(jax.make_jaxpr(jax_sm100.ragged_dot)(lhs, rhs, sizes))
+        self.assertIn("convert_element_type", jaxpr)
+        got = jax_sm100.ragged_dot(lhs, rhs, sizes)
+        self.assertEqual(got.dtype, jnp.bfloat16)
+        want = jax_sm100.ragged_dot(lhs, rhs.astype(jnp.bfloat16), sizes)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        d_lhs = jax.grad(lambda a: jax_sm100.ragged_dot(a, rhs, sizes).astype(jnp.float32).sum())(
+            lhs
+        )  # fmt: skip
+        self.assertEqual(d_lhs.dtype, jnp.bfloat16)
+
     def test_group_sizes_clamp_in_their_own_dtype(self):
         # Sizes past int32 saturate at m instead of wrapping; negative sizes are empty groups
         # (lax.ragged_dot's own CPU path would overlap the groups there).

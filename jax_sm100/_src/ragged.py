@@ -90,7 +90,9 @@ def ragged_dot(
     kernels read them, so the groups never overlap. These run on lax.ragged_dot itself
     (recorded in `jax_sm100.lowerings()`): float32 operands with `Precision.HIGHEST`, integer
     and complex operands, and a `lax.DotAlgorithmPreset` other than the kernels' own (DEFAULT;
-    BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). `group_offset` raises
+    BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8 operand beside
+    a bfloat16 or float16 one is converted to that dtype first (exactly), so the pair runs on
+    the 16-bit kernel. `group_offset` raises
     NotImplementedError (lax.ragged_dot cannot take one either).
 
     Raises:
@@ -147,6 +149,7 @@ def ragged_dot(
         out_dtype = np.dtype(D.operand_dtype_name(preferred_element_type,
                                                   "preferred_element_type",
                                                   "jax_sm100.ragged_dot"))  # fmt: skip
+    lhs, rhs = _widen_fp8_to_16_bits(lhs, rhs, a_name, b_name)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     biases = ()
     if bias is not None:
@@ -183,6 +186,18 @@ def _nonnegative(gs):
     """XLA's ragged dot with negative sizes overlaps the groups; the kernels read them as
     empty groups, and so does this (XLA) path."""
     return jnp.maximum(gs, 0)
+
+
+def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
+    """An fp8 operand beside a 16-bit floating one (fp8 weights with bfloat16 activations),
+    converted to the other's dtype, which holds every fp8 value exactly: the grouped kernels
+    take one operand dtype (mixed pairs would run on XLA's ragged dot)."""
+    sixteen = ("bfloat16", "float16")
+    if a_name in D.FP8_DTYPES and b_name in sixteen:
+        lhs = lhs.astype(rhs.dtype)
+    elif b_name in D.FP8_DTYPES and a_name in sixteen:
+        rhs = rhs.astype(lhs.dtype)
+    return lhs, rhs
 
 
 def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_sharding):
