@@ -159,6 +159,40 @@ class GroupedGpuTest(parameterized.TestCase):
         ran = {x.note.split(":")[0] for x in seen if x.plan and x.plan.kernel == GROUPED}
         self.assertEqual(ran, {"ragged_dot", "ragged_outer"}, [x.note for x in seen])
 
+    @parameterized.parameters(False, True)
+    def test_vmap_folds_batches_onto_the_kernel(self, rhs_batched):
+        # vmap of the product and of its vjp: the batches fold into one grouped product each
+        # (ragged_gpu.fold_rows / fold_outer), against lax.ragged_dot per batch; sizes summing
+        # below m, past m, negative and empty.
+        b, g, m, k, n = 3, 6, 700, 136, 264
+        rng = np.random.default_rng(41)
+        ka, kb, kc = jax.random.split(jax.random.key(41), 3)
+        lhs = jax.random.normal(ka, (b, m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(kb, ((b,) if rhs_batched else ()) + (g, k, n), jnp.float32)
+        rhs = rhs.astype(jnp.bfloat16)
+        ct = jax.random.normal(kc, (b, m, n), jnp.float32).astype(jnp.bfloat16)
+        gs = jnp.stack([_sizes(rng, g, m, 0.7), _sizes(rng, g, m, 1.3),
+                        jnp.asarray([-5, 200, 0, 0, 300, 50], jnp.int32)])  # fmt: skip
+        axes = (0, 0 if rhs_batched else None, 0, 0)
+
+        def vjp(fn):
+            return lambda a, w, s, t: (fn(a, w, s), *jax.vjp(lambda u, v: fn(u, v, s), a, w)[1](t))
+
+        (out, da, db), seen = self.lower_and_run(
+            "", jax.vmap(vjp(jax_sm100.ragged_dot), axes), lhs, rhs, gs, ct
+        )  # fmt: skip
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        lax_fn = lambda u, v, s: lax.ragged_dot(  # noqa: E731
+            u, v, jnp.maximum(s, 0), precision=lax.Precision.HIGHEST
+        )
+        want = jax.jit(jax.vmap(vjp(lax_fn), axes))(f32(lhs), f32(rhs), gs, f32(ct))
+        for got, ref in zip((out, da, db), want, strict=True):
+            self.assertEqual(got.shape, ref.shape)
+            self.assertLess(_rel(got, ref), 1e-2)
+        folded = [x for x in seen if x.plan and x.plan.kernel == GROUPED]
+        self.assertEqual(len(folded), 3, [x.note for x in seen])
+        self.assertTrue(all("vmap: 3 batches folded" in x.note for x in folded))
+
     @parameterized.parameters("pingpong/1x1", "cooperative/2x1")
     def test_sizes_past_m_are_clamped(self, schedule):
         # Sizes summing past m: rows are assigned in order until m runs out (no out-of-bounds

@@ -546,6 +546,57 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertIn("ragged", str(jaxpr))
         self.assertNotIn("ragged_dot_general", str(jaxpr))
 
+    @parameterized.parameters(False, True)
+    def test_batched_operands_fold_into_one_grouped_product(self, transpose):
+        # The CUDA lowering's fold of vmap'd operands (ragged_gpu.fold_rows / fold_outer),
+        # checked with XLA's product in the kernel's place: sizes past m, negative, empty
+        # groups, and batches whose groups end before m.
+        from jax_sm100._src import ragged_gpu  # noqa: PLC0415
+
+        rng = np.random.default_rng(31)
+        batch, g, m, k, n = (2, 3), 4, 13, 8, 5
+        sizes = jnp.asarray(rng.integers(-3, 8, (*batch, g)), jnp.int32)
+        lhs = jnp.asarray(rng.standard_normal((*batch, m, k)), jnp.float32)
+        rhs = jnp.asarray(rng.standard_normal((*batch, g, *((n, k) if transpose else (k, n)))),
+                          jnp.float32)  # fmt: skip
+        bias = jnp.asarray(rng.standard_normal((*batch, g, n)), jnp.float32)
+        params = dict(transpose_rhs=transpose, out_dtype=np.dtype(np.float32), activation="gelu")
+        want = ragged._ragged_dot_xla(lhs, rhs, sizes, bias, **params)
+        fl, fr, fs, fb, unfold = ragged_gpu.fold_rows(lhs, rhs, sizes, (bias,))
+        self.assertEqual((fl.ndim, fs.shape), (2, (6 * g,)))
+        got = unfold(ragged._ragged_dot_xla(fl, fr, fs, *fb, **params))
+        tu.assert_close(self, got, want, "float32", k)
+        ct = jnp.asarray(rng.standard_normal((*batch, m, n)), jnp.float32)
+        outer = dict(out_dtype=np.dtype(np.float32), transpose_out=transpose)
+        want = ragged._ragged_outer_xla(lhs, ct, sizes, **outer)
+        fl, fc, fs, unfold = ragged_gpu.fold_outer(lhs, ct, sizes)
+        self.assertEqual(fs.shape, (6 * (g + 1),))
+        got = unfold(ragged._ragged_outer_xla(fl, fc, fs, **outer))
+        self.assertEqual(got.shape, want.shape)
+        tu.assert_close(self, got, want, "float32", m)
+
+    def test_vmap_runs_on_the_grouped_kernel(self):
+        # Exported for an sm_90a target, vmap of ragged_dot and of its gradient lowers every
+        # product onto the grouped kernel, the batches folded.
+        lhs = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+
+        def step(a, b, s):
+            loss = lambda a, b: jnp.sum(  # noqa: E731
+                jax_sm100.ragged_dot(a, b, s).astype(jnp.float32) ** 2
+            )
+            return jax.grad(loss, argnums=(0, 1))(a, b)
+
+        f = jax.jit(jax.vmap(step, (0, None, 0)))
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                _export(f, lhs, rhs, sizes)
+        grouped = [x for x in seen if x.plan is not None]
+        self.assertEqual([x.plan.kernel for x in grouped], ["sm90_wgmma_grouped"] * 3)
+        for x in grouped:
+            self.assertIn("vmap: 4 batches folded", x.note)
+
     def test_fp8_weights_with_bfloat16_rows(self):
         # The fp8 operand is widened exactly to bfloat16, so the pair takes the primitive (the
         # 16-bit kernel on a GPU) and equals the product of the widened operands.

@@ -9,8 +9,10 @@
 Each call is one `GemmProblem` with `groups` and `ragged` (planning), the plan `dispatch.
 plan_call` decides, one compiled binary (`compile_plan`, the family `plan.kernel` names) and one
 call of the same FFI handler the dense kernels use, with the group sizes as a device buffer.
-Batched operands (vmap), mixed dtypes and anything the planner sends to XLA (`plan.reason`) run
-on XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
+Batched operands (vmap: every operand with the same leading dims, `ragged._batch`) fold into
+one grouped product of B x g groups over the B x m rows (`fold_rows`, `fold_outer`), so they run
+on the kernels too. Mixed dtypes and anything the planner sends to XLA (`plan.reason`) run on
+XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
 
 A plan with `dynamic_tiles` (kernels/grouped.py) takes one more operand, its tile counter: zeros
 aliased to a second result, so every launch starts from zero.
@@ -94,6 +96,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
             dispatch.Lowered(None, _noted(f"{name}: no sm_90a/sm_100a device: XLA", _after))
         )
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
+    if lhs.ndim > 2 and group_sizes.shape[-1] > 0:
+        return _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
     activation = params.get("activation")
     if activation is not None and not fused_activation():
         # The kernel's float32 product (with the bias), then XLA's activation and rounding.
@@ -163,6 +167,67 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     how += f"in {cm}x{cn} clusters" + (", dynamic tiles" if plan.dynamic_tiles else "")
     dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join((how, *notes))))
     return out
+
+
+def _saturated_sizes(group_sizes, m: int):
+    """[B, g] sizes as the kernels read them: each clamped to [0, m], their running sum
+    saturating at m. Returns (sizes, rows in groups [B])."""
+    ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, m), axis=-1), m)
+    sizes = jnp.diff(ends, axis=-1, prepend=jnp.zeros_like(ends[:, :1]))
+    return sizes, ends[:, -1]
+
+
+def fold_rows(lhs, rhs, group_sizes, bias):
+    """ragged_dot's batched operands (lhs [*B, m, k], rhs [*B, g, ...], sizes [*B, g], bias
+    [*B, g, n] or none; g >= 1) as one grouped product: the B x m rows in order, B x g groups
+    (batch b's group j is group b g + j, its matrix rhs[b, j]). The rows past a batch's groups
+    join its last group (so no group spans two batches) and are zeroed after. Returns
+    (lhs, rhs, sizes, bias, unfold): unfold maps the product [B m, n] to [*B, m, n]."""
+    *batch, m, k = lhs.shape
+    nb = len(batch)
+    b = int(np.prod(batch))
+    g = group_sizes.shape[-1]
+    sizes, filled = _saturated_sizes(group_sizes.reshape(b, g), m)
+    sizes = sizes.at[:, -1].add(m - filled)
+    rows = jnp.arange(m)[None, :] < filled[:, None]  # [B, m]: in a group
+
+    def unfold(out):
+        out = out.reshape(b, m, out.shape[-1])
+        return jnp.where(rows[..., None], out, 0).reshape(*batch, m, out.shape[-1])
+
+    folded_bias = tuple(x.reshape(b * g, *x.shape[nb + 1 :]) for x in bias)
+    return (lhs.reshape(b * m, k), rhs.reshape(b * g, *rhs.shape[nb + 1 :]),
+            sizes.reshape(b * g), folded_bias, unfold)  # fmt: skip
+
+
+def fold_outer(lhs, rhs, group_sizes):
+    """ragged_outer's batched operands (lhs [*B, m, k], rhs [*B, m, n], sizes [*B, g]) as one
+    grouped product: the B x m rows in order, B x (g + 1) groups, batch b's groups then one
+    more for its rows past them (computed and dropped). Returns (lhs, rhs, sizes, unfold):
+    unfold maps the product [B (g + 1), ...] to [*B, g, ...]."""
+    *batch, m, k = lhs.shape
+    b = int(np.prod(batch))
+    g = group_sizes.shape[-1]
+    sizes, filled = _saturated_sizes(group_sizes.reshape(b, g), m)
+    sizes = jnp.concatenate([sizes, (m - filled)[:, None]], axis=1)
+
+    def unfold(out):
+        return out.reshape(b, g + 1, *out.shape[1:])[:, :g].reshape(*batch, g, *out.shape[1:])
+
+    return (lhs.reshape(b * m, k), rhs.reshape(b * m, rhs.shape[-1]), sizes.reshape(b * (g + 1)),
+            unfold)  # fmt: skip
+
+
+def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
+    """`lower` of batched operands (vmap) as one unbatched grouped product (`fold_rows`,
+    `fold_outer`), noted as such."""
+    batch = lhs.shape[:-2]
+    note = _noted(f"vmap: {int(np.prod(batch))} batches folded into one grouped product", after)
+    if name == "ragged_dot":
+        lhs, rhs, sizes, bias, unfold = fold_rows(lhs, rhs, group_sizes.astype(np.int32), bias)
+    else:
+        lhs, rhs, sizes, unfold = fold_outer(lhs, rhs, group_sizes.astype(np.int32))
+    return unfold(lower(name, xla_fn, lhs, rhs, sizes, *bias, _after=note, **params))
 
 
 def _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, after, why=None):
