@@ -18,6 +18,7 @@ from jax import lax
 from jax.test_util import check_grads
 
 import jax_sm100
+from jax_sm100._src import planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src import ragged
 from tests import test_util as tu
@@ -575,9 +576,11 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual(got.shape, want.shape)
         tu.assert_close(self, got, want, "float32", m)
 
-    def test_vmap_runs_on_the_grouped_kernel(self):
-        # Exported for an sm_90a target, vmap of ragged_dot and of its gradient lowers every
-        # product onto the grouped kernel, the batches folded.
+    @parameterized.parameters(("sm_90a", planning.KERNEL_SM90_GROUPED),
+                              ("sm_100a", planning.KERNEL_SM100_GROUPED))  # fmt: skip
+    def test_vmap_runs_on_the_grouped_kernel(self, arch, kernel):
+        # Exported for an sm_90a / sm_100a target, vmap of ragged_dot and of its gradient
+        # lowers every product onto the grouped kernel, the batches folded.
         lhs = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16)
         sizes = jax.ShapeDtypeStruct((4, 8), jnp.int32)
@@ -589,11 +592,11 @@ class RaggedDotTest(parameterized.TestCase):
             return jax.grad(loss, argnums=(0, 1))(a, b)
 
         f = jax.jit(jax.vmap(step, (0, None, 0)))
-        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
             with jax_sm100.lowerings() as seen:
                 _export(f, lhs, rhs, sizes)
         grouped = [x for x in seen if x.plan is not None]
-        self.assertEqual([x.plan.kernel for x in grouped], ["sm90_wgmma_grouped"] * 3)
+        self.assertEqual([x.plan.kernel for x in grouped], [kernel] * 3)
         for x in grouped:
             self.assertIn("vmap: 4 batches folded", x.note)
 
