@@ -18,9 +18,8 @@ from jax import lax
 from jax.test_util import check_grads
 
 import jax_sm100
-from jax_sm100._src import planning
+from jax_sm100._src import planning, ragged
 from jax_sm100._src import primitive as P
-from jax_sm100._src import ragged
 from tests import test_util as tu
 
 
