@@ -185,7 +185,9 @@ class GroupedGpuTest(parameterized.TestCase):
         lax_fn = lambda u, v, s: lax.ragged_dot(  # noqa: E731
             u, v, jnp.maximum(s, 0), precision=lax.Precision.HIGHEST
         )
-        want = jax.jit(jax.vmap(vjp(lax_fn), axes))(f32(lhs), f32(rhs), gs, f32(ct))
+        # lax.ragged_dot has no batching rule for an unbatched rhs: its batch dim made explicit.
+        rhs_b = rhs if rhs_batched else jnp.broadcast_to(rhs, (b, *rhs.shape))
+        want = jax.jit(jax.vmap(vjp(lax_fn)))(f32(lhs), f32(rhs_b), gs, f32(ct))
         for got, ref in zip((out, da, db), want, strict=True):
             self.assertEqual(got.shape, ref.shape)
             self.assertLess(_rel(got, ref), 1e-2)
