@@ -612,10 +612,22 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual(got.dtype, jnp.bfloat16)
         want = jax_sm100.ragged_dot(lhs, rhs.astype(jnp.bfloat16), sizes)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-        d_lhs = jax.grad(lambda a: jax_sm100.ragged_dot(a, rhs, sizes).astype(jnp.float32).sum())(
-            lhs
-        )  # fmt: skip
-        self.assertEqual(d_lhs.dtype, jnp.bfloat16)
+        d_lhs, d_rhs = jax.grad(
+            lambda a, b: jax_sm100.ragged_dot(a, b, sizes).astype(jnp.float32).sum(), (0, 1)
+        )(lhs, rhs)  # fmt: skip
+        self.assertEqual((d_lhs.dtype, d_rhs.dtype), (jnp.bfloat16, jnp.float8_e4m3fn))
+        # Either side, either 16-bit type; the kernels' own algorithm for the widened pair
+        # stays on the primitive.
+        f16 = lhs.astype(jnp.float16)
+        jaxpr = str(jax.make_jaxpr(
+            lambda a, b: jax_sm100.ragged_dot(a, b, sizes,
+                                              precision=jax.lax.DotAlgorithmPreset.F16_F16_F32)
+        )(f16, rhs))  # fmt: skip
+        self.assertNotIn("ragged_dot_general", jaxpr)
+        lhs8 = lhs.astype(jnp.float8_e5m2)
+        got = jax_sm100.ragged_dot(lhs8, rhs.astype(jnp.bfloat16), sizes)
+        want = jax_sm100.ragged_dot(lhs8.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
     def test_group_sizes_clamp_in_their_own_dtype(self):
         # Sizes past int32 saturate at m instead of wrapping; negative sizes are empty groups

@@ -154,7 +154,8 @@ def ragged_dot(
     biases = ()
     if bias is not None:
         biases = (_check_bias(bias, g, rhs.shape[2]).astype(acc),)
-    fallback = _precision_fallback(precision, a_name, b_name)
+    # The algorithms of the operands the kernels take (an fp8 one widened above).
+    fallback = _precision_fallback(precision, D.name(lhs.dtype), D.name(rhs.dtype))
     if fallback is not None:
         if activation is None and bias is None:
             return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)

@@ -49,7 +49,7 @@ def fused_activation() -> bool:
 def _kernel_problem(name, lhs, rhs, group_sizes, params):
     """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot."""
     if lhs.ndim != 2:
-        return f"{name}: batched operands (vmap) run on XLA's ragged dot"
+        return f"{name}: batched operands without groups (g = 0) run on XLA's ragged dot"
     if lhs.dtype != rhs.dtype:
         return f"{name}: mixed operand dtypes {lhs.dtype} x {rhs.dtype} run on XLA's ragged dot"
     g = group_sizes.shape[0]
