@@ -156,18 +156,18 @@ def ragged_dot(
         biases = (_check_bias(bias, g, rhs.shape[2]).astype(acc),)
     # The algorithms of the operands the kernels take (an fp8 one widened above).
     fallback = _precision_fallback(precision, D.name(lhs.dtype), D.name(rhs.dtype))
+    if fallback is not None and activation is None and bias is None:
+        return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
     if fallback is not None:
-        if activation is None and bias is None:
-            return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
         z = _on_lax(fallback, lhs, rhs, sizes, precision, acc, None)
         if bias is not None:
             z = z + group_rows(biases[0], sizes, lhs.shape[0])
         out = P.apply_activation(z, activation).astype(out_dtype)
-        return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
-    out = ragged_dot_p.bind(
-        lhs, rhs, sizes, *biases, transpose_rhs=False, out_dtype=out_dtype,
-        activation=activation,
-    )  # fmt: skip
+    else:
+        out = ragged_dot_p.bind(
+            lhs, rhs, sizes, *biases, transpose_rhs=False, out_dtype=out_dtype,
+            activation=activation,
+        )  # fmt: skip
     return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
 
@@ -227,8 +227,8 @@ def _precision_fallback(precision, a_name: str, b_name: str) -> str | None:
         if isinstance(p, lax.DotAlgorithmPreset):
             if p == lax.DotAlgorithmPreset.DEFAULT:
                 continue
-            if a_name in _KERNEL_ALGORITHMS.get(p.name, ()) and b_name in _KERNEL_ALGORITHMS[
-                    p.name]:  # fmt: skip
+            takes = _KERNEL_ALGORITHMS.get(p.name, ())
+            if a_name in takes and b_name in takes:
                 continue
             return f"precision={p.name}, not a dot algorithm of the grouped kernels"
         if lax.Precision(p) == lax.Precision.HIGHEST and "float32" in (a_name, b_name):
@@ -268,10 +268,16 @@ def _take_rows(per_group, group_sizes, m: int):
     return jnp.take(per_group, ids, axis=0, mode="fill", fill_value=0)
 
 
+def group_ends(group_sizes, m: int):
+    """[..., g] int32: each group's end row as the kernels read the sizes (each clamped to
+    [0, m], their running sum saturating at m, so it never overflows), along the last axis."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes, axis=-1)
+
+
 def _row_groups(group_sizes, m: int):
     """[m] int32: each row's group index (g past the last group)."""
-    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
-    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)
+    ends = group_ends(group_sizes, m)
     # Row r's group is the count of group ends <= r: one mark per end, then a running sum
     # (O(m + g); the default binary search is a while loop, which on a GPU waits for the host
     # at each of its log2(g) steps: about 150 us at 128 groups, as long as the product).

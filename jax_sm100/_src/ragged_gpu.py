@@ -170,9 +170,11 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
 
 
 def _saturated_sizes(group_sizes, m: int):
-    """[B, g] sizes as the kernels read them: each clamped to [0, m], their running sum
-    saturating at m. Returns (sizes, rows in groups [B])."""
-    ends = jnp.minimum(jnp.cumsum(jnp.clip(group_sizes, 0, m), axis=-1), m)
+    """[B, g] sizes as the kernels read them (`ragged.group_ends`). Returns (sizes, rows in
+    groups [B])."""
+    from jax_sm100._src import ragged  # noqa: PLC0415
+
+    ends = ragged.group_ends(group_sizes, m)
     sizes = jnp.diff(ends, axis=-1, prepend=jnp.zeros_like(ends[:, :1]))
     return sizes, ends[:, -1]
 
@@ -224,9 +226,9 @@ def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
     batch = lhs.shape[:-2]
     note = _noted(f"vmap: {int(np.prod(batch))} batches folded into one grouped product", after)
     if name == "ragged_dot":
-        lhs, rhs, sizes, bias, unfold = fold_rows(lhs, rhs, group_sizes.astype(np.int32), bias)
+        lhs, rhs, sizes, bias, unfold = fold_rows(lhs, rhs, group_sizes, bias)
     else:
-        lhs, rhs, sizes, unfold = fold_outer(lhs, rhs, group_sizes.astype(np.int32))
+        lhs, rhs, sizes, unfold = fold_outer(lhs, rhs, group_sizes)
     return unfold(lower(name, xla_fn, lhs, rhs, sizes, *bias, _after=note, **params))
 
 

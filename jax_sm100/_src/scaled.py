@@ -42,6 +42,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from jax_sm100._src import scale_layout
+from jax_sm100._src.constraints import FP8_DTYPES
 
 scaled_matmul_p = jex_core.Primitive("jax_sm100_scaled_matmul")
 
@@ -60,8 +61,6 @@ class Recipe:
     layout: str = "plain"
     row_block: int = 1  # rows one scale covers (plain layout)
 
-
-_FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 RECIPES = {
     "fp8_block128": Recipe("float8_e4m3fn", "float32", 128),
@@ -167,7 +166,7 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     r = RECIPES[recipe]
     if data_dtype is not None:
         name = np.dtype(data_dtype).name
-        allowed = _FP8 if r.data_dtype in _FP8 else (r.data_dtype,)
+        allowed = FP8_DTYPES if r.data_dtype in FP8_DTYPES else (r.data_dtype,)
         if name not in allowed:
             raise TypeError(f"jax_sm100.quantize: {recipe} data is one of {allowed}, not {name}")
         r = dataclasses.replace(r, data_dtype=name)
@@ -299,7 +298,7 @@ batching.primitive_batchers[scaled_matmul_p] = _batch
 
 # Formats whose gradients are rounded saturating: a float32 cotangent past the format's largest
 # finite magnitude would otherwise round to NaN (float8_e4m3fn has no infinity).
-_SATURATED = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
+_SATURATED = (*FP8_DTYPES, "float4_e2m1fn")
 _OPERANDS = ("lhs", "rhs", "lhs_scales", "rhs_scales")
 
 
