@@ -1,8 +1,9 @@
 """Grouped GEMMs beside XLA: `python -m jax_sm100.bench --ragged [--shapes G:MxKxN,...] [--small]
-[--bias]`.
+[--bias] [--dtype D]`.
 
 For each problem (G groups, m rows split among them, [m, k] @ [G, k, n]), with normal random
-bfloat16 data, and for two kinds of group sizes:
+data (bfloat16, or `--dtype`: fp8 operands give bfloat16 results), and for two kinds of group
+sizes:
 
 - "equal": m / G rows per group (balanced routing);
 - "skewed": multinomial counts over Dirichlet(0.3) weights (issue 18's skew: a few large
@@ -101,15 +102,20 @@ _BIASED_VJP = jax.jit(
 )
 
 
+def out_dtype(dtype):
+    """The result dtype of ragged_dot of two `dtype` operands: bfloat16 for fp8, else `dtype`."""
+    return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype).itemsize == 1 else dtype)
+
+
 def operands(seed: int, g: int, m: int, k: int, n: int, dtype=jnp.bfloat16):
     """Problem `seed`'s operands from normal data: lhs [m, k], rhs [g, k, n] (times k**-0.5, so
-    products are of unit scale), a cotangent [m, n] and a per-group float32 bias [g, n]. The
-    benchmarks/ scripts of the grouped kernel take theirs from here too, so every grouped
-    figure is of the same data."""
+    products are of unit scale), a cotangent [m, n] (of the result's dtype, `out_dtype`) and a
+    per-group float32 bias [g, n]. The benchmarks/ scripts of the grouped kernel take theirs
+    from here too, so every grouped figure is of the same data."""
     keys = jax.random.split(jax.random.key(seed), 4)
     lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
     rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) * k**-0.5).astype(dtype)
-    ct = jax.random.normal(keys[2], (m, n), jnp.float32).astype(dtype)
+    ct = jax.random.normal(keys[2], (m, n), jnp.float32).astype(out_dtype(dtype))
     bias = jax.random.normal(keys[3], (g, n), jnp.float32)
     return lhs, rhs, ct, bias
 
@@ -135,12 +141,14 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
     bandwidth = None  # measured once, after the first row's products
     for i, (g, m, k, n) in enumerate(problems):
         lhs, rhs, ct, group_bias = operands(i, g, m, k, n, dtype)
-        dense_w = rhs[0]
         ours = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
+        (ours_dense, xla_dense), dense_w = _dense(dtype), rhs[0]
+        if jnp.dtype(dtype).itemsize == 1:
+            dense_w = dense_w.T.copy()  # [n, k]: fp8 GEMMs on sm_90a read B K-major
         dense = {
-            "ours": time_steps(jax.jit(jax_sm100.matmul), lhs, dense_w),
-            "ours_vjp": time_steps(_vjp_of(jax_sm100.matmul, 2), lhs, dense_w, ct),
-            "xla": time_steps(jax.jit(jnp.dot), lhs, dense_w),
+            "ours": time_steps(jax.jit(ours_dense), lhs, dense_w),
+            "ours_vjp": time_steps(_vjp_of(ours_dense, 2), lhs, dense_w, ct),
+            "xla": time_steps(jax.jit(xla_dense), lhs, dense_w),
         }
         for kind in kinds:
             sizes = group_sizes(i, g, m, kind)
@@ -163,8 +171,11 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
             if bandwidth is None:
                 bandwidth = copy_bandwidth()
             dense["bandwidth"], dense["itemsize"] = bandwidth, jnp.dtype(dtype).itemsize
+            dense["out_itemsize"] = out_dtype(dtype).itemsize
             rows.append(((g, m, k, n), kind, 2 * m * k * n, t, dense, path))
-    theirs = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=dtype))
+    theirs = jax.jit(
+        lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=out_dtype(dtype))
+    )
     problem_rows = iter(rows)
     for i, (g, m, k, n) in enumerate(problems):
         lhs, rhs, ct, _ = operands(i, g, m, k, n, dtype)
@@ -176,6 +187,20 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
             if on_row is not None:
                 on_row(row)
     return rows
+
+
+_NT = (((1,), (1,)), ((), ()))
+
+
+def _dense(dtype):
+    """(ours, XLA's) dense product of the same FLOPs: [m, k] @ [k, n], or for fp8 [m, k] @
+    [n, k]^T into bfloat16 (sm_90a's fp8 GEMMs read B K-major; XLA's is cuBLAS's fp8 GEMM)."""
+    if jnp.dtype(dtype).itemsize == 1:
+        return (
+            lambda a, b: jax_sm100.dot_general(a, b, _NT, preferred_element_type=jnp.bfloat16),
+            lambda a, b: lax.dot_general(a, b, _NT, preferred_element_type=jnp.bfloat16),
+        )
+    return jax_sm100.matmul, jnp.dot
 
 
 def _time_or_nan(fn, *args):
@@ -209,7 +234,7 @@ def _row(row) -> None:
               f"{tf(flop, dense['ours']):6.1f} {tf(3 * flop, fb_d):6.1f} "
               f"{tf(flop, dense['xla']):6.1f}")  # fmt: skip
         bw = dense["bandwidth"]
-        copy = (m * k + g * k * n + m * n) * dense["itemsize"] / bw
+        copy = ((m * k + g * k * n) * dense["itemsize"] + m * n * dense["out_itemsize"]) / bw
         print(f"    products alone: forward {tf(flop, t['ours']):.1f}, d lhs "
               f"{tf(flop, t['d_lhs']):.1f}, d rhs {tf(flop, t['d_rhs']):.1f} TF/s; the bytes "
               f"at copy speed {tf(flop, copy):.1f} TF/s ({bw / 1e12:.2f} TB/s)")  # fmt: skip
@@ -225,6 +250,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--shapes", default=None, help="G:MxKxN,... (default: issue 18's)")
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="operand dtype: bfloat16, float16, float8_e4m3fn or float8_e5m2 (fp8: "
+                         "bfloat16 results, the dense side [m, k] @ [n, k]^T)")  # fmt: skip
     ap.add_argument("--bias", action="store_true",
                     help="also time ragged_dot with a per-group bias and gelu")  # fmt: skip
     args = ap.parse_args(argv)
@@ -235,10 +263,11 @@ def main(argv=None) -> int:
             g, mkn = spec.split(":")
             problems.append((int(g), *(int(v) for v in mkn.split("x"))))
     dev = jax.devices()[0]
-    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16, "
+    dtype = jnp.dtype(args.dtype)
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, {dtype.name}, "
           "wall clock, median of 5 rounds of 10 calls")  # fmt: skip
     _header()
-    run(problems, on_row=_row, bias=args.bias)
+    run(problems, dtype=dtype, on_row=_row, bias=args.bias)
     return 0
 
 

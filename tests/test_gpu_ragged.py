@@ -51,7 +51,9 @@ def _reference(lhs, rhs, gs, transpose_rhs=False):
     )
 
 
-_TOL = {"bfloat16": 1e-2, "float16": 2e-3}
+# The bfloat16 result's rounding (2^-9 relative) dominates the fp8 rows: their products are
+# exact in the float32 reference.
+_TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float8_e4m3fn": 1e-2, "float8_e5m2": 1e-2}
 
 
 @absltest.skipIf(_arch() != "sm_90a", "needs an SM90 (Hopper) CUDA device and jax[cuda]")
@@ -126,6 +128,71 @@ class GroupedGpuTest(parameterized.TestCase):
         self.assertEqual(float(jnp.max(jnp.abs(out[total:].astype(jnp.float32)))), 0.0)
         self.assertIn(GROUPED, [x.plan.kernel for x in seen if x.plan is not None])
         return seen
+
+    @parameterized.product(
+        dtype=["float8_e4m3fn", "float8_e5m2"],
+        shape=[(8, 1024, 256, 512), (5, 777, 144, 264)],
+        transpose_rhs=[False, True],
+        schedule=["cooperative/1x1", "cooperative/2x1", "pingpong/2x1"],
+    )
+    def test_forward_fp8(self, dtype, shape, transpose_rhs, schedule):
+        # Both operands of one fp8 format on the fp8 grouped kernel (experts [g, k, n]
+        # transposed by XLA first: sm_90a's fp8 wgmma reads them K-major; with transpose_rhs
+        # they are stored so, and XLA's two transposes cancel), bfloat16 out, against the
+        # float32 product of the same fp8 values.
+        seen = self._forward(shape, 0.8, dtype, transpose_rhs, schedule)
+        fwd = [x for x in seen if x.plan is not None and x.plan.kernel == GROUPED]
+        self.assertEqual([(x.plan.a_dtype, x.plan.b_major) for x in fwd], [(dtype, "k")])
+        self.assertIn("experts transposed", fwd[0].note)
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2")
+    def test_fp8_gradients_within_one_fp8_step(self, dtype):
+        # The vjp of an fp8 product (its backward on the bfloat16 kernel, the fp8 operands
+        # widened exactly): each fp8 gradient within one step of the format of the float64
+        # gradient (a bfloat16 result rounded to fp8: two roundings), the products all grouped.
+        g, m, k, n = 8, 1500, 256, 264
+        rng = np.random.default_rng(53)
+        ka, kb, kc = jax.random.split(jax.random.key(53), 3)
+        lhs = jax.random.normal(ka, (m, k), jnp.float32).astype(dtype)
+        rhs = (jax.random.normal(kb, (g, k, n), jnp.float32) * 0.25).astype(dtype)
+        ct = (jax.random.normal(kc, (m, n), jnp.float32) * 0.25).astype(jnp.bfloat16)
+        gs = _sizes(rng, g, m, 0.9)
+
+        def vjp(a, b, s, t):
+            return jax.vjp(lambda u, v: jax_sm100.ragged_dot(u, v, s), a, b)[1](t)
+
+        (da, db), seen = self.lower_and_run("", vjp, lhs, rhs, gs, ct)
+        self.assertEqual((da.dtype, db.dtype), (jnp.dtype(dtype),) * 2)
+        f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+        starts = np.concatenate([[0], np.cumsum(np.asarray(gs))])
+        want_a = np.zeros((m, k))
+        want_b = np.zeros((g, k, n))
+        for j in range(g):
+            rows = slice(starts[j], starts[j + 1])
+            want_a[rows] = f64(ct)[rows] @ f64(rhs)[j].T
+            want_b[j] = f64(lhs)[rows].T @ f64(ct)[rows]
+        info = jnp.finfo(dtype)
+        for got, want in ((da, want_a), (db, want_b)):
+            # One step of the format at |want| (its spacing there, at least the smallest
+            # subnormal's).
+            step = np.maximum(2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30)))
+                                      - info.nmant), float(info.smallest_subnormal))  # fmt: skip
+            np.testing.assert_array_less(np.abs(f64(got) - want), step * 1.0001)
+        ran = sorted(x.note.split(":")[0] for x in seen if x.plan and x.plan.kernel == GROUPED)
+        self.assertEqual(ran, ["ragged_dot", "ragged_outer"], [x.note for x in seen])
+
+    def test_two_fp8_formats(self):
+        # e4m3 rows beside e5m2 experts: both widened exactly to bfloat16, on the 16-bit kernel.
+        g, m, k, n = 8, 1024, 256, 512
+        rng = np.random.default_rng(59)
+        lhs = jax.random.normal(jax.random.key(1), (m, k), jnp.float32).astype(jnp.float8_e4m3fn)
+        rhs = jax.random.normal(jax.random.key(2), (g, k, n), jnp.float32)
+        rhs = rhs.astype(jnp.float8_e5m2)
+        gs = _sizes(rng, g, m, 0.9)
+        out, seen = self.lower_and_run("", jax_sm100.ragged_dot, lhs, rhs, gs)
+        self.assertLess(_rel(out, _reference(lhs, rhs, gs)), 1e-2)
+        ran = [x.plan.a_dtype for x in seen if x.plan is not None and x.plan.kernel == GROUPED]
+        self.assertEqual(ran, ["bfloat16"])
 
     @parameterized.product(
         shape=[(8, 1024, 256, 512), (6, 999, 200, 136), (32, 2048, 128, 256)],

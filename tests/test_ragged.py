@@ -629,6 +629,53 @@ class RaggedDotTest(parameterized.TestCase):
         want = jax_sm100.ragged_dot(lhs8.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
+    @parameterized.parameters("sm_90a", "sm_100a")
+    def test_fp8_training_step_runs_the_grouped_kernels(self, arch):
+        # fp8 experts [g, k, n] (quantized from bfloat16 masters in the step): on sm_90a, whose
+        # fp8 wgmma reads B K-major, XLA transposes them for the forward's fp8 kernel; the
+        # backward's two products run on the bfloat16 kernel (fp8 operands widened exactly).
+        # No XLA ragged dot is left on either arch.
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+        def step(a, w, s):
+            def loss(a, w):
+                y = jax_sm100.ragged_dot(a.astype(jnp.float8_e4m3fn),
+                                         w.astype(jnp.float8_e4m3fn), s)  # fmt: skip
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+
+            return jax.value_and_grad(loss, argnums=(0, 1))(a, w)
+
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+            with jax_sm100.lowerings() as seen:
+                text = _export(jax.jit(step), lhs, rhs, sizes).mlir_module()
+        self.assertFalse(re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text))
+        ran = [(x.plan.a_dtype, x.plan.ragged) for x in seen if x.plan is not None]
+        self.assertEqual(sorted(ran), [("bfloat16", "k"), ("bfloat16", "m"),
+                                       ("float8_e4m3fn", "m")], seen)  # fmt: skip
+        forward = next(x for x in seen if x.plan is not None and x.plan.a_dtype != "bfloat16")
+        self.assertEqual(forward.plan.b_major, "k" if arch == "sm_90a" else "n")
+        self.assertEqual("experts transposed" in forward.note, arch == "sm_90a", forward.note)
+
+    def test_two_fp8_formats_run_as_bfloat16(self):
+        # e4m3 beside e5m2: both widened exactly to bfloat16 (the kernels take one operand
+        # dtype), equal to the product of the widened operands; ANY_F8_ANY_F8_F32 stays there.
+        rng = np.random.default_rng(29)
+        sizes = jnp.array([5, 0, 9], jnp.int32)
+        lhs = jnp.asarray(rng.standard_normal((16, 32)), jnp.float8_e5m2)
+        rhs = jnp.asarray(rng.standard_normal((3, 32, 8)), jnp.float8_e4m3fn)
+        got = jax_sm100.ragged_dot(lhs, rhs, sizes)
+        self.assertEqual(got.dtype, jnp.bfloat16)
+        want = jax_sm100.ragged_dot(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), sizes)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        jaxpr = str(jax.make_jaxpr(
+            lambda a, b: jax_sm100.ragged_dot(
+                a, b, sizes, precision=jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32)
+        )(lhs, rhs))  # fmt: skip
+        self.assertNotIn("ragged_dot_general", jaxpr)
+        self.assertIn("jax_sm100_ragged_dot", jaxpr)
+
     def test_group_sizes_clamp_in_their_own_dtype(self):
         # Sizes past int32 saturate at m instead of wrapping; negative sizes are empty groups
         # (lax.ragged_dot's own CPU path would overlap the groups there).

@@ -343,6 +343,14 @@ def _wgrad_operands(a, g, transpose_a, transpose_b):
     return a, g, not transpose_a, False
 
 
+def cotangent_product_dtype(want: np.dtype) -> np.dtype:
+    """The dtype a backward product writes the cotangent of an operand of dtype `want` in:
+    `want` itself where an epilogue writes it, else bfloat16 (an fp8 operand's cotangent,
+    converted to fp8 after the product, as XLA's dot gives it)."""
+    want = np.dtype(want)
+    return want if want.name in (*C.KERNEL_OUT_DTYPES, "float64") else np.dtype(jnp.bfloat16)
+
+
 def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
     """`alpha * op(x) @ op(y)` as the cotangent of an operand of aval `target`: summed over the
     batch dims the operand was broadcast along, in its dtype. With `act_grad = (activation, z)`
@@ -351,7 +359,7 @@ def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
     out_shape = P.shape_rule(x.shape, y.shape, None, None, transpose_a=tx, transpose_b=ty)
     reduced = [i for i in range(nb) if target.shape[i] == 1 != out_shape[i]]
     want = np.dtype(target.dtype)
-    kernel_out = want if want.name in (*C.KERNEL_OUT_DTYPES, "float64") else np.dtype(jnp.bfloat16)
+    kernel_out = cotangent_product_dtype(want)
     if not reduced:
         if act_grad is None:
             p = _linear_params(tx, ty, alpha, kernel_out)

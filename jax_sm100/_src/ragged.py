@@ -91,8 +91,10 @@ def ragged_dot(
     (recorded in `jax_sm100.lowerings()`): float32 operands with `Precision.HIGHEST`, integer
     and complex operands, and a `lax.DotAlgorithmPreset` other than the kernels' own (DEFAULT;
     BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8 operand beside
-    a bfloat16 or float16 one is converted to that dtype first (exactly), so the pair runs on
-    the 16-bit kernel. `group_offset` raises
+    a bfloat16 or float16 one is converted to that dtype first (exactly), and so are e4m3
+    beside e5m2 to bfloat16, so the pair runs on the 16-bit kernel. Two operands of one fp8
+    format run on the fp8 kernel; on sm_90a (whose fp8 wgmma reads them K-major) XLA
+    transposes the experts to [g, n, k] for it. `group_offset` raises
     NotImplementedError (lax.ragged_dot cannot take one either).
 
     Raises:
@@ -154,8 +156,10 @@ def ragged_dot(
     biases = ()
     if bias is not None:
         biases = (_check_bias(bias, g, rhs.shape[2]).astype(acc),)
-    # The algorithms of the operands the kernels take (an fp8 one widened above).
+    # The algorithms of the operands the kernels take (fp8 ones widened above), or of the
+    # operands as given (ANY_F8_ANY_F8_F32 of e4m3 x e5m2, computed exactly as bfloat16).
     fallback = _precision_fallback(precision, D.name(lhs.dtype), D.name(rhs.dtype))
+    fallback = fallback and _precision_fallback(precision, a_name, b_name)
     if fallback is not None and activation is None and bias is None:
         return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
     if fallback is not None:
@@ -191,13 +195,17 @@ def _nonnegative(gs):
 
 def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
     """An fp8 operand beside a 16-bit floating one (fp8 weights with bfloat16 activations),
-    converted to the other's dtype, which holds every fp8 value exactly: the grouped kernels
-    take one operand dtype (mixed pairs would run on XLA's ragged dot)."""
+    converted to the other's dtype, and two different fp8 formats both to bfloat16, which
+    hold every fp8 value exactly: the grouped kernels take one operand dtype (mixed pairs
+    would run on XLA's ragged dot)."""
     sixteen = ("bfloat16", "float16")
     if a_name in D.FP8_DTYPES and b_name in sixteen:
         lhs = lhs.astype(rhs.dtype)
     elif b_name in D.FP8_DTYPES and a_name in sixteen:
         rhs = rhs.astype(lhs.dtype)
+    elif a_name in D.FP8_DTYPES and b_name in D.FP8_DTYPES and a_name != b_name:
+        # e4m3 beside e5m2 (an fp8 gradient against fp8 weights): both as bfloat16.
+        lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
     return lhs, rhs
 
 
@@ -436,18 +444,21 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_d
     d_lhs = d_rhs = None
     cd = _compute_dtype(lhs, rhs)
     if ad.is_undefined_primal(lhs):
-        d_lhs = ragged_dot_p.bind(
-            ct.astype(cd), rhs.astype(cd), group_sizes, transpose_rhs=not transpose_rhs,
-            out_dtype=np.dtype(lhs.aval.dtype), activation=None,
-        )  # fmt: skip
-        d_lhs = ragged_sharding.cotangent_like(d_lhs, lhs)
+        d_lhs = _cotangent(lhs, ragged_dot_p, ct.astype(cd), rhs.astype(cd), group_sizes,
+                           transpose_rhs=not transpose_rhs, activation=None)  # fmt: skip
     if ad.is_undefined_primal(rhs):
-        d_rhs = ragged_outer_p.bind(
-            lhs.astype(cd), ct.astype(cd), ragged_sharding.group_sizes_like(group_sizes, rhs),
-            out_dtype=np.dtype(rhs.aval.dtype), transpose_out=transpose_rhs,
-        )  # fmt: skip
-        d_rhs = ragged_sharding.cotangent_like(d_rhs, rhs)
+        d_rhs = _cotangent(rhs, ragged_outer_p, lhs.astype(cd), ct.astype(cd),
+                           ragged_sharding.group_sizes_like(group_sizes, rhs),
+                           transpose_out=transpose_rhs)  # fmt: skip
     return [d_lhs, d_rhs, None]
+
+
+def _cotangent(target, prim, *operands, **params):
+    """`prim` bound as the cotangent of the operand `target`, in its dtype: written in it, or
+    (an fp8 operand's) in bfloat16 and converted after (`autodiff.cotangent_product_dtype`)."""
+    want = np.dtype(target.aval.dtype)
+    out = prim.bind(*operands, out_dtype=autodiff.cotangent_product_dtype(want), **params)
+    return ragged_sharding.cotangent_like(out.astype(want), target)
 
 
 def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out):
@@ -457,17 +468,11 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
     d_lhs = d_rhs = None
     cd = _compute_dtype(lhs, rhs)
     if ad.is_undefined_primal(lhs):
-        d_lhs = ragged_dot_p.bind(
-            rhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=not transpose_out,
-            out_dtype=np.dtype(lhs.aval.dtype), activation=None,
-        )  # fmt: skip
-        d_lhs = ragged_sharding.cotangent_like(d_lhs, lhs)
+        d_lhs = _cotangent(lhs, ragged_dot_p, rhs.astype(cd), ct.astype(cd), group_sizes,
+                           transpose_rhs=not transpose_out, activation=None)  # fmt: skip
     if ad.is_undefined_primal(rhs):
-        d_rhs = ragged_dot_p.bind(
-            lhs.astype(cd), ct.astype(cd), group_sizes, transpose_rhs=transpose_out,
-            out_dtype=np.dtype(rhs.aval.dtype), activation=None,
-        )  # fmt: skip
-        d_rhs = ragged_sharding.cotangent_like(d_rhs, rhs)
+        d_rhs = _cotangent(rhs, ragged_dot_p, lhs.astype(cd), ct.astype(cd), group_sizes,
+                           transpose_rhs=transpose_out, activation=None)  # fmt: skip
     return [d_lhs, d_rhs, None]
 
 

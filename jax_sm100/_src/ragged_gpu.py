@@ -98,6 +98,12 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     if lhs.ndim > 2 and group_sizes.shape[-1] > 0:
         return _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
+    if _k_major_experts_only(name, target, lhs, rhs, params):
+        # sm_90a's fp8 wgmma reads B K-major: the experts [g, k, n] as [g, n, k], transposed by
+        # XLA (in a training step, in one fusion with the quantization that made them).
+        rhs, params = jnp.swapaxes(rhs, -1, -2), dict(params, transpose_rhs=True)
+        _after = _noted("fp8 experts transposed to [g, n, k] by XLA (sm_90a reads B K-major)",
+                        _after)  # fmt: skip
     activation = params.get("activation")
     if activation is not None and not fused_activation():
         # The kernel's float32 product (with the bias), then XLA's activation and rounding.
@@ -167,6 +173,14 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     how += f"in {cm}x{cn} clusters" + (", dynamic tiles" if plan.dynamic_tiles else "")
     dispatch.record(dispatch.Lowered(plan, f"{name}: " + "; ".join((how, *notes))))
     return out
+
+
+def _k_major_experts_only(name, target, lhs, rhs, params) -> bool:
+    """Whether ragged_dot's N-major experts ([g, k, n]) go to the kernel transposed: equal
+    8-bit operands on an arch whose grouped kernel reads them K-major only
+    (`planning.grouped_b_k_major_only`)."""
+    return (name == "ragged_dot" and not params["transpose_rhs"] and lhs.dtype == rhs.dtype
+            and planning.grouped_b_k_major_only(target.arch, np.dtype(lhs.dtype).name))  # fmt: skip
 
 
 def _saturated_sizes(group_sizes, m: int):

@@ -126,6 +126,13 @@ def group_table_bytes(groups: int) -> int:
     return 8 * (groups + 2) if groups else 0
 
 
+def grouped_b_k_major_only(arch: str, ab_dtype: str) -> bool:
+    """Whether the grouped kernel on `arch` reads `ab_dtype` experts only K-major ([g, n, k]):
+    sm_90a's fp8 wgmma takes K-major operands only. ragged_dot's CUDA lowering then gives the
+    kernel its [g, k, n] experts transposed by XLA (ragged_gpu.lower)."""
+    return arch == "sm_90a" and C.DTYPE_BITS[ab_dtype] == 8
+
+
 def grouped_support(common) -> str | None:
     """Why no grouped kernel runs the grouped problem in `common` (GemmPlan's problem fields
     and arch), or None: the group table's and the ragged view's limits, and on sm_90a the
@@ -141,11 +148,11 @@ def grouped_support(common) -> str | None:
             "XLA ragged dot: the weight gradient of fp8 operands would need M- and N-major "
             "fp8 wgmma, which sm_90a does not have"
         )
-    if (common["arch"] == "sm_90a" and C.DTYPE_BITS[common["a_dtype"]] == 8 and ragged == "m"
+    if (grouped_b_k_major_only(common["arch"], common["a_dtype"]) and ragged == "m"
             and common["b_major"] != "k"):  # fmt: skip
         return (
             "XLA ragged dot: fp8 experts [g, k, n] are N-major and sm_90a fp8 wgmma needs them "
-            "K-major (the input gradient, which reads them as [g, n, k], does run on the kernel)"
+            "K-major ([g, n, k]; jax_sm100.ragged_dot transposes them so)"
         )
     return None
 
