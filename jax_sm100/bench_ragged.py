@@ -159,6 +159,10 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
                     "d_lhs": time_steps(_D_LHS, lhs, rhs, sizes, ct),
                     "d_rhs": time_steps(_D_RHS, lhs, rhs, sizes, ct),
                 }
+            if jnp.dtype(dtype).itemsize == 1:
+                # fp8 experts stored [g, n, k]: sm_90a's kernel reads them without XLA's
+                # transpose (ragged_gpu.lower's and this swapaxes cancel).
+                t["ours_nk"] = time_steps(_OURS_NK, lhs, jnp.swapaxes(rhs, 1, 2).copy(), sizes)
             if bias:
                 # A per-group bias and gelu in the epilogue, and composed in XLA.
                 t["bias"] = time_steps(_BIASED, lhs, rhs, sizes, group_bias)
@@ -190,6 +194,7 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
 
 
 _NT = (((1,), (1,)), ((), ()))
+_OURS_NK = jax.jit(lambda a, w_nk, s: jax_sm100.ragged_dot(a, jnp.swapaxes(w_nk, 1, 2), s))
 
 
 def _dense(dtype):
@@ -238,6 +243,9 @@ def _row(row) -> None:
         print(f"    products alone: forward {tf(flop, t['ours']):.1f}, d lhs "
               f"{tf(flop, t['d_lhs']):.1f}, d rhs {tf(flop, t['d_rhs']):.1f} TF/s; the bytes "
               f"at copy speed {tf(flop, copy):.1f} TF/s ({bw / 1e12:.2f} TB/s)")  # fmt: skip
+        if "ours_nk" in t:
+            print(f"    fp8 experts stored [g, n, k] (no transpose on sm_90a): forward "
+                  f"{tf(flop, t['ours_nk']):.1f} TF/s")  # fmt: skip
         if "bias" in t:
             print(f"    with a per-group bias and gelu: forward {tf(flop, t['bias']):.1f} "
                   f"(composed in XLA: {tf(flop, t['bias_xla']):.1f}), "
