@@ -261,6 +261,49 @@ class GroupedGpuTest(parameterized.TestCase):
         folded = [x for x in seen if x.plan and x.plan.kernel == GROUPED]
         self.assertEqual(len(folded), 3, [x.note for x in seen])
         self.assertTrue(all("vmap: 3 batches folded" in x.note for x in folded))
+        # Unbatched experts are read in place by every batch's groups (no copy per batch).
+        shared = [x for x in folded if "6 experts shared" in x.note]
+        self.assertEqual(len(shared), 0 if rhs_batched else 2, [x.note for x in folded])
+
+    @parameterized.parameters("", "pingpong/1x1", "cooperative/2x1")
+    def test_shared_experts_gradient_sums_over_batches(self, schedule):
+        # grad of vmap with experts shared by the batches: the forward and d lhs read them in
+        # place; d rhs is every batch's weight gradient summed in one grouped product (the
+        # kernel's k_segments), against lax.ragged_dot per batch, summed in float32.
+        b, g, m, k, n = 4, 5, 600, 200, 136
+        rng = np.random.default_rng(43)
+        ka, kb, kc = jax.random.split(jax.random.key(43), 3)
+        lhs = jax.random.normal(ka, (b, m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(kb, (g, k, n), jnp.float32).astype(jnp.bfloat16)
+        ct = jax.random.normal(kc, (b, m, n), jnp.float32).astype(jnp.bfloat16)
+        gs = jnp.stack([_sizes(rng, g, m, 0.8), _sizes(rng, g, m, 1.0),
+                        jnp.asarray([0, 0, 600, 0, 0], jnp.int32),
+                        jnp.asarray([-3, 100, 0, 0, 0], jnp.int32)])  # fmt: skip
+
+        def vjp(fn):
+            def run(a, w, t):
+                f = lambda u, v: jax.vmap(fn, (0, None, 0))(u, v, gs)  # noqa: E731
+                out, back = jax.vjp(f, a, w)
+                return (out, *back(t))
+
+            return run
+
+        (out, da, dw), seen = self.lower_and_run(schedule, vjp(jax_sm100.ragged_dot), lhs,
+                                                 rhs, ct)  # fmt: skip
+        lax_fn = lambda u, v, s: lax.ragged_dot(  # noqa: E731
+            u, v, jnp.maximum(s, 0), precision=lax.Precision.HIGHEST
+        )
+        f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+        want = jax.jit(lambda a, w, t: jax.vmap(lambda u, s, c: (
+            lax_fn(u, w, s), *jax.vjp(lambda x, y: lax_fn(x, y, s), u, w)[1](c)))(a, gs, t)
+        )(f32(lhs), f32(rhs), f32(ct))  # fmt: skip
+        ref_out, ref_da, ref_dw = want[0], want[1], want[2].sum(0)
+        for got, ref in ((out, ref_out), (da, ref_da), (dw, ref_dw)):
+            self.assertEqual(got.shape, ref.shape)
+            self.assertLess(_rel(got, ref), 1e-2)
+        ran = [x for x in seen if x.plan and x.plan.kernel == GROUPED]
+        self.assertEqual(len(ran), 3, [x.note for x in seen])
+        self.assertTrue(any("4 of them summed" in x.note for x in ran), [x.note for x in ran])
 
     @parameterized.parameters("pingpong/1x1", "cooperative/2x1")
     def test_sizes_past_m_are_clamped(self, schedule):

@@ -4,6 +4,7 @@ backward's two primitives, the fallbacks and the errors."""
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 import subprocess
@@ -566,14 +567,33 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual((fl.ndim, fs.shape), (2, (6 * g,)))
         got = unfold(ragged._ragged_dot_xla(fl, fr, fs, *fb, **params))
         tu.assert_close(self, got, want, "float32", k)
+        # Experts shared by the batches stay g matrices, which folded group q reads as
+        # rhs[q mod g] (the kernel's `KernelSpec.b_groups`; XLA's fallback copies them).
+        w, c = rhs[0, 0], bias[0, 0]
+        want = ragged._ragged_dot_xla(lhs, w, sizes, c, **params)
+        fl, fr, fs, fb, unfold = ragged_gpu.fold_rows(lhs, w, sizes, (c,))
+        self.assertEqual((fr.shape, fb[0].shape), (w.shape, (6 * g, n)))
+        got = unfold(ragged_gpu._on_copied_experts(ragged._ragged_dot_xla, 6, fl, fr, fs, *fb,
+                                                   **params))  # fmt: skip
+        tu.assert_close(self, got, want, "float32", k)
         ct = jnp.asarray(rng.standard_normal((*batch, m, n)), jnp.float32)
         outer = dict(out_dtype=np.dtype(np.float32), transpose_out=transpose)
         want = ragged._ragged_outer_xla(lhs, ct, sizes, **outer)
-        fl, fc, fs, unfold = ragged_gpu.fold_outer(lhs, ct, sizes)
-        self.assertEqual(fs.shape, (6 * (g + 1),))
+        fl, fc, fs, unfold, segments = ragged_gpu.fold_outer(lhs, ct, sizes)
+        self.assertEqual((fs.shape, segments), ((6 * (g + 1),), 1))
         got = unfold(ragged._ragged_outer_xla(fl, fc, fs, **outer))
         self.assertEqual(got.shape, want.shape)
         tu.assert_close(self, got, want, "float32", m)
+        # The innermost batch dims summed (the gradient of experts shared by those batches):
+        # runs of groups, the summed dims first, that the kernel adds up (`k_segments`).
+        for summed in (1, 2):
+            want = ragged._ragged_outer_xla(lhs, ct, sizes, summed=summed, **outer)
+            fl, fc, fs, unfold, segments = ragged_gpu.fold_outer(lhs, ct, sizes, summed)
+            self.assertEqual(segments, math.prod(batch[2 - summed :]))
+            got = unfold(ragged_gpu._summed_segments(ragged._ragged_outer_xla, segments, fl, fc,
+                                                     fs, **outer))  # fmt: skip
+            self.assertEqual(got.shape, want.shape)
+            tu.assert_close(self, got, want, "float32", m * segments)
 
     @parameterized.parameters(("sm_90a", planning.KERNEL_SM90_GROUPED),
                               ("sm_100a", planning.KERNEL_SM100_GROUPED))  # fmt: skip
@@ -598,6 +618,48 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual([x.plan.kernel for x in grouped], [kernel] * 3)
         for x in grouped:
             self.assertIn("vmap: 4 batches folded", x.note)
+            # The forward and d lhs read the 8 experts in place (no copy per batch).
+            shared = x.note.startswith("ragged_dot")
+            self.assertEqual("8 experts shared" in x.note, shared, x.note)
+
+    def test_shared_experts_under_nested_vmap(self):
+        # Experts unmapped by an inner vmap stay shared ([g, k, n] beside [*B, m, k] rows);
+        # an outer vmap that maps them, or the bias, broadcasts them along the inner batch.
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(41)
+            b, m, k, n, g = 3, 11, 5, 6, 4
+            lhs = tu.rand(rng, (b, m, k), "float64")
+            rhs = tu.rand(rng, (g, k, n), "float64")
+            bias = tu.rand(rng, (g, n), "float64")
+            sizes = jnp.asarray([[3, 0, 5, 2], [0, 0, 11, 0], [9, 1, 1, 1]], jnp.int32)
+            want = jnp.stack([_dense(lhs[i], rhs, sizes[i]) for i in range(b)])
+            inner = jax.vmap(jax_sm100.ragged_dot, (0, None, 0))
+            jaxpr = str(jax.make_jaxpr(inner)(lhs, rhs, sizes))
+            self.assertIn(f"f64[{g},{k},{n}]", jaxpr)
+            self.assertNotIn(f"f64[{b},{g},{k},{n}]", jaxpr)
+            tu.assert_close(self, inner(lhs, rhs, sizes), want, "float64", k)
+            outer = jax.vmap(lambda r: inner(lhs, r, sizes))(jnp.stack([rhs, -2 * rhs]))
+            tu.assert_close(self, outer[1], -2 * want, "float64", k)
+            outer = jax.vmap(inner, (0, None, None))(jnp.stack([lhs, 3 * lhs]), rhs, sizes)
+            tu.assert_close(self, outer[1], 3 * want, "float64", k)
+            biased = lambda x, c: jax_sm100.ragged_dot(x, rhs, sizes[0], bias=c)  # noqa: E731
+            got = jax.vmap(jax.vmap(biased, (0, None)), (None, 0))(lhs, jnp.stack([bias, bias]))
+            ref = jax.vmap(biased, (0, None))(lhs, bias)
+            tu.assert_close(self, got[1], ref, "float64", k)
+
+            def loss(f, x, w, c):
+                return jnp.sin(jax.vmap(f, (0, None, 0, None))(x, w, sizes, c)).sum()
+
+            ours = lambda x, w, s, c: jax_sm100.ragged_dot(  # noqa: E731
+                x, w, s, bias=c, activation="silu"
+            )
+            ref = lambda x, w, s, c: jax.nn.silu(  # noqa: E731
+                _dense(x, w, s) + ragged.group_rows(c, s, m)
+            )
+            got = jax.grad(functools.partial(loss, ours), (0, 1, 2))(lhs, rhs, bias)
+            exp = jax.grad(functools.partial(loss, ref), (0, 1, 2))(lhs, rhs, bias)
+            for x, y in zip(got, exp, strict=True):
+                tu.assert_close(self, x, y, "float64", k * b)
 
     def test_fp8_weights_with_bfloat16_rows(self):
         # The fp8 operand is widened exactly to bfloat16, so the pair takes the primitive (the

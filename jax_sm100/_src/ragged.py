@@ -9,13 +9,20 @@
     ragged_outer_p     lhs [*B, m, k], rhs [*B, m, n], group_sizes [*B, g]
                                                      -> out [*B, g, k, n]
                        out[i] = lhs[rows of group i]^T @ rhs[rows of group i]: the weight
-                       gradient of ragged_dot (a contraction whose k-segments vary in length)
+                       gradient of ragged_dot (a contraction whose k-segments vary in length);
+                       with `summed` = s > 0, the innermost s batch dims summed in the
+                       accumulator (out [*B[:-s], g, k, n]: the gradient of experts shared by
+                       those batches)
 
 Both accumulate in float32 (float64 for float64 operands) and round once to `out_dtype`. They are
 each other's transposes, so a training step differentiates into these two primitives only:
 
     d lhs = ragged_dot(ct, rhs, transpose_rhs=not transpose_rhs)
     d rhs = ragged_outer(lhs, ct)                  ([g, n, k] order under transpose_rhs)
+
+Under `vmap` the experts may stay unbatched beside batched rows (rhs [g, k, n], bias [g, n]:
+shared by every batch; `_batch_ragged_dot`): the kernels read them in place, and their gradient
+is ragged_outer summed over those batches (`summed`), in one product.
 
 A bias (the optional fourth operand, in the accumulator dtype) is added in the grouped
 kernel's epilogue, row by row as its group's; it makes the product affine: the JVP binds the
@@ -306,23 +313,26 @@ def _ragged_dot_abstract(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
     *batch, m, k = lhs.shape
     *rbatch, g, r1, r2 = rhs.shape
     kb, n = (r2, r1) if transpose_rhs else (r1, r2)
-    if tuple(rbatch) != tuple(batch) or kb != k:
+    # rhs (and bias) batched as lhs is, or shared by every batch (`_batch`).
+    if tuple(rbatch) not in (tuple(batch), ()) or kb != k:
         raise ValueError(f"ragged_dot: lhs {lhs.shape} and rhs {rhs.shape} ({transpose_rhs=})")
     _check_groups(group_sizes, batch, g)
-    if len(bias) > 1 or (bias and tuple(bias[0].shape) != (*batch, g, n)):
-        raise ValueError(f"ragged_dot: bias {[b.shape for b in bias]}, expected {(*batch, g, n)}")
+    if len(bias) > 1 or (bias and tuple(bias[0].shape) != (*rbatch, g, n)):
+        raise ValueError(f"ragged_dot: bias {[b.shape for b in bias]}, expected {(*rbatch, g, n)}")
     return jax.core.ShapedArray((*batch, m, n), out_dtype)
 
 
-def _ragged_outer_abstract(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
+def _ragged_outer_abstract(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
     *batch, m, k = lhs.shape
     *rbatch, mr, n = rhs.shape
     if tuple(rbatch) != tuple(batch) or mr != m:
         raise ValueError(f"ragged_outer: lhs {lhs.shape} and rhs {rhs.shape} share [*B, m]")
+    if not 0 <= summed <= len(batch):
+        raise ValueError(f"ragged_outer: {summed=} of the batch dims {tuple(batch)}")
     g = group_sizes.shape[-1]
     _check_groups(group_sizes, batch, g)
     tail = (n, k) if transpose_out else (k, n)
-    return jax.core.ShapedArray((*batch, g, *tail), out_dtype)
+    return jax.core.ShapedArray((*batch[: len(batch) - summed], g, *tail), out_dtype)
 
 
 # Results typed under Explicit mesh axes as the partitioner shards them (ragged_sharding.py).
@@ -354,6 +364,7 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, acti
         zeros = jnp.zeros((*lhs.shape[:-1], n), jnp.float32)
         return P.apply_activation(zeros, activation).astype(out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
+    rhs, bias = _experts_per_batch(lhs, rhs, bias)
     l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _nonnegative(_flat(group_sizes, nb))
     if transpose_rhs:
         r4 = jnp.swapaxes(r4, -1, -2)
@@ -372,11 +383,27 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, acti
     return P.apply_activation(out, activation).astype(out_dtype)
 
 
-def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
+def shared_experts(lhs, rhs) -> bool:
+    """Whether ragged_dot's rhs [g, k, n] is shared by lhs's batches (`_batch`)."""
+    return rhs.ndim == 3 and lhs.ndim > 2
+
+
+def _experts_per_batch(lhs, rhs, bias):
+    """(rhs, bias) broadcast along lhs's batch dims where shared (XLA's ragged dot takes
+    batched operands alike)."""
+    if not shared_experts(lhs, rhs):
+        return rhs, bias
+    batch = lhs.shape[:-2]
+    return (jnp.broadcast_to(rhs, (*batch, *rhs.shape)),
+            tuple(jnp.broadcast_to(x, (*batch, *x.shape)) for x in bias))  # fmt: skip
+
+
+def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
     nb = lhs.ndim - 2
+    kept = lhs.shape[: nb - summed]
     if group_sizes.shape[-1] == 0:
         tail = (rhs.shape[-1], lhs.shape[-1]) if transpose_out else (lhs.shape[-1], rhs.shape[-1])
-        return jnp.zeros((*lhs.shape[:-2], 0, *tail), out_dtype)
+        return jnp.zeros((*kept, 0, *tail), out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _nonnegative(_flat(group_sizes, nb))
     dn = lax.RaggedDotDimensionNumbers(
@@ -391,7 +418,10 @@ def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out):
     out = jnp.moveaxis(out, 0, 1)  # (g, B, k, n) -> (B, g, k, n)
     if transpose_out:
         out = jnp.swapaxes(out, -1, -2)
-    return out.reshape((*lhs.shape[:-2], *out.shape[1:])).astype(out_dtype)
+    out = out.reshape((*lhs.shape[:-2], *out.shape[1:]))
+    if summed:
+        out = out.sum(axis=tuple(range(nb - summed, nb)))
+    return out.astype(out_dtype)
 
 
 def _cuda(xla_fn, name):
@@ -418,16 +448,42 @@ for _prim, _fn, _name in (
 # --- batching: every mapped dim to the front, unmapped operands broadcast -----------------------
 
 
+def _front(x, d, size):
+    """x with its mapped dim `d` moved to the front, or broadcast along a new one (d None)."""
+    return jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+
+
 def _batch(prim, args, dims, **params):
     size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    moved = [
-        jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-        for x, d in zip(args, dims, strict=True)
-    ]
+    moved = [_front(x, d, size) for x, d in zip(args, dims, strict=True)]
     return prim.bind(*moved, **params), 0
 
 
-batching.primitive_batchers[ragged_dot_p] = lambda a, d, **p: _batch(ragged_dot_p, a, d, **p)
+def _batch_ragged_dot(args, dims, **params):
+    """ragged_dot under vmap. Experts that the vmap does not map (rhs [g, k, n], and its bias,
+    unbatched) stay shared by every batch: the kernels read them in place for each batch's
+    groups (`ragged_gpu.fold_rows`), rather than from a copy per batch. Otherwise `_batch`; and
+    experts shared under an inner vmap that this one maps are broadcast along its batch dims."""
+    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    (lhs, rhs, sizes, *bias), (d_lhs, d_rhs, d_sizes, *d_bias) = args, dims
+    if d_rhs is None and rhs.ndim == 3 and all(d is None for d in d_bias):
+        lhs, sizes = _front(lhs, d_lhs, size), _front(sizes, d_sizes, size)
+        return ragged_dot_p.bind(lhs, rhs, sizes, *bias, **params), 0
+    lhs, rhs, sizes, *bias = (_front(x, d, size) for x, d in zip(args, dims, strict=True))
+    batch = lhs.shape[:-2]
+
+    def inner(x):
+        # [size, *tail] -> [*batch, *tail]: the inner vmaps' batch dims added after the first.
+        tail = x.shape[1:]
+        x = x.reshape((size, *(1,) * (len(batch) - 1), *tail))
+        return jnp.broadcast_to(x, (*batch, *tail))
+
+    if rhs.ndim < len(batch) + 3:
+        rhs, bias = inner(rhs), [inner(x) for x in bias]
+    return ragged_dot_p.bind(lhs, rhs, sizes, *bias, **params), 0
+
+
+batching.primitive_batchers[ragged_dot_p] = _batch_ragged_dot
 batching.primitive_batchers[ragged_outer_p] = lambda a, d, **p: _batch(ragged_outer_p, a, d, **p)
 
 
@@ -447,9 +503,11 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_d
         d_lhs = _cotangent(lhs, ragged_dot_p, ct.astype(cd), rhs.astype(cd), group_sizes,
                            transpose_rhs=not transpose_rhs, activation=None)  # fmt: skip
     if ad.is_undefined_primal(rhs):
+        # Experts shared by lhs's batches: their gradient summed over those batches.
+        summed = lhs.ndim + 1 - rhs.aval.ndim
         d_rhs = _cotangent(rhs, ragged_outer_p, lhs.astype(cd), ct.astype(cd),
                            ragged_sharding.group_sizes_like(group_sizes, rhs),
-                           transpose_out=transpose_rhs)  # fmt: skip
+                           transpose_out=transpose_rhs, summed=summed)  # fmt: skip
     return [d_lhs, d_rhs, None]
 
 
@@ -461,12 +519,20 @@ def _cotangent(target, prim, *operands, **params):
     return ragged_sharding.cotangent_like(out.astype(want), target)
 
 
-def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out):
+def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
     # out[i] = lhs_i^T rhs_i: d lhs_i = rhs_i ct[i]^T, d rhs_i = lhs_i ct[i] (per group's rows).
     if type(ct) is ad.Zero:
         return [_zero(lhs), _zero(rhs), None]
     d_lhs = d_rhs = None
     cd = _compute_dtype(lhs, rhs)
+    if summed:
+        # A sum over batches: its cotangent is shared by them (ragged_dot's experts), or
+        # broadcast along them when batch dims outside the sum remain.
+        nb = len(_aval_shape(lhs)) - 2
+        if summed < nb:
+            shape = ct.shape
+            ct = ct.reshape((*shape[: nb - summed], *(1,) * summed, *shape[nb - summed :]))
+            ct = jnp.broadcast_to(ct, (*_aval_shape(lhs)[:nb], *shape[nb - summed :]))
     if ad.is_undefined_primal(lhs):
         d_lhs = _cotangent(lhs, ragged_dot_p, rhs.astype(cd), ct.astype(cd), group_sizes,
                            transpose_rhs=not transpose_out, activation=None)  # fmt: skip
@@ -478,6 +544,10 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
 
 def _zero(x):
     return ad.Zero(x.aval.to_ct_aval()) if ad.is_undefined_primal(x) else None
+
+
+def _aval_shape(x):
+    return x.aval.shape if ad.is_undefined_primal(x) else x.shape
 
 
 def _compute_dtype(x, y):
@@ -501,7 +571,10 @@ def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
         terms.append(prim.bind(lhs, d_rhs, group_sizes, **params))
     if bias and type(d_bias[0]) is not ad.Zero:
         result = out.dtype if _result_dtype is None else _result_dtype
-        rows = _bias_tangent_rows(d_bias[0], group_sizes, lhs.shape[-2], result, like=out)
+        d_b = d_bias[0]
+        if shared_experts(lhs, rhs):  # a bias shared by the batches, as its experts
+            d_b = jnp.broadcast_to(d_b, (*group_sizes.shape[:-1], *d_b.shape))
+        rows = _bias_tangent_rows(d_b, group_sizes, lhs.shape[-2], result, like=out)
         terms.append(ragged_sharding.cotangent_like(rows.astype(out.dtype), out))
     if not terms:
         return out, ad.Zero.from_primal_value(out)

@@ -28,6 +28,7 @@ the float32 product and XLA applies the activation, which means the same.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -46,8 +47,9 @@ def fused_activation() -> bool:
     return os.environ.get(FUSED_ACTIVATION_ENV, "") != "0"
 
 
-def _kernel_problem(name, lhs, rhs, group_sizes, params):
-    """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot."""
+def _kernel_problem(name, lhs, rhs, group_sizes, params, segments=1):
+    """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot
+    (`segments`: ragged_outer's groups summed into each result, `KernelSpec.k_segments`)."""
     if lhs.ndim != 2:
         return f"{name}: batched operands without groups (g = 0) run on XLA's ragged dot"
     if lhs.dtype != rhs.dtype:
@@ -64,7 +66,9 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
         problem = planning.make_problem(
             m, n, k, **dtypes, a_major="k", b_major="k" if t else "n", groups=g, ragged="m"
         )
-        b_mode = ((n, k, g), (k, 1, n * k)) if t else ((n, k, g), (1, n, n * k))
+        # B (N, K, G), or (N, K, E) of E < G experts shared by batches folded in (fold_rows).
+        e = rhs.shape[0]
+        b_mode = ((n, k, e), (k, 1, n * k)) if t else ((n, k, e), (1, n, n * k))
         modes = {"a": ((m, k), (k, 1)), "b": b_mode, "d": ((m, n), (n, 1))}
         # The bias [g, n] as the kernel's (N, G).
         modes["bias"] = ((n, g), (1, n))
@@ -76,20 +80,22 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params):
         problem = planning.make_problem(
             mm, nn, rows, **dtypes, a_major="m", b_major="n", groups=g, ragged="k"
         )
+        out_groups = g // segments
         modes = {
             "a": ((mm, rows), (1, mm)),
             "b": ((nn, rows), (1, nn)),
-            "d": ((mm, nn, g), (nn, 1, mm * nn)),
+            "d": ((mm, nn, out_groups), (nn, 1, mm * nn)),
         }
-        operands, out_shape = (first, second), (g, mm, nn)
+        operands, out_shape = (first, second), (out_groups, mm, nn)
     modes["group_sizes"] = ((g,), (1,))
     return problem, operands, modes, out_shape
 
 
-def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
+def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **params):
     """The CUDA lowering of `name` ("ragged_dot" or "ragged_outer"; `bias`: ragged_dot's, if
     any): the grouped kernel where the plan takes it, else `xla_fn` (XLA's ragged dot),
-    recorded either way (with `_after`, what follows the product, appended to the note)."""
+    recorded either way (with `_after`, what follows the product, appended to the note;
+    `_segments`: a folded ragged_outer's groups summed into each result, `fold_outer`)."""
     target = dispatch.lowering_target()
     if target is None:
         dispatch.record(
@@ -108,7 +114,7 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     if activation is not None and not fused_activation():
         # The kernel's float32 product (with the bias), then XLA's activation and rounding.
         return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
-    made = _kernel_problem(name, lhs, rhs, group_sizes, params)
+    made = _kernel_problem(name, lhs, rhs, group_sizes, params, _segments)
     if isinstance(made, str):
         dispatch.record(dispatch.Lowered(None, _noted(made, _after)))
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
@@ -122,10 +128,12 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", **params):
     from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
     from jax_sm100._src.kernels import family  # noqa: PLC0415
 
+    shared = name == "ragged_dot" and rhs.shape[0] != group_sizes.shape[0]
     spec = KernelSpec(
         a_dtype=plan.a_dtype, b_dtype=plan.b_dtype, out_dtype=plan.out_dtype,
         a_major=plan.a_major, b_major=plan.b_major, activation=activation,
         bias_dtype=np.dtype(bias[0].dtype).name if bias else None,
+        b_groups=int(rhs.shape[0]) if shared else 0, k_segments=_segments,
     )  # fmt: skip
     why = family.family(plan.kernel).why_not(plan, spec) if bias else None
     if why is not None:
@@ -197,8 +205,11 @@ def fold_rows(lhs, rhs, group_sizes, bias):
     """ragged_dot's batched operands (lhs [*B, m, k], rhs [*B, g, ...], sizes [*B, g], bias
     [*B, g, n] or none; g >= 1) as one grouped product: the B x m rows in order, B x g groups
     (batch b's group j is group b g + j, its matrix rhs[b, j]). The rows past a batch's groups
-    join its last group (so no group spans two batches) and are zeroed after. Returns
-    (lhs, rhs, sizes, bias, unfold): unfold maps the product [B m, n] to [*B, m, n]."""
+    join its last group (so no group spans two batches) and are zeroed after. Experts shared
+    by every batch (rhs [g, ...], bias [g, n]: `vmap` of lhs and sizes only) stay as they are,
+    g matrices that group b g + j reads as rhs[j] (`KernelSpec.b_groups`); their bias rows
+    (small) are repeated per batch. Returns (lhs, rhs, sizes, bias, unfold): unfold maps the
+    product [B m, n] to [*B, m, n]."""
     *batch, m, k = lhs.shape
     nb = len(batch)
     b = int(np.prod(batch))
@@ -211,39 +222,78 @@ def fold_rows(lhs, rhs, group_sizes, bias):
         out = out.reshape(b, m, out.shape[-1])
         return jnp.where(rows[..., None], out, 0).reshape(*batch, m, out.shape[-1])
 
-    folded_bias = tuple(x.reshape(b * g, *x.shape[nb + 1 :]) for x in bias)
-    return (lhs.reshape(b * m, k), rhs.reshape(b * g, *rhs.shape[nb + 1 :]),
-            sizes.reshape(b * g), folded_bias, unfold)  # fmt: skip
+    if rhs.ndim == 3:  # shared experts
+        folded_bias = tuple(jnp.tile(x, (b, 1)) for x in bias)
+    else:
+        rhs = rhs.reshape(b * g, *rhs.shape[nb + 1 :])
+        folded_bias = tuple(x.reshape(b * g, *x.shape[nb + 1 :]) for x in bias)
+    return lhs.reshape(b * m, k), rhs, sizes.reshape(b * g), folded_bias, unfold
 
 
-def fold_outer(lhs, rhs, group_sizes):
+def fold_outer(lhs, rhs, group_sizes, summed=0):
     """ragged_outer's batched operands (lhs [*B, m, k], rhs [*B, m, n], sizes [*B, g]) as one
     grouped product: the B x m rows in order, B x (g + 1) groups, batch b's groups then one
-    more for its rows past them (computed and dropped). Returns (lhs, rhs, sizes, unfold):
-    unfold maps the product [B (g + 1), ...] to [*B, g, ...]."""
+    more for its rows past them (computed and dropped). The `summed` innermost batch dims
+    (S batches in all) go first, so that the groups are S runs of the same (K (g + 1))
+    results, which the kernel sums (`KernelSpec.k_segments`; the other batch dims, K in all,
+    are moved after them: a copy). Returns (lhs, rhs, sizes, unfold, S): unfold maps the
+    product [K (g + 1), ...] to [*B[:-summed], g, ...]."""
     *batch, m, k = lhs.shape
+    nb, g = len(batch), group_sizes.shape[-1]
+    if summed and summed < nb:
+        order = (*range(nb - summed, nb), *range(nb - summed))
+        lhs, rhs = (jnp.transpose(x, (*order, nb, nb + 1)) for x in (lhs, rhs))
+        group_sizes = jnp.transpose(group_sizes, (*order, nb))
+    kept = tuple(batch[: nb - summed])
+    segments = int(np.prod(batch[nb - summed :]))
     b = int(np.prod(batch))
-    g = group_sizes.shape[-1]
     sizes, filled = _saturated_sizes(group_sizes.reshape(b, g), m)
     sizes = jnp.concatenate([sizes, (m - filled)[:, None]], axis=1)
 
     def unfold(out):
-        return out.reshape(b, g + 1, *out.shape[1:])[:, :g].reshape(*batch, g, *out.shape[1:])
+        out = out.reshape(-1, g + 1, *out.shape[1:])[:, :g]
+        return out.reshape(*kept, g, *out.shape[2:])
 
     return (lhs.reshape(b * m, k), rhs.reshape(b * m, rhs.shape[-1]), sizes.reshape(b * (g + 1)),
-            unfold)  # fmt: skip
+            unfold, segments)  # fmt: skip
 
 
 def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
     """`lower` of batched operands (vmap) as one unbatched grouped product (`fold_rows`,
     `fold_outer`), noted as such."""
-    batch = lhs.shape[:-2]
-    note = _noted(f"vmap: {int(np.prod(batch))} batches folded into one grouped product", after)
+    b = int(np.prod(lhs.shape[:-2]))
+    note = f"vmap: {b} batches folded into one grouped product"
     if name == "ragged_dot":
+        if rhs.ndim == 3:
+            note += f" (its {rhs.shape[0]} experts shared, read by each batch's groups)"
+            xla_fn = functools.partial(_on_copied_experts, xla_fn, b)
         lhs, rhs, sizes, bias, unfold = fold_rows(lhs, rhs, group_sizes, bias)
+        segments = 1
     else:
-        lhs, rhs, sizes, unfold = fold_outer(lhs, rhs, group_sizes)
-    return unfold(lower(name, xla_fn, lhs, rhs, sizes, *bias, _after=note, **params))
+        lhs, rhs, sizes, unfold, segments = fold_outer(lhs, rhs, group_sizes,
+                                                       params.get("summed", 0))  # fmt: skip
+        params = dict(params, summed=0)
+        if segments > 1:
+            note += f", {segments} of them summed in the kernel's accumulators"
+            xla_fn = functools.partial(_summed_segments, xla_fn, segments)
+    note = _noted(note, after)
+    return unfold(lower(name, xla_fn, lhs, rhs, sizes, *bias, _after=note, _segments=segments,
+                        **params))  # fmt: skip
+
+
+def _on_copied_experts(xla_fn, b, lhs, rhs, sizes, *bias, **params):
+    """`xla_fn` (XLA's ragged dot, where no kernel takes a folded product) on shared experts
+    copied once per batch, as its folded groups read them."""
+    return xla_fn(lhs, jnp.tile(rhs, (b, 1, 1)), sizes, *bias, **params)
+
+
+def _summed_segments(xla_fn, segments, lhs, rhs, sizes, **params):
+    """`xla_fn` (XLA's ragged dot, where no kernel takes a folded ragged_outer) on runs of
+    groups summed `segments` at a time, as the kernel's `KernelSpec.k_segments` sums them: in
+    the accumulator dtype, rounded once."""
+    out_dtype = params["out_dtype"]
+    out = xla_fn(lhs, rhs, sizes, **dict(params, out_dtype=P.acc_dtype(lhs.dtype, out_dtype)))
+    return out.reshape(segments, -1, *out.shape[1:]).sum(0).astype(out_dtype)
 
 
 def _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, after, why=None):

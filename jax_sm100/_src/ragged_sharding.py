@@ -11,8 +11,10 @@ Background / Algorithm. Factors, by dim:
     ragged_dot    lhs [*b, m, k]  rhs [*b, g, k, n] ([*b, g, n, k])  gs [*b, g]  -> [*b, m, n]
     ragged_outer  lhs [*b, m, k]  rhs [*b, m, n]  gs [*b, g]  -> [*b, g, k, n] ([*b, g, n, k])
 
-ragged_dot's reduction factors are k and g (a row's result is the sum over experts of the row's
-product with each, all but one zero); ragged_outer's is m. Every device needs the global group
+(ragged_dot's rhs and bias without *b when the batches share them; ragged_outer's result
+without the batch dims it sums, `summed`.) ragged_dot's reduction factors are k and g (a row's
+result is the sum over experts of the row's product with each, all but one zero);
+ragged_outer's is m, and the batch dims it sums. Every device needs the global group
 sizes (the rows of group i start at the sum of the sizes before it), so the group sizes are
 always asked for whole along g (an all-gather of g int32 when they come split over an axis;
 nothing when they are replicated, as router outputs computed from replicated tokens are).
@@ -166,9 +168,11 @@ def out_sharding(name: str, lhs, rhs, group_sizes, params):
 
     parts = [spec(lhs, i) for i in range(nb)]
     if name == "ragged_dot":
-        n_dim = nb + (1 if params["transpose_rhs"] else 2)  # rhs [*b, g, k, n] or [*b, g, n, k]
+        # rhs [*b, g, k, n] or [*b, g, n, k], its *b absent when shared by the batches.
+        n_dim = rhs.ndim - (2 if params["transpose_rhs"] else 1)
         parts += [spec(lhs, nb), spec(rhs, n_dim)]
     else:
+        del parts[nb - params.get("summed", 0) :]
         k, n = spec(lhs, nb + 1), spec(rhs, nb + 1)
         parts += [spec(group_sizes, nb), *((n, k) if params["transpose_out"] else (k, n))]
     used = set()
@@ -204,7 +208,8 @@ def group_sizes_like(group_sizes, rhs):
         return group_sizes
     nb = group_sizes.ndim - 1
     spec = tuple(jax.typeof(group_sizes).sharding.spec)
-    g_axes = sharding._axes(want.spec[nb] if nb < len(want.spec) else None)
+    g_at = len(_aval(rhs).shape) - 3  # rhs [*b, g, ., .], or [g, ., .] shared by the batches
+    g_axes = sharding._axes(want.spec[g_at] if g_at < len(want.spec) else None)
     batch = [tuple(a for a in sharding._axes(e) if a not in g_axes) for e in spec[:nb]]
     parts = (*map(sharding._entry, batch), sharding._entry(g_axes))
     target = want.update(spec=jax.sharding.PartitionSpec(*parts))
@@ -225,9 +230,13 @@ def whole_groups(per_group, axis: int = 0):
     return jax.sharding.reshard(per_group, have.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
+def _aval(x):
+    return x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
+
+
 def explicit_type(x):
     """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
-    aval = x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
+    aval = _aval(x)
     return aval.sharding if _explicit_mesh(aval) else None
 
 
@@ -301,27 +310,33 @@ class _Roles:
     operands: tuple[tuple[str, ...], ...]
     result: tuple[str, ...]
     sizes: tuple[tuple[str, int], ...]
+    # ragged_outer's batch dims summed into its result (`summed`): reductions too.
+    summed: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, name, avals_in, out_shape, params) -> _Roles:
         nb = len(avals_in[0].shape) - 2
         b = tuple(f"b{i}" for i in range(nb))
+        summed = ()
         if name == "ragged_dot":
             w = ("g", "n", "k") if params["transpose_rhs"] else ("g", "k", "n")
-            operands = ((*b, "m", "k"), (*b, *w), (*b, "g"), (*b, "g", "n"))[: len(avals_in)]
+            rb = b if len(avals_in[1].shape) > 3 else ()  # experts shared by the batches: none
+            operands = ((*b, "m", "k"), (*rb, *w), (*b, "g"), (*rb, "g", "n"))[: len(avals_in)]
             result = (*b, "m", "n")
         else:
             operands = ((*b, "m", "k"), (*b, "m", "n"), (*b, "g"))
-            result = (*b, "g", *(("n", "k") if params["transpose_out"] else ("k", "n")))
+            summed = b[nb - params.get("summed", 0) :]
+            result = (*b[: nb - len(summed)], "g",
+                      *(("n", "k") if params["transpose_out"] else ("k", "n")))  # fmt: skip
         sizes = {}
         shapes = (*(a.shape for a in avals_in), out_shape)
         for dims, shape in zip((*operands, result), shapes, strict=True):
             sizes.update(zip(dims, shape, strict=True))
-        return cls(name, operands, result, tuple(sorted(sizes.items())))
+        return cls(name, operands, result, tuple(sorted(sizes.items())), summed)
 
     @property
     def reductions(self) -> tuple[str, ...]:
-        return _REDUCTIONS[self.name]
+        return (*_REDUCTIONS[self.name], *self.summed)
 
     def size(self, factor: str) -> int:
         return dict(self.sizes)[factor]

@@ -7,9 +7,14 @@ launch is CUDA-graph safe):
 
 * "m" (ragged_dot, and its d lhs): A (M, K) holds every group's rows, one after another; B
   (N, K, G) one matrix per group; D (M, N). Group j's rows [s_j, s_j + g_j) times B[j].
-  Rows past the last group are written as zeros.
+  Rows past the last group are written as zeros. With `KernelSpec.b_groups` (E < G) B is
+  (N, K, E) and group j's rows take B[j mod E]: batches of rows folded into one call
+  (ragged_dot under vmap) that share one set of experts.
 * "k" (ragged_dot's d rhs): A (M, K) and B (N, K) both hold every group's rows along K; D
-  (M, N, G). D[j] is the product over group j's rows only (zero for an empty group).
+  (M, N, G). D[j] is the product over group j's rows only (zero for an empty group). With
+  `KernelSpec.k_segments` S > 1, D is (M, N, G / S) and D[j] the product over the rows of the
+  S groups j, j + G / S, ... (its segments): one work tile runs all their k-blocks into one
+  accumulator (the weight gradient of experts shared by batches folded in, summed over them).
 
 Everything that does not depend on the tensor-core generation is here, in `GroupedGemm` (a
 mixin each family puts before its dense kernel class) and two functions:
@@ -122,6 +127,9 @@ class GroupedGemm:
         self.m_first = bool(plan.raster_along_m)
         # Work tiles claimed from a counter (the `_work_ring` protocol) instead of round-robin.
         self.dynamic = bool(plan.dynamic_tiles)
+        # "k" mode: the groups summed into each D (`KernelSpec.k_segments`), and the D count.
+        self.segments = self.spec.k_segments
+        self.out_groups = self.groups // self.segments
 
     @classmethod
     def why_not(cls, plan, spec: KernelSpec) -> str | None:
@@ -141,6 +149,12 @@ class GroupedGemm:
             return "ragged rows need a K-major A"
         if plan.ragged == "k" and (spec.a_major != "m" or spec.b_major != "n"):
             return "a ragged contraction takes A M-major and B N-major (rows outermost)"
+        if spec.b_groups and (plan.ragged != "m" or plan.groups % spec.b_groups):
+            return (f"B of {spec.b_groups} matrices for {plan.groups} groups: ragged-rows plans "
+                    "whose groups are a multiple of them only")  # fmt: skip
+        if spec.k_segments > 1 and (plan.ragged != "k" or plan.groups % spec.k_segments):
+            return (f"{spec.k_segments} segments of {plan.groups} groups: ragged-contraction "
+                    "plans whose groups are a multiple of them only")  # fmt: skip
         return super().why_not(plan, spec)
 
     @classmethod
@@ -173,7 +187,7 @@ class GroupedGemm:
                 k = cute.sym_int(divisibility=max(div(spec.a_dtype), div(spec.b_dtype)))
             a = fake(spec.a_dtype, (m, k), (1, 0))
             # B (N, K, G): the rhs [G, K, N] (N-major) or [G, N, K] (K-major).
-            b = fake(spec.b_dtype, (n, k, g), (0, 1, 2) if b_n else (1, 0, 2))
+            b = fake(spec.b_dtype, (n, k, spec.b_groups or g), (0, 1, 2) if b_n else (1, 0, 2))
             d = fake(spec.out_dtype, (m, n), (1, 0))
             if spec.has_bias:
                 # ragged_dot's bias [G, N] as (N, G), read per element (no TMA).
@@ -188,7 +202,7 @@ class GroupedGemm:
             k = cute.sym_int()
             a = fake(spec.a_dtype, (m, k), (0, 1))
             b = fake(spec.b_dtype, (n, k), (0, 1))
-            d = fake(spec.out_dtype, (m, n, g), (1, 0, 2))
+            d = fake(spec.out_dtype, (m, n, g // spec.k_segments), (1, 0, 2))
         counter = None
         if plan.dynamic_tiles:
             counter = make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
@@ -212,8 +226,16 @@ class GroupedGemm:
             extent = a.shape[1]
             tiles_n = cute.ceil_div(d.shape[1], tn)
             tiles_m = cute.ceil_div(d.shape[0], tm)
-            max_work = tiles_m * tiles_n * self.groups
+            max_work = tiles_m * tiles_n * self.out_groups
         return a_view, b_view, d_view, extent, tiles_m, tiles_n, max_work
+
+    @cute.jit
+    def _group_b(self, mB: cute.Tensor, group) -> cute.Tensor:
+        """Ragged-rows mode: the (N, K) matrix of B that `group`'s rows multiply: B[group], or
+        B[group mod b_groups] when B holds fewer (`KernelSpec.b_groups`)."""
+        if cutlass.const_expr(self.spec.b_groups != 0):
+            group = group % self.spec.b_groups
+        return mB[(None, None, group)]
 
     def _table_field(self):
         """The group table's shared-memory field (`_build_table`'s layout)."""
@@ -404,7 +426,7 @@ class GroupedGemm:
     @cute.jit
     def _num_work(self, sched):
         table, tiles_m, tiles_n, _ = sched
-        num = tiles_m * tiles_n * self.groups
+        num = tiles_m * tiles_n * self.out_groups
         if cutlass.const_expr(self.ragged == "m"):
             num = table[2 * self.groups + 3]
         return num
@@ -450,18 +472,35 @@ class GroupedGemm:
             m_local = local // tiles_n
             n_tile = local - m_local * tiles_n
         m_tile = m_local * self.pair + rank
+        # "k" mode: an empty group's tile stores zeros (with segments, those that all are).
         zeros = rows == 0
+        if cutlass.const_expr(self.ragged == "k" and self.segments > 1):
+            zeros = False
         if cutlass.const_expr(self.ragged == "m"):
             zeros = group == g
         return group, start, rows, m_tile, n_tile, zeros
 
     @cute.jit
-    def _k_tiles(self, sched, rows, zeros):
-        """The k-blocks of a work tile: K's in "m" mode, its group's rows' in "k" mode."""
+    def _k_tiles(self, sched, group, rows, zeros):
+        """The k-blocks of a work tile of `group` (`rows`, `zeros`: `_work`'s): K's in "m"
+        mode, its group's rows' in "k" mode, or its segments' (`_segment`) together."""
         tk = self.work_tile[2]
         n_k = (sched[3] + tk - 1) // tk
         if cutlass.const_expr(self.ragged == "k"):
             n_k = (rows + tk - 1) // tk
+            if cutlass.const_expr(self.segments > 1):
+                for s in cutlass.range(1, self.segments, unroll=1):
+                    _, more = self._segment(sched, group, s)
+                    n_k += (more + tk - 1) // tk
         if zeros:
             n_k = 0
         return n_k
+
+    @cute.jit
+    def _segment(self, sched, group, s):
+        """In "k" mode, (first row, rows) of segment `s` of D[`group`]: group s x G / S + group's
+        (`KernelSpec.k_segments`; segment 0 is `_work`'s start and rows)."""
+        table = sched[0]
+        q = s * self.out_groups + group
+        start = table[q]
+        return start, table[q + 1] - start

@@ -293,6 +293,8 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
             return f"{plan.arch=}, {plan.kernel=}: not an sm_100a block-scaled plan"
         if spec.d_major != "n":
             return f"spec.d_major={spec.d_major!r}: sm_100a kernels store D N-major only"
+        if spec.b_groups or spec.k_segments > 1:
+            return "b_groups and k_segments are for grouped plans (kernels/grouped.py)"
         for field in ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major"):
             got, want = getattr(plan, field), getattr(spec, field)
             if got != want:

@@ -709,6 +709,8 @@ class Sm100GemmKernel(family.KernelFamily):
             got, want = getattr(plan, field), getattr(spec, field)
             if got != want:
                 return f"plan.{field}={got!r} but spec.{field}={want!r}"
+        if (spec.b_groups or spec.k_segments > 1) and not plan.groups:
+            return "b_groups and k_segments are for grouped plans (kernels/grouped.py)"
         if spec.preact_out and not plan.preact_out:
             return "spec.preact_out needs a plan with preact_out (its Z staging in SMEM)"
         ops = constraints.KERNEL_OPERAND_DTYPES["sm_100a"]

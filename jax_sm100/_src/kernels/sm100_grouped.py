@@ -239,18 +239,24 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
                 mask_b = cpasync.create_tma_multicast_mask(cluster, coord_vmnk, mcast_mode=1)
             w = first
             published = self._produce_first(work, w)
+            loads = (tma_atom_a, mA, sA, tAsA, tma_atom_b, mB, sB, tBsB, mask_b, thr_mma,
+                     cluster, coord_vmnk)  # fmt: skip
+            tk = self.work_tile[2]
             while w < num:
                 group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
-                n_k = self._k_tiles(sched, rows, zeros)
-                _, tAgA, _, tBgB = self._ab_tiles(
-                    tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows, cluster,
-                    coord_vmnk,
-                )  # fmt: skip
-                ab_producer.reset()
-                ab_producer = self._load_k_tiles(
-                    ab_producer, n_k, (tma_atom_a, tAgA[(None, m_tile, None)], tAsA, None),
-                    (tma_atom_b, tBgB[(None, n_tile, None)], tBsB, mask_b),
-                )  # fmt: skip
+                if cutlass.const_expr(self.segments > 1):
+                    # The k-blocks of every segment of the tile's D, one after another.
+                    for s in cutlass.range(self.segments, unroll=1):
+                        s_start, s_rows = self._segment(sched, group, s)
+                        ab_producer = self._load_group_k_tiles(
+                            loads, ab_producer, group, s_start, s_rows, m_tile, n_tile,
+                            (s_rows + tk - 1) // tk,
+                        )  # fmt: skip
+                else:
+                    n_k = self._k_tiles(sched, group, rows, zeros)
+                    ab_producer = self._load_group_k_tiles(
+                        loads, ab_producer, group, start, rows, m_tile, n_tile, n_k
+                    )
                 w, published = self._produce_next(work, published, w, stride)
             ab_producer.tail()
 
@@ -266,8 +272,8 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             k_blocks = cute.size(tCrA, mode=[2])
             w, taken = self._take_first(work, first)
             while w < num:
-                _, _, rows, _, _, zeros = self._work(sched, w)
-                n_k = self._k_tiles(sched, rows, zeros)
+                group, _, rows, _, _, zeros = self._work(sched, w)
+                n_k = self._k_tiles(sched, group, rows, zeros)
                 # A tile with no k-blocks takes no accumulator stage (its epilogue stores zeros).
                 if n_k > 0:
                     acc_stage = acc[(None, None, None, acc_state.index)]
@@ -303,7 +309,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
             w, taken = self._take_first(work, first)
             while w < num:
                 group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, m_rank)
-                n_k = self._k_tiles(sched, rows, zeros)
+                n_k = self._k_tiles(sched, group, rows, zeros)
                 d_tiles, tile = None, (m_tile, n_tile, group)
                 if cutlass.const_expr(self.ragged == "m"):
                     _, d_tiles = self._d_tiles(tma_atom_d, mD, sD, thr_mma, epi_tile, start, rows)
@@ -327,6 +333,21 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
     # ---------------------------------------------------------------- per work tile
 
     @cute.jit
+    def _load_group_k_tiles(self, loads, ab_producer, group, start, rows, m_tile, n_tile, n_k):
+        """The TMA warp's loads of `n_k` k-blocks of a work tile of `group` whose ragged extent
+        is [start, start + rows). Returns the advanced producer."""
+        tma_atom_a, mA, sA, tAsA, tma_atom_b, mB, sB, tBsB, mask_b, thr_mma, cluster, vmnk = loads
+        _, tAgA, _, tBgB = self._ab_tiles(
+            tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows, cluster, vmnk
+        )
+        # The producer's count indexes the k-blocks of this extent from its first.
+        ab_producer.reset()
+        return self._load_k_tiles(
+            ab_producer, n_k, (tma_atom_a, tAgA[(None, m_tile, None)], tAsA, None),
+            (tma_atom_b, tBgB[(None, n_tile, None)], tBsB, mask_b),
+        )  # fmt: skip
+
+    @cute.jit
     def _ab_tiles(self, tma_atom_a, mA, sA, tma_atom_b, mB, sB, thr_mma, group, start, rows,
                   cluster, coord_vmnk):  # fmt: skip
         """The TMA partitions of A and B for a tile of `group` (rows [start, start + rows) of
@@ -335,7 +356,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         share of the box for all of them (the dense family's partition)."""
         if cutlass.const_expr(self.ragged == "m"):
             a_mk = ragged_slice(mA, 0, start, rows)
-            b_nk = mB[(None, None, group)]
+            b_nk = self._group_b(mB, group)
         else:
             a_mk = ragged_slice(mA, 1, start, rows)
             b_nk = ragged_slice(mB, 1, start, rows)

@@ -186,6 +186,8 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         tm, tn, tk = plan.cta_tile_mnk
         if plan.arch != "sm_90a":
             return f"{plan.arch=} is not sm_90a"
+        if (spec.b_groups or spec.k_segments > 1) and not plan.groups:
+            return "b_groups and k_segments are for grouped plans (kernels/grouped.py)"
         if tm not in SUPPORTED_TILE_M or tn not in SUPPORTED_TILE_N:
             return f"cta tile {tm}x{tn} not in {SUPPORTED_TILE_M} x {SUPPORTED_TILE_N}"
         if spec.a_dtype not in common.CUTLASS_DTYPES or spec.b_dtype not in common.CUTLASS_DTYPES:

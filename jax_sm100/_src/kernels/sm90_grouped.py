@@ -192,39 +192,57 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     @cute.jit
     def _produce_grouped(self, ab_pipe, sched, tma_a, mA, sA, tma_b, mB, sB, rank, b_mask,
                          work):  # fmt: skip
-        tm, tn, tk = self.tile_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
         w, end, stride = self._work_range(sched)
         published = self._produce_first(work, w)
         sAg = cute.group_modes(sA, 0, 2)
         sBg = cute.group_modes(sB, 0, 2)
+        loads = (ab_pipe, tma_a, mA, sAg, tma_b, mB, sBg, rank, b_mask)
+        tk = self.work_tile[2]
         while w < end:
             group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, rank)
-            if cutlass.const_expr(self.ragged == "m"):
-                a_mk = ragged_slice(mA, 0, start, rows)
-                b_nk = mB[(None, None, group)]
+            if cutlass.const_expr(self.segments > 1):
+                # The k-blocks of every segment of the tile's D, one after another.
+                for s in cutlass.range(self.segments, unroll=1):
+                    s_start, s_rows = self._segment(sched, group, s)
+                    state = self._load_k_blocks(loads, state, group, s_start, s_rows, m_tile,
+                                                n_tile, (s_rows + tk - 1) // tk)  # fmt: skip
             else:
-                a_mk = ragged_slice(mA, 1, start, rows)
-                b_nk = ragged_slice(mB, 1, start, rows)
-            gA = cute.local_tile(a_mk, (tm, tk), (m_tile, None))
-            gB = cute.local_tile(b_nk, (tn, tk), (n_tile, None))
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), sAg, cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, rank, cute.make_layout(self.pair), sBg, cute.group_modes(gB, 0, 2)
-            )
-            n_k = self._k_tiles(sched, rows, zeros)
-            for kt in range(n_k):
-                common.acquire_empty(ab_pipe, state)
-                barrier = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
-                cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
-                          mcast_mask=b_mask)  # fmt: skip
-                ab_pipe.producer_commit(state)
-                state.advance()
+                n_k = self._k_tiles(sched, group, rows, zeros)
+                state = self._load_k_blocks(loads, state, group, start, rows, m_tile, n_tile, n_k)
             w, published = self._produce_next(work, published, w, stride)
         ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def _load_k_blocks(self, loads, state, group, start, rows, m_tile, n_tile, n_k):
+        """The producer warp's loads of `n_k` k-blocks of a work tile of `group` whose ragged
+        extent is [start, start + rows), into the stages from `state`. Returns the state
+        advanced past them."""
+        ab_pipe, tma_a, mA, sAg, tma_b, mB, sBg, rank, b_mask = loads
+        tm, tn, tk = self.tile_mnk
+        if cutlass.const_expr(self.ragged == "m"):
+            a_mk = ragged_slice(mA, 0, start, rows)
+            b_nk = self._group_b(mB, group)
+        else:
+            a_mk = ragged_slice(mA, 1, start, rows)
+            b_nk = ragged_slice(mB, 1, start, rows)
+        gA = cute.local_tile(a_mk, (tm, tk), (m_tile, None))
+        gB = cute.local_tile(b_nk, (tn, tk), (n_tile, None))
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), sAg, cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, rank, cute.make_layout(self.pair), sBg, cute.group_modes(gB, 0, 2)
+        )
+        for kt in range(n_k):
+            common.acquire_empty(ab_pipe, state)
+            barrier = ab_pipe.producer_get_barrier(state)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
+                      mcast_mask=b_mask)  # fmt: skip
+            ab_pipe.producer_commit(state)
+            state.advance()
+        return state
 
     # ---------------------------------------------------------------- consumers
 
@@ -274,7 +292,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         tiles_done = cutlass.Int32(0)
         while w < end:
             group, start, rows, m_tile, n_tile, zeros = self._work(sched, w, rank)
-            n_k = self._k_tiles(sched, rows, zeros)
+            n_k = self._k_tiles(sched, group, rows, zeros)
             if cutlass.const_expr(self.pingpong):
                 my_turn.arrive_and_wait()
             # The main loop and its final wait run on every path, as in the dense kernel (a
@@ -366,8 +384,8 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
     @cute.jit
     def _skip(self, sched, w, read, release):
         """(read, release) advanced past the stages of work tile `w` (another warp group's)."""
-        _, _, rows, _, _, zeros = self._work(sched, w)
-        n_k = self._k_tiles(sched, rows, zeros)
+        group, _, rows, _, _, zeros = self._work(sched, w)
+        n_k = self._k_tiles(sched, group, rows, zeros)
         for _ in range(n_k):
             read.advance()
             release.advance()

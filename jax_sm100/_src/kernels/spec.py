@@ -18,6 +18,13 @@ the tiles pad the caller's n less) writes the caller's row-major [l, m, n]: the 
 the caller's n and its N the caller's m. SM90 dense plans only, without C.
 
 An operand whose `*_batched` flag is False has batch stride 0: one matrix shared by every batch.
+A grouped kernel (kernels/grouped.py) in ragged-rows mode with `b_groups` set holds that many
+matrices in B, fewer than its plan's groups: group j reads B[j mod b_groups] (ragged_dot under
+`vmap` with experts shared by every batch, `ragged_gpu.fold_rows`: no copy of them per batch).
+In ragged-contraction mode `k_segments` S > 1 sums runs of groups into one D: the plan's G
+groups are S runs of G / S, and D[j] is the product over the rows of groups j, j + G / S, ...
+(the weight gradient of those shared experts, summed over the batches in the accumulators).
+
 The host entry point of every kernel takes `(a, b, d, c, bias, z, ..., stream)` with `None` for
 an absent `c`, `bias` or `z` (the SM90 family also takes its stream-K workspace before the stream).
 
@@ -63,8 +70,14 @@ class KernelSpec:
     preact_out: bool = False
     act_grad: str | None = None
     d_major: str = "n"
+    b_groups: int = 0
+    k_segments: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.b_groups, int) or self.b_groups < 0:
+            raise ValueError(f"{self.b_groups=} must be an int >= 0 (0: one B per group)")
+        if not isinstance(self.k_segments, int) or self.k_segments < 1:
+            raise ValueError(f"{self.k_segments=} must be an int >= 1 (1: one D per group)")
         if self.a_major not in A_MAJORS:
             raise ValueError(f"{self.a_major=} must be one of {A_MAJORS}")
         if self.b_major not in B_MAJORS:
