@@ -93,7 +93,7 @@ _BIASED = jax.jit(_biased)
 def _biased_composed(a, w, s, c):
     z = jax_sm100.ragged_dot(a, w, s, preferred_element_type=jnp.float32)
     z = z + ragged.group_rows(c, s, a.shape[0])
-    return jax.nn.gelu(z, approximate=True).astype(a.dtype)
+    return jax.nn.gelu(z, approximate=True).astype(out_dtype(a.dtype))
 
 
 # Its vjp with respect to lhs, rhs and the bias (gelu' needs the forward's float32 product).

@@ -737,6 +737,13 @@ class RaggedDotTest(parameterized.TestCase):
         )(lhs, rhs))  # fmt: skip
         self.assertNotIn("ragged_dot_general", jaxpr)
         self.assertIn("jax_sm100_ragged_dot", jaxpr)
+        # The primitive takes both as bfloat16, so the 16-bit grouped kernel runs them.
+        self.assertRegex(jaxpr, r"bf16\[16,32\] = convert_element_type\[new_dtype=bfloat16")
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                _export(jax.jit(lambda a, b: jax_sm100.ragged_dot(a, b, sizes)), lhs, rhs)
+        self.assertEqual([(x.plan.a_dtype, x.plan.b_dtype) for x in seen if x.plan],
+                         [("bfloat16", "bfloat16")], seen)  # fmt: skip
 
     def test_group_sizes_clamp_in_their_own_dtype(self):
         # Sizes past int32 saturate at m instead of wrapping; negative sizes are empty groups

@@ -346,7 +346,9 @@ def _wgrad_operands(a, g, transpose_a, transpose_b):
 def cotangent_product_dtype(want: np.dtype) -> np.dtype:
     """The dtype a backward product writes the cotangent of an operand of dtype `want` in:
     `want` itself where an epilogue writes it, else bfloat16 (an fp8 operand's cotangent,
-    converted to fp8 after the product, as XLA's dot gives it)."""
+    converted to fp8 after the product, as XLA's dot gives it). The fp8 cotangent is so
+    rounded twice (float32 to bfloat16 to fp8): within one fp8 step of the float32 sum, and
+    half the bytes of a float32 product."""
     want = np.dtype(want)
     return want if want.name in (*C.KERNEL_OUT_DTYPES, "float64") else np.dtype(jnp.bfloat16)
 

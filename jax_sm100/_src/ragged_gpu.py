@@ -11,8 +11,11 @@ plan_call` decides, one compiled binary (`compile_plan`, the family `plan.kernel
 call of the same FFI handler the dense kernels use, with the group sizes as a device buffer.
 Batched operands (vmap: every operand with the same leading dims, `ragged._batch`) fold into
 one grouped product of B x g groups over the B x m rows (`fold_rows`, `fold_outer`), so they run
-on the kernels too. Mixed dtypes and anything the planner sends to XLA (`plan.reason`) run on
-XLA's ragged dot; every lowering is recorded (`jax_sm100.lowerings()`).
+on the kernels too; experts shared by the batches are read in place (`KernelSpec.b_groups`), and
+their gradient summed over the batches in the kernel (`KernelSpec.k_segments`). On sm_90a, fp8
+experts [g, k, n] are transposed by XLA for the K-major fp8 kernel (`_k_major_experts_only`).
+Mixed dtypes and anything the planner sends to XLA (`plan.reason`) run on XLA's ragged dot;
+every lowering is recorded (`jax_sm100.lowerings()`).
 
 A plan with `dynamic_tiles` (kernels/grouped.py) takes one more operand, its tile counter: zeros
 aliased to a second result, so every launch starts from zero.
@@ -104,6 +107,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     if lhs.ndim > 2 and group_sizes.shape[-1] > 0:
         return _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
+    # What XLA's ragged dot takes where no kernel runs: the operands as given, noted as such.
+    as_given = (rhs, params, _after)
     if _k_major_experts_only(name, target, lhs, rhs, params):
         # sm_90a's fp8 wgmma reads B K-major: the experts [g, k, n] as [g, n, k], transposed by
         # XLA (in a training step, in one fusion with the quantization that made them).
@@ -116,12 +121,14 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
         return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
     made = _kernel_problem(name, lhs, rhs, group_sizes, params, _segments)
     if isinstance(made, str):
+        rhs, params, _after = as_given
         dispatch.record(dispatch.Lowered(None, _noted(made, _after)))
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     problem, operands, modes, out_shape = made
     decision = dispatch.plan_call(problem, target)
     plan = decision.plan
     if plan.kernel == planning.KERNEL_XLA:
+        rhs, params, _after = as_given
         dispatch.record(dispatch.Lowered(plan, _noted(f"{name}: {plan.reason}", _after)))
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415

@@ -143,7 +143,7 @@ def grouped_support(common) -> str | None:
         return f"XLA ragged dot: {g} groups (the grouped kernel takes up to {MAX_GROUPS})"
     if rows >= MAX_GROUPED_ROWS:
         return f"XLA ragged dot: {rows} rows (the grouped kernel takes fewer than 2^30)"
-    if common["arch"] == "sm_90a" and C.DTYPE_BITS[common["a_dtype"]] == 8 and ragged == "k":
+    if grouped_b_k_major_only(common["arch"], common["a_dtype"]) and ragged == "k":
         return (
             "XLA ragged dot: the weight gradient of fp8 operands would need M- and N-major "
             "fp8 wgmma, which sm_90a does not have"
