@@ -394,6 +394,31 @@ class GradTest(RaggedCase):
         reduced = [line for line in hlo.splitlines() if re.search(r"\sall-reduce(-start)?\(", line)]
         self.assertFalse([line for line in reduced if whole in line], reduced)
 
+    @parameterized.named_parameters(
+        ("replicated", PS(), ("data",), ()),
+        ("split", PS("model"), ("model", "model", "data"), ("model",)),
+    )
+    def test_experts_shared_under_vmap(self, rhs_spec, reduced, gathered):
+        # vmap over batches of rows (split over "data") with one set of experts: the experts'
+        # gradient is the batches' sum, one reduction over "data" (the batches a device holds
+        # summed in its product); experts split over "model" reduce the forward and the input
+        # gradient there too, and gather the group sizes for the gradient's split (as
+        # `test_experts`).
+        lhs, _ = operands(38, batch=(4,))
+        _, rhs = operands(39)
+        sizes = jnp.stack([groups(40 + i) for i in range(4)])
+        shared = jax.vmap(jax_sm100.ragged_dot, (0, None, 0))
+
+        def reference(a, b, s):
+            return jnp.stack([reference_dot(a[i], b, s[i]) for i in range(4)])
+
+        got, _ = self.check(grads(shared), (lhs, rhs, sizes), (PS("data"), rhs_spec, PS("data")),
+                            counts(all_reduce=reduces(*reduced), all_gather=reduces(*gathered)),
+                            reference=grads(reference),
+                            grad=True)  # fmt: skip
+        for g, spec in zip(got, (PS("data"), rhs_spec), strict=True):
+            self.assertEqual(same_spec(g.sharding.spec), same_spec(spec))
+
     def test_k(self):
         # Only the forward reduces: both gradients keep k split.
         self.check_grads(

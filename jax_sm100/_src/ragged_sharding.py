@@ -350,10 +350,12 @@ class _Roles:
         if len(self.operands) > 3:
             *batch, _, _ = self.operands[3]
             operands.append(ArrayMapping(*batch, *own))
+        # Shardy wants the reduction factors in the order the rule first names them.
+        named = [f for dims in (*self.operands, self.result) for f in dims]
         return SdyShardingRule(
             operand_mappings=tuple(operands),
             result_mappings=(ArrayMapping(*self.result),),
-            reduction_factors=self.reductions,
+            reduction_factors=tuple(sorted(self.reductions, key=named.index)),
             need_replication_factors=own if len(self.operands) > 3 else (),
         )
 
