@@ -15,7 +15,7 @@ from absl.testing import absltest, parameterized
 from jax import lax
 
 import jax_sm100
-from jax_sm100._src import dispatch, planning
+from jax_sm100._src import dispatch, planning, ragged_gpu
 from jax_sm100._src import primitive as P
 from jax_sm100._src.planning import gemm_plan
 from tests import test_util as tu
@@ -245,9 +245,11 @@ class GroupedGpuTest(parameterized.TestCase):
         def vjp(fn):
             return lambda a, w, s, t: (fn(a, w, s), *jax.vjp(lambda u, v: fn(u, v, s), a, w)[1](t))
 
-        (out, da, db), seen = self.lower_and_run(
-            "", jax.vmap(vjp(jax_sm100.ragged_dot), axes), lhs, rhs, gs, ct
-        )  # fmt: skip
+        # Shared experts fold here (the batches' rows merged by expert: the next test).
+        with mock.patch.dict(ragged_gpu.MERGE_BELOW_ROWS, ragged_dot=0, ragged_outer=0):
+            (out, da, db), seen = self.lower_and_run(
+                "", jax.vmap(vjp(jax_sm100.ragged_dot), axes), lhs, rhs, gs, ct
+            )  # fmt: skip
         f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
         lax_fn = lambda u, v, s: lax.ragged_dot(  # noqa: E731
             u, v, jnp.maximum(s, 0), precision=lax.Precision.HIGHEST
@@ -265,11 +267,14 @@ class GroupedGpuTest(parameterized.TestCase):
         shared = [x for x in folded if "6 experts shared" in x.note]
         self.assertEqual(len(shared), 0 if rhs_batched else 2, [x.note for x in folded])
 
-    @parameterized.parameters("", "pingpong/1x1", "cooperative/2x1")
-    def test_shared_experts_gradient_sums_over_batches(self, schedule):
-        # grad of vmap with experts shared by the batches: the forward and d lhs read them in
-        # place; d rhs is every batch's weight gradient summed in one grouped product (the
-        # kernel's k_segments), against lax.ragged_dot per batch, summed in float32.
+    @parameterized.parameters(("", False), ("pingpong/1x1", False), ("cooperative/2x1", False),
+                              ("", True), ("cooperative/2x1", True))  # fmt: skip
+    def test_shared_experts_gradient_sums_over_batches(self, schedule, merge):
+        # grad of vmap with experts shared by the batches, folded: the forward and d lhs read
+        # them in place, d rhs is every batch's weight gradient summed in one grouped product
+        # (the kernel's k_segments); or merged: every batch's rows of an expert gathered
+        # together, unbatched products (ragged_gpu.merge_rows). Against lax.ragged_dot per
+        # batch, summed in float32.
         b, g, m, k, n = 4, 5, 600, 200, 136
         rng = np.random.default_rng(43)
         ka, kb, kc = jax.random.split(jax.random.key(43), 3)
@@ -288,8 +293,13 @@ class GroupedGpuTest(parameterized.TestCase):
 
             return run
 
-        (out, da, dw), seen = self.lower_and_run(schedule, vjp(jax_sm100.ragged_dot), lhs,
-                                                 rhs, ct)  # fmt: skip
+        with mock.patch.dict(
+            ragged_gpu.MERGE_BELOW_ROWS,
+            ragged_dot=1 << 20 if merge else 0,
+            ragged_outer=1 << 20 if merge else 0,
+        ):
+            (out, da, dw), seen = self.lower_and_run(schedule, vjp(jax_sm100.ragged_dot), lhs,
+                                                     rhs, ct)  # fmt: skip
         lax_fn = lambda u, v, s: lax.ragged_dot(  # noqa: E731
             u, v, jnp.maximum(s, 0), precision=lax.Precision.HIGHEST
         )
@@ -305,7 +315,8 @@ class GroupedGpuTest(parameterized.TestCase):
             self.assertLess(_rel(got, ref), 1e-2)
         ran = [x for x in seen if x.plan and x.plan.kernel == GROUPED]
         self.assertEqual(len(ran), 3, [x.note for x in seen])
-        self.assertTrue(any("4 of them summed" in x.note for x in ran), [x.note for x in ran])
+        how = "4 batches' rows merged by expert" if merge else "4 of them summed"
+        self.assertTrue(any(how in x.note for x in ran), [x.note for x in ran])
 
     @parameterized.parameters("pingpong/1x1", "cooperative/2x1")
     def test_sizes_past_m_are_clamped(self, schedule):

@@ -595,32 +595,78 @@ class RaggedDotTest(parameterized.TestCase):
             self.assertEqual(got.shape, want.shape)
             tu.assert_close(self, got, want, "float32", m * segments)
 
-    @parameterized.parameters(("sm_90a", planning.KERNEL_SM90_GROUPED),
-                              ("sm_100a", planning.KERNEL_SM100_GROUPED))  # fmt: skip
-    def test_vmap_runs_on_the_grouped_kernel(self, arch, kernel):
+    @parameterized.parameters(False, True)
+    def test_shared_experts_merge_rows_by_expert(self, transpose):
+        # The CUDA lowering's merge of batches that share their experts (ragged_gpu.
+        # merge_rows): every batch's rows of expert j together, the product and its weight
+        # gradient (summed over the batches) then unbatched, checked with XLA's product in the
+        # kernel's place; sizes past m, negative, empty groups, batches ending before m.
+        from jax_sm100._src import ragged_gpu  # noqa: PLC0415
+
+        rng = np.random.default_rng(37)
+        batch, g, m, k, n = (2, 3), 4, 13, 8, 5
+        sizes = jnp.asarray(rng.integers(-3, 8, (*batch, g)), jnp.int32)
+        lhs = jnp.asarray(rng.standard_normal((*batch, m, k)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((g, *((n, k) if transpose else (k, n)))), jnp.float32)
+        c = jnp.asarray(rng.standard_normal((g, n)), jnp.float32)
+        ct = jnp.asarray(rng.standard_normal((*batch, m, n)), jnp.float32)
+        src, dest, merged = ragged_gpu.merge_rows(sizes.reshape(6, g), m)
+        np.testing.assert_array_equal(np.sort(np.asarray(dest)), np.arange(6 * m))
+        np.testing.assert_array_equal(np.asarray(src)[np.asarray(dest)], np.arange(6 * m))
+        rows = lambda x: x.reshape(6 * m, x.shape[-1])[src]  # noqa: E731
+        params = dict(transpose_rhs=transpose, out_dtype=np.dtype(np.float32), activation="gelu")
+        want = ragged._ragged_dot_xla(lhs, w, sizes, c, **params)
+        got = ragged._ragged_dot_xla(rows(lhs), w, merged, c, **params)[dest]
+        tu.assert_close(self, got.reshape(want.shape), want, "float32", k)
+        outer = dict(out_dtype=np.dtype(np.float32), transpose_out=transpose)
+        want = ragged._ragged_outer_xla(lhs, ct, sizes, summed=2, **outer)
+        got = ragged._ragged_outer_xla(rows(lhs), rows(ct), merged, **outer)
+        tu.assert_close(self, got, want, "float32", 6 * m)
+
+    @parameterized.product(arch=("sm_90a", "sm_100a"), merge=(False, True))
+    def test_vmap_runs_on_the_grouped_kernel(self, arch, merge):
         # Exported for an sm_90a / sm_100a target, vmap of ragged_dot and of its gradient
-        # lowers every product onto the grouped kernel, the batches folded.
+        # lowers every product onto the grouped kernel: the batches folded, or (the experts
+        # shared and the groups small, `ragged_gpu.merges_batches`) their rows merged by
+        # expert. Per-example weight gradients (grad inside the vmap) always fold; the
+        # gradient of shared experts (grad of the vmap) sums the batches in the kernel.
+        from jax_sm100._src import ragged_gpu  # noqa: PLC0415
+
+        kernel = {"sm_90a": planning.KERNEL_SM90_GROUPED,
+                  "sm_100a": planning.KERNEL_SM100_GROUPED}[arch]  # fmt: skip
         lhs = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16)
         sizes = jax.ShapeDtypeStruct((4, 8), jnp.int32)
-
-        def step(a, b, s):
-            loss = lambda a, b: jnp.sum(  # noqa: E731
-                jax_sm100.ragged_dot(a, b, s).astype(jnp.float32) ** 2
-            )
-            return jax.grad(loss, argnums=(0, 1))(a, b)
-
-        f = jax.jit(jax.vmap(step, (0, None, 0)))
-        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
-            with jax_sm100.lowerings() as seen:
-                _export(f, lhs, rhs, sizes)
-        grouped = [x for x in seen if x.plan is not None]
-        self.assertEqual([x.plan.kernel for x in grouped], [kernel] * 3)
-        for x in grouped:
-            self.assertIn("vmap: 4 batches folded", x.note)
-            # The forward and d lhs read the 8 experts in place (no copy per batch).
-            shared = x.note.startswith("ragged_dot")
-            self.assertEqual("8 experts shared" in x.note, shared, x.note)
+        loss = lambda a, b, s: jnp.sum(  # noqa: E731
+            jax_sm100.ragged_dot(a, b, s).astype(jnp.float32) ** 2
+        )
+        per_example = jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, None, 0)))
+        summed = jax.jit(jax.grad(lambda a, b, s: jax.vmap(loss, (0, None, 0))(a, b, s).sum(),
+                                  (0, 1)))  # fmt: skip
+        merged = "4 batches' rows merged by expert"
+        for f, outer in ((per_example, "vmap: 4 batches folded"),
+                         (summed, "4 of them summed in the kernel")):  # fmt: skip
+            with (
+                mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                mock.patch.dict(
+                    ragged_gpu.MERGE_BELOW_ROWS,
+                    ragged_dot=1 << 20 if merge else 0,
+                    ragged_outer=1 << 20 if merge else 0,
+                ),
+                jax_sm100.lowerings() as seen,
+            ):
+                text = _export(f, lhs, rhs, sizes).mlir_module()
+            grouped = [x for x in seen if x.plan is not None]
+            self.assertEqual([x.plan.kernel for x in grouped], [kernel] * 3)
+            for x in grouped:
+                if x.note.startswith("ragged_outer"):
+                    want = merged if merge and f is summed else outer
+                else:  # the forward and d lhs read the 8 experts in place
+                    want = merged if merge else "(its 8 experts shared"
+                self.assertIn(want, x.note)
+            if f is summed:
+                # No copy of the experts per batch, nor a weight gradient per batch to sum.
+                self.assertFalse(re.search(r"tensor<4x8x256x384x", text), "a [4, 8, k, n]")
 
     def test_shared_experts_under_nested_vmap(self):
         # Experts unmapped by an inner vmap stay shared ([g, k, n] beside [*B, m, k] rows);

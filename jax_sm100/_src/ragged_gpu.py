@@ -269,6 +269,9 @@ def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
     """`lower` of batched operands (vmap) as one unbatched grouped product (`fold_rows`,
     `fold_outer`), noted as such."""
     b = int(np.prod(lhs.shape[:-2]))
+    shared = rhs.ndim == 3 if name == "ragged_dot" else params["summed"] == lhs.ndim - 2
+    if shared and merges_batches(name, lhs.shape[-2], group_sizes.shape[-1]):
+        return _merged(name, xla_fn, lhs, rhs, group_sizes, bias, params, after)
     note = f"vmap: {b} batches folded into one grouped product"
     if name == "ragged_dot":
         if rhs.ndim == 3:
@@ -286,6 +289,69 @@ def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
     note = _noted(note, after)
     return unfold(lower(name, xla_fn, lhs, rhs, sizes, *bias, _after=note, _segments=segments,
                         **params))  # fmt: skip
+
+
+# Batches sharing their experts merge their rows expert by expert (`merge_rows`) when their
+# groups average fewer rows than this, by primitive; else they fold (`fold_rows`, `fold_outer`).
+# A small group fills little of a work tile (the product) or of its k-blocks (the weight
+# gradient: each batch's segment ends in a partial one). H200, bfloat16 (RESULTS.md, thirty-third
+# session), 8 batches of 4096 rows unless said, merged / folded: 16 rows a group (16 x 2048
+# rows) forward 479 / 1620 us, fwd+grad 992 / 4236; 128 (4 x 8192) forward 374 / 321, fwd+grad
+# 805 / 949; 256 forward 480 / 402, fwd+grad 1109 / 1101; 512 forward 779 / 670, fwd+grad
+# 2019 / 1806.
+MERGE_BELOW_ROWS = {"ragged_dot": 64, "ragged_outer": 512}
+
+
+def merges_batches(name: str, m: int, g: int) -> bool:
+    """Whether batches of m rows in g groups that share their experts merge (`_merged`) for
+    primitive `name`."""
+    return m < MERGE_BELOW_ROWS[name] * g
+
+
+def merge_rows(group_sizes, m: int):
+    """The rows of batches [B, m] sharing g experts (sizes [B, g]) reordered expert by expert:
+    expert j's rows of batch 0, then of batch 1, ..., then every row past its batch's groups.
+    Returns (src, dest, sizes): merged row i is batch row src[i] (of the B m flattened), batch
+    row r lands at dest[r], and expert j has sizes[j] rows (the batches' sizes as the kernels
+    read them, `_saturated_sizes`, summed)."""
+    from jax_sm100._src import ragged  # noqa: PLC0415
+
+    b, g = group_sizes.shape
+    sizes, _ = _saturated_sizes(group_sizes, m)
+    merged = sizes.sum(0)
+    expert_start = jnp.cumsum(merged) - merged  # [g]
+    batch_before = jnp.cumsum(sizes, 0) - sizes  # [B, g]: the expert's rows in earlier batches
+    row_start = jnp.cumsum(sizes, 1) - sizes  # [B, g]: the group's first row in its batch
+    ids = jax.vmap(lambda s: ragged._row_groups(s, m))(group_sizes)  # [B, m], g past the groups
+    j = jnp.minimum(ids, g - 1)
+    take = lambda t: jnp.take_along_axis(t, j, axis=1)  # noqa: E731
+    inside = ids < g
+    dest = take(expert_start[None, :] + batch_before - row_start) + jnp.arange(m)[None, :]
+    past = jnp.cumsum(~inside.reshape(-1)) - 1 + merged.sum()
+    dest = jnp.where(inside.reshape(-1), dest.reshape(-1), past).astype(jnp.int32)
+    src = (
+        jnp.zeros((b * m,), jnp.int32)
+        .at[dest]
+        .set(jnp.arange(b * m, dtype=jnp.int32), unique_indices=True)
+    )
+    return src, dest, merged
+
+
+def _merged(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
+    """`lower` of batches that share their experts with their rows merged expert by expert
+    (`merge_rows`): one unbatched grouped product over every batch's rows (ragged_dot: the
+    result's rows put back in place after; ragged_outer summed over every batch: the weight
+    gradient itself). Two row gathers, against groups that fill the tiles."""
+    *batch, m, k = lhs.shape
+    b, g = int(np.prod(batch)), group_sizes.shape[-1]
+    src, dest, sizes = merge_rows(group_sizes.reshape(b, g), m)
+    rows = lambda x: jnp.take(x.reshape(b * m, x.shape[-1]), src, axis=0)  # noqa: E731
+    note = _noted(f"vmap: {b} batches' rows merged by expert into one grouped product", after)
+    if name == "ragged_dot":
+        out = lower(name, xla_fn, rows(lhs), rhs, sizes, *bias, _after=note, **params)
+        return jnp.take(out, dest, axis=0).reshape(*batch, m, out.shape[-1])
+    return lower(name, xla_fn, rows(lhs), rows(rhs), sizes, _after=note,
+                 **dict(params, summed=0))  # fmt: skip
 
 
 def _on_copied_experts(xla_fn, b, lhs, rhs, sizes, *bias, **params):
