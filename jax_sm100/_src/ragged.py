@@ -445,7 +445,7 @@ for _prim, _fn, _name in (
     )
 
 
-# --- batching: every mapped dim to the front, unmapped operands broadcast -----------------------
+# --- batching: every mapped dim to the front, unmapped operands broadcast (shared experts kept) --
 
 
 def _front(x, d, size):

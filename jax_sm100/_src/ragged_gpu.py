@@ -9,11 +9,14 @@
 Each call is one `GemmProblem` with `groups` and `ragged` (planning), the plan `dispatch.
 plan_call` decides, one compiled binary (`compile_plan`, the family `plan.kernel` names) and one
 call of the same FFI handler the dense kernels use, with the group sizes as a device buffer.
-Batched operands (vmap: every operand with the same leading dims, `ragged._batch`) fold into
-one grouped product of B x g groups over the B x m rows (`fold_rows`, `fold_outer`), so they run
-on the kernels too; experts shared by the batches are read in place (`KernelSpec.b_groups`), and
-their gradient summed over the batches in the kernel (`KernelSpec.k_segments`). On sm_90a, fp8
-experts [g, k, n] are transposed by XLA for the K-major fp8 kernel (`_k_major_experts_only`).
+Batched operands (vmap: every operand with the same leading dims, `ragged._batch`, or experts
+unbatched beside batched rows, `ragged._batch_ragged_dot`) fold into one grouped product of
+B x g groups over the B x m rows (`fold_rows`, `fold_outer`), so they run on the kernels too;
+experts shared by the batches are read in place (`KernelSpec.b_groups`), and their gradient
+summed over the batches in the kernel (`KernelSpec.k_segments`), or, where the groups are small
+(`merges_batches`), the batches' rows are gathered expert by expert first (`merge_rows`). On
+sm_90a, fp8 experts [g, k, n] are transposed by XLA for the K-major fp8 kernel
+(`_k_major_experts_only`).
 Mixed dtypes and anything the planner sends to XLA (`plan.reason`) run on XLA's ragged dot;
 every lowering is recorded (`jax_sm100.lowerings()`).
 
@@ -32,6 +35,7 @@ the float32 product and XLA applies the activation, which means the same.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -54,7 +58,7 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params, segments=1):
     """(problem, operands, modes, out_shape) for the grouped kernel, or a reason it cannot
     (`segments`: ragged_outer's groups summed into each result, `KernelSpec.k_segments`)."""
     if lhs.ndim != 2:
-        return f"{name}: batched operands without groups (g = 0) run on XLA's ragged dot"
+        return f"{name}: batched operands with no groups or no batches run on XLA's ragged dot"
     if lhs.dtype != rhs.dtype:
         return f"{name}: mixed operand dtypes {lhs.dtype} x {rhs.dtype} run on XLA's ragged dot"
     g = group_sizes.shape[0]
@@ -105,7 +109,7 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
             dispatch.Lowered(None, _noted(f"{name}: no sm_90a/sm_100a device: XLA", _after))
         )
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
-    if lhs.ndim > 2 and group_sizes.shape[-1] > 0:
+    if lhs.ndim > 2 and group_sizes.shape[-1] > 0 and math.prod(lhs.shape[:-2]) > 0:
         return _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
     # What XLA's ragged dot takes where no kernel runs: the operands as given, noted as such.
     as_given = (rhs, params, _after)
@@ -244,7 +248,7 @@ def fold_outer(lhs, rhs, group_sizes, summed=0):
     (S batches in all) go first, so that the groups are S runs of the same (K (g + 1))
     results, which the kernel sums (`KernelSpec.k_segments`; the other batch dims, K in all,
     are moved after them: a copy). Returns (lhs, rhs, sizes, unfold, S): unfold maps the
-    product [K (g + 1), ...] to [*B[:-summed], g, ...]."""
+    product [K (g + 1), ...] to [*B minus its summed dims, g, ...]."""
     *batch, m, k = lhs.shape
     nb, g = len(batch), group_sizes.shape[-1]
     if summed and summed < nb:
@@ -269,7 +273,7 @@ def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
     """`lower` of batched operands (vmap) as one unbatched grouped product (`fold_rows`,
     `fold_outer`), noted as such."""
     b = int(np.prod(lhs.shape[:-2]))
-    shared = rhs.ndim == 3 if name == "ragged_dot" else params["summed"] == lhs.ndim - 2
+    shared = rhs.ndim == 3 if name == "ragged_dot" else params.get("summed", 0) == lhs.ndim - 2
     if shared and merges_batches(name, lhs.shape[-2], group_sizes.shape[-1]):
         return _merged(name, xla_fn, lhs, rhs, group_sizes, bias, params, after)
     note = f"vmap: {b} batches folded into one grouped product"

@@ -436,7 +436,8 @@ class GroupedGemm:
         """Work tile `w` as (group, first row, rows, m tile, n tile, zeros) for the CTA of rank
         `rank` along the cluster's M (its m tile is `rank` of the work tile's `pair`; past the
         group's rows it loads zeros and stores nothing): `zeros` when the tile has no main loop
-        (the rows past the groups, or an empty group's D)."""
+        (the rows past the groups, or an empty group's D; with segments, False: `_k_tiles`
+        counts them)."""
         table, tiles_m, tiles_n, _ = sched
         g = self.groups
         tm, _, tk = self.work_tile
