@@ -230,6 +230,19 @@ class GroupedGemm:
         return a_view, b_view, d_view, extent, tiles_m, tiles_n, max_work
 
     @cute.jit
+    def _group_operands(self, mA: cute.Tensor, mB: cute.Tensor, group, start, rows):
+        """(A, B) as a work tile of `group` reads them, its ragged extent [start, start + rows):
+        in "m" mode the group's rows of A and its matrix of B (`_group_b`), in "k" mode the
+        group's rows of both (`ragged_slice`)."""
+        if cutlass.const_expr(self.ragged == "m"):
+            a_mk = ragged_slice(mA, 0, start, rows)
+            b_nk = self._group_b(mB, group)
+        else:
+            a_mk = ragged_slice(mA, 1, start, rows)
+            b_nk = ragged_slice(mB, 1, start, rows)
+        return a_mk, b_nk
+
+    @cute.jit
     def _group_b(self, mB: cute.Tensor, group) -> cute.Tensor:
         """Ragged-rows mode: the (N, K) matrix of B that `group`'s rows multiply: B[group], or
         B[group mod b_groups] when B holds fewer (`KernelSpec.b_groups`)."""

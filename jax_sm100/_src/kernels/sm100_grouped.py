@@ -354,12 +354,7 @@ class Sm100GroupedGemmKernel(GroupedGemm, Sm100GemmKernel):
         the ragged extent): (tAsA, tAgA, tBsB, tBgB), the global sides indexed
         ((box values, boxes), m or n tile, k-block); each CTA of a multicast group loads its
         share of the box for all of them (the dense family's partition)."""
-        if cutlass.const_expr(self.ragged == "m"):
-            a_mk = ragged_slice(mA, 0, start, rows)
-            b_nk = self._group_b(mB, group)
-        else:
-            a_mk = ragged_slice(mA, 1, start, rows)
-            b_nk = ragged_slice(mB, 1, start, rows)
+        a_mk, b_nk = self._group_operands(mA, mB, group, start, rows)
         gA = cute.local_tile(a_mk, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None))
         gB = cute.local_tile(b_nk, cute.slice_(self.mma_tiler, (0, None, None)), (None, None))
         tAsA, tAgA = cpasync.tma_partition(

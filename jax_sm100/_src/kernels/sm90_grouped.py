@@ -220,12 +220,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
         advanced past them."""
         ab_pipe, tma_a, mA, sAg, tma_b, mB, sBg, rank, b_mask = loads
         tm, tn, tk = self.tile_mnk
-        if cutlass.const_expr(self.ragged == "m"):
-            a_mk = ragged_slice(mA, 0, start, rows)
-            b_nk = self._group_b(mB, group)
-        else:
-            a_mk = ragged_slice(mA, 1, start, rows)
-            b_nk = ragged_slice(mB, 1, start, rows)
+        a_mk, b_nk = self._group_operands(mA, mB, group, start, rows)
         gA = cute.local_tile(a_mk, (tm, tk), (m_tile, None))
         gB = cute.local_tile(b_nk, (tn, tk), (n_tile, None))
         tAsA, tAgA = cpasync.tma_partition(
