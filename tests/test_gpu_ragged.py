@@ -246,7 +246,7 @@ class GroupedGpuTest(parameterized.TestCase):
             return lambda a, w, s, t: (fn(a, w, s), *jax.vjp(lambda u, v: fn(u, v, s), a, w)[1](t))
 
         # Shared experts fold here (the batches' rows merged by expert: the next test).
-        with mock.patch.dict(ragged_gpu.MERGE_BELOW_ROWS, ragged_dot=0, ragged_outer=0):
+        with mock.patch.dict(ragged_gpu.MERGE_BELOW_ROWS, forward=0, differentiated=0):
             (out, da, db), seen = self.lower_and_run(
                 "", jax.vmap(vjp(jax_sm100.ragged_dot), axes), lhs, rhs, gs, ct
             )  # fmt: skip
@@ -296,8 +296,8 @@ class GroupedGpuTest(parameterized.TestCase):
 
         with mock.patch.dict(
             ragged_gpu.MERGE_BELOW_ROWS,
-            ragged_dot=1 << 20 if merge else 0,
-            ragged_outer=1 << 20 if merge else 0,
+            forward=1 << 20 if merge else 0,
+            differentiated=1 << 20 if merge else 0,
         ):
             (out, da, dw), seen = self.lower_and_run(schedule, vjp(jax_sm100.ragged_dot), lhs,
                                                      rhs, ct)  # fmt: skip

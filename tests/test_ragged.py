@@ -650,8 +650,8 @@ class RaggedDotTest(parameterized.TestCase):
                 mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
                 mock.patch.dict(
                     ragged_gpu.MERGE_BELOW_ROWS,
-                    ragged_dot=1 << 20 if merge else 0,
-                    ragged_outer=1 << 20 if merge else 0,
+                    forward=1 << 20 if merge else 0,
+                    differentiated=1 << 20 if merge else 0,
                 ),
                 jax_sm100.lowerings() as seen,
             ):
@@ -667,6 +667,32 @@ class RaggedDotTest(parameterized.TestCase):
             if f is summed:
                 # No copy of the experts per batch, nor a weight gradient per batch to sum.
                 self.assertFalse(re.search(r"tensor<4x8x256x384x", text), "a [4, 8, k, n]")
+
+    def test_shared_experts_merge_alike_forward_and_backward(self):
+        # At 128 rows a group (4 batches of 1024 rows, 8 shared experts) a forward alone folds
+        # (`MERGE_BELOW_ROWS["forward"]`), and a training step merges all three of its
+        # products (`["differentiated"]`, set by ragged_dot's JVP), so that the backward reuses
+        # the forward's row gathers: one gather of the rows and one of the cotangent, not one
+        # per product.
+        lhs = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+        fwd = lambda a, b, s: jax.vmap(jax_sm100.ragged_dot, (0, None, 0))(a, b, s)  # noqa: E731
+        step = jax.jit(jax.value_and_grad(
+            lambda a, b, s: jnp.sum(fwd(a, b, s).astype(jnp.float32) ** 2), (0, 1)))  # fmt: skip
+        merged, folded = "4 batches' rows merged by expert", "vmap: 4 batches folded"
+        for f, want, products in ((jax.jit(fwd), folded, 1), (step, merged, 3)):
+            with (
+                mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}),
+                jax_sm100.lowerings() as seen,
+            ):
+                _export(f, lhs, rhs, sizes)
+            notes = [x.note for x in seen if x.plan is not None]
+            self.assertEqual(len(notes), products, notes)
+            for note in notes:
+                self.assertIn(want, note)
+        jaxpr = jax.make_jaxpr(step)(*(jnp.zeros(x.shape, x.dtype) for x in (lhs, rhs, sizes)))
+        self.assertEqual(str(jaxpr).count("differentiated=True"), 2, jaxpr)
 
     def test_vmap_over_no_batches(self):
         # Zero batches (the experts shared or not) lower to XLA's ragged dot, which gives the

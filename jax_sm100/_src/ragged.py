@@ -309,7 +309,8 @@ def _check_groups(group_sizes, batch, g):
 
 
 def _ragged_dot_abstract(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
-                         activation=None):  # fmt: skip
+                         activation=None, differentiated=False):  # fmt: skip
+    del differentiated  # a lowering choice (`_jvp`)
     *batch, m, k = lhs.shape
     *rbatch, g, r1, r2 = rhs.shape
     kb, n = (r2, r1) if transpose_rhs else (r1, r2)
@@ -356,7 +357,9 @@ def _operands(x, y, acc):
     return x.astype(acc), y.astype(acc)
 
 
-def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, activation=None):
+def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, activation=None,
+                    differentiated=False):  # fmt: skip
+    del differentiated  # a lowering choice of the CUDA path (`_jvp`)
     nb = lhs.ndim - 2
     if rhs.shape[-3] == 0:
         # No groups: every row is past the last group (XLA's ragged dot cannot lower this).
@@ -491,7 +494,7 @@ batching.primitive_batchers[ragged_outer_p] = lambda a, d, **p: _batch(ragged_ou
 
 
 def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
-                          activation=None):  # fmt: skip
+                          activation=None, differentiated=False):  # fmt: skip
     # Only the linear product is transposed: the JVP of an activated or biased one binds the
     # tangent's products without either.
     assert activation is None and not bias, (activation, len(bias))
@@ -501,7 +504,8 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_d
     cd = _compute_dtype(lhs, rhs)
     if ad.is_undefined_primal(lhs):
         d_lhs = _cotangent(lhs, ragged_dot_p, ct.astype(cd), rhs.astype(cd), group_sizes,
-                           transpose_rhs=not transpose_rhs, activation=None)  # fmt: skip
+                           transpose_rhs=not transpose_rhs, activation=None,
+                           differentiated=True)  # fmt: skip
     if ad.is_undefined_primal(rhs):
         # Experts shared by lhs's batches: their gradient summed over those batches.
         summed = lhs.ndim + 1 - rhs.aval.ndim
@@ -535,10 +539,12 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
             ct = jnp.broadcast_to(ct, (*_aval_shape(lhs)[:nb], *shape[nb - summed :]))
     if ad.is_undefined_primal(lhs):
         d_lhs = _cotangent(lhs, ragged_dot_p, rhs.astype(cd), ct.astype(cd), group_sizes,
-                           transpose_rhs=not transpose_out, activation=None)  # fmt: skip
+                           transpose_rhs=not transpose_out, activation=None,
+                           differentiated=True)  # fmt: skip
     if ad.is_undefined_primal(rhs):
         d_rhs = _cotangent(rhs, ragged_dot_p, lhs.astype(cd), ct.astype(cd), group_sizes,
-                           transpose_rhs=transpose_out, activation=None)  # fmt: skip
+                           transpose_rhs=transpose_out, activation=None,
+                           differentiated=True)  # fmt: skip
     return [d_lhs, d_rhs, None]
 
 
@@ -558,7 +564,14 @@ def _compute_dtype(x, y):
 
 def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
     """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs). With an activation:
-    z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z."""
+    z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z.
+
+    ragged_dot's products here, and those its transpose binds, are marked `differentiated`:
+    where batches share their experts, the CUDA lowering then makes one choice for the
+    forward and the backward products (`ragged_gpu.merges_batches`), so that they share the
+    row gathers of a merge rather than each paying its own."""
+    if prim is ragged_dot_p:
+        params = dict(params, differentiated=True)
     if params.get("activation") is not None:
         return _jvp_activated(primals, tangents, **params)
     lhs, rhs, group_sizes, *bias = primals

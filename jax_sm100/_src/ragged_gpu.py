@@ -102,7 +102,9 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
     """The CUDA lowering of `name` ("ragged_dot" or "ragged_outer"; `bias`: ragged_dot's, if
     any): the grouped kernel where the plan takes it, else `xla_fn` (XLA's ragged dot),
     recorded either way (with `_after`, what follows the product, appended to the note;
-    `_segments`: a folded ragged_outer's groups summed into each result, `fold_outer`)."""
+    `_segments`: a folded ragged_outer's groups summed into each result, `fold_outer`).
+    ragged_dot's `differentiated` (set by its JVP) only steers `_folded`'s choice."""
+    differentiated = params.pop("differentiated", name == "ragged_outer")
     target = dispatch.lowering_target()
     if target is None:
         dispatch.record(
@@ -110,7 +112,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
         )
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     if lhs.ndim > 2 and group_sizes.shape[-1] > 0 and math.prod(lhs.shape[:-2]) > 0:
-        return _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
+        return _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after,
+                       differentiated)  # fmt: skip
     # What XLA's ragged dot takes where no kernel runs: the operands as given, noted as such.
     as_given = (rhs, params, _after)
     if _k_major_experts_only(name, target, lhs, rhs, params):
@@ -269,12 +272,13 @@ def fold_outer(lhs, rhs, group_sizes, summed=0):
             unfold, segments)  # fmt: skip
 
 
-def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
+def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after, differentiated):
     """`lower` of batched operands (vmap) as one unbatched grouped product (`fold_rows`,
-    `fold_outer`), noted as such."""
+    `fold_outer`), noted as such; or, for batches sharing their experts, merged
+    (`merges_batches`)."""
     b = int(np.prod(lhs.shape[:-2]))
     shared = rhs.ndim == 3 if name == "ragged_dot" else params.get("summed", 0) == lhs.ndim - 2
-    if shared and merges_batches(name, lhs.shape[-2], group_sizes.shape[-1]):
+    if shared and merges_batches(lhs.shape[-2], group_sizes.shape[-1], differentiated):
         return _merged(name, xla_fn, lhs, rhs, group_sizes, bias, params, after)
     note = f"vmap: {b} batches folded into one grouped product"
     if name == "ragged_dot":
@@ -296,20 +300,25 @@ def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after):
 
 
 # Batches sharing their experts merge their rows expert by expert (`merge_rows`) when their
-# groups average fewer rows than this, by primitive; else they fold (`fold_rows`, `fold_outer`).
-# A small group fills little of a work tile (the product) or of its k-blocks (the weight
-# gradient: each batch's segment ends in a partial one). H200, bfloat16 (RESULTS.md, thirty-third
-# session), 8 batches of 4096 rows unless said, merged / folded: 16 rows a group (16 x 2048
-# rows) forward 479 / 1620 us, fwd+grad 992 / 4236; 128 (4 x 8192) forward 374 / 321, fwd+grad
-# 805 / 949; 256 forward 480 / 402, fwd+grad 1109 / 1101; 512 forward 779 / 670, fwd+grad
-# 2019 / 1806.
-MERGE_BELOW_ROWS = {"ragged_dot": 64, "ragged_outer": 512}
+# groups average fewer rows than this; else they fold (`fold_rows`, `fold_outer`). A small
+# group fills little of a work tile (the product) or of its k-blocks (the weight gradient:
+# each batch's segment ends in a partial one); a merge costs row gathers. "forward": a product
+# that is not differentiated. "differentiated": a training step's three products (ragged_dot's
+# JVP marks them), which decide alike so that the backward reuses the forward's gathers (the
+# lhs rows) and the weight gradient d lhs's (the cotangent rows): XLA merges the equal gathers.
+# Deciding apart cost more than either way (at 128 rows a group: forward folded, gradient
+# merged 985 us a step against 808 merged and 957 folded). H200, bfloat16 (RESULTS.md,
+# thirty-third and thirty-fourth sessions), merged / folded, forward and step (value_and_grad):
+# 16 rows a group (16 x [2048 x 2048] rows, 128 experts) 481 / 1613 and 955 / 4171 us; 128
+# (4 x [8192 x 2048], 64) 386 / 312 and 808 / 957; 256 (8 x [4096 x 2048], 16) 492 / 389 and
+# 1147 / 1102; 512 (8 experts) 785 / 675 and 1935 / 1941.
+MERGE_BELOW_ROWS = {"forward": 64, "differentiated": 256}
 
 
-def merges_batches(name: str, m: int, g: int) -> bool:
-    """Whether batches of m rows in g groups that share their experts merge (`_merged`) for
-    primitive `name`."""
-    return m < MERGE_BELOW_ROWS[name] * g
+def merges_batches(m: int, g: int, differentiated: bool) -> bool:
+    """Whether batches of m rows in g groups that share their experts merge (`_merged`): a
+    `differentiated` product (of a training step) or a forward one (`MERGE_BELOW_ROWS`)."""
+    return m < MERGE_BELOW_ROWS["differentiated" if differentiated else "forward"] * g
 
 
 def merge_rows(group_sizes, m: int):
