@@ -671,17 +671,23 @@ class RaggedDotTest(parameterized.TestCase):
     def test_shared_experts_merge_alike_forward_and_backward(self):
         # At 128 rows a group (4 batches of 1024 rows, 8 shared experts) a forward alone folds
         # (`MERGE_BELOW_ROWS["forward"]`), and a training step merges all three of its
-        # products (`["differentiated"]`, set by ragged_dot's JVP), so that the backward reuses
-        # the forward's row gathers: one gather of the rows and one of the cotangent, not one
-        # per product.
+        # products (`["differentiated"]`, set by ragged_dot's JVP and transpose), so that the
+        # backward reuses the forward's row gathers. Without a summed weight gradient (frozen
+        # experts; per-example gradients, the grad inside the vmap) they decide as a forward.
         lhs = jax.ShapeDtypeStruct((4, 1024, 256), jnp.bfloat16)
         rhs = jax.ShapeDtypeStruct((8, 256, 384), jnp.bfloat16)
         sizes = jax.ShapeDtypeStruct((4, 8), jnp.int32)
         fwd = lambda a, b, s: jax.vmap(jax_sm100.ragged_dot, (0, None, 0))(a, b, s)  # noqa: E731
-        step = jax.jit(jax.value_and_grad(
-            lambda a, b, s: jnp.sum(fwd(a, b, s).astype(jnp.float32) ** 2), (0, 1)))  # fmt: skip
+        loss = lambda a, b, s: jnp.sum(fwd(a, b, s).astype(jnp.float32) ** 2)  # noqa: E731
+        one = lambda a, b, s: jnp.sum(  # noqa: E731
+            jax_sm100.ragged_dot(a, b, s).astype(jnp.float32) ** 2
+        )
+        step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        frozen = jax.jit(jax.grad(loss))
+        per_example = jax.jit(jax.vmap(jax.grad(one, (0, 1)), (0, None, 0)))
         merged, folded = "4 batches' rows merged by expert", "vmap: 4 batches folded"
-        for f, want, products in ((jax.jit(fwd), folded, 1), (step, merged, 3)):
+        for f, want, products in ((jax.jit(fwd), folded, 1), (step, merged, 3), (frozen, folded, 2),
+                                  (per_example, folded, 3)):  # fmt: skip
             with (
                 mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}),
                 jax_sm100.lowerings() as seen,

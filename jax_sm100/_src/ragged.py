@@ -471,6 +471,10 @@ def _batch_ragged_dot(args, dims, **params):
     (lhs, rhs, sizes, *bias), (d_lhs, d_rhs, d_sizes, *d_bias) = args, dims
     if d_rhs is None and rhs.ndim == 3 and all(d is None for d in d_bias):
         lhs, sizes = _front(lhs, d_lhs, size), _front(sizes, d_sizes, size)
+        # Marked `differentiated` before this vmap (a gradient inside it): the experts' gradient
+        # is per batch (ragged_outer unsummed, always folded), so the products decide as a
+        # forward alone would.
+        params = dict(params, differentiated=False)
         return ragged_dot_p.bind(lhs, rhs, sizes, *bias, **params), 0
     lhs, rhs, sizes, *bias = (_front(x, d, size) for x, d in zip(args, dims, strict=True))
     batch = lhs.shape[:-2]
@@ -505,7 +509,7 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_d
     if ad.is_undefined_primal(lhs):
         d_lhs = _cotangent(lhs, ragged_dot_p, ct.astype(cd), rhs.astype(cd), group_sizes,
                            transpose_rhs=not transpose_rhs, activation=None,
-                           differentiated=True)  # fmt: skip
+                           differentiated=differentiated)  # fmt: skip
     if ad.is_undefined_primal(rhs):
         # Experts shared by lhs's batches: their gradient summed over those batches.
         summed = lhs.ndim + 1 - rhs.aval.ndim
@@ -566,12 +570,13 @@ def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
     """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs). With an activation:
     z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z.
 
-    ragged_dot's products here, and those its transpose binds, are marked `differentiated`:
-    where batches share their experts, the CUDA lowering then makes one choice for the
-    forward and the backward products (`ragged_gpu.merges_batches`), so that they share the
-    row gathers of a merge rather than each paying its own."""
+    Where rhs is differentiated, ragged_dot's products here (and so d lhs's, which the
+    transpose binds as the product it transposes is marked) are marked `differentiated`: where batches share their experts, the CUDA lowering
+    then makes one choice for the forward and the backward products (`ragged_gpu.
+    merges_batches`), so that they share the row gathers of a merge with the weight gradient's
+    rather than each paying its own. Without a weight gradient they decide as a forward."""
     if prim is ragged_dot_p:
-        params = dict(params, differentiated=True)
+        params = dict(params, differentiated=type(tangents[1]) is not ad.Zero)
     if params.get("activation") is not None:
         return _jvp_activated(primals, tangents, **params)
     lhs, rhs, group_sizes, *bias = primals

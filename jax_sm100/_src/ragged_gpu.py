@@ -103,7 +103,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
     any): the grouped kernel where the plan takes it, else `xla_fn` (XLA's ragged dot),
     recorded either way (with `_after`, what follows the product, appended to the note;
     `_segments`: a folded ragged_outer's groups summed into each result, `fold_outer`).
-    ragged_dot's `differentiated` (set by its JVP) only steers `_folded`'s choice."""
+    ragged_dot's `differentiated` (set by its JVP and transpose) only steers `_folded`'s
+    choice."""
     differentiated = params.pop("differentiated", name == "ragged_outer")
     target = dispatch.lowering_target()
     if target is None:
@@ -308,10 +309,12 @@ def _folded(name, xla_fn, lhs, rhs, group_sizes, bias, params, after, differenti
 # lhs rows) and the weight gradient d lhs's (the cotangent rows): XLA merges the equal gathers.
 # Deciding apart cost more than either way (at 128 rows a group: forward folded, gradient
 # merged 985 us a step against 808 merged and 957 folded). H200, bfloat16 (RESULTS.md,
-# thirty-third and thirty-fourth sessions), merged / folded, forward and step (value_and_grad):
-# 16 rows a group (16 x [2048 x 2048] rows, 128 experts) 481 / 1613 and 955 / 4171 us; 128
-# (4 x [8192 x 2048], 64) 386 / 312 and 808 / 957; 256 (8 x [4096 x 2048], 16) 492 / 389 and
-# 1147 / 1102; 512 (8 experts) 785 / 675 and 1935 / 1941.
+# thirty-fourth session's table), merged / folded, forward and step (value_and_grad): 16 rows a
+# group (16 x [2048 x 2048] rows, 128 experts) 494 / 1595 and 968 / 4180 us; 128 (4 x [8192 x
+# 2048], 64) 381 / 333 and 812 / 980; 192 (8 x [6144 x 2048], 32) 564 / 527 and 1350 / 1486;
+# 256 (8 x [4096 x 2048], 16) 497 / 386 and 1123 / 1115; 512 (8 experts) 777 / 679 and
+# 2003 / 2004. Under a gradient inside the vmap (per-batch weight gradients, never merged) and
+# without a weight gradient the products decide as a forward (ragged.py's batching and JVP).
 MERGE_BELOW_ROWS = {"forward": 64, "differentiated": 256}
 
 
