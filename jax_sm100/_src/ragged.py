@@ -570,11 +570,12 @@ def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
     """Bilinear in (lhs, rhs): d out = f(d lhs, rhs) + f(lhs, d rhs). With an activation:
     z = the float32 product (bilinear, as above), out = act(z), d out = act'(z) d z.
 
-    Where rhs is differentiated, ragged_dot's products here (and so d lhs's, which the
-    transpose binds as the product it transposes is marked) are marked `differentiated`: where batches share their experts, the CUDA lowering
-    then makes one choice for the forward and the backward products (`ragged_gpu.
-    merges_batches`), so that they share the row gathers of a merge with the weight gradient's
-    rather than each paying its own. Without a weight gradient they decide as a forward."""
+    Where rhs is differentiated, ragged_dot's products here are marked `differentiated`, and
+    so is d lhs (the transpose binds it as the product it transposes is marked): where batches
+    share their experts, the CUDA lowering then makes one choice for the forward and the
+    backward products (`ragged_gpu.merges_batches`), so that they share the row gathers of a
+    merge with the weight gradient's rather than each paying its own. Without a weight
+    gradient they decide as a forward."""
     if prim is ragged_dot_p:
         params = dict(params, differentiated=type(tangents[1]) is not ad.Zero)
     if params.get("activation") is not None:
