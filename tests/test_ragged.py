@@ -52,6 +52,18 @@ def _dense(lhs, rhs, group_sizes):
     return jnp.einsum("mk,gkn,mg->mn", lhs, rhs, member)
 
 
+def _batched_case(seed, transpose, batch=(2, 3), g=4, m=13, k=8, n=5):
+    """Batched float32 operands for the fold and merge checks of the CUDA lowering: sizes
+    [*batch, g] (past m, negative, empty groups, batches ending before m), lhs [*batch, m, k],
+    experts [*batch, g, k, n] ([.., n, k] under `transpose`), a bias [*batch, g, n] and a
+    cotangent [*batch, m, n]."""
+    rng = np.random.default_rng(seed)
+    sizes = jnp.asarray(rng.integers(-3, 8, (*batch, g)), jnp.int32)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    rhs = normal(*batch, g, *((n, k) if transpose else (k, n)))
+    return sizes, normal(*batch, m, k), rhs, normal(*batch, g, n), normal(*batch, m, n)
+
+
 def _export(fn, *avals):
     checks = jax_sm100.export_disabled_checks()
     return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*avals)
@@ -554,13 +566,8 @@ class RaggedDotTest(parameterized.TestCase):
         # groups, and batches whose groups end before m.
         from jax_sm100._src import ragged_gpu  # noqa: PLC0415
 
-        rng = np.random.default_rng(31)
         batch, g, m, k, n = (2, 3), 4, 13, 8, 5
-        sizes = jnp.asarray(rng.integers(-3, 8, (*batch, g)), jnp.int32)
-        lhs = jnp.asarray(rng.standard_normal((*batch, m, k)), jnp.float32)
-        rhs = jnp.asarray(rng.standard_normal((*batch, g, *((n, k) if transpose else (k, n)))),
-                          jnp.float32)  # fmt: skip
-        bias = jnp.asarray(rng.standard_normal((*batch, g, n)), jnp.float32)
+        sizes, lhs, rhs, bias, ct = _batched_case(31, transpose)
         params = dict(transpose_rhs=transpose, out_dtype=np.dtype(np.float32), activation="gelu")
         want = ragged._ragged_dot_xla(lhs, rhs, sizes, bias, **params)
         fl, fr, fs, fb, unfold = ragged_gpu.fold_rows(lhs, rhs, sizes, (bias,))
@@ -576,7 +583,6 @@ class RaggedDotTest(parameterized.TestCase):
         got = unfold(ragged_gpu._on_copied_experts(ragged._ragged_dot_xla, 6, fl, fr, fs, *fb,
                                                    **params))  # fmt: skip
         tu.assert_close(self, got, want, "float32", k)
-        ct = jnp.asarray(rng.standard_normal((*batch, m, n)), jnp.float32)
         outer = dict(out_dtype=np.dtype(np.float32), transpose_out=transpose)
         want = ragged._ragged_outer_xla(lhs, ct, sizes, **outer)
         fl, fc, fs, unfold, segments = ragged_gpu.fold_outer(lhs, ct, sizes)
@@ -603,13 +609,9 @@ class RaggedDotTest(parameterized.TestCase):
         # kernel's place; sizes past m, negative, empty groups, batches ending before m.
         from jax_sm100._src import ragged_gpu  # noqa: PLC0415
 
-        rng = np.random.default_rng(37)
-        batch, g, m, k, n = (2, 3), 4, 13, 8, 5
-        sizes = jnp.asarray(rng.integers(-3, 8, (*batch, g)), jnp.int32)
-        lhs = jnp.asarray(rng.standard_normal((*batch, m, k)), jnp.float32)
-        w = jnp.asarray(rng.standard_normal((g, *((n, k) if transpose else (k, n)))), jnp.float32)
-        c = jnp.asarray(rng.standard_normal((g, n)), jnp.float32)
-        ct = jnp.asarray(rng.standard_normal((*batch, m, n)), jnp.float32)
+        g, m, k = 4, 13, 8
+        sizes, lhs, rhs, bias, ct = _batched_case(37, transpose)
+        w, c = rhs[0, 0], bias[0, 0]  # the experts shared by every batch
         src, dest, merged = ragged_gpu.merge_rows(sizes.reshape(6, g), m)
         np.testing.assert_array_equal(np.sort(np.asarray(dest)), np.arange(6 * m))
         np.testing.assert_array_equal(np.asarray(src)[np.asarray(dest)], np.arange(6 * m))

@@ -456,8 +456,13 @@ def _front(x, d, size):
     return jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
 
 
+def _mapped_size(args, dims):
+    """The vmap's size: the length of the first mapped operand's mapped dim."""
+    return next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+
+
 def _batch(prim, args, dims, **params):
-    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    size = _mapped_size(args, dims)
     moved = [_front(x, d, size) for x, d in zip(args, dims, strict=True)]
     return prim.bind(*moved, **params), 0
 
@@ -467,7 +472,7 @@ def _batch_ragged_dot(args, dims, **params):
     unbatched) stay shared by every batch: the kernels read them in place for each batch's
     groups (`ragged_gpu.fold_rows`), rather than from a copy per batch. Otherwise `_batch`; and
     experts shared under an inner vmap that this one maps are broadcast along its batch dims."""
-    size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
+    size = _mapped_size(args, dims)
     (lhs, rhs, sizes, *bias), (d_lhs, d_rhs, d_sizes, *d_bias) = args, dims
     if d_rhs is None and rhs.ndim == 3 and all(d is None for d in d_bias):
         lhs, sizes = _front(lhs, d_lhs, size), _front(sizes, d_sizes, size)
