@@ -875,6 +875,75 @@ class RaggedDotTest(parameterized.TestCase):
         )  # fmt: skip
         tu.assert_close(self, got, ref, "float32", 8)
 
+    def test_int32_sizes_whose_running_sum_overflows(self):
+        # int32 sizes each within int32 but whose running sum is not: the groups end at m as
+        # the kernels read them ([3, 5, 0] of 8 rows) on XLA's path too, forward, bias rows
+        # and both gradients, and on the lax.ragged_dot fallback (integer operands). XLA's
+        # ragged dot lost the rows past the wrapped sum before.
+        rng = np.random.default_rng(23)
+        lhs = jnp.asarray(rng.standard_normal((8, 6)), jnp.float32)
+        rhs = jnp.asarray(rng.standard_normal((3, 6, 4)), jnp.float32)
+        bias = jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)
+        sizes = jnp.array([3, 2**31 - 1, 4], jnp.int32)
+        clamped = jnp.array([3, 5, 0], jnp.int32)
+
+        def reference(a, b, s, c):
+            rows = jnp.repeat(c, np.asarray(s), axis=0, total_repeat_length=a.shape[0])
+            return lax.ragged_dot(a, b, s, precision=lax.Precision.HIGHEST) + rows
+
+        def value_and_grads(f, s):
+            loss = lambda a, b, c: jnp.sin(f(a, b, s, c)).sum()  # noqa: E731
+            return f(lhs, rhs, s, bias), jax.grad(loss, (0, 1, 2))(lhs, rhs, bias)
+
+        ours = lambda a, b, s, c: jax_sm100.ragged_dot(a, b, s, bias=c)  # noqa: E731
+        got = jax.jit(value_and_grads, static_argnums=0)(ours, sizes)
+        want = value_and_grads(reference, clamped)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            tu.assert_close(self, x, y, "float32", 8)
+        ints = jnp.asarray(rng.integers(-4, 5, (8, 6)), jnp.int32)
+        w = jnp.asarray(rng.integers(-4, 5, (3, 6, 4)), jnp.int32)
+        np.testing.assert_array_equal(
+            jax_sm100.ragged_dot(ints, w, sizes), lax.ragged_dot(ints, w, clamped)
+        )
+
+    @parameterized.parameters((0, 8, 5), (6, 0, 5), (6, 8, 0))
+    def test_vmap_of_empty_extents(self, m, k, n):
+        # vmap (and its gradient) with no rows, no contraction or no columns: zeros of the
+        # right shapes (merging the batch into the rows divided by zero before).
+        lhs, rhs = jnp.ones((2, m, k), jnp.float32), jnp.ones((2, 3, k, n), jnp.float32)
+        sizes = jnp.array([[m, 0, 0], [0, m, 0]], jnp.int32)
+        out = jax.vmap(jax_sm100.ragged_dot)(lhs, rhs, sizes)
+        self.assertEqual(out.shape, (2, m, n))
+        self.assertEqual(float(jnp.sum(jnp.abs(out))), 0.0 if 0 in (m, n) else 2.0 * m * k * n)
+        loss = lambda a, b: jax.vmap(jax_sm100.ragged_dot)(a, b, sizes).sum()  # noqa: E731
+        da, db = jax.grad(loss, (0, 1))(lhs, rhs)
+        self.assertEqual((da.shape, db.shape), (lhs.shape, rhs.shape))
+        if 0 in (m, n):
+            self.assertEqual(float(jnp.sum(jnp.abs(da)) + jnp.sum(jnp.abs(db))), 0.0)
+
+    def test_export_of_the_biased_gradient_with_symbolic_rows(self):
+        # jax.export with a symbolic m: the bias tangent cannot compare m with its one-hot
+        # limit, so it takes the gather (the comparison raised before); the exported
+        # gradient equals the concrete one.
+        (m,) = jax.export.symbolic_shape("m")
+        lhs = jax.ShapeDtypeStruct((m, 6), jnp.float32)
+        rhs = jax.ShapeDtypeStruct((3, 6, 4), jnp.float32)
+        bias = jax.ShapeDtypeStruct((3, 4), jnp.float32)
+        sizes = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+        def grad(a, b, s, c):
+            loss = lambda a, b, c: jnp.sin(jax_sm100.ragged_dot(a, b, s, bias=c)).sum()  # noqa: E731
+            return jax.grad(loss, (0, 1, 2))(a, b, c)
+
+        exported = jax.export.export(jax.jit(grad), platforms=["cpu"])(lhs, rhs, sizes, bias)
+        rng = np.random.default_rng(24)
+        args = (jnp.asarray(rng.standard_normal((11, 6)), jnp.float32),
+                jnp.asarray(rng.standard_normal((3, 6, 4)), jnp.float32),
+                jnp.array([4, 0, 5], jnp.int32),
+                jnp.asarray(rng.standard_normal((3, 4)), jnp.float32))  # fmt: skip
+        for x, y in zip(exported.call(*args), jax.jit(grad)(*args), strict=True):
+            tu.assert_close(self, x, y, "float32", 6)
+
     def test_out_sharding_as_lax(self):
         lhs, rhs = jnp.ones((8, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32)
         sizes = jnp.array([3, 5], jnp.int32)

@@ -70,6 +70,14 @@ def reference_outer(lhs, rhs, group_sizes):
     return jnp.einsum("mk,mn,mg->gkn", lhs, rhs, member, precision=HIGHEST)
 
 
+def reference_biased(lhs, rhs, group_sizes, bias):
+    """reference_dot plus each row's group's bias row (none past the last group)."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(lhs.shape[0])[:, None]
+    member = ((rows >= ends - group_sizes) & (rows < ends)).astype(jnp.float32)
+    return reference_dot(lhs, rhs, group_sizes) + member @ bias
+
+
 def sin_loss(f):
     return lambda lhs, rhs, group_sizes: jnp.sum(jnp.sin(f(lhs, rhs, group_sizes)))
 
@@ -111,10 +119,7 @@ class RaggedCase(ts.ShardedTestCase):
             return jnp.sin(jax_sm100.ragged_dot(a, b, sizes, bias=c, activation="gelu")).sum()
 
         def reference(a, b, c):
-            ends = jnp.cumsum(sizes)
-            rows = jnp.arange(M)[:, None]
-            member = ((rows >= ends - sizes) & (rows < ends)).astype(jnp.float32)
-            y = reference_dot(a, b, sizes) + member @ c
+            y = reference_biased(a, b, sizes, c)
             return jnp.sin(jax.nn.gelu(y, approximate=True)).sum()
 
         sharded = [self.put(x, sp) for x, sp in zip((lhs, rhs, bias), specs, strict=True)]
@@ -351,6 +356,45 @@ class GradTest(RaggedCase):
         # before); with k split the bias joins one partial sum only.
         self.check_bias(specs)
 
+    @parameterized.product(
+        sizes=([10, -7, 20, 0, -3, 15, 9, 4], [10, 0, 20, 2**31 - 1, -3, 5, 9, 4]),
+        specs=(
+            (PS("data"), PS(), PS()),
+            (PS(), PS("model"), PS()),
+            (PS("data"), PS("model"), PS()),
+        ),  # fmt: skip
+    )
+    def test_sizes_as_the_kernels_read_them(self, sizes, specs):
+        # Negative sizes are empty groups and a running sum past int32 saturates at m on
+        # every device too: each device's rows and experts are cut from the sizes as the
+        # kernels read them (from the raw running sum before, which moved later groups' rows).
+        lhs, rhs = operands(70)
+        read = np.diff(np.minimum(np.cumsum(np.maximum(sizes, 0)), M), prepend=0)
+        sizes, read = jnp.asarray(sizes, jnp.int32), jnp.asarray(read, jnp.int32)
+        sharded = [self.put(x, sp) for x, sp in zip((lhs, rhs, sizes), specs, strict=True)]
+        f = lambda a, b, s: (jax_sm100.ragged_dot(a, b, s), grads(jax_sm100.ragged_dot)(a, b, s))  # noqa: E731
+        got = jax.jit(f)(*sharded)
+        want = (reference_dot(lhs, rhs, read), grads(reference_dot)(lhs, rhs, read))
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            tu.assert_close(self, x, y, "float32", K)
+
+    def test_bias_gradient_with_group_sizes_split(self):
+        # Group sizes split over experts as the weights and bias are: the bias tangent's
+        # one-hot groups gather them (g int32s) for their running sum, which failed to type
+        # on the split sizes before.
+        lhs, rhs = operands(66)
+        bias = tu.rand(np.random.default_rng(67), (G, N), "float32")
+        sizes = groups(68)
+        loss = lambda f: lambda a, b, s, c: jnp.sin(f(a, b, s, c)).sum()  # noqa: E731
+        ours = lambda a, b, s, c: jax_sm100.ragged_dot(a, b, s, bias=c)  # noqa: E731
+        args = (lhs, rhs, sizes, bias)
+        specs = (PS("data"), PS("model"), PS("model"), PS("model"))
+        sharded = [self.put(x, sp) for x, sp in zip(args, specs, strict=True)]
+        got = jax.jit(jax.grad(loss(ours), (0, 1, 3)))(*sharded)
+        want = jax.grad(loss(reference_biased), (0, 1, 3))(*args)
+        for x, y in zip(got, want, strict=True):
+            tu.assert_close(self, x, y, "float32", K)
+
     def test_bias_follows_the_weights(self):
         # Weights split along n and a bias split over experts: the bias is resharded to the
         # weights' split (an all-to-all of the bias alone), the weights stay put (it took an
@@ -362,10 +406,7 @@ class GradTest(RaggedCase):
         f = lambda a, b, c: jax_sm100.ragged_dot(a, b, sizes, bias=c)  # noqa: E731
 
         def reference(a, b, c):
-            ends = jnp.cumsum(sizes)
-            rows = jnp.arange(M)[:, None]
-            member = ((rows >= ends - sizes) & (rows < ends)).astype(jnp.float32)
-            return reference_dot(a, b, sizes) + member @ c
+            return reference_biased(a, b, sizes, c)
 
         _, hlo = self.check(f, (lhs, rhs, bias), (PS(), PS(None, None, "model"), PS("model")),
                             counts(all_to_all=1), reference=reference)  # fmt: skip

@@ -187,17 +187,22 @@ def _int32_sizes(group_sizes, m: int):
     are clamped to [0, m] first, in their own dtype, so that one past int32 saturates at m
     rather than wrapping; int32 and narrower pass as they are (an op on them would cost the
     expert-sharded sizes a gather). Negative sizes are empty groups on every path (the kernels
-    clamp them, `_nonnegative` on XLA's)."""
+    clamp them, `_lax_sizes` on XLA's)."""
     dtype = np.dtype(group_sizes.dtype)
     if dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4):
         group_sizes = jnp.clip(group_sizes, 0, m)
     return group_sizes.astype(jnp.int32)
 
 
-def _nonnegative(gs):
-    """XLA's ragged dot with negative sizes overlaps the groups; the kernels read them as
-    empty groups, and so does this (XLA) path."""
-    return jnp.maximum(gs, 0)
+def _lax_sizes(gs, m):
+    """The sizes XLA's ragged dot takes for the groups the kernels read
+    (`ragged_sharding.group_ends`): with negative sizes it would overlap the groups, and a
+    running sum past int32 would wrap. Each size clamped to [0, m] (element by element, so
+    sizes split over experts stay split) is enough while g m stays within int32: XLA's groups
+    end at m as the kernels' do; past that, or for a symbolic m, the saturated sizes."""
+    if not jax.export.is_symbolic_dim(m) and gs.shape[-1] * m < 2**31:
+        return jnp.clip(gs, 0, m)
+    return ragged_sharding.saturated_sizes(gs, m)
 
 
 def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
@@ -219,7 +224,7 @@ def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
 def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_sharding):
     """lax.ragged_dot itself, recorded as the path taken and why."""
     dispatch.record(dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({why})"))
-    return lax.ragged_dot(lhs, rhs, _nonnegative(sizes), precision=precision,
+    return lax.ragged_dot(lhs, rhs, _lax_sizes(sizes, lhs.shape[0]), precision=precision,
                           preferred_element_type=preferred_element_type,
                           out_sharding=out_sharding)  # fmt: skip
 
@@ -283,16 +288,9 @@ def _take_rows(per_group, group_sizes, m: int):
     return jnp.take(per_group, ids, axis=0, mode="fill", fill_value=0)
 
 
-def group_ends(group_sizes, m: int):
-    """[..., g] int32: each group's end row as the kernels read the sizes (each clamped to
-    [0, m], their running sum saturating at m, so it never overflows), along the last axis."""
-    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
-    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes, axis=-1)
-
-
 def _row_groups(group_sizes, m: int):
     """[m] int32: each row's group index (g past the last group)."""
-    ends = group_ends(group_sizes, m)
+    ends = ragged_sharding.group_ends(group_sizes, m)
     # Row r's group is the count of group ends <= r: one mark per end, then a running sum
     # (O(m + g); the default binary search is a while loop, which on a GPU waits for the host
     # at each of its log2(g) steps: about 150 us at 128 groups, as long as the product).
@@ -346,7 +344,7 @@ ragged_outer_p.def_abstract_eval(ragged_sharding.typed(_ragged_outer_abstract, "
 
 def _flat(x, nb):
     """x with its nb leading batch dims merged into one (a new unit one when nb == 0)."""
-    return x.reshape((-1, *x.shape[nb:])) if nb else x[None]
+    return x.reshape((math.prod(x.shape[:nb]), *x.shape[nb:])) if nb else x[None]
 
 
 def _operands(x, y, acc):
@@ -368,7 +366,7 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, acti
         return P.apply_activation(zeros, activation).astype(out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     rhs, bias = _experts_per_batch(lhs, rhs, bias)
-    l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _nonnegative(_flat(group_sizes, nb))
+    l3, r4, gs = _flat(lhs, nb), _flat(rhs, nb), _lax_sizes(_flat(group_sizes, nb), lhs.shape[-2])
     if transpose_rhs:
         r4 = jnp.swapaxes(r4, -1, -2)
     dn = lax.RaggedDotDimensionNumbers(
@@ -408,7 +406,7 @@ def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed
         tail = (rhs.shape[-1], lhs.shape[-1]) if transpose_out else (lhs.shape[-1], rhs.shape[-1])
         return jnp.zeros((*kept, 0, *tail), out_dtype)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
-    l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _nonnegative(_flat(group_sizes, nb))
+    l3, r3, gs = _flat(lhs, nb), _flat(rhs, nb), _lax_sizes(_flat(group_sizes, nb), lhs.shape[-2])
     dn = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (1,)), ((0,), (0,))),
         lhs_ragged_dimensions=[1],
@@ -623,12 +621,19 @@ def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype, like=None):
     are exact in one bfloat16 pass; an activation's float32 cotangent is then rounded no
     coarser than the backward products round it: to bfloat16), HIGHEST for float16 and float32
     results. Past `_ONE_HOT_MAX_GROUPS` or `_ONE_HOT_MAX` (checked on the shapes the JVP
-    sees: under `vmap` of a gradient the batch is added after), the gather. Under Explicit mesh
+    sees: under `vmap` of a gradient the batch is added after) or with a symbolic m (whose
+    size no comparison can decide), the gather. Under Explicit mesh
     axes the rows come out typed as `like` (ragged_dot's result): the one-hot split as its
     batch and rows, d_bias as its batch and n, so that the gradient's product runs on each
     device's rows and reduces the [g, n] partial sums, rather than gathering the cotangent."""
     *batch, g, n = d_bias.shape
-    if g == 0 or g > _ONE_HOT_MAX_GROUPS or math.prod(batch) * m * g > _ONE_HOT_MAX:
+    elements = math.prod(batch) * m * g
+    if (
+        g == 0
+        or g > _ONE_HOT_MAX_GROUPS
+        or jax.export.is_symbolic_dim(elements)
+        or (elements > _ONE_HOT_MAX)
+    ):
         return group_rows(d_bias, group_sizes, m)
     result = np.dtype(result_dtype)
     narrow = result == np.dtype(jnp.bfloat16) or result.itemsize == 1

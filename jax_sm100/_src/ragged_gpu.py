@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import dispatch, ffi_checks, planning
+from jax_sm100._src import dispatch, ffi_checks, planning, ragged_sharding
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -207,13 +207,10 @@ def _k_major_experts_only(name, target, lhs, rhs, params) -> bool:
 
 
 def _saturated_sizes(group_sizes, m: int):
-    """[B, g] sizes as the kernels read them (`ragged.group_ends`). Returns (sizes, rows in
-    groups [B])."""
-    from jax_sm100._src import ragged  # noqa: PLC0415
-
-    ends = ragged.group_ends(group_sizes, m)
-    sizes = jnp.diff(ends, axis=-1, prepend=jnp.zeros_like(ends[:, :1]))
-    return sizes, ends[:, -1]
+    """[B, g] sizes as the kernels read them (`ragged_sharding.saturated_sizes`). Returns
+    (sizes, rows in groups [B])."""
+    sizes = ragged_sharding.saturated_sizes(group_sizes, m)
+    return sizes, jnp.sum(sizes, axis=-1)
 
 
 def fold_rows(lhs, rhs, group_sizes, bias):

@@ -218,6 +218,23 @@ def group_sizes_like(group_sizes, rhs):
     return jax.sharding.reshard(group_sizes, target)
 
 
+def group_ends(group_sizes, m):
+    """[..., g] int32: each group's end row as the kernels read the sizes (each clamped to
+    [0, m], their running sum saturating at m, so it never overflows), along the last axis.
+    Sizes split along g under Explicit axes are gathered first (g int32s) for the scan."""
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+    sizes = whole_groups(sizes, sizes.ndim - 1)
+    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes, axis=-1)
+
+
+def saturated_sizes(group_sizes, m):
+    """[..., g] int32: the sizes whose running sum is `group_ends` (what each group holds of
+    the m rows as the kernels read them: none for a negative size, the rest of the rows for
+    one that overruns them)."""
+    ends = group_ends(group_sizes, m)
+    return jnp.diff(ends, axis=-1, prepend=jnp.zeros_like(ends[..., :1]))
+
+
 def whole_groups(per_group, axis: int = 0):
     """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias, or its tangent) with g
     unsplit under Explicit axes, so that each row can read its group's row (a gather, or the
@@ -443,7 +460,9 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes, *bi
     g_axes = decision.local.get("g", ())
     g_local = roles.size("g") // math.prod(mesh_shape[a] for a in g_axes)
     e0 = _block_index(g_axes, mesh_shape) * g_local
-    sizes, lead = _local_groups(group_sizes, r0, rows, e0 if g_axes else None, g_local)
+    sizes, lead = _local_groups(
+        group_sizes, roles.size("m"), r0, rows, e0 if g_axes else None, g_local
+    )
     # Partial sums over k or rows are added in the accumulator dtype and rounded once; a sum
     # over experts adds zeros to each row's one result, exact in the output dtype.
     partial = any(f in decision.local for f in roles.reductions if f != "g")
@@ -490,11 +509,12 @@ def _block_index(axes, mesh_shape):
     return index
 
 
-def _local_groups(group_sizes, r0, rows, e0, g_local):
+def _local_groups(group_sizes, m, r0, rows, e0, g_local):
     """The sizes of groups [e0, e0 + g_local) within rows [r0, r0 + rows), and `lead`, the
-    rows of that block before group e0 (the global sizes are [*b, g]; e0 None: every group)."""
-    ends = jnp.cumsum(group_sizes, axis=-1)
-    starts = ends - group_sizes
+    rows of that block before group e0 (the global sizes are [*b, g] of m rows, read as the
+    kernels read them: `group_ends`; e0 None: every group)."""
+    ends = group_ends(group_sizes, m)
+    starts = jnp.concatenate([jnp.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
     clip = lambda x: jnp.clip(x, r0, r0 + rows)
     sizes = clip(ends) - clip(starts)
     if e0 is None:
