@@ -91,6 +91,29 @@ class ScaledMatmulTest(parameterized.TestCase):
             s = np.asarray(scales, np.float64)
             np.testing.assert_array_equal(s, np.exp2(np.round(np.log2(s))))
 
+    @parameterized.product(recipe=tuple(scaled.RECIPES), magnitude=(1e-37, 2e-38))
+    def test_quantize_tiny_magnitudes(self, recipe, magnitude):
+        # Blocks of normal float32 numbers so small that amax / (the format's top) is
+        # subnormal, which XLA flushes to zero: the scale stays at float32's least normal
+        # number (data and scales were NaN, and so the product). Within the round trip's
+        # tolerance up to the flushed subnormals, except nvfp4, whose e4m3 scales end at 2^-9
+        # (global_scale is its answer: test_nvfp4_global_scale).
+        x = _normal(4, (2, 8, 256)) * magnitude
+        data, scales = jax_sm100.quantize(x, recipe)
+        for a in (data, scales):
+            self.assertTrue(np.all(np.isfinite(np.asarray(a, np.float32))), recipe)
+        out = jax_sm100.scaled_matmul(data, data, scales, scales)
+        self.assertTrue(np.all(np.isfinite(np.asarray(out))), recipe)
+        if recipe != "nvfp4":
+            r = scaled.RECIPES[recipe]
+            back = np.asarray(scaled._dequantized(data, scales))
+            blocks = np.abs(np.asarray(x)).reshape(2, 8, -1, r.block).max(-1)
+            if r.row_block > 1:
+                blocks = np.broadcast_to(blocks.max(-2, keepdims=True), blocks.shape)
+            err = np.abs(back - np.asarray(x)).reshape(2, 8, -1, r.block).max(-1)
+            tiny = float(np.finfo(np.float32).tiny)
+            self.assertTrue(np.all(err <= _QUANT_TOL[recipe] * blocks + tiny), recipe)
+
     @parameterized.parameters("mxfp8", "nvfp4")
     def test_blocked_scales_are_the_mma_layout(self, recipe):
         # 200 rows (two 128-row atoms, the second padded) by 6 blocks of k (two 4-block atoms,

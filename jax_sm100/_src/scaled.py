@@ -203,11 +203,20 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         )
         tile_amax = jnp.max(padded.reshape((*amax.shape[:-2], tiles, r.row_block, -1)), axis=-2)
         amax = jnp.repeat(tile_amax, r.row_block, axis=-2)[..., :rows, :]
-    scale = jnp.where(amax > 0, amax / top, 1.0)
+    # No smaller than float32's least normal number: for blocks of tiny magnitudes amax / top
+    # is subnormal, which XLA flushes to zero (a zero scale, then inf / NaN data).
+    scale = jnp.where(amax > 0, jnp.maximum(amax / top, float(jnp.finfo(jnp.float32).tiny)), 1.0)
     if r.scale_dtype == "float8_e8m0fnu":
-        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+        # The power of two built from its exponent bits: XLA's exp2 gives 0 for 2^-126.
+        e = jnp.clip(jnp.ceil(jnp.log2(scale)), -126, 127).astype(jnp.int32)
+        scale = lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
     scale = scale.astype(r.scale_dtype)
-    data = (blocks / scale.astype(jnp.float32)[..., None]).reshape(x.shape).astype(r.data_dtype)
+    # A scale rounded down to its dtype (nvfp4's float8_e4m3fn) leaves quotients past the data
+    # dtype's largest value, which cast to NaN (fp8) rather than saturating: clipped; one
+    # rounded to zero (below float8_e4m3fn's least subnormal) gives zero data.
+    s = scale.astype(jnp.float32)[..., None]
+    data = jnp.where(s > 0, jnp.clip(blocks / jnp.where(s > 0, s, 1.0), -top, top), 0.0)
+    data = data.reshape(x.shape).astype(r.data_dtype)
     if r.layout == "blocked":
         out = (jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale))
     else:
