@@ -142,10 +142,11 @@ def main(argv=None) -> int:
         (t_d, c_d), (t_r, c_r), (t_s, _) = got["dense"], got["read"], got["skewed"]
         print(f"read: {nbytes / t_r / 1e12:.2f} TB/s; skewed / dense TF/s {t_d / t_s:.3f}"
               f" (target 0.75: {t_d / 0.75 * 1e6:.1f} us)")  # fmt: skip
-        if cap is None or c_d is None or c_r is None or got["idle"][1] is None:
+        idles = (got["idle"][1], got["idle after"][1])
+        if cap is None or c_d is None or c_r is None or None in idles:
             continue
         budget = t_d / 0.75
-        lo = min(got["idle"][1].watts, got["idle after"][1].watts)
+        lo = min(c.watts for c in idles)
 
         def bound(s, t_d=t_d, t_r=t_r, p_d=c_d.watts, p_r=c_r.watts):
             return ((p_d - s) * t_d + (p_r - s) * t_r) / (cap - s)

@@ -906,6 +906,38 @@ class RaggedDotTest(parameterized.TestCase):
             jax_sm100.ragged_dot(ints, w, sizes), lax.ragged_dot(ints, w, clamped)
         )
 
+    @parameterized.parameters(2**30 - 1, 2**30 + 3, 2**31 - 1)
+    def test_group_ends_of_row_counts_near_int32(self, m):
+        # The running sum saturating at m for an m past 2^30, where two partial sums of up to m
+        # each overflow int32 (the scan added them before clamping, and wrapped negative): the
+        # ends and the sizes XLA's path takes (`_lax_sizes`, its saturated branch: g m past
+        # int32) against an int64 reference.
+        from jax_sm100._src import ragged_sharding
+
+        rng = np.random.default_rng(m % 97)
+        edge = [m // 2 + 7, m // 2 + 9, -3, 5, 2**31 - 1]
+        sizes = np.concatenate([edge, rng.integers(-(2**31), 2**31 - 1, 27)]).astype(np.int32)
+        for s in (sizes, sizes[::-1], np.sort(sizes)):
+            want = np.minimum(np.cumsum(np.clip(s.astype(np.int64), 0, m)), m)
+            ends = ragged_sharding.group_ends(jnp.asarray(s), m)
+            np.testing.assert_array_equal(np.asarray(ends, np.int64), want)
+            np.testing.assert_array_equal(
+                np.asarray(ragged._lax_sizes(jnp.asarray(s), m), np.int64),
+                np.diff(want, prepend=0),
+            )  # fmt: skip
+
+    def test_export_with_a_symbolic_group_count(self):
+        # jax.export with g symbolic: XLA's ragged dot takes a static group count only, and
+        # ours says so with lax's own error (an undecidable comparison of g m with int32
+        # raised before it could).
+        (m, g) = jax.export.symbolic_shape("m, g")
+        args = (jax.ShapeDtypeStruct((m, 6), jnp.float32),
+                jax.ShapeDtypeStruct((g, 6, 4), jnp.float32),
+                jax.ShapeDtypeStruct((g,), jnp.int32))  # fmt: skip
+        for f in (jax_sm100.ragged_dot, lax.ragged_dot):
+            with self.assertRaisesRegex(TypeError, "group count .* to be static"):
+                jax.export.export(jax.jit(f), platforms=["cpu"])(*args)
+
     @parameterized.parameters((0, 8, 5), (6, 0, 5), (6, 8, 0))
     def test_vmap_of_empty_extents(self, m, k, n):
         # vmap (and its gradient) with no rows, no contraction or no columns: zeros of the

@@ -199,8 +199,11 @@ def _lax_sizes(gs, m):
     (`ragged_sharding.group_ends`): with negative sizes it would overlap the groups, and a
     running sum past int32 would wrap. Each size clamped to [0, m] (element by element, so
     sizes split over experts stay split) is enough while g m stays within int32: XLA's groups
-    end at m as the kernels' do; past that, or for a symbolic m, the saturated sizes."""
-    if not jax.export.is_symbolic_dim(m) and gs.shape[-1] * m < 2**31:
+    end at m as the kernels' do; past that, or for a symbolic m, the saturated sizes. (A
+    symbolic g gets the clipped sizes: XLA's ragged dot then raises its own error, that it
+    takes a static group count.)"""
+    g = gs.shape[-1]
+    if jax.export.is_symbolic_dim(g) or (not jax.export.is_symbolic_dim(m) and g * m < 2**31):
         return jnp.clip(gs, 0, m)
     return ragged_sharding.saturated_sizes(gs, m)
 

@@ -22,11 +22,12 @@ nothing when they are replicated, as router outputs computed from replicated tok
   * batch b, and ragged_dot's n, ragged_outer's k and n: kept, no communication.
   * rows m (data-parallel tokens): a device holding rows [r0, r1) binds the primitive on its
     block with the local group sizes clip(end_i, r0, r1) - clip(start_i, r0, r1) (start, end:
-    the global cumulative sums). Exact: a row's group is the same as in the whole problem, rows
-    past the last group stay in none. ragged_dot needs nothing more (the experts are whole on
-    every device); ragged_outer's per-device results are partial sums over rows, reduced by one
-    `psum` (or a `psum_scatter` onto a result dim that the requested sharding splits over the
-    same axes), in the accumulator dtype, rounded once after.
+    each group's first and end row as the kernels read the global sizes, `group_ends`).
+    Exact: a row's group is the same as in the whole problem, rows past the last group stay
+    in none. ragged_dot needs nothing more (the experts are whole on every device);
+    ragged_outer's per-device results are partial sums over rows, reduced by one `psum` (or
+    a `psum_scatter` onto a result dim that the requested sharding splits over the same
+    axes), in the accumulator dtype, rounded once after.
   * experts g (expert-parallel; the tokens already routed and whole over the expert axis): a
     device holding experts [e0, e1) computes the rows of those experts only. The local primitive
     takes groups starting at row 0, so the rows are rotated up by `lead`, the number of rows
@@ -220,11 +221,12 @@ def group_sizes_like(group_sizes, rhs):
 
 def group_ends(group_sizes, m):
     """[..., g] int32: each group's end row as the kernels read the sizes (each clamped to
-    [0, m], their running sum saturating at m, so it never overflows), along the last axis.
-    Sizes split along g under Explicit axes are gathered first (g int32s) for the scan."""
+    [0, m], their running sum saturating at m), along the last axis. The scan adds
+    min(b, m - a) to a rather than clamping a + b, so no partial sum passes m (int32 holds
+    every m). Sizes split along g under Explicit axes are gathered first (g int32s)."""
     sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
     sizes = whole_groups(sizes, sizes.ndim - 1)
-    return lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes, axis=-1)
+    return lax.associative_scan(lambda a, b: a + jnp.minimum(b, m - a), sizes, axis=-1)
 
 
 def saturated_sizes(group_sizes, m):

@@ -397,7 +397,8 @@ class GroupedGemm:
             size = cutlass.Int32(0)
             if j < g:
                 size = cutlass.max(cutlass.min(mGs[j], extent), 0)
-            # Inclusive running sum of the sizes, saturating at the extent.
+            # Inclusive running sum of the sizes, saturating at the extent (below 2^30, the
+            # planner's MAX_GROUPED_ROWS: a sum of two is below 2^31, no int32 overflow).
             end = size
             for d in cutlass.range_constexpr(5):
                 other = cute.arch.shuffle_sync_up(end, 1 << d)
