@@ -561,6 +561,26 @@ class PartitionerTest(ShardedTestCase):
             gelu_bias, (x, w, b), specs, counts(reduce_scatter=1), out_spec=PS(None, "model")
         )
 
+    @parameterized.named_parameters(("shardy", True), ("gspmd", False))
+    def test_fully_sharded_operands_scatter_once(self, shardy):
+        # FSDP's layout: the activations, the weight and the bias all split on their first
+        # dim over one axis, so k is split and both m (from x) and n (from the bias) name its
+        # axis. Its partials are reduce-scattered onto one of them; both claimed it before
+        # (Shardy: a spec naming the axis twice; GSPMD aborted the process).
+        x, w, b = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64)
+        specs = (PS("data"), PS("data"), PS("data"))
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            sharded = [self.put(v, sp) for v, sp in zip((x, w, b), specs, strict=True)]
+            for f in (gelu_bias, grad_of(gelu_bias, (0, 1, 2))):
+                got = jax.jit(f)(*sharded)
+                want = jax.jit(f)(*[jax.device_put(v, self.devices[0]) for v in (x, w, b)])
+                for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+
 
 @_delegated
 class ExplicitAxesTest(ShardedTestCase):
@@ -575,6 +595,53 @@ class ExplicitAxesTest(ShardedTestCase):
         want = counts(all_reduce=reduces("data"))
         got, _ = self.check(f, (b, x, w, y), specs, want, grad=True)
         self.assertEqual(same_spec(got.sharding.spec), ())
+
+    def test_gradients_typed_as_their_primals(self):
+        # Each cotangent has its primal's type, as jnp's do: the backward products type theirs
+        # from the other operand and the cotangent (a k split as the weight is, a bias whole
+        # where the product is), which JAX refused; and a backward product whose operands
+        # name one axis on both of its dims (c split over rows beside a weight split over k
+        # on the same axis) types that dim once instead of raising.
+        x, w, b, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64), rand(3, 32, 64)
+        ours = lambda x, w, b, c: jax_sm100.matmul(x, w, bias=b, c=c, activation="gelu")  # noqa: E731
+        ref = lambda x, w, b, c: jax.nn.gelu(  # noqa: E731
+            jnp.matmul(x, w, precision="highest") + c + b, approximate=True
+        )
+        loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+        cases = [
+            (PS(), PS("data"), PS(), PS()),
+            (PS(None, "data"), PS(), PS(), PS()),
+            (PS(), PS(), PS("data"), PS()),
+            (PS("data"), PS(), PS(), PS()),
+            (PS(), PS("data"), PS(), PS("data", "model")),
+        ]
+        want = jax.grad(loss(ref), (0, 1, 2, 3))(x, w, b, c)
+        for specs in cases:
+            args = [self.put(v, sp) for v, sp in zip((x, w, b, c), specs, strict=True)]
+            got = jax.jit(jax.grad(loss(ours), (0, 1, 2, 3)))(*args)
+            for g, r, sp in zip(got, want, specs, strict=True):
+                self.assertEqual(same_spec(g.sharding.spec), same_spec(sp), specs)
+                np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+    def test_einsum_with_heads_split(self):
+        # nnx.Einsum's projections with heads split for tensor parallelism: merging the
+        # split heads with the head dim has no type JAX can give a local reshape, so those
+        # contractions run on lax.dot_general (recorded) where they raised before; values and
+        # result types as jnp.einsum's.
+        x, w, o = rand(0, 4, 8, 32), rand(1, 32, 4, 8), rand(2, 4, 8, 32)
+        cases = [
+            ("bsd,dhk->bshk", x, w, PS("data"), PS(None, "model")),
+            ("bsd,hkd->bshk", x, o, PS("data"), PS("model")),
+            ("bshk,hkd->bsd", rand(3, 4, 8, 4, 8), o, PS("data", None, "model"), PS("model")),
+        ]
+        for eq, a, b, sa, sb in cases:
+            args = (self.put(a, sa), self.put(b, sb))
+            # A contraction over the split heads needs its result's type spelled out (jnp too).
+            kw = {"out_sharding": NamedSharding(self.mesh, PS("data"))} if eq[-3:] == "bsd" else {}
+            got = jax.jit(functools.partial(jax_sm100.einsum, eq, **kw))(*args)
+            want = jax.jit(functools.partial(jnp.einsum, eq, **kw))(*args)
+            self.assertEqual(same_spec(got.sharding.spec), same_spec(want.sharding.spec), eq)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
     def test_result_types(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

@@ -436,12 +436,12 @@ def _transpose(cts, *args, transpose_a, transpose_b, alpha, beta, activation, ou
     if has_bias and undef(bias):
         gb = jnp.sum(ct.astype(acc), axis=-2)
         ct_bias = _unbroadcast(gb, bias.aval.shape).astype(bias.aval.dtype)
-    out = [ct_a, ct_b]
-    if has_bias:
-        out.append(ct_bias)
-    if has_c:
-        out.append(ct_c)
-    return out
+    # Under Explicit axes each cotangent is typed by its own product or sum, not as its primal.
+    out = [ct_a, ct_b, *([ct_bias] if has_bias else []), *([ct_c] if has_c else [])]
+    primals = [a, b, *([bias] if has_bias else []), *([c] if has_c else [])]
+    return [
+        None if t is None else P.cotangent_like(t, p) for t, p in zip(out, primals, strict=True)
+    ]
 
 
 ad.primitive_jvps[P.matmul_p] = _jvp

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as jax_core
 
 from jax_sm100._src import (
     dispatch,
@@ -246,21 +247,36 @@ def dot_general(
     if form is None:
         record_fallback(f"jax_sm100.dot_general {dimension_numbers}", reason)
         return reference(lhs, rhs)
-    if form.copies:
-        dispatch.record(dispatch.Lowered(None, "jax_sm100.dot_general: " + "; ".join(form.copies)))
-    a = lhs if form.lhs.perm is None else lax.transpose(lhs, form.lhs.perm)
-    b = rhs if form.rhs.perm is None else lax.transpose(rhs, form.rhs.perm)
-    # Only reshapes that change the shape: `a` unchanged must reach the primitive as itself.
-    a = a if a.shape == form.lhs.shape else a.reshape(form.lhs.shape)
-    b = b if b.shape == form.rhs.shape else b.reshape(form.rhs.shape)
     params = dict(
         transpose_a=form.lhs.transposed, transpose_b=form.rhs.transposed, alpha=1.0,
         beta=1.0, activation=None, out_dtype=np.dtype(want.dtype), has_bias=False,
         has_c=False, save_preact=False, act_grad=None,
     )  # fmt: skip
-    (out,) = P.matmul_p.bind(a, b, plan=None, **params)
-    out = out if out.shape == form.out_shape else out.reshape(form.out_shape)
-    return with_result_type(out, want.weak_type, out_sharding)
+
+    def on_kernels(lhs, rhs):
+        a = lhs if form.lhs.perm is None else lax.transpose(lhs, form.lhs.perm)
+        b = rhs if form.rhs.perm is None else lax.transpose(rhs, form.rhs.perm)
+        # Only reshapes that change the shape: `a` unchanged must reach the primitive as itself.
+        a = a if a.shape == form.lhs.shape else a.reshape(form.lhs.shape)
+        b = b if b.shape == form.rhs.shape else b.reshape(form.rhs.shape)
+        (out,) = P.matmul_p.bind(a, b, plan=None, **params)
+        return out if out.shape == form.out_shape else out.reshape(form.out_shape)
+
+    if form.lhs.shape != lhs.shape or form.rhs.shape != rhs.shape or form.out_shape != want.shape:
+        if P.explicit_type(lhs) is not None or P.explicit_type(rhs) is not None:
+            # Under Explicit axes a reshape that merges a sharded dim with a minor one (heads
+            # split for tensor parallelism, merged with the head dim) has no type JAX can give
+            # without communication: lax.dot_general's own rule handles those layouts.
+            try:
+                jax.eval_shape(on_kernels, lhs, rhs)
+            except jax_core.ShardingTypeError as e:
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                record_fallback(f"jax_sm100.dot_general {dimension_numbers}",
+                                f"the GEMM's reshape of a sharded dim: {first}")  # fmt: skip
+                return reference(lhs, rhs)
+    if form.copies:
+        dispatch.record(dispatch.Lowered(None, "jax_sm100.dot_general: " + "; ".join(form.copies)))
+    return with_result_type(on_kernels(lhs, rhs), want.weak_type, out_sharding)
 
 
 def einsum(subscripts, /, *operands, **kwargs) -> jax.Array:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
 from jax_sm100._src import dtypes as D
 from jax_sm100._src.kernels.spec import ACT_GRAD_CLAMP, ACTIVATIONS, GELU_K0, GELU_K1
@@ -203,10 +203,48 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     if c is not None:
         m_spec = m_spec if m_spec is not None else spec(c, nb)
         n_spec = n_spec if n_spec is not None else spec(c, nb + 1)
-    parts = [*batch, m_spec, n_spec]
+    # A mesh axis types one dim at most: batch first, then m, then n (a backward product's
+    # operands can name one axis on both, e.g. the input gradient of c split over rows beside
+    # a weight split over k on the same axis); the dim that loses it is gathered.
+    parts, used = [], set()
+    for entry in (*batch, m_spec, n_spec):
+        axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None]
+        axes = [a for a in axes if a not in used]
+        used.update(axes)
+        parts.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     while parts and parts[-1] is None:
         parts.pop()
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
+
+
+def typed_aval(x):
+    return x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
+
+
+def explicit_type(x):
+    """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
+    aval = typed_aval(x)
+    return aval.sharding if explicit_mesh(aval) else None
+
+
+def cotangent_like(ct, primal):
+    """A transpose's cotangent `ct` typed as the undefined `primal` is, under Explicit axes.
+
+    `out_sharding` types a result from its operands, and a transpose's operands are not the
+    primal's: an input gradient takes its k's type from the other operand, a weight gradient
+    its k's from the activations, a bias gradient its type from the cotangent. JAX requires a
+    cotangent of the primal's type, so a mismatch is resharded (a local slice where the primal
+    is split and the cotangent whole, else a gather).
+    """
+    want = explicit_type(primal)
+    if want is None or jax.typeof(ct).sharding == want:
+        return ct
+    return jax.sharding.reshard(ct, want)
+
+
+def explicit_mesh(aval) -> bool:
+    sh = getattr(aval, "sharding", None)
+    return sh is not None and not sh.mesh.empty and sh.mesh._any_axis_explicit
 
 
 # --- reference math (CPU lowering, XLA fallback) -----------------------------------------------

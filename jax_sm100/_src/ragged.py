@@ -530,7 +530,7 @@ def _cotangent(target, prim, *operands, **params):
     (an fp8 operand's) in bfloat16 and converted after (`autodiff.cotangent_product_dtype`)."""
     want = np.dtype(target.aval.dtype)
     out = prim.bind(*operands, out_dtype=autodiff.cotangent_product_dtype(want), **params)
-    return ragged_sharding.cotangent_like(out.astype(want), target)
+    return P.cotangent_like(out.astype(want), target)
 
 
 def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
@@ -600,7 +600,7 @@ def _jvp(prim, primals, tangents, *, _result_dtype=None, **params):
         if shared_experts(lhs, rhs):  # a bias shared by the batches, as its experts
             d_b = jnp.broadcast_to(d_b, (*group_sizes.shape[:-1], *d_b.shape))
         rows = _bias_tangent_rows(d_b, group_sizes, lhs.shape[-2], result, like=out)
-        terms.append(ragged_sharding.cotangent_like(rows.astype(out.dtype), out))
+        terms.append(P.cotangent_like(rows.astype(out.dtype), out))
     if not terms:
         return out, ad.Zero.from_primal_value(out)
     return out, sum(terms[1:], terms[0])
@@ -641,7 +641,7 @@ def _bias_tangent_rows(d_bias, group_sizes, m: int, result_dtype, like=None):
     result = np.dtype(result_dtype)
     narrow = result == np.dtype(jnp.bfloat16) or result.itemsize == 1
     nb = len(batch)
-    typed = None if like is None else ragged_sharding.explicit_type(like)
+    typed = None if like is None else P.explicit_type(like)
     if typed is None:
         d_bias = ragged_sharding.whole_groups(d_bias, nb)
         one_hot_type = None

@@ -65,11 +65,11 @@ Explicit mesh axes. Results are typed (`typed`, `out_sharding`): ragged_dot's ba
 lhs has them, n as rhs has it; ragged_outer's batch as lhs, g as the group sizes, k as lhs, n
 as rhs; the callback reads the type as the requested result sharding. A transpose's operands are
 not its primal's, and JAX requires a cotangent typed as its primal: ragged.py's transposes
-retype each one (`cotangent_like`: a slice, or a gather where the primal is whole), and give the
-weight gradient's group sizes the experts' split (`group_sizes_like`), so that it is computed
-expert-parallel rather than whole on every device. On a mesh of one device with Explicit axes,
-the local function is traced untyped: XLA's ragged dot has no Explicit sharding rule (JAX 0.10
-raises for it even on replicated operands).
+retype each one (`primitive.cotangent_like`: a slice, or a gather where the primal is whole),
+and give the weight gradient's group sizes the experts' split (`group_sizes_like`), so that it
+is computed expert-parallel rather than whole on every device. On a mesh of one device with
+Explicit axes, the local function is traced untyped: XLA's ragged dot has no Explicit sharding
+rule (JAX 0.10 raises for it even on replicated operands).
 
 Limits: a sharded program cannot be serialized with `jax.export` (custom_partitioning's
 callbacks live in this process), as for matmul. Under Auto axes nothing ties the weight
@@ -93,7 +93,7 @@ from jax.experimental.custom_partitioning import (
     SdyShardingRule,
     custom_partitioning,
 )
-from jax.interpreters import ad, mlir
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 
 from jax_sm100._src import primitive as P
@@ -183,20 +183,6 @@ def out_sharding(name: str, lhs, rhs, group_sizes, params):
     return NamedSharding(mesh, jax.sharding.PartitionSpec(*map(sharding._entry, parts)))
 
 
-def cotangent_like(ct, primal):
-    """A transpose's cotangent `ct` typed as the undefined `primal` is, under Explicit axes.
-
-    `out_sharding` types a result from its operands, and a transpose's operands are not the
-    primal's: the input gradient takes its k's type from rhs, the weight gradient its k's from
-    lhs. JAX requires a cotangent of the primal's type, so a mismatch is resharded (a local
-    slice where the primal is split and the cotangent whole, else a gather).
-    """
-    want = explicit_type(primal)
-    if want is None or jax.typeof(ct).sharding == want:
-        return ct
-    return jax.sharding.reshard(ct, want)
-
-
 def group_sizes_like(group_sizes, rhs):
     """The group sizes typed with g split as `rhs`'s experts are, under Explicit axes.
 
@@ -204,12 +190,12 @@ def group_sizes_like(group_sizes, rhs):
     weight gradient is computed expert-parallel (each device its own experts) rather than whole
     on every device and sliced after. The partitioner gathers the sizes back (g int32).
     """
-    want = explicit_type(rhs)
+    want = P.explicit_type(rhs)
     if want is None:
         return group_sizes
     nb = group_sizes.ndim - 1
     spec = tuple(jax.typeof(group_sizes).sharding.spec)
-    g_at = len(_aval(rhs).shape) - 3  # rhs [*b, g, ., .], or [g, ., .] shared by the batches
+    g_at = len(P.typed_aval(rhs).shape) - 3  # rhs [*b, g, ., .], or [g, ., .] shared by the batches
     g_axes = sharding._axes(want.spec[g_at] if g_at < len(want.spec) else None)
     batch = [tuple(a for a in sharding._axes(e) if a not in g_axes) for e in spec[:nb]]
     parts = (*map(sharding._entry, batch), sharding._entry(g_axes))
@@ -241,7 +227,7 @@ def whole_groups(per_group, axis: int = 0):
     """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias, or its tangent) with g
     unsplit under Explicit axes, so that each row can read its group's row (a gather, or the
     product with the rows' one-hot groups; the bias is small: a gather of it)."""
-    have = explicit_type(per_group)
+    have = P.explicit_type(per_group)
     if have is None or len(have.spec) <= axis or have.spec[axis] is None:
         return per_group
     spec = list(have.spec)
@@ -249,18 +235,8 @@ def whole_groups(per_group, axis: int = 0):
     return jax.sharding.reshard(per_group, have.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
-def _aval(x):
-    return x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
-
-
-def explicit_type(x):
-    """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
-    aval = _aval(x)
-    return aval.sharding if _explicit_mesh(aval) else None
-
-
 def _typed_over_explicit_axes(ctx) -> bool:
-    return any(_explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out))
+    return any(P.explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out))
 
 
 def _explicit_context() -> bool:
@@ -268,11 +244,6 @@ def _explicit_context() -> bool:
     `shard_map` the body is traced in its own, manual, context)."""
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and mesh._any_axis_explicit and not mesh._any_axis_manual
-
-
-def _explicit_mesh(aval) -> bool:
-    sh = getattr(aval, "sharding", None)
-    return sh is not None and not sh.mesh.empty and sh.mesh._any_axis_explicit
 
 
 def _untyped_context(ctx):
@@ -284,7 +255,7 @@ def _untyped_context(ctx):
     """
 
     def untyped(aval):
-        if not _explicit_mesh(aval):
+        if not P.explicit_mesh(aval):
             return aval
         return jax.core.ShapedArray(aval.shape, aval.dtype, aval.weak_type)
 

@@ -235,7 +235,7 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
     # k first: the result's sharding then says whether its partials are reduce-scattered.
     k = _even_prefix(from_operands("k"), roles.size("k"), mesh_shape)
     used = set(k)
-    local, scatter = ({"k": k} if k else {}), {}
+    local, scatter, scattered = ({"k": k} if k else {}), {}, set()
     result_axes = _spec_axes(result_sharding, len(roles.result))
     for factor, wanted in zip(roles.result, result_axes, strict=True):
         wanted = wanted or from_operands(factor)
@@ -244,10 +244,13 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
         if got:
             local[factor] = got
         extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
-        onto = _even_prefix([a for a in wanted if a in k], extent, mesh_shape)
+        # A k axis is reduce-scattered onto one result dim at most (two operands, x over rows
+        # and a bias over columns, can both name it).
+        free = [a for a in wanted if a in k and a not in scattered]
+        onto = _even_prefix(free, extent, mesh_shape)
+        scattered.update(onto)
         if onto:
             scatter[factor] = onto
-    scattered = {a for axes in scatter.values() for a in axes}
     return _Decision(local=local, scatter=scatter, psum=tuple(a for a in k if a not in scattered))
 
 
