@@ -5,7 +5,7 @@
 >>> print(jax_sm100.plan(8192, 8192, 8192, a_dtype="bfloat16", b_dtype="bfloat16"))
 """
 
-from jax_sm100 import tuning
+from jax_sm100 import checkpoint_policies, tuning
 from jax_sm100._src.api import matmul, plan_for
 from jax_sm100._src.compile import compile_plan
 from jax_sm100._src.constraints import PlanError
@@ -24,6 +24,7 @@ __all__ = [
     "KernelSpec",
     "Lowered",
     "PlanError",
+    "checkpoint_policies",
     "compile_plan",
     "dot_general",
     "einsum",

@@ -192,6 +192,68 @@ class PrecisionTest(parameterized.TestCase):
             jax_sm100.matmul(a, b, plan=p, precision=lax.Precision.HIGHEST)
 
 
+class ExportTest(parameterized.TestCase):
+    def test_export_with_symbolic_batch_dims(self):
+        # jax.export of a batched matmul with c, bias and an activation, and its gradient, for
+        # symbolic batch and row counts (the batch dims' broadcast was numpy's, which cannot
+        # take a symbolic dim); the exported function equals the direct one.
+        b, s = jax.export.symbolic_shape("b, s")
+
+        def f(x, w, c, bias):
+            return jax_sm100.matmul(x, w, c=c, bias=bias, activation="gelu")
+
+        def value_and_grads(*args):
+            return f(*args), jax.grad(lambda *a: jnp.sin(f(*a)).sum(), (0, 1, 2, 3))(*args)
+
+        specs = [
+            jax.ShapeDtypeStruct(sh, jnp.float32) for sh in [(b, s, 8), (8, 4), (b, s, 4), (4,)]
+        ]
+        exported = jax.export.export(jax.jit(value_and_grads))(*specs)
+        rng = np.random.default_rng(11)
+        for batch, rows in ((3, 5), (1, 7)):
+            shapes = [(batch, rows, 8), (8, 4), (batch, rows, 4), (4,)]
+            args = [jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in shapes]
+            got, want = exported.call(*args), jax.jit(value_and_grads)(*args)
+            for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                tu.assert_close(self, x, y, "float32", 8)
+
+
+class CheckpointPolicyTest(absltest.TestCase):
+    def test_policies_save_our_products(self):
+        # jax.checkpoint with jax_sm100.checkpoint_policies saves the outputs of our products
+        # as JAX's dot policies save lax.dot_general's (JAX's own save none of ours: every
+        # product was recomputed in the backward); the gradients are the unsaved ones.
+        from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415
+
+        policies = jax_sm100.checkpoint_policies
+        rng = np.random.default_rng(12)
+        x, w1, w2 = (jnp.asarray(rng.standard_normal(sh), jnp.float32)
+                     for sh in [(2, 8, 16), (16, 32), (2, 32, 8)])  # fmt: skip
+        sizes = jnp.array([3, 5], jnp.int32)
+        experts = jnp.asarray(rng.standard_normal((2, 32, 4)), jnp.float32)
+
+        def f(x, w1, w2, experts):
+            h = jnp.tanh(jax_sm100.matmul(x, w1))  # weights shared: no batch dims
+            y = jax_sm100.matmul(h, w2)  # batched weights
+            return jnp.sum(jnp.sin(y)) + jnp.sum(
+                jnp.sin(jax_sm100.ragged_dot(h[0], experts, sizes))
+            )
+
+        def saved(policy):
+            got = saved_residuals(jax.checkpoint(f, policy=policy), x, w1, w2, experts)
+            return sorted(n.split(" from ")[0] for _, n in got if n.startswith("output of"))
+
+        ours = ["output of jax_sm100_matmul", "output of jax_sm100_ragged_dot"]
+        self.assertEqual(saved(jax.checkpoint_policies.dots_saveable), [])
+        self.assertEqual(saved(policies.dots_saveable), sorted([*ours, ours[0]]))
+        self.assertEqual(saved(policies.dots_with_no_batch_dims_saveable), ours)
+        want = jax.grad(f, (0, 1, 2, 3))(x, w1, w2, experts)
+        for policy in (policies.dots_saveable, policies.dots_with_no_batch_dims_saveable):
+            got = jax.grad(jax.checkpoint(f, policy=policy), (0, 1, 2, 3))(x, w1, w2, experts)
+            for g, r in zip(got, want, strict=True):
+                tu.assert_close(self, g, r, "float32", 32)
+
+
 class ArgumentsTest(parameterized.TestCase):
     def test_traced_alpha_names_a_working_fix(self):
         a, b = _rand((24, 40)), _rand((40, 16), seed=1)

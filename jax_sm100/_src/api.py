@@ -111,7 +111,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
             f"b.shape={b_shape} has k={kb}; a is [..., m, k] or [k], b is [..., k, n] or [k]"
         )
     try:
-        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except ValueError:
         raise ValueError(
             f"jax_sm100.matmul: batch dims of {shapes} do not broadcast (numpy rules, as "
@@ -131,7 +131,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
         c = jnp.asarray(c)
         D.operand_dtype_name(c.dtype, "c")
         try:
-            ok = np.broadcast_shapes(c.shape, out_shape) == out_shape
+            ok = jnp.broadcast_shapes(c.shape, out_shape) == out_shape
         except ValueError:
             ok = False
         if not ok:

@@ -1,0 +1,49 @@
+"""`jax.checkpoint` policies that treat this library's products as dots.
+
+JAX's own dot policies (`jax.checkpoint_policies.checkpoint_dots`, `dots_saveable`,
+`dots_with_no_batch_dims_saveable`) recognise `lax.dot_general` alone, so under them every
+product of `jax_sm100` (matmul, dot_general, einsum and the Flax layers that use them,
+ragged_dot, scaled_matmul) is recomputed in the backward pass. These are the same policies with
+those products counted too:
+
+>>> f = jax.checkpoint(block, policy=jax_sm100.checkpoint_policies.dots_saveable)
+
+or `nnx.remat(..., policy=...)` / `linen.remat(..., policy=...)`.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+from jax_sm100._src import primitive as P
+from jax_sm100._src import ragged, scaled
+
+# The forward products a policy sees (the backward's own binds run outside the saved region).
+_PRODUCTS = (P.matmul_p, ragged.ragged_dot_p, scaled.scaled_matmul_p)
+
+
+def dots_saveable(prim, *avals, **params) -> bool:
+    """Saves the output of every dot: `lax.dot_general` and this library's products."""
+    del avals, params
+    return prim is lax.dot_general_p or prim in _PRODUCTS
+
+
+checkpoint_dots = dots_saveable
+
+
+def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
+    """Saves the output of dots without batch dims: `lax.dot_general` with no batch dimension
+    numbers, and this library's matmul where one operand is a matrix shared by every batch
+    (activations [..., m, k] against weights [k, n], as a dense layer's), and ragged_dot
+    with its experts shared."""
+    if prim is lax.dot_general_p:
+        (_, _), (lhs_batch, _) = params["dimension_numbers"]
+        return not lhs_batch
+    if prim is P.matmul_p:  # a shared operand comes with unit batch dims
+        return any(all(d == 1 for d in aval.shape[:-2]) for aval in avals[:2])
+    if prim is ragged.ragged_dot_p:
+        return len(avals[1].shape) == 3  # experts [g, k, n] (or [g, n, k]) shared
+    return False
+
+
+__all__ = ["checkpoint_dots", "dots_saveable", "dots_with_no_batch_dims_saveable"]
