@@ -19,7 +19,7 @@ from jax import lax
 from jax.test_util import check_grads
 
 import jax_sm100
-from jax_sm100._src import planning, ragged
+from jax_sm100._src import planning, ragged, ragged_sharding
 from jax_sm100._src import primitive as P
 from tests import test_util as tu
 
@@ -912,8 +912,6 @@ class RaggedDotTest(parameterized.TestCase):
         # each overflow int32 (the scan added them before clamping, and wrapped negative): the
         # ends and the sizes XLA's path takes (`_lax_sizes`, its saturated branch: g m past
         # int32) against an int64 reference.
-        from jax_sm100._src import ragged_sharding
-
         rng = np.random.default_rng(m % 97)
         edge = [m // 2 + 7, m // 2 + 9, -3, 5, 2**31 - 1]
         sizes = np.concatenate([edge, rng.integers(-(2**31), 2**31 - 1, 27)]).astype(np.int32)

@@ -438,10 +438,7 @@ def _transpose(cts, *args, transpose_a, transpose_b, alpha, beta, activation, ou
         ct_bias = _unbroadcast(gb, bias.aval.shape).astype(bias.aval.dtype)
     # Under Explicit axes each cotangent is typed by its own product or sum, not as its primal.
     out = [ct_a, ct_b, *([ct_bias] if has_bias else []), *([ct_c] if has_c else [])]
-    primals = [a, b, *([bias] if has_bias else []), *([c] if has_c else [])]
-    return [
-        None if t is None else P.cotangent_like(t, p) for t, p in zip(out, primals, strict=True)
-    ]
+    return [None if t is None else P.cotangent_like(t, x) for t, x in zip(out, args, strict=True)]
 
 
 ad.primitive_jvps[P.matmul_p] = _jvp

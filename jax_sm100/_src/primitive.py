@@ -208,13 +208,26 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     # a weight split over k on the same axis); the dim that loses it is gathered.
     parts, used = [], set()
     for entry in (*batch, m_spec, n_spec):
-        axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None]
-        axes = [a for a in axes if a not in used]
+        axes = [a for a in spec_axes(entry) if a not in used]
         used.update(axes)
-        parts.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+        parts.append(spec_entry(axes))
     while parts and parts[-1] is None:
         parts.pop()
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def spec_entry(axes):
+    """The PartitionSpec entry of a sequence of mesh axes (`spec_axes`'s inverse)."""
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def typed_aval(x):

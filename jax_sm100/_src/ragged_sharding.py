@@ -165,7 +165,7 @@ def out_sharding(name: str, lhs, rhs, group_sizes, params):
     nb = lhs.ndim - 2
 
     def spec(x, i):
-        return sharding._axes(x.sharding.spec[i] if i < len(x.sharding.spec) else None)
+        return P.spec_axes(x.sharding.spec[i] if i < len(x.sharding.spec) else None)
 
     parts = [spec(lhs, i) for i in range(nb)]
     if name == "ragged_dot":
@@ -180,7 +180,7 @@ def out_sharding(name: str, lhs, rhs, group_sizes, params):
     for i, axes in enumerate(parts):
         parts[i] = tuple(a for a in axes if a not in used)
         used.update(parts[i])
-    return NamedSharding(mesh, jax.sharding.PartitionSpec(*map(sharding._entry, parts)))
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(*map(P.spec_entry, parts)))
 
 
 def group_sizes_like(group_sizes, rhs):
@@ -196,9 +196,9 @@ def group_sizes_like(group_sizes, rhs):
     nb = group_sizes.ndim - 1
     spec = tuple(jax.typeof(group_sizes).sharding.spec)
     g_at = len(P.typed_aval(rhs).shape) - 3  # rhs [*b, g, ., .], or [g, ., .] shared by the batches
-    g_axes = sharding._axes(want.spec[g_at] if g_at < len(want.spec) else None)
-    batch = [tuple(a for a in sharding._axes(e) if a not in g_axes) for e in spec[:nb]]
-    parts = (*map(sharding._entry, batch), sharding._entry(g_axes))
+    g_axes = P.spec_axes(want.spec[g_at] if g_at < len(want.spec) else None)
+    batch = [tuple(a for a in P.spec_axes(e) if a not in g_axes) for e in spec[:nb]]
+    parts = (*map(P.spec_entry, batch), P.spec_entry(g_axes))
     target = want.update(spec=jax.sharding.PartitionSpec(*parts))
     if jax.typeof(group_sizes).sharding == target:
         return group_sizes
@@ -465,10 +465,10 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes, *bi
         out = _roll_rows(out, lead)
     for factor, axes in decision.scatter.items():
         out = lax.psum_scatter(
-            out, sharding._entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
+            out, P.spec_entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
         )
     if decision.psum:
-        out = lax.psum(out, sharding._entry(decision.psum))
+        out = lax.psum(out, P.spec_entry(decision.psum))
     if late:
         out = P.apply_activation(out, activation)
     return out.astype(out_dtype)

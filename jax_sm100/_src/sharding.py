@@ -182,18 +182,12 @@ class _Roles:
         raise KeyError(factor)
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
-
-
 def _spec_axes(sharding, ndim) -> list[tuple[str, ...]]:
     # No sharding (GSPMD's inference), or a positional one when the program names no mesh.
     if not isinstance(sharding, NamedSharding):
         return [()] * ndim
     spec = tuple(sharding.spec)
-    return [_axes(e) for e in spec] + [()] * (ndim - len(spec))
+    return [P.spec_axes(e) for e in spec] + [()] * (ndim - len(spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,13 +204,7 @@ class _Decision:
 
     def spec(self, dims, *, final: bool) -> PS:
         pick = self.final if final else (lambda f: self.local.get(f, ()))
-        return PS(*(_entry(pick(f)) for f in dims))
-
-
-def _entry(axes):
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
+        return PS(*(P.spec_entry(pick(f)) for f in dims))
 
 
 def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
@@ -314,10 +302,10 @@ def _row_parallel(operands, roles, decision, params, local_params):
     (z,) = P.matmul_p.bind(a, b, **partial_params)
     for factor, axes in decision.scatter.items():
         z = lax.psum_scatter(
-            z, _entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
+            z, P.spec_entry(axes), scatter_dimension=roles.result.index(factor), tiled=True
         )
     if decision.psum:
-        z = lax.psum(z, _entry(decision.psum))
+        z = lax.psum(z, P.spec_entry(decision.psum))
     return P.epilogue_xla(
         z, c, bias, alpha=params["alpha"], beta=params["beta"], activation=params["activation"],
         out_dtype=out_dtype, save_preact=params["save_preact"], act_grad=params["act_grad"],
