@@ -231,6 +231,9 @@ def spec_entry(axes):
 
 
 def typed_aval(x):
+    """The abstract value of `x`: an array, a tracer, an undefined primal or an aval itself."""
+    if isinstance(x, jax.core.AbstractValue):
+        return x
     return x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
 
 
@@ -238,6 +241,29 @@ def explicit_type(x):
     """The sharding in `x`'s type when its mesh has Explicit axes, else None."""
     aval = typed_aval(x)
     return aval.sharding if explicit_mesh(aval) else None
+
+
+def explicit_axes(x) -> list[tuple[str, ...]] | None:
+    """The mesh axes of each dim of `x`'s type under Explicit axes (None elsewhere)."""
+    have = explicit_type(x)
+    if have is None:
+        return None
+    spec = tuple(have.spec)
+    return [spec_axes(spec[i] if i < len(spec) else None) for i in range(typed_aval(x).ndim)]
+
+
+def unsplit(x, *dims: int):
+    """`x` with `dims` whole under Explicit axes (a gather of those dims where they are split;
+    `x` itself elsewhere): for ops JAX cannot type on a split dim (a pad or slice of it)."""
+    axes = explicit_axes(x)
+    if axes is None or not any(axes[d] for d in dims):
+        return x
+    for d in dims:
+        axes[d] = ()
+    have = explicit_type(x)
+    return jax.sharding.reshard(
+        x, have.update(spec=jax.sharding.PartitionSpec(*map(spec_entry, axes)))
+    )
 
 
 def cotangent_like(ct, primal):

@@ -227,12 +227,7 @@ def whole_groups(per_group, axis: int = 0):
     """`per_group` ([*b, g, ...] with g at `axis`: ragged_dot's bias, or its tangent) with g
     unsplit under Explicit axes, so that each row can read its group's row (a gather, or the
     product with the rows' one-hot groups; the bias is small: a gather of it)."""
-    have = P.explicit_type(per_group)
-    if have is None or len(have.spec) <= axis or have.spec[axis] is None:
-        return per_group
-    spec = list(have.spec)
-    spec[axis] = None
-    return jax.sharding.reshard(per_group, have.update(spec=jax.sharding.PartitionSpec(*spec)))
+    return P.unsplit(per_group, axis)
 
 
 def _typed_over_explicit_axes(ctx) -> bool:

@@ -24,8 +24,14 @@ coincide only for one row, where they mean the same), and `plain` repeats them p
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from jax_sm100._src import primitive as P
 
 ATOM_ROWS = 128
 ATOM_BLOCKS = 4
@@ -52,14 +58,46 @@ def is_blocked(data_ndim: int, scales_ndim: int) -> bool:
 
 def to_blocked(plain):
     """[..., rows, blocks] -> [..., ceil(rows / 128), ceil(blocks / 4), 32, 4, 4], padded with
-    1.0 (the module docstring)."""
+    1.0 (the module docstring). Under Explicit axes the atoms keep the plain scales' split of
+    rows and blocks where it falls on whole atoms (else that dim is gathered first)."""
     *lead, rows, blocks = plain.shape
     rm, rk = blocked_shape(rows, blocks)[:2]
+    plain, (rows_axes, blocks_axes) = _atom_split(
+        plain, (rows, rm, ATOM_ROWS), (blocks, rk, ATOM_BLOCKS)
+    )
     pad = [(0, 0)] * len(lead) + [(0, rm * ATOM_ROWS - rows), (0, rk * ATOM_BLOCKS - blocks)]
     x = jnp.pad(plain, pad, constant_values=jnp.asarray(1, plain.dtype))
-    x = x.reshape((*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS))
+    shape = (*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS)
+    x = _reshape(x, shape, lambda lead_axes: (*lead_axes, rows_axes, (), (), blocks_axes, ()))
     n = len(lead)
     return x.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
+
+
+def _atom_split(x, *dims):
+    """x with each of its two last dims, (size, atoms, per_atom), whole under Explicit axes
+    unless its split falls on whole atoms (size == atoms * per_atom, the axes dividing atoms);
+    and the axes each keeps."""
+    axes = P.explicit_axes(x)
+    if axes is None:
+        return x, ((), ())
+    kept, gather = [], []
+    for d, (size, atoms, per_atom), have in zip((-2, -1), dims, axes[-2:], strict=True):
+        shards = math.prod(x.aval.sharding.mesh.shape[a] for a in have)
+        if have and (size != atoms * per_atom or atoms % shards):
+            gather.append(d)
+            have = ()
+        kept.append(have)
+    return P.unsplit(x, *gather), tuple(kept)
+
+
+def _reshape(x, shape, axes_of):
+    """x reshaped, typed under Explicit axes by `axes_of(lead_axes)` (the new dims' axes;
+    lead_axes: those of x's dims before the last two, which stay)."""
+    axes = P.explicit_axes(x)
+    if axes is None:
+        return x.reshape(shape)
+    spec = jax.sharding.PartitionSpec(*map(P.spec_entry, axes_of(axes[:-2])))
+    return lax.reshape(x, shape, out_sharding=spec)
 
 
 def from_blocked(blocked, rows: int, blocks: int):
@@ -74,7 +112,23 @@ def from_blocked(blocked, rows: int, blocks: int):
         )
     n = len(lead)
     x = blocked.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
-    x = x.reshape((*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS))
+    axes = P.explicit_axes(x)
+    if axes is not None and (
+        rm * ATOM_ROWS != rows and axes[n] or rk * ATOM_BLOCKS != blocks and axes[n + 3]
+    ):
+        # Padding to cut off a split dim: slicing it cannot be typed; gathered first.
+        x = P.unsplit(
+            x,
+            *([n] if rm * ATOM_ROWS != rows else []),
+            *([n + 3] if rk * ATOM_BLOCKS != blocks else []),
+        )
+        axes = P.explicit_axes(x)
+    shape = (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS)
+    if axes is None:
+        x = x.reshape(shape)
+    else:
+        spec = jax.sharding.PartitionSpec(*map(P.spec_entry, (*axes[:n], axes[n], axes[n + 3])))
+        x = lax.reshape(x, shape, out_sharding=spec)
     return x[..., :rows, :blocks]
 
 
@@ -123,5 +177,15 @@ def plain(data_shape, scales):
     if is_blocked(len(data_shape), scales.ndim):
         return from_blocked(scales, rows, k // scale_block(data_shape, scales.shape, scales.dtype))
     if row_block(data_shape, scales.shape) > 1:
-        return jnp.repeat(scales, ROW_BLOCK, axis=-2)[..., :rows, :]
+        return per_row(scales, rows)
     return scales
+
+
+def per_row(tiles, rows: int):
+    """Values per 128-row tile, [..., ceil(rows / 128), c], repeated for each of `rows` rows
+    (typed under Explicit axes: split rows stay split where rows is whole tiles)."""
+    *lead, t, c = tiles.shape
+    if rows == t * ROW_BLOCK:
+        x = jnp.broadcast_to(tiles[..., None, :], (*lead, t, ROW_BLOCK, c))
+        return x.reshape((*lead, rows, c))
+    return jnp.repeat(P.unsplit(tiles, -2), ROW_BLOCK, axis=-2)[..., :rows, :]

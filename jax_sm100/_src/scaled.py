@@ -33,6 +33,7 @@ or plain ([B, rows, k / block]) and means the same product either way.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,10 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_sm100._src import scale_layout
+from jax_sm100._src import primitive as P
+from jax_sm100._src import scale_layout, scaled_sharding
 from jax_sm100._src.constraints import FP8_DTYPES
 
 scaled_matmul_p = jex_core.Primitive("jax_sm100_scaled_matmul")
@@ -195,22 +198,10 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     if r.row_block > 1:
         if x.ndim < 2:
             raise ValueError(f"jax_sm100.quantize: {recipe} scales tiles of a matrix; x is 1-D")
-        # The largest magnitude of each row_block x block tile, given to each of its rows.
-        rows = x.shape[-2]
-        tiles = -(-rows // r.row_block)
-        padded = jnp.pad(
-            amax, [(0, 0)] * (amax.ndim - 2) + [(0, tiles * r.row_block - rows), (0, 0)]
-        )
-        tile_amax = jnp.max(padded.reshape((*amax.shape[:-2], tiles, r.row_block, -1)), axis=-2)
-        amax = jnp.repeat(tile_amax, r.row_block, axis=-2)[..., :rows, :]
-    # No smaller than float32's least normal number: for blocks of tiny magnitudes amax / top
-    # is subnormal, which XLA flushes to zero (a zero scale, then inf / NaN data).
-    scale = jnp.where(amax > 0, jnp.maximum(amax / top, float(jnp.finfo(jnp.float32).tiny)), 1.0)
-    if r.scale_dtype == "float8_e8m0fnu":
-        # The power of two built from its exponent bits: XLA's exp2 gives 0 for 2^-126.
-        e = jnp.clip(jnp.ceil(jnp.log2(scale)), -126, 127).astype(jnp.int32)
-        scale = lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-    scale = scale.astype(r.scale_dtype)
+        tile_scale = _scale(_tile_max(amax, r.row_block), r, top)
+        scale = scale_layout.per_row(tile_scale, x.shape[-2])
+    else:
+        scale = _scale(amax, r, top)
     # A scale rounded down to its dtype (nvfp4's float8_e4m3fn) leaves quotients past the data
     # dtype's largest value, which cast to NaN (fp8) rather than saturating: clipped; one
     # rounded to zero (below float8_e4m3fn's least subnormal) gives zero data.
@@ -221,9 +212,34 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         out = (jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale))
     else:
         if r.row_block > 1:
-            scale = scale[..., :: r.row_block, :]  # one per tile
+            scale = tile_scale  # one per tile
         out = (jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis))
     return out if g is None else (*out, g)
+
+
+def _tile_max(amax, row_block):
+    """[..., rows, c] -> [..., ceil(rows / row_block), c]: the largest of each tile's rows."""
+    *lead, rows, c = amax.shape
+    tiles = -(-rows // row_block)
+    if rows != tiles * row_block:
+        # Rows padded to whole tiles (zeros: amax is a magnitude); a split rows dim gathered
+        # first, as its padding cannot be typed.
+        amax = jnp.pad(
+            P.unsplit(amax, -2), [(0, 0)] * len(lead) + [(0, tiles * row_block - rows), (0, 0)]
+        )
+    return jnp.max(amax.reshape((*lead, tiles, row_block, c)), axis=-2)
+
+
+def _scale(amax, r: Recipe, top: float):
+    """The scale of blocks of largest magnitude `amax`, in the recipe's scale dtype."""
+    # No smaller than float32's least normal number: for blocks of tiny magnitudes amax / top
+    # is subnormal, which XLA flushes to zero (a zero scale, then inf / NaN data).
+    scale = jnp.where(amax > 0, jnp.maximum(amax / top, float(jnp.finfo(jnp.float32).tiny)), 1.0)
+    if r.scale_dtype == "float8_e8m0fnu":
+        # The power of two built from its exponent bits: XLA's exp2 gives 0 for 2^-126.
+        e = jnp.clip(jnp.ceil(jnp.log2(scale)), -126, 127).astype(jnp.int32)
+        scale = lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+    return scale.astype(r.scale_dtype)
 
 
 # --- shapes and math ----------------------------------------------------------------------------
@@ -256,19 +272,66 @@ def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
 
 def _abstract(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     _check_shapes(lhs, rhs, lhs_scales, rhs_scales)
-    return jax.core.ShapedArray((lhs.shape[0], lhs.shape[1], rhs.shape[1]), out_dtype)
+    shape = (lhs.shape[0], lhs.shape[1], rhs.shape[1])
+    spec = out_spec(lhs, rhs)
+    if spec is None:
+        return jax.core.ShapedArray(shape, out_dtype)
+    mesh = (P.explicit_type(lhs) or P.explicit_type(rhs)).mesh
+    return jax.core.ShapedArray(shape, out_dtype, sharding=NamedSharding(mesh, spec))
+
+
+def out_spec(lhs, rhs):
+    """The result's PartitionSpec under Explicit mesh axes (None elsewhere): B as the operands
+    have it, m as lhs has it, n as rhs has it; a split k is reduced (scaled_sharding.py). An
+    axis types one dim at most (B first, then m, then n; the dim that loses it is gathered).
+
+    Raises:
+      ValueError: B split differently in lhs and rhs.
+    """
+    la, ra = P.explicit_axes(lhs), P.explicit_axes(rhs)
+    if la is None and ra is None:
+        return None
+    la, ra = la or [()] * 3, ra or [()] * 3
+    if la[0] and ra[0] and la[0] != ra[0]:
+        raise ValueError(
+            f"jax_sm100.scaled_matmul: B is split over {la[0]} in lhs and over {ra[0]} in rhs; "
+            "reshard them to one sharding first (jax.sharding.reshard)"
+        )
+    parts, used = [], set()
+    for axes in (la[0] or ra[0], la[1], ra[1]):
+        parts.append(tuple(a for a in axes if a not in used))
+        used.update(parts[-1])
+    return PartitionSpec(*map(P.spec_entry, parts))
 
 
 def _dequantized(data, scales):
-    scales = scale_layout.plain(data.shape, scales)
-    block = data.shape[-1] // scales.shape[-1]
-    return data.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), block, axis=-1)
+    """data * scales repeated over each block, float32, typed as `data` under Explicit axes
+    (the scales resharded to it; a split k that does not fall on whole blocks gathered)."""
+    scales = scale_layout.plain(data.shape, scales).astype(jnp.float32)
+    *lead, rows, k = data.shape
+    blocks = scales.shape[-1]
+    data = data.astype(jnp.float32)
+    axes = P.explicit_axes(data)
+    if axes is not None:
+        mesh = P.explicit_type(data).mesh
+        if blocks % math.prod(mesh.shape[a] for a in axes[-1]):
+            data = P.unsplit(data, -1)
+            axes[-1] = ()
+        want = NamedSharding(mesh, PartitionSpec(*map(P.spec_entry, axes)))
+        if P.explicit_type(scales) != want:
+            scales = jax.sharding.reshard(scales, want)
+    out = data.reshape((*lead, rows, blocks, k // blocks)) * scales[..., None]
+    return out.reshape(data.shape)
 
 
 def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     """The documented math in XLA ops, float32 throughout, rounded once."""
     a, b = _dequantized(lhs, lhs_scales), _dequantized(rhs, rhs_scales)
-    out = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST)
+    spec = out_spec(a, b)
+    if spec is not None and P.explicit_axes(a)[-1] != P.explicit_axes(b)[-1]:
+        # k split differently in the two: gathered in both (a dot reduces over one split).
+        a, b = P.unsplit(a, -1), P.unsplit(b, -1)
+    out = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=spec)
     return out.astype(out_dtype)
 
 
@@ -280,9 +343,10 @@ def _cuda(*args, **params):
 
 scaled_matmul_p.def_abstract_eval(_abstract)
 scaled_matmul_p.def_impl(reference)
-mlir.register_lowering(scaled_matmul_p, mlir.lower_fun(reference, multiple_results=False),
+# Both platforms partition a sharded call into local products the same way (scaled_sharding.py).
+mlir.register_lowering(scaled_matmul_p, scaled_sharding.lowering(scaled_matmul_p, reference),
                        platform="cpu")  # fmt: skip
-mlir.register_lowering(scaled_matmul_p, mlir.lower_fun(_cuda, multiple_results=False),
+mlir.register_lowering(scaled_matmul_p, scaled_sharding.lowering(scaled_matmul_p, _cuda),
                        platform="cuda")  # fmt: skip
 
 
@@ -327,7 +391,8 @@ def _narrow(ct, dtype):
 # transpose of `astype` would round past-range values of fp8 data to NaN).
 _widen_p = jex_core.Primitive("jax_sm100_scaled_widen")
 _widen_p.def_impl(_widen_impl)
-_widen_p.def_abstract_eval(lambda t, *, dtype: jax.core.ShapedArray(t.shape, np.dtype(np.float32)))
+# (typed as t is: under Explicit axes the cotangent must have the tangent's sharding)
+_widen_p.def_abstract_eval(lambda t, *, dtype: t.update(dtype=np.dtype(np.float32), weak_type=False))
 mlir.register_lowering(_widen_p, mlir.lower_fun(_widen_impl, multiple_results=False))
 ad.deflinear2(_widen_p, lambda ct, t, *, dtype: [_narrow(ct, dtype)])
 batching.defvectorized(_widen_p)
