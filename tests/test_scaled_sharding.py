@@ -1,0 +1,278 @@
+"""Tests of `scaled_matmul`'s partitioning (scaled_sharding.py) and of `quantize` on sharded
+inputs, on the ("data", "model") mesh.
+
+Every case runs one jitted function on sharded operands, compares it with the same function on
+one device, and counts the collectives in the compiled HLO: b, m and n splits are local, a split
+k is one reduction of float32 partials. Operands: [2, 512, 512] activations and weights,
+quantized by each recipe (k holds 4 blocks of 128, 4 mxfp8 atoms of 128 and 8 nvfp4 atoms of
+64; the rows 4 tiles or atoms of 128).
+
+The mesh, its platform and the collective counting are test_sharding.py's (imported first: it
+asks for the 8 host devices before JAX starts a backend), as are its variables and the fallback
+of running each class in a child process.
+"""
+
+from __future__ import annotations
+
+from tests import test_sharding as ts  # isort: split
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as PS
+
+import jax_sm100
+
+counts, reduces, same_spec = ts.counts, ts.reduces, ts.same_spec
+B, M, N, K = 2, 512, 512, 512
+# (lhs recipe, rhs recipe): DeepSeek-V3's activations and weights, and the two MX formats.
+RECIPES = (
+    ("fp8_block128", "fp8_block128"),
+    ("fp8_block128", "fp8_block128x128"),
+    ("mxfp8", "mxfp8"),
+    ("nvfp4", "nvfp4"),
+)
+# Sharded against unsharded, relative to the largest element: float32 partials summed in
+# another order (on a GPU, the local kernels' fp8 MMAs also accumulate per k-block).
+RTOL = {"cpu": 2e-5, "gpu": 2e-3}[ts._PLATFORM]
+
+
+def data(seed, rows=M):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((B, rows, K)), jnp.float32)
+
+
+def quantized(recipe_pair, lhs_rows=M, rhs_rows=N):
+    """(lhs, rhs, lhs_scales, rhs_scales) of normal data quantized by `recipe_pair`."""
+    lq, ls = jax_sm100.quantize(data(0, lhs_rows), recipe_pair[0])
+    rq, rs = jax_sm100.quantize(data(1, rhs_rows), recipe_pair[1])
+    return lq, rq, ls, rs
+
+
+def product(lhs, rhs, lhs_scales, rhs_scales):
+    return jax_sm100.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales)
+
+
+def loss(lhs, rhs, lhs_scales, rhs_scales):
+    """A scalar of the product of float32 data (differentiable) with the scales."""
+    return jnp.sum(jnp.sin(jax_sm100.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales)))
+
+
+def assert_close(got, want, rtol=RTOL):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        w = np.asarray(w, np.float64)
+        scale = max(float(np.max(np.abs(w))), 1e-6)
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=rtol * scale, rtol=0)
+
+
+class ScaledCase(ts.ShardedTestCase):
+    def check(self, args, specs, want_counts, *, out_spec=None):
+        """The product of sharded `args` equals the unsharded one; its collectives. The scales
+        are split as their data (their first three dims: b, the rows or their tiles or atoms,
+        k's blocks or atoms). Returns the result."""
+        specs = (*specs, *specs)
+        sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
+        out = None if out_spec is None else jax.NamedSharding(self.mesh, out_spec)
+        jitted = jax.jit(product, out_shardings=out)
+        hlo = jitted.lower(*sharded).compile().as_text()
+        got = jitted(*sharded)
+        want = jax.jit(product)(*[jax.device_put(x, self.devices[0]) for x in args])
+        assert_close(got, want)
+        self.assertEqual(ts.collectives(hlo), want_counts)
+        return got
+
+
+# --- Auto axes ---------------------------------------------------------------------------------
+
+
+@ts._delegated
+class AutoAxesTest(ScaledCase):
+    """Under Auto mesh axes, with Shardy and with GSPMD propagation."""
+
+    axis_types = AxisType.Auto
+
+    def run_with(self, shardy, fn):
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            fn()
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+
+    @parameterized.product(recipes=RECIPES, shardy=(True, False))
+    def test_batch_rows_and_columns_are_local(self, recipes, shardy):
+        args = quantized(recipes)
+        for specs in (
+            (PS("data"), PS("data")),
+            (PS(None, "data"), PS(None, "model")),
+            (PS("data", "model"), PS("data")),
+        ):
+            self.run_with(shardy, lambda specs=specs: self.check(args, specs, counts()))
+
+    @parameterized.product(recipes=RECIPES, shardy=(True, False))
+    def test_k_partial_sums_reduce_once(self, recipes, shardy):
+        # k split over whole scale blocks: float32 partials, one all-reduce, rounded once.
+        args = quantized(recipes)
+        specs = (PS(None, "data", "model"), PS(None, None, "model"))
+        want = counts(all_reduce=reduces("model"))
+        self.run_with(shardy, lambda: self.check(args, specs, want))
+
+    @parameterized.parameters(*RECIPES)
+    def test_k_partials_reduce_scatter_onto_a_split_result(self, *recipes):
+        self.require("model")
+        args = quantized(recipes)
+        specs = (PS(None, None, "model"), PS(None, None, "model"))
+        self.check(args, specs, counts(reduce_scatter=1), out_spec=PS(None, None, "model"))
+
+    def test_blocks_split_inside_an_atom_are_gathered(self):
+        # 256 rows hold two 128-row atoms of mxfp8's blocked scales: a split over "model" (4)
+        # would cut atoms, so the rows are gathered.
+        self.require("model")
+        args = quantized(("mxfp8", "mxfp8"), lhs_rows=256)
+        sharded = (self.put(args[0], PS(None, "model")), *args[1:])
+        assert_close(jax.jit(product)(*sharded), jax.jit(product)(*args))
+
+    @parameterized.parameters(*RECIPES)
+    def test_k_not_in_whole_blocks_is_gathered(self, *recipes):
+        # k = 256: two fp8 blocks of 128, two mxfp8 atoms, four nvfp4 atoms; over 4 devices
+        # only nvfp4's split stays whole, the others are gathered. Results are exact either way.
+        self.require("model")
+        lq, ls = jax_sm100.quantize(data(0)[..., :256], recipes[0])
+        rq, rs = jax_sm100.quantize(data(1)[..., :256], recipes[1])
+        args = (lq, rq, ls, rs)
+        sharded = (
+            self.put(lq, PS(None, None, "model")),
+            self.put(rq, PS(None, None, "model")),
+            ls,
+            rs,
+        )
+        assert_close(jax.jit(product)(*sharded), jax.jit(product)(*args))
+
+    def test_lowering_is_a_custom_partitioning_call(self):
+        # XLA must not partition the product itself: on a GPU it would replicate the kernel's
+        # custom call (every operand gathered, the whole product on every device).
+        args = quantized(RECIPES[0])
+        sharded = [self.put(x, PS(None, "data")) for x in args]
+        text = jax.jit(product).lower(*sharded).as_text()
+        self.assertIn("@CustomSPMDPartitioning", text)
+        self.assertIn("sdy.sharding_rule", text)
+        self.assertNotIn("CustomSPMDPartitioning", jax.jit(product).lower(*args).as_text())
+
+    @parameterized.parameters(*RECIPES)
+    def test_grads(self, *recipes):
+        lq, rq, ls, rs = quantized(recipes)
+        args = (lq.astype(jnp.float32), rq.astype(jnp.float32), ls, rs)
+        f = jax.grad(loss, (0, 1))
+        specs = (PS(None, "data", "model"), PS(None, None, "model"))
+        specs = (*specs, *specs)
+        sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
+        assert_close(jax.jit(f)(*sharded), jax.jit(f)(*args), rtol=10 * RTOL)
+
+
+# --- Explicit axes -----------------------------------------------------------------------------
+
+
+@ts._delegated
+class ExplicitAxesTest(ScaledCase):
+    """Under Explicit axes: quantize keeps its input's type, the product is typed as
+    `scaled.out_spec` says, and every gradient is typed as its primal."""
+
+    LAYOUTS = (
+        (PS("data"), PS("data")),
+        (PS(None, "data"), PS(None, "model")),
+        (PS(None, None, "model"), PS(None, None, "model")),
+        (PS(None, "data", "model"), PS(None, None, "model")),
+        (PS(None, "model"), PS()),
+    )
+
+    @parameterized.parameters("fp8_block128", "fp8_block128x128", "mxfp8", "nvfp4")
+    def test_quantize_split_inputs(self, recipe):
+        # Rows and k split, alone and together: the same data and scales as on one device (the
+        # 128 x 128 and blocked recipes' reshapes raised on a split before).
+        x = data(2)
+        want = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(x)
+        for spec in (PS(None, "data"), PS(None, None, "model"), PS("data", "model", None)):
+            with jax.sharding.set_mesh(self.mesh):
+                xs = jax.device_put(x, spec)
+                got = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(xs)
+                self.assertEqual(jax.typeof(got[0]).sharding.spec, jax.typeof(xs).sharding.spec)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(
+                    np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+                )
+
+    @parameterized.parameters(*RECIPES)
+    def test_forward_typed(self, *recipes):
+        args = quantized(recipes)
+        want = jax.jit(product)(*args)
+        for lhs_spec, rhs_spec in self.LAYOUTS:
+            with jax.sharding.set_mesh(self.mesh):
+                lq = jax.device_put(data(0), lhs_spec)
+                rq = jax.device_put(data(1), rhs_spec)
+                q = jax.jit(lambda a, b: (*jax_sm100.quantize(a, recipes[0]),
+                                          *jax_sm100.quantize(b, recipes[1])))  # fmt: skip
+                a, sa, b, sb = q(lq, rq)
+                got = jax.jit(product)(a, b, sa, sb)
+            assert_close(got, want)
+            lhs, rhs = (ts.same_spec(s) + (None,) * 3 for s in (lhs_spec, rhs_spec))
+            spec = [lhs[0] or rhs[0], lhs[1], rhs[1]]
+            if spec[2] is not None and spec[2] in spec[:2]:
+                spec[2] = None
+            self.assertEqual(same_spec(jax.typeof(got).sharding.spec), same_spec(PS(*spec)))
+
+    @parameterized.parameters(*RECIPES)
+    def test_grads_typed_as_their_primals(self, *recipes):
+        lq, rq, ls, rs = quantized(recipes)
+        args = (lq.astype(jnp.float32), rq.astype(jnp.float32), ls, rs)
+        # float32 scales are differentiable too; e8m0 (mxfp8) and e4m3 (nvfp4) ones are held.
+        argnums = (0, 1, 2, 3) if recipes[0].startswith("fp8") else (0, 1)
+        f = jax.jit(jax.grad(loss, argnums))
+        want = f(*args)
+        for lhs_spec, rhs_spec in self.LAYOUTS:
+            with jax.sharding.set_mesh(self.mesh):
+                q = jax.jit(lambda a, b: (jax_sm100.quantize(a, recipes[0])[1],
+                                          jax_sm100.quantize(b, recipes[1])[1]))  # fmt: skip
+                sa, sb = q(jax.device_put(data(0), lhs_spec), jax.device_put(data(1), rhs_spec))
+                typed = (
+                    jax.device_put(args[0], lhs_spec),
+                    jax.device_put(args[1], rhs_spec),
+                    sa,
+                    sb,
+                )
+                got = f(*typed)
+            assert_close(got, want, rtol=10 * RTOL)
+            for g, i in zip(got, argnums, strict=True):
+                self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(typed[i]).sharding.spec)
+
+    def test_batch_split_differently_raises(self):
+        self.require("model")
+        x = jnp.ones((4, 128, 128), jnp.float32)
+        (a, sa), (b, sb) = (jax_sm100.quantize(x, "fp8_block128"),) * 2
+        with jax.sharding.set_mesh(self.mesh):
+            a, b = jax.device_put(a, PS("data")), jax.device_put(b, PS("model"))
+            with self.assertRaisesRegex(ValueError, "reshard"):
+                jax.jit(product)(a, b, sa, sb)
+
+
+class OneDeviceMeshTest(parameterized.TestCase):
+    @parameterized.parameters(*RECIPES)
+    def test_explicit_mesh_of_one_device(self, *recipes):
+        # Operands typed over size-1 axes: nothing is partitioned, the types are kept.
+        mesh = jax.make_mesh(
+            (1, 1), ts.AXES, axis_types=(AxisType.Explicit,) * 2, devices=ts.platform_devices()[:1]
+        )
+        lq, rq, ls, rs = quantized(recipes)
+        args = (lq.astype(jnp.float32), rq.astype(jnp.float32), ls, rs)
+        f = jax.jit(jax.grad(loss, (0, 1)))
+        want, want_g = jax.jit(product)(*args), f(*args)
+        with jax.sharding.set_mesh(mesh):
+            specs = (PS("data", "model"), PS(None, None, "model"))
+            typed = [jax.device_put(x, s) for x, s in zip(args, (*specs, *specs), strict=True)]
+            got, got_g = jax.jit(product)(*typed), f(*typed)
+        assert_close(got, want)
+        assert_close(got_g, want_g)
+
+
+if __name__ == "__main__":
+    absltest.main()
