@@ -16,7 +16,8 @@ target) fp8 data with float32 scales per 128 of k runs on the block-scaled wgmma
 (scaled_gpu.py, kernels/sm90_scaled.py); on sm_100a mxfp8 and nvfp4 run on the block-scaled
 tcgen05 kernel (kernels/sm100_blockscaled.py); everything else, every other platform included,
 computes that math in XLA ops (`reference`). Each CUDA lowering records which it took in
-`jax_sm100.lowerings()`.
+`jax_sm100.lowerings()`. On sharded operands both platforms' lowerings are partitioned into
+local products (scaled_sharding.py); under Explicit axes the result is typed by `out_spec`.
 `jax.nn.scaled_matmul` itself has no CPU lowering in JAX 0.10.
 
 `quantize(x, recipe)` makes data and scales in exactly the layouts `scaled_matmul` reads, for
