@@ -393,7 +393,9 @@ def _narrow(ct, dtype):
 _widen_p = jex_core.Primitive("jax_sm100_scaled_widen")
 _widen_p.def_impl(_widen_impl)
 # (typed as t is: under Explicit axes the cotangent must have the tangent's sharding)
-_widen_p.def_abstract_eval(lambda t, *, dtype: t.update(dtype=np.dtype(np.float32), weak_type=False))
+_widen_p.def_abstract_eval(
+    lambda t, *, dtype: t.update(dtype=np.dtype(np.float32), weak_type=False)
+)
 mlir.register_lowering(_widen_p, mlir.lower_fun(_widen_impl, multiple_results=False))
 ad.deflinear2(_widen_p, lambda ct, t, *, dtype: [_narrow(ct, dtype)])
 batching.defvectorized(_widen_p)
