@@ -127,27 +127,66 @@ class AutoAxesTest(ScaledCase):
 
     def test_blocks_split_inside_an_atom_are_gathered(self):
         # 256 rows hold two 128-row atoms of mxfp8's blocked scales: a split over "model" (4)
-        # would cut atoms, so the rows are gathered.
+        # would cut atoms, so the rows are gathered (and nothing is reduced).
         self.require("model")
         args = quantized(("mxfp8", "mxfp8"), lhs_rows=256)
         sharded = (self.put(args[0], PS(None, "model")), *args[1:])
+        hlo = jax.jit(product).lower(*sharded).compile().as_text()
+        found = ts.collectives(hlo)
+        self.assertGreaterEqual(found["all-gather"], 1, found)
+        self.assertEqual(found["all-reduce"] + found["reduce-scatter"], 0, found)
         assert_close(jax.jit(product)(*sharded), jax.jit(product)(*args))
 
     @parameterized.parameters(*RECIPES)
     def test_k_not_in_whole_blocks_is_gathered(self, *recipes):
         # k = 256: two fp8 blocks of 128, two mxfp8 atoms, four nvfp4 atoms; over 4 devices
-        # only nvfp4's split stays whole, the others are gathered. Results are exact either way.
+        # only nvfp4's split stays (reduced once), the others are gathered (nothing reduced).
         self.require("model")
         lq, ls = jax_sm100.quantize(data(0)[..., :256], recipes[0])
         rq, rs = jax_sm100.quantize(data(1)[..., :256], recipes[1])
         args = (lq, rq, ls, rs)
-        sharded = (
-            self.put(lq, PS(None, None, "model")),
-            self.put(rq, PS(None, None, "model")),
-            ls,
-            rs,
-        )
+        sharded = (self.put(lq, PS(None, None, "model")), self.put(rq, PS(None, None, "model")),
+                   ls, rs)  # fmt: skip
+        hlo = jax.jit(product).lower(*sharded).compile().as_text()
+        found = ts.collectives(hlo)
+        if recipes[0] == "nvfp4":
+            self.assertEqual(found["all-reduce"], 1, found)
+        else:
+            self.assertGreaterEqual(found["all-gather"], 1, found)
+            self.assertEqual(found["all-reduce"] + found["reduce-scatter"], 0, found)
         assert_close(jax.jit(product)(*sharded), jax.jit(product)(*args))
+
+    @parameterized.product(shardy=(True, False))
+    def test_dims_of_one_quantum(self, shardy):
+        # 128 rows of mxfp8 (one atom), k of one fp8 block, 128 rows of 128 x 128 tiles: such
+        # a dim cannot be split (Shardy refused the rule's compound factor of size 1 before),
+        # the batch still can.
+        cases = (
+            (("mxfp8", "mxfp8"), 128, 512, 512),
+            (("fp8_block128", "fp8_block128"), 512, 512, 128),
+            (("fp8_block128", "fp8_block128x128"), 512, 128, 512),
+            (("nvfp4", "nvfp4"), 512, 512, 64),
+        )
+        specs = (PS("data"), PS("data"))
+        for recipes, m, n, k in cases:
+            lq, ls = jax_sm100.quantize(data(0, m)[..., :k], recipes[0])
+            rq, rs = jax_sm100.quantize(data(1, n)[..., :k], recipes[1])
+            self.run_with(shardy, lambda a=(lq, rq, ls, rs): self.check(a, specs, counts()))
+
+    def test_k_partials_reduce_in_float32(self):
+        # A bfloat16 result: the partials are reduced in float32 and rounded once, so the
+        # sharded result is the unsharded one to a rounding (one bfloat16 ulp).
+        args = quantized(RECIPES[0])
+        f = lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16)
+        specs = (PS(None, None, "model"), PS(None, None, "model"))
+        sharded = [self.put(x, s) for x, s in zip(args, (*specs, *specs), strict=True)]
+        hlo = jax.jit(f).lower(*sharded).compile().as_text()
+        reductions = [line for line in hlo.splitlines() if " all-reduce(" in line]
+        if ts.axis_size("model") > 1:
+            self.assertTrue(reductions and all("f32[" in line for line in reductions), reductions)
+        got = jax.jit(f)(*sharded)
+        self.assertEqual(got.dtype, jnp.bfloat16)
+        assert_close(got, jax.jit(f)(*args), rtol=2**-8)
 
     def test_lowering_is_a_custom_partitioning_call(self):
         # XLA must not partition the product itself: on a GPU it would replicate the kernel's
@@ -189,10 +228,31 @@ class ExplicitAxesTest(ScaledCase):
     @parameterized.parameters("fp8_block128", "fp8_block128x128", "mxfp8", "nvfp4")
     def test_quantize_split_inputs(self, recipe):
         # Rows and k split, alone and together: the same data and scales as on one device (the
-        # 128 x 128 and blocked recipes' reshapes raised on a split before).
+        # 128 x 128 and blocked recipes' reshapes raised on a split before), the data typed as
+        # x and the scales split as x is (every split here holds whole tiles, blocks and atoms).
         x = data(2)
         want = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(x)
         for spec in (PS(None, "data"), PS(None, None, "model"), PS("data", "model", None)):
+            with jax.sharding.set_mesh(self.mesh):
+                xs = jax.device_put(x, spec)
+                got = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(xs)
+                self.assertEqual(jax.typeof(got[0]).sharding.spec, jax.typeof(xs).sharding.spec)
+                scales = tuple(jax.typeof(got[1]).sharding.spec)[:3]
+                self.assertEqual(same_spec(scales), same_spec(spec))
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(
+                    np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+                )
+
+    @parameterized.parameters("fp8_block128", "fp8_block128x128", "mxfp8", "nvfp4")
+    def test_quantize_splits_inside_blocks(self, recipe):
+        # 256 rows (2 tiles or atoms) and k = 256 (2 fp8 blocks, 2 mxfp8 atoms) over 4
+        # devices: the scales are gathered where a device would hold part of a block, the data
+        # keeps x's type (quantize raised on these before).
+        self.require("model")
+        x = data(3)[:, :256, :256]
+        want = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(x)
+        for spec in (PS(None, "model"), PS(None, None, "model")):
             with jax.sharding.set_mesh(self.mesh):
                 xs = jax.device_put(x, spec)
                 got = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(xs)
@@ -272,6 +332,10 @@ class OneDeviceMeshTest(parameterized.TestCase):
             got, got_g = jax.jit(product)(*typed), f(*typed)
         assert_close(got, want)
         assert_close(got_g, want_g)
+        # B as lhs's, m as lhs's; rhs's k is reduced.
+        self.assertEqual(same_spec(jax.typeof(got).sharding.spec), ("data", "model"))
+        for g, x in zip(got_g, typed, strict=False):
+            self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(x).sharding.spec)
 
 
 if __name__ == "__main__":

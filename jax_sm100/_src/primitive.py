@@ -252,6 +252,14 @@ def explicit_axes(x) -> list[tuple[str, ...]] | None:
     return [spec_axes(spec[i] if i < len(spec) else None) for i in range(typed_aval(x).ndim)]
 
 
+def shards(x, dim: int) -> int:
+    """How many blocks `x`'s type splits `dim` into under Explicit axes (1 elsewhere)."""
+    axes = explicit_axes(x)
+    if axes is None:
+        return 1
+    return math.prod(explicit_type(x).mesh.shape[a] for a in axes[dim])
+
+
 def unsplit(x, *dims: int):
     """`x` with `dims` whole under Explicit axes (a gather of those dims where they are split;
     `x` itself elsewhere): for ops JAX cannot type on a split dim (a pad or slice of it)."""

@@ -126,11 +126,13 @@ def lowering(prim, name: str, local_fn):
             return local_fn(*operands, **params)
 
         partitioned = _partition_call(prim, name, fn, ctx, params)
-        if partitioned is fn and (_typed_over_explicit_axes(ctx) or _explicit_context()):
+        if partitioned is fn and (
+            sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context()
+        ):
             # Nothing partitioned: traced on plain avals outside the mesh (operands typed over
             # Explicit axes of size 1, or plain ones under a mesh of Explicit axes, would leave
             # XLA's ragged dot an `out_sharding` to infer, which it cannot).
-            ctx, partitioned = _untyped_context(ctx), _untyped(fn)
+            ctx, partitioned = sharding.untyped_context(ctx), sharding.untyped(fn)
         return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *operands)
 
     return rule
@@ -228,44 +230,6 @@ def whole_groups(per_group, axis: int = 0):
     unsplit under Explicit axes, so that each row can read its group's row (a gather, or the
     product with the rows' one-hot groups; the bias is small: a gather of it)."""
     return P.unsplit(per_group, axis)
-
-
-def _typed_over_explicit_axes(ctx) -> bool:
-    return any(P.explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out))
-
-
-def _explicit_context() -> bool:
-    """Whether the mesh in context (`jax.set_mesh`) has Explicit axes and no Manual ones (in
-    `shard_map` the body is traced in its own, manual, context)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and mesh._any_axis_explicit and not mesh._any_axis_manual
-
-
-def _untyped_context(ctx):
-    """`ctx` with its avals untyped, for a lowering on one device of a mesh with Explicit axes.
-
-    There (axes of size 1) every aval still carries the mesh, and XLA's ragged dot asks for an
-    `out_sharding` it has no rule to infer, even for replicated operands (JAX 0.10); nothing is
-    partitioned, so the local function is traced on plain avals and outside the mesh.
-    """
-
-    def untyped(aval):
-        if not P.explicit_mesh(aval):
-            return aval
-        return jax.core.ShapedArray(aval.shape, aval.dtype, aval.weak_type)
-
-    return ctx.replace(
-        avals_in=[untyped(a) for a in ctx.avals_in],
-        avals_out=[untyped(a) for a in ctx.avals_out],
-    )
-
-
-def _untyped(fn):
-    def outside_the_mesh(*operands):
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            return fn(*operands)
-
-    return outside_the_mesh
 
 
 def _partition_call(prim, name, fn, ctx, params):

@@ -24,8 +24,6 @@ coincide only for one row, where they mean the same), and `plain` repeats them p
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,8 +80,7 @@ def _atom_split(x, *dims):
         return x, ((), ())
     kept, gather = [], []
     for d, (size, atoms, per_atom), have in zip((-2, -1), dims, axes[-2:], strict=True):
-        shards = math.prod(x.aval.sharding.mesh.shape[a] for a in have)
-        if have and (size != atoms * per_atom or atoms % shards):
+        if have and (size != atoms * per_atom or atoms % P.shards(x, d)):
             gather.append(d)
             have = ()
         kept.append(have)
@@ -112,17 +109,13 @@ def from_blocked(blocked, rows: int, blocks: int):
         )
     n = len(lead)
     x = blocked.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
+    # Gathered first: a split atom dim (the reshape below merges them into rows and blocks),
+    # or a split dim whose padding is cut off (slicing a split dim cannot be typed).
+    gather = [n + 1, n + 2, n + 4]
+    gather += [n] if rm * ATOM_ROWS != rows else []
+    gather += [n + 3] if rk * ATOM_BLOCKS != blocks else []
+    x = P.unsplit(x, *gather)
     axes = P.explicit_axes(x)
-    if axes is not None and (
-        rm * ATOM_ROWS != rows and axes[n] or rk * ATOM_BLOCKS != blocks and axes[n + 3]
-    ):
-        # Padding to cut off a split dim: slicing it cannot be typed; gathered first.
-        x = P.unsplit(
-            x,
-            *([n] if rm * ATOM_ROWS != rows else []),
-            *([n + 3] if rk * ATOM_BLOCKS != blocks else []),
-        )
-        axes = P.explicit_axes(x)
     shape = (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS)
     if axes is None:
         x = x.reshape(shape)

@@ -34,7 +34,6 @@ or plain ([B, rows, k / block]) and means the same product either way.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +192,10 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             f"jax_sm100.quantize: the axis has {x.shape[-1]} elements, not a multiple of the "
             f"{recipe} block of {r.block}"
         )
+    x_type = P.explicit_type(x)
+    if (x.shape[-1] // r.block) % P.shards(x, -1):
+        # Under Explicit axes, k split inside a block: gathered (the data is split back after).
+        x = P.unsplit(x, -1)
     blocks = x.reshape((*x.shape[:-1], x.shape[-1] // r.block, r.block))
     top = float(jnp.finfo(r.data_dtype).max)
     amax = jnp.max(jnp.abs(blocks), axis=-1)
@@ -209,6 +212,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     s = scale.astype(jnp.float32)[..., None]
     data = jnp.where(s > 0, jnp.clip(blocks / jnp.where(s > 0, s, 1.0), -top, top), 0.0)
     data = data.reshape(x.shape).astype(r.data_dtype)
+    if x_type is not None and P.explicit_type(data) != x_type:
+        data = jax.sharding.reshard(data, x_type)  # x's sharding (a local slice)
     if r.layout == "blocked":
         out = (jnp.moveaxis(data, -1, axis), scale_layout.to_blocked(scale))
     else:
@@ -222,6 +227,8 @@ def _tile_max(amax, row_block):
     """[..., rows, c] -> [..., ceil(rows / row_block), c]: the largest of each tile's rows."""
     *lead, rows, c = amax.shape
     tiles = -(-rows // row_block)
+    if tiles % P.shards(amax, -2):
+        amax = P.unsplit(amax, -2)  # under Explicit axes, rows split inside a tile: gathered
     if rows != tiles * row_block:
         # Rows padded to whole tiles (zeros: amax is a magnitude); a split rows dim gathered
         # first, as its padding cannot be typed.
@@ -315,7 +322,7 @@ def _dequantized(data, scales):
     axes = P.explicit_axes(data)
     if axes is not None:
         mesh = P.explicit_type(data).mesh
-        if blocks % math.prod(mesh.shape[a] for a in axes[-1]):
+        if blocks % P.shards(data, -1):
             data = P.unsplit(data, -1)
             axes[-1] = ()
         want = NamedSharding(mesh, PartitionSpec(*map(P.spec_entry, axes)))

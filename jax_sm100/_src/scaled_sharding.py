@@ -25,11 +25,13 @@ cut in quanta, the compound factor (f, f_in) with f_in the quantum, and its scal
     blocked scales padded along k) is replicated, as are the blocked layout's atom dims.
 
 Per device: b, m and n splits are kept (each device one local product, no communication). A
-split k gives partial products, each in float32 over whole scale blocks, reduced by one
-`psum_scatter` over the axes that the requested result sharding puts on m or n and one `psum`
-over the rest, then rounded once to the output dtype, as the whole product is. A mesh axis
-serves one factor at most; one that does not divide its factor's quanta evenly is dropped
-(gathered): replicated rather than wrong (sharding._decide, shared with matmul).
+split k gives partial products, each in float32 over whole scale blocks, reduced by a
+`psum_scatter` onto each result dim that the requested result sharding splits over k's axes and
+one `psum` over the rest, then rounded once to the output dtype, as the whole product is. A
+mesh axis serves one factor at most; one that does not divide its factor's quanta evenly is
+dropped (gathered): replicated rather than wrong (sharding._decide, shared with matmul). The
+quanta bound the result's dims too (a reduce-scatter onto n needs whole quanta of n, though the
+result holds no scales; otherwise an all-reduce and a slice).
 
 Under Explicit mesh axes the result is typed by `scaled.out_spec`, which the callback reads as
 the requested sharding. Unsharded lowerings (one device, or every axis manual as inside
@@ -38,7 +40,11 @@ axes (nothing is split on one device).
 
 Limits: a sharded program cannot be serialized with `jax.export` (custom_partitioning's
 callbacks live in this process), as for matmul. Inside a `shard_map` that leaves some axes
-automatic, the product runs unpartitioned over those.
+automatic, the product runs unpartitioned over those. Under Auto axes, scales that Shardy
+propagates as a part of a mesh axis (a sub-axis: `quantize` in the same jit splitting a k of
+2 blocks over 4 devices) reach the partitioner as a sharding JAX 0.10's custom_partitioning
+cannot convert, and compiling raises (as for matmul fed such a split): give k whole blocks on
+every device, or quantize outside that jit.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 from jax import lax
 from jax._src import dispatch
 from jax.experimental.custom_partitioning import (
@@ -58,7 +65,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 
 from jax_sm100._src import primitive as P
-from jax_sm100._src import ragged_sharding, scale_layout, sharding
+from jax_sm100._src import scale_layout, sharding
 
 
 def lowering(prim, local_fn):
@@ -85,9 +92,9 @@ def lowering(prim, local_fn):
                 sharding_rule=roles.sharding_rule(),
             )
             return mlir.lower_fun(wrapped, multiple_results=False)(ctx, *operands)
-        if ragged_sharding._typed_over_explicit_axes(ctx) or ragged_sharding._explicit_context():
+        if sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context():
             # One device: nothing is split, so the local math is traced untyped.
-            ctx, fn = ragged_sharding._untyped_context(ctx), ragged_sharding._untyped(fn)
+            ctx, fn = sharding.untyped_context(ctx), sharding.untyped(fn)
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *operands)
 
     return rule
@@ -106,7 +113,7 @@ class _Roles:
     result: tuple[str, ...]
     mappings: tuple[tuple[tuple[str, ...], ...], ...]
     sizes: tuple[tuple[str, int], ...]
-    whole: tuple[str, ...]  # factors replicated (need_replication)
+    whole: tuple[str, ...]  # factors never split: need_replication in the rule
     minor: tuple[tuple[str, int], ...]  # minor factors of compound dims, with their sizes
 
     @classmethod
@@ -138,7 +145,9 @@ class _Roles:
         data_dims = {}
         for f, extent in extents.items():
             q = quanta[f]
-            if extent % q:
+            # Not whole quanta, or one quantum (a compound factor of size 1 is not a rule
+            # Shardy takes, and one quantum cannot be split anyway): replicated.
+            if extent % q or (q > 1 and extent == q):
                 sizes[f] = 1
                 whole.append(f)
                 data_dims[f] = (f,)
@@ -191,21 +200,20 @@ class _Roles:
         )
 
     def size(self, factor: str) -> int:
-        return dict(self.sizes).get(factor, 1)
+        """A result factor's or k's size in quanta (the others are never split)."""
+        return dict(self.sizes)[factor]
 
     def sharding_rule(self) -> SdyShardingRule:
         *operands, result = self.mappings
-        reductions = ["k"] + [f for f, _ in self.minor if f.endswith("_k") or f == "k_in"]
+        # Shardy wants the special factors in the order the rule first names them.
+        named = list(dict.fromkeys(f for dims in self.mappings for d in dims for f in d))
         return SdyShardingRule(
             operand_mappings=tuple(_mapping(dims) for dims in operands),
             result_mappings=(_mapping(result),),
-            reduction_factors=tuple(f for f in reductions if f in self._named()),
-            need_replication_factors=tuple(f for f in self.whole if f not in reductions),
+            reduction_factors=() if "k" in self.whole else ("k",),
+            need_replication_factors=tuple(sorted(self.whole, key=named.index)),
             **dict(self.minor),
         )
-
-    def _named(self):
-        return {f for dims in self.mappings for d in dims for f in d}
 
 
 def _mapping(dims) -> ArrayMapping:
@@ -232,9 +240,8 @@ def _partition(prim, roles: _Roles, out_dtype, mesh, arg_shapes, result_shape):
     partial = "k" in decision.local
 
     def lower_fn(*operands):
-        # Partial sums over k in float32 (float64 for a float64 result), rounded once after.
-        local_dtype = P.acc_dtype(out_dtype) if partial else out_dtype
-        out = prim.bind(*operands, out_dtype=local_dtype)
+        # Partial sums over k in float32, as the whole product accumulates, rounded once after.
+        out = prim.bind(*operands, out_dtype=np.dtype(np.float32) if partial else out_dtype)
         for factor, axes in decision.scatter.items():
             out = lax.psum_scatter(
                 out, P.spec_entry(axes), scatter_dimension=roles.result.index(factor), tiled=True

@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 from jax import lax
 from jax._src import dispatch, sharding_impls
 from jax.experimental.custom_partitioning import (
@@ -109,6 +110,47 @@ def unsharded_context(ctx):
         avals_in=[replicated(a) for a in ctx.avals_in],
         avals_out=[replicated(a) for a in ctx.avals_out],
     )
+
+
+def typed_over_explicit_axes(ctx) -> bool:
+    return any(P.explicit_mesh(a) for a in (*ctx.avals_in, *ctx.avals_out))
+
+
+def explicit_context() -> bool:
+    """Whether the mesh in context (`jax.set_mesh`) has Explicit axes and no Manual ones (in
+    `shard_map` the body is traced in its own, manual, context)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh._any_axis_explicit and not mesh._any_axis_manual
+
+
+def untyped_context(ctx):
+    """`ctx` with its avals untyped, for a lowering on one device of a mesh with Explicit axes.
+
+    There (axes of size 1) every aval still carries the mesh, and XLA's ragged dot asks for an
+    `out_sharding` it has no rule to infer, even for replicated operands (JAX 0.10); nothing is
+    partitioned, so the local function (ragged_sharding.py's, scaled_sharding.py's) is traced on
+    plain avals and outside the mesh (`untyped`).
+    """
+
+    def untyped(aval):
+        if not P.explicit_mesh(aval):
+            return aval
+        return jax.core.ShapedArray(aval.shape, aval.dtype, aval.weak_type)
+
+    return ctx.replace(
+        avals_in=[untyped(a) for a in ctx.avals_in],
+        avals_out=[untyped(a) for a in ctx.avals_out],
+    )
+
+
+def untyped(fn):
+    """`fn` traced outside any mesh (for `untyped_context`'s avals)."""
+
+    def outside_the_mesh(*operands):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return fn(*operands)
+
+    return outside_the_mesh
 
 
 def _is_sharded(axis_context) -> bool:
