@@ -305,6 +305,19 @@ class ExplicitAxesTest(ScaledCase):
             for g, i in zip(got, argnums, strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(typed[i]).sharding.spec)
 
+    def test_vmap_over_a_split_batch(self):
+        # vmap merges the mapped dim into B: with B split and the mapped dim whole, B goes major
+        # in the merge (the other order cannot be typed, and raised).
+        x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 2, 256, 256)), jnp.float32)
+        a, sa = jax_sm100.quantize(x, "fp8_block128")
+        f = jax.jit(jax.vmap(product))
+        want = f(a, a, sa, sa)
+        with jax.sharding.set_mesh(self.mesh):
+            typed = [jax.device_put(v, PS(None, "data")) for v in (a, sa)]
+            got = f(typed[0], typed[0], typed[1], typed[1])
+        assert_close(got, want)
+        self.assertEqual(same_spec(jax.typeof(got).sharding.spec), (None, "data"))
+
     def test_batch_split_differently_raises(self):
         self.require("model")
         x = jnp.ones((4, 128, 128), jnp.float32)

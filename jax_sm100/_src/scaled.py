@@ -363,12 +363,22 @@ mlir.register_lowering(scaled_matmul_p, scaled_sharding.lowering(scaled_matmul_p
 
 def _batch(args, dims, *, out_dtype):
     size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    merged = []
-    for x, d in zip(args, dims, strict=True):
-        x = jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-        merged.append(x.reshape((size * x.shape[1], *x.shape[2:])))
+    moved = [
+        jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    # The mapped dim goes major in the merge, unless under Explicit axes B is split and the
+    # mapped dim is not: a split minor dim of a merge cannot be typed, so B goes major then.
+    b_major = any(
+        (axes := P.explicit_axes(x)) is not None and axes[1] and not axes[0] for x in moved
+    )
+    if b_major:
+        moved = [jnp.swapaxes(x, 0, 1) for x in moved]
+    merged = [x.reshape((x.shape[0] * x.shape[1], *x.shape[2:])) for x in moved]
     out = scaled_matmul_p.bind(*merged, out_dtype=out_dtype)
-    return out.reshape((size, -1, *out.shape[1:])), 0
+    lead = moved[0].shape[:2]
+    out = out.reshape((*lead, *out.shape[1:]))
+    return (jnp.swapaxes(out, 0, 1) if b_major else out), 0
 
 
 batching.primitive_batchers[scaled_matmul_p] = _batch
