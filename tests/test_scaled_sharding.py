@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from tests import test_sharding as ts  # isort: split
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,6 +190,22 @@ class AutoAxesTest(ScaledCase):
         got = jax.jit(f)(*sharded)
         self.assertEqual(got.dtype, jnp.bfloat16)
         assert_close(got, jax.jit(f)(*args), rtol=2**-8)
+
+    def test_scales_follow_their_data(self):
+        # lhs split by rows, its scales split along k: the scales are resharded to the rows
+        # (a move of the small scales), not the data to k with its partials reduced.
+        self.require("model")
+        args = quantized(RECIPES[0])
+        specs = (PS(None, "model"), PS(), PS(None, None, "model"), PS())
+        sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
+        hlo = jax.jit(product).lower(*sharded).compile().as_text()
+        found = ts.collectives(hlo)
+        self.assertEqual(found["all-reduce"] + found["reduce-scatter"], 0, found)
+        for line in hlo.splitlines():  # nothing as large as the data moves
+            if any(f" {c}(" in line or f" {c}-start(" in line for c in ts.COLLECTIVES):
+                for dims in re.findall(r"\[([\d,]+)\]", line):
+                    self.assertLess(math.prod(map(int, dims.split(","))), B * M * K // 8, line)
+        assert_close(jax.jit(product)(*sharded), jax.jit(product)(*args))
 
     def test_lowering_is_a_custom_partitioning_call(self):
         # XLA must not partition the product itself: on a GPU it would replicate the kernel's

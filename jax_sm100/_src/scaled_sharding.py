@@ -40,11 +40,17 @@ axes (nothing is split on one device).
 
 Limits: a sharded program cannot be serialized with `jax.export` (custom_partitioning's
 callbacks live in this process), as for matmul. Inside a `shard_map` that leaves some axes
-automatic, the product runs unpartitioned over those. Under Auto axes, scales that Shardy
-propagates as a part of a mesh axis (a sub-axis: `quantize` in the same jit splitting a k of
-2 blocks over 4 devices) reach the partitioner as a sharding JAX 0.10's custom_partitioning
-cannot convert, and compiling raises (as for matmul fed such a split): give k whole blocks on
-every device, or quantize outside that jit.
+automatic, the product runs unpartitioned over those. Under Auto axes:
+  * scales that Shardy propagates as a part of a mesh axis (a sub-axis) reach the partitioner
+    as a sharding JAX 0.10's custom_partitioning cannot convert, and compiling raises (under
+    GSPMD, XLA aborts the process); as for matmul fed such a split. It happens when `quantize`
+    runs in the same jit on data whose split leaves a device part of a scale block: 256 rows
+    (2 tiles or atoms) or a k of 2 blocks over 4 devices. Split on whole blocks (rows in
+    multiples of 128 per device beside tile or blocked scales, k in multiples of the block, or
+    of 4 blocks for mxfp8 and nvfp4), or quantize outside that jit.
+  * under `vmap` the mapped dim is merged into B as its major part: a split of the mapped dim
+    stays local, a split of B inside the vmap is gathered. (Under Explicit axes the types
+    say which is split and B goes major where it alone is.)
 """
 
 from __future__ import annotations
@@ -223,16 +229,21 @@ def _mapping(dims) -> ArrayMapping:
 # --- callbacks ---------------------------------------------------------------------------------
 
 
+def _data_shardings(arg_shapes):
+    """The operands' shardings as the decision reads them: the data's only. The scales follow
+    their data (gathering a split of the small scales is cheaper than following it: scales
+    split along k beside data split along rows would move the data and reduce partials)."""
+    return [s.sharding for s in arg_shapes[:2]] + [None, None]
+
+
 def _infer(roles: _Roles, mesh, arg_shapes):
     """GSPMD: the result sharding implied by the operands'."""
-    decision = sharding._decide(roles, mesh, [s.sharding for s in arg_shapes], None)
+    decision = sharding._decide(roles, mesh, _data_shardings(arg_shapes), None)
     return NamedSharding(mesh, decision.spec(roles.result, final=True))
 
 
 def _partition(prim, roles: _Roles, out_dtype, mesh, arg_shapes, result_shape):
-    decision = sharding._decide(
-        roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding
-    )
+    decision = sharding._decide(roles, mesh, _data_shardings(arg_shapes), result_shape.sharding)
     arg_shardings = tuple(
         NamedSharding(mesh, decision.spec(dims, final=False)) for dims in roles.operands
     )
