@@ -70,6 +70,11 @@ def assert_close(got, want, rtol=RTOL):
 
 
 class ScaledCase(ts.ShardedTestCase):
+    def require_model_of_4(self):
+        """Skips a case whose splits cut a block only over a "model" axis of 4 devices."""
+        if ts.axis_size("model") != 4:
+            self.skipTest(f"needs a 'model' axis of 4; the mesh is {ts.run_mesh_shape()}")
+
     def check(self, args, specs, want_counts, *, out_spec=None):
         """The product of sharded `args` equals the unsharded one; its collectives. The scales
         are split as their data (their first three dims: b, the rows or their tiles or atoms,
@@ -131,7 +136,7 @@ class AutoAxesTest(ScaledCase):
     def test_blocks_split_inside_an_atom_are_gathered(self):
         # 256 rows hold two 128-row atoms of mxfp8's blocked scales: a split over "model" (4)
         # would cut atoms, so the rows are gathered (and nothing is reduced).
-        self.require("model")
+        self.require_model_of_4()
         args = quantized(("mxfp8", "mxfp8"), lhs_rows=256)
         sharded = (self.put(args[0], PS(None, "model")), *args[1:])
         hlo = jax.jit(product).lower(*sharded).compile().as_text()
@@ -144,7 +149,7 @@ class AutoAxesTest(ScaledCase):
     def test_k_not_in_whole_blocks_is_gathered(self, *recipes):
         # k = 256: two fp8 blocks of 128, two mxfp8 atoms, four nvfp4 atoms; over 4 devices
         # only nvfp4's split stays (reduced once), the others are gathered (nothing reduced).
-        self.require("model")
+        self.require_model_of_4()
         lq, ls = jax_sm100.quantize(data(0)[..., :256], recipes[0])
         rq, rs = jax_sm100.quantize(data(1)[..., :256], recipes[1])
         args = (lq, rq, ls, rs)
@@ -162,8 +167,8 @@ class AutoAxesTest(ScaledCase):
     @parameterized.product(shardy=(True, False))
     def test_dims_of_one_quantum(self, shardy):
         # 128 rows of mxfp8 (one atom), k of one fp8 block, 128 rows of 128 x 128 tiles: such
-        # a dim cannot be split (Shardy refused the rule's compound factor of size 1 before),
-        # the batch still can.
+        # a dim cannot be split, and its rule compiles with the batch split (Shardy refused
+        # the rule's compound factor of size 1 before, whatever was split).
         cases = (
             (("mxfp8", "mxfp8"), 128, 512, 512),
             (("fp8_block128", "fp8_block128"), 512, 512, 128),
@@ -189,7 +194,7 @@ class AutoAxesTest(ScaledCase):
             self.assertTrue(reductions and all("f32[" in line for line in reductions), reductions)
         got = jax.jit(f)(*sharded)
         self.assertEqual(got.dtype, jnp.bfloat16)
-        assert_close(got, jax.jit(f)(*args), rtol=2**-8)
+        assert_close(got, jax.jit(f)(*args), rtol=2**-7)
 
     def test_scales_follow_their_data(self):
         # lhs split by rows, its scales split along k: the scales are resharded to the rows
@@ -268,7 +273,7 @@ class ExplicitAxesTest(ScaledCase):
         # 256 rows (2 tiles or atoms) and k = 256 (2 fp8 blocks, 2 mxfp8 atoms) over 4
         # devices: the scales are gathered where a device would hold part of a block, the data
         # keeps x's type (quantize raised on these before).
-        self.require("model")
+        self.require_model_of_4()
         x = data(3)[:, :256, :256]
         want = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(x)
         for spec in (PS(None, "model"), PS(None, None, "model")):
@@ -276,6 +281,11 @@ class ExplicitAxesTest(ScaledCase):
                 xs = jax.device_put(x, spec)
                 got = jax.jit(lambda x: jax_sm100.quantize(x, recipe))(xs)
                 self.assertEqual(jax.typeof(got[0]).sharding.spec, jax.typeof(xs).sharding.spec)
+                # The scales keep a split of rows or k where their dim divides over 4.
+                want_spec = [e if e and got[1].shape[d] % 4 == 0 else None
+                             for d, e in enumerate((tuple(spec) + (None,) * 3)[:3])]  # fmt: skip
+                scales = tuple(jax.typeof(got[1]).sharding.spec)[:3]
+                self.assertEqual(same_spec(scales), same_spec(want_spec))
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(
                     np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
@@ -327,7 +337,7 @@ class ExplicitAxesTest(ScaledCase):
     def test_vmap_over_a_split_batch(self):
         # vmap merges the mapped dim into B: with B split and the mapped dim whole, B goes major
         # in the merge (the other order cannot be typed, and raised).
-        x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 2, 256, 256)), jnp.float32)
+        x = jnp.asarray(np.random.default_rng(4).standard_normal((4, 2, 256, 256)), jnp.float32)
         a, sa = jax_sm100.quantize(x, "fp8_block128")
         f = jax.jit(jax.vmap(product))
         want = f(a, a, sa, sa)
@@ -336,6 +346,16 @@ class ExplicitAxesTest(ScaledCase):
             got = f(typed[0], typed[0], typed[1], typed[1])
         assert_close(got, want)
         self.assertEqual(same_spec(jax.typeof(got).sharding.spec), (None, "data"))
+        # rhs unmapped with B split; and lhs's mapped dim split beside it (B gathered).
+        g = jax.jit(jax.vmap(product, in_axes=(0, None, 0, None)))
+        for lhs_spec, out_spec in ((PS(), (None, "data")), (PS("model"), ("model",))):
+            want = g(a, a[0], sa, sa[0])
+            with jax.sharding.set_mesh(self.mesh):
+                lhs = [jax.device_put(v, lhs_spec) for v in (a, sa)]
+                rhs = [jax.device_put(v, PS("data")) for v in (a[0], sa[0])]
+                got = g(lhs[0], rhs[0], lhs[1], rhs[1])
+            assert_close(got, want)
+            self.assertEqual(same_spec(jax.typeof(got).sharding.spec), out_spec)
 
     def test_batch_split_differently_raises(self):
         self.require("model")
@@ -366,7 +386,7 @@ class OneDeviceMeshTest(parameterized.TestCase):
         assert_close(got_g, want_g)
         # B as lhs's, m as lhs's; rhs's k is reduced.
         self.assertEqual(same_spec(jax.typeof(got).sharding.spec), ("data", "model"))
-        for g, x in zip(got_g, typed, strict=False):
+        for g, x in zip(got_g, typed[:2], strict=True):
             self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(x).sharding.spec)
 
 

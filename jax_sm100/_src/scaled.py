@@ -194,7 +194,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         )
     x_type = P.explicit_type(x)
     if (x.shape[-1] // r.block) % P.shards(x, -1):
-        # Under Explicit axes, k split inside a block: gathered (the data is split back after).
+        # Under Explicit axes, k split inside a block: gathered (x in float32, a copy of the
+        # whole rows on every device; the data is split back after).
         x = P.unsplit(x, -1)
     blocks = x.reshape((*x.shape[:-1], x.shape[-1] // r.block, r.block))
     top = float(jnp.finfo(r.data_dtype).max)
@@ -367,13 +368,23 @@ def _batch(args, dims, *, out_dtype):
         jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(args, dims, strict=True)
     ]
-    # The mapped dim goes major in the merge, unless under Explicit axes B is split and the
-    # mapped dim is not: a split minor dim of a merge cannot be typed, so B goes major then.
-    b_major = any(
-        (axes := P.explicit_axes(x)) is not None and axes[1] and not axes[0] for x in moved
-    )
+    # Under Explicit axes a merge whose minor dim is split and major dim whole cannot be typed.
+    # The mapped dim goes major, unless B alone is split (no operand splits the mapped dim):
+    # then B goes major. Otherwise a B split under a whole mapped dim is gathered, as are all
+    # B splits where the merged dims would then be split differently across operands.
+    axes = [P.explicit_axes(x) for x in moved]
+    mapped_split = any(a is not None and a[0] for a in axes)
+    b_major = not mapped_split and any(a is not None and a[1] for a in axes)
     if b_major:
         moved = [jnp.swapaxes(x, 0, 1) for x in moved]
+    elif mapped_split:
+        moved = [
+            P.unsplit(x, 1) if a is not None and a[1] and not a[0] else x
+            for x, a in zip(moved, axes, strict=True)
+        ]
+        merged_axes = {tuple(a[0]) + tuple(a[1]) for x in moved if (a := P.explicit_axes(x))}
+        if len(merged_axes) > 1:
+            moved = [P.unsplit(x, 1) for x in moved]
     merged = [x.reshape((x.shape[0] * x.shape[1], *x.shape[2:])) for x in moved]
     out = scaled_matmul_p.bind(*merged, out_dtype=out_dtype)
     lead = moved[0].shape[:2]
