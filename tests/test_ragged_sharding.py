@@ -90,22 +90,14 @@ class RaggedCase(ts.ShardedTestCase):
     def check(self, f, args, specs, want_counts, *, reference, out_spec=None, grad=False):
         """f on sharded args equals `reference` on one device; its collectives. Returns the
         results and the compiled HLO text."""
-        sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
-        out_shardings = None if out_spec is None else jax.NamedSharding(self.mesh, out_spec)
-        jitted = jax.jit(f, out_shardings=out_shardings)
-        hlo = jitted.lower(*sharded).compile().as_text()
-        got = jitted(*sharded)
-        want = jax.jit(reference)(*[jax.device_put(x, self.devices[0]) for x in args])
         rtol = ts.rtol_for(args, grad=grad)
         dtype = np.dtype(args[0].dtype).name
         if dtype != "float32":  # a result rounded to 16 bits, the reference in float32
             rtol = max(rtol, tu.RTOL[dtype])
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            w = np.asarray(w, np.float64)
-            scale = max(float(np.max(np.abs(w))), 1e-6)
-            np.testing.assert_allclose(np.asarray(g, np.float64), w, atol=rtol * scale, rtol=0)
-        self.assertEqual(ts.collectives(hlo), want_counts)
-        return got, hlo
+        return super().check(
+            f, args, specs, want_counts, out_spec=out_spec, grad=grad, reference=reference,
+            rtol=rtol,
+        )  # fmt: skip
 
     def check_bias(self, specs):
         """ragged_dot's per-group bias (an operand of the sharded product, split as rhs's g

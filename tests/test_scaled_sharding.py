@@ -80,15 +80,7 @@ class ScaledCase(ts.ShardedTestCase):
         are split as their data (their first three dims: b, the rows or their tiles or atoms,
         k's blocks or atoms). Returns the result."""
         specs = (*specs, *specs)
-        sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
-        out = None if out_spec is None else jax.NamedSharding(self.mesh, out_spec)
-        jitted = jax.jit(product, out_shardings=out)
-        hlo = jitted.lower(*sharded).compile().as_text()
-        got = jitted(*sharded)
-        want = jax.jit(product)(*[jax.device_put(x, self.devices[0]) for x in args])
-        assert_close(got, want)
-        self.assertEqual(ts.collectives(hlo), want_counts)
-        return got
+        return super().check(product, args, specs, want_counts, out_spec=out_spec, rtol=RTOL)[0]
 
 
 # --- Auto axes ---------------------------------------------------------------------------------

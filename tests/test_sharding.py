@@ -324,15 +324,18 @@ class ShardedTestCase(parameterized.TestCase):
     def put(self, x, spec):
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-    def check(self, f, args, specs, want_counts, *, out_spec=None, grad=False, reference=None):
-        """f on sharded args equals `reference` (default f) on one device; its collectives."""
+    def check(
+        self, f, args, specs, want_counts, *, out_spec=None, grad=False, reference=None, rtol=None
+    ):
+        """f on sharded args equals `reference` (default f) on one device, to `rtol` of the
+        largest element (default `rtol_for`); its collectives."""
         sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
         out_shardings = None if out_spec is None else NamedSharding(self.mesh, out_spec)
         jitted = jax.jit(f, out_shardings=out_shardings)
         hlo = jitted.lower(*sharded).compile().as_text()
         got = jitted(*sharded)
         want = jax.jit(reference or f)(*[jax.device_put(x, self.devices[0]) for x in args])
-        rtol = rtol_for(args, grad=grad)
+        rtol = rtol_for(args, grad=grad) if rtol is None else rtol
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             w = np.asarray(w, np.float64)
             scale = max(float(np.max(np.abs(w))), 1e-6)

@@ -206,11 +206,7 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     # A mesh axis types one dim at most: batch first, then m, then n (a backward product's
     # operands can name one axis on both, e.g. the input gradient of c split over rows beside
     # a weight split over k on the same axis); the dim that loses it is gathered.
-    parts, used = [], set()
-    for entry in (*batch, m_spec, n_spec):
-        axes = [a for a in spec_axes(entry) if a not in used]
-        used.update(axes)
-        parts.append(spec_entry(axes))
+    parts = [spec_entry(axes) for axes in first_use([*map(spec_axes, (*batch, m_spec, n_spec))])]
     while parts and parts[-1] is None:
         parts.pop()
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
@@ -228,6 +224,16 @@ def spec_entry(axes):
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def first_use(parts) -> list[tuple[str, ...]]:
+    """Each dim's mesh axes (a sequence per dim) with every axis kept at its first dim only: a
+    sharding names an axis once, so a later dim that names it again is gathered along it."""
+    used, out = set(), []
+    for axes in parts:
+        out.append(tuple(a for a in axes if a not in used))
+        used.update(out[-1])
+    return out
 
 
 def typed_aval(x):

@@ -178,10 +178,7 @@ def out_sharding(name: str, lhs, rhs, group_sizes, params):
         del parts[nb - params.get("summed", 0) :]
         k, n = spec(lhs, nb + 1), spec(rhs, nb + 1)
         parts += [spec(group_sizes, nb), *((n, k) if params["transpose_out"] else (k, n))]
-    used = set()
-    for i, axes in enumerate(parts):
-        parts[i] = tuple(a for a in axes if a not in used)
-        used.update(parts[i])
+    parts = P.first_use(parts)
     return NamedSharding(mesh, jax.sharding.PartitionSpec(*map(P.spec_entry, parts)))
 
 

@@ -66,7 +66,9 @@ def to_blocked(plain):
     pad = [(0, 0)] * len(lead) + [(0, rm * ATOM_ROWS - rows), (0, rk * ATOM_BLOCKS - blocks)]
     x = jnp.pad(plain, pad, constant_values=jnp.asarray(1, plain.dtype))
     shape = (*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS)
-    x = _reshape(x, shape, lambda lead_axes: (*lead_axes, rows_axes, (), (), blocks_axes, ()))
+    axes = P.explicit_axes(x)
+    new_axes = None if axes is None else (*axes[:-2], rows_axes, (), (), blocks_axes, ())
+    x = _reshape(x, shape, new_axes)
     n = len(lead)
     return x.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
 
@@ -87,13 +89,12 @@ def _atom_split(x, *dims):
     return P.unsplit(x, *gather), tuple(kept)
 
 
-def _reshape(x, shape, axes_of):
-    """x reshaped, typed under Explicit axes by `axes_of(lead_axes)` (the new dims' axes;
-    lead_axes: those of x's dims before the last two, which stay)."""
-    axes = P.explicit_axes(x)
-    if axes is None:
+def _reshape(x, shape, new_axes):
+    """x reshaped, its result typed with `new_axes` (each new dim's mesh axes) under Explicit
+    axes; `new_axes` None: untyped."""
+    if new_axes is None:
         return x.reshape(shape)
-    spec = jax.sharding.PartitionSpec(*map(P.spec_entry, axes_of(axes[:-2])))
+    spec = jax.sharding.PartitionSpec(*map(P.spec_entry, new_axes))
     return lax.reshape(x, shape, out_sharding=spec)
 
 
@@ -116,12 +117,8 @@ def from_blocked(blocked, rows: int, blocks: int):
     gather += [n + 3] if rk * ATOM_BLOCKS != blocks else []
     x = P.unsplit(x, *gather)
     axes = P.explicit_axes(x)
-    shape = (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS)
-    if axes is None:
-        x = x.reshape(shape)
-    else:
-        spec = jax.sharding.PartitionSpec(*map(P.spec_entry, (*axes[:n], axes[n], axes[n + 3])))
-        x = lax.reshape(x, shape, out_sharding=spec)
+    new_axes = None if axes is None else (*axes[:n], axes[n], axes[n + 3])
+    x = _reshape(x, (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS), new_axes)
     return x[..., :rows, :blocks]
 
 

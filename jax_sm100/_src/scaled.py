@@ -306,10 +306,7 @@ def out_spec(lhs, rhs):
             f"jax_sm100.scaled_matmul: B is split over {la[0]} in lhs and over {ra[0]} in rhs; "
             "reshard them to one sharding first (jax.sharding.reshard)"
         )
-    parts, used = [], set()
-    for axes in (la[0] or ra[0], la[1], ra[1]):
-        parts.append(tuple(a for a in axes if a not in used))
-        used.update(parts[-1])
+    parts = P.first_use((la[0] or ra[0], la[1], ra[1]))
     return PartitionSpec(*map(P.spec_entry, parts))
 
 
