@@ -173,6 +173,26 @@ class AutoAxesTest(ScaledCase):
             rq, rs = jax_sm100.quantize(data(1, n)[..., :k], recipes[1])
             self.run_with(shardy, lambda a=(lq, rq, ls, rs): self.check(a, specs, counts()))
 
+    @parameterized.product(recipes=RECIPES, shardy=(True, False))
+    def test_quantize_in_the_same_jit_on_splits_inside_blocks(self, recipes, shardy):
+        # 256 rows over "model" (4): each device holds half a 128-row tile or atom; k of 256
+        # over 4: half an fp8 block or mxfp8 atom. The scales `quantize` makes inside the jit
+        # then carry a part of the axis (a sub-axis), which JAX's decoding of custom
+        # partitioning's shardings refused (the compile raised; under GSPMD XLA aborted).
+        self.require_model_of_4()
+
+        def f(a, b):
+            lq, ls = jax_sm100.quantize(a, recipes[0])
+            rq, rs = jax_sm100.quantize(b, recipes[1])
+            return jax_sm100.scaled_matmul(lq, rq, ls, rs)
+
+        for rows, k, spec in ((256, K, PS(None, "model")), (M, 256, PS(None, None, "model"))):
+            a, b = data(0, rows)[..., :k], data(1, rows)[..., :k]
+            sharded = [self.put(x, spec) for x in (a, b)]
+            self.run_with(
+                shardy, lambda s=sharded, a=a, b=b: assert_close(jax.jit(f)(*s), jax.jit(f)(a, b))
+            )
+
     def test_k_partials_reduce_in_float32(self):
         # A bfloat16 result: the partials are reduced in float32 and rounded once, so the
         # sharded result is the unsharded one to a rounding (one bfloat16 ulp).

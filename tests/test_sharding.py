@@ -584,6 +584,23 @@ class PartitionerTest(ShardedTestCase):
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 
+    @parameterized.named_parameters(("shardy", True), ("gspmd", False))
+    def test_an_operand_split_over_part_of_an_axis(self, shardy):
+        # Rows split over "model" then reshaped to [2, rows / 2, k]: over 4 devices, the batch
+        # dim of 2 holds a part of the axis (a sub-axis), a sharding JAX's decoding for custom
+        # partitioning refused (the compile raised; under GSPMD XLA aborted the process). Such
+        # an operand is gathered.
+        x, w = rand(0, 256, 64), rand(1, 64, 32)
+        f = lambda x, w: jax_sm100.matmul(x.reshape(2, 128, 64), w)
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            got = jax.jit(f)(self.put(x, PS("model")), w)
+            want = jax.jit(f)(*[jax.device_put(v, self.devices[0]) for v in (x, w)])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+
 
 @_delegated
 class ExplicitAxesTest(ShardedTestCase):

@@ -91,7 +91,6 @@ from jax._src import dispatch
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
     SdyShardingRule,
-    custom_partitioning,
 )
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding
@@ -236,13 +235,12 @@ def _partition_call(prim, name, fn, ctx, params):
     # The body is the primitive itself, not `fn`: it is lowered only where every axis is manual,
     # and there the primitive lowers to `fn` (tracing `fn` on the global avals would give XLA's
     # ragged dot the avals' Explicit shardings, which it has no rule for).
-    wrapped = custom_partitioning(lambda *operands: prim.bind(*operands, **params))
-    wrapped.def_partition(
+    return sharding.partitioned(
+        lambda *operands: prim.bind(*operands, **params),
         partition=lambda mesh, args, result: _partition(prim, roles, params, mesh, args, result),
-        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
-        sharding_rule=roles.sharding_rule(),
+        infer=lambda mesh, args: _infer(roles, mesh, args),
+        rule=roles.sharding_rule(),
     )
-    return wrapped
 
 
 # --- factors -----------------------------------------------------------------------------------

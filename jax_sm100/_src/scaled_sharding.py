@@ -41,13 +41,10 @@ axes (nothing is split on one device).
 Limits: a sharded program cannot be serialized with `jax.export` (custom_partitioning's
 callbacks live in this process), as for matmul. Inside a `shard_map` that leaves some axes
 automatic, the product runs unpartitioned over those. Under Auto axes:
-  * scales that Shardy propagates as a part of a mesh axis (a sub-axis) reach the partitioner
-    as a sharding JAX 0.10's custom_partitioning cannot convert, and compiling raises (under
-    GSPMD, XLA aborts the process); as for matmul fed such a split. It happens when `quantize`
-    runs in the same jit on data whose split leaves a device part of a scale block: 256 rows
-    (2 tiles or atoms) or a k of 2 blocks over 4 devices. Split on whole blocks (rows in
-    multiples of 128 per device beside tile or blocked scales, k in multiples of the block, or
-    of 4 blocks for mxfp8 and nvfp4), or quantize outside that jit.
+  * an operand whose sharding holds a part of a mesh axis (a sub-axis: Shardy gives one to the
+    scales `quantize` makes in the same jit from data split inside a scale block, 256 rows or a
+    k of 2 blocks over 4 devices) reaches the callbacks as no sharding (`sharding.partitioned`):
+    the scales follow their data anyway, and data so split is gathered.
   * under `vmap` the mapped dim is merged into B as its major part: a split of the mapped dim
     stays local, a split of B inside the vmap is gathered. (Under Explicit axes the types
     say which is split and B goes major where it alone is.)
@@ -65,7 +62,6 @@ from jax.experimental.custom_partitioning import (
     ArrayMapping,
     CompoundFactor,
     SdyShardingRule,
-    custom_partitioning,
 )
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding
@@ -89,13 +85,13 @@ def lowering(prim, local_fn):
             roles = _Roles.of(ctx.avals_in)
             # The body is the primitive itself, lowered only where every axis is manual (there
             # it lowers to `fn`).
-            wrapped = custom_partitioning(lambda *ops: prim.bind(*ops, out_dtype=out_dtype))
-            wrapped.def_partition(
+            wrapped = sharding.partitioned(
+                lambda *ops: prim.bind(*ops, out_dtype=out_dtype),
                 partition=lambda mesh, args, result: _partition(
                     prim, roles, out_dtype, mesh, args, result
                 ),
-                infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
-                sharding_rule=roles.sharding_rule(),
+                infer=lambda mesh, args: _infer(roles, mesh, args),
+                rule=roles.sharding_rule(),
             )
             return mlir.lower_fun(wrapped, multiple_results=False)(ctx, *operands)
         if sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context():

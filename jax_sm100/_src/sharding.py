@@ -31,7 +31,9 @@ Limits: a sharded program cannot be serialized with `jax.export` (custom_partiti
 callbacks live in this process). Inside a `shard_map` that leaves some mesh axes automatic,
 the product runs unpartitioned over those axes (its operands are gathered over them). When
 the program names no mesh (only positional shardings), every operand is replicated and each
-device computes the whole product. A user's `plan=` is resized to the per-device problem; if
+device computes the whole product; so is an operand split over a part of a mesh axis (Shardy
+makes such splits where a reshape cuts a split dim), which JAX cannot name for the callbacks
+(`partitioned`). A user's `plan=` is resized to the per-device problem; if
 its tiles do not fit that problem, the planner chooses again.
 """
 
@@ -42,7 +44,7 @@ import math
 
 import jax
 from jax import lax
-from jax._src import dispatch, sharding_impls
+from jax._src import dispatch, op_shardings, sharding_impls
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
     SdyShardingRule,
@@ -82,13 +84,61 @@ def partition(fn, ctx, **params):
     # XLA's dot on the global avals, which under an Explicit mesh carry shardings that dot
     # rejects when k is sharded. The body is only lowered where every axis is manual, and there
     # the primitive lowers to `fn`.
-    wrapped = custom_partitioning(lambda *operands: P.matmul_p.bind(*operands, **params))
-    wrapped.def_partition(
+    return partitioned(
+        lambda *operands: P.matmul_p.bind(*operands, **params),
         partition=lambda mesh, args, result: _partition(roles, params, mesh, args, result),
-        infer_sharding_from_operands=lambda mesh, args, result: _infer(roles, mesh, args),
-        sharding_rule=roles.sharding_rule(),
+        infer=lambda mesh, args: _infer(roles, mesh, args),
+        rule=roles.sharding_rule(),
+    )
+
+
+def partitioned(body, *, partition, infer, rule):
+    """`custom_partitioning(body)` with these callbacks and Shardy rule, its callbacks given
+    the shardings the mesh's axes can name (`decoded`) and None for the others.
+
+    JAX's own decoding (custom_partitioning's `decode_shardings`) raises inside the partitioner
+    on a sharding over a part of a mesh axis, which Shardy propagates where an axis splits a
+    dim of 256 rows that a rule (or a reshape before it) sees as 2 x 128: the compile then
+    fails, and under GSPMD XLA aborts the process. A sharding left out (None) is read as
+    unsplit, so that operand is gathered: slower, never wrong.
+    """
+    wrapped = custom_partitioning(body)
+
+    def shapes(mesh, tree):
+        return jax.tree.map(lambda s: decoded(s, mesh), tree)
+
+    wrapped.def_partition(
+        partition=lambda mesh, args, result: partition(
+            mesh, shapes(mesh, args), shapes(mesh, result)
+        ),
+        infer_sharding_from_operands=lambda mesh, args, result: infer(mesh, shapes(mesh, args)),
+        decode_shardings=False,
+        sharding_rule=rule,
     )
     return wrapped
+
+
+def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
+    """`shape` with its GSPMD sharding as a NamedSharding over `mesh`, or with none where the
+    mesh's axes cannot name it (a part of an axis) or the program names no mesh."""
+    sh = shape.sharding
+    if isinstance(sh, NamedSharding) or sh is None:
+        return shape
+    named = None
+    if not mesh.empty:
+        hlo = sh._hlo_sharding
+        try:
+            spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+            named = NamedSharding(mesh, spec)
+            # JAX's parse assumes the devices run in the mesh's order; a reading that does not
+            # give back the same sharding is left out too.
+            if not op_shardings.are_hlo_shardings_equal(
+                named._to_xla_hlo_sharding(len(shape.shape)), hlo
+            ):
+                named = None
+        except Exception:  # noqa: BLE001 - its errors vary (IndivisibleError, KeyError, ...);
+            named = None  # left out, the operand is gathered: correct either way.
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=named)
 
 
 def unsharded_context(ctx):
