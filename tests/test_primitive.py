@@ -339,6 +339,33 @@ class ErrorsTest(parameterized.TestCase):
             lambda: jax_sm100.matmul(self.a, self.b, plan=p),
         )
 
+    def test_lists_raise_as_in_lax(self):
+        # lax.dot_general, jnp.matmul and lax.ragged_dot raise a TypeError on a list (they do
+        # not guess its dtype); every entry point does as they do, naming the argument.
+        rows, w = [[0.5] * 8] * 4, jnp.ones((2, 8, 3))
+        sizes = jnp.array([2, 2], jnp.int32)
+        dims = (((1,), (0,)), ((), ()))
+        cases = (
+            ("matmul.*for a", lambda: jax_sm100.matmul(rows, self.b)),
+            ("matmul.*for b", lambda: jax_sm100.matmul(self.a, self.b.tolist())),
+            ("matmul.*for bias", lambda: jax_sm100.matmul(self.a, self.b, bias=[1.0] * 3)),
+            ("matmul.*for c", lambda: jax_sm100.matmul(self.a, self.b, c=[[1.0] * 3] * 4)),
+            ("dot_general.*for lhs", lambda: jax_sm100.dot_general(rows, self.b, dims)),
+            ("ragged_dot.*for lhs", lambda: jax_sm100.ragged_dot(rows, w, sizes)),
+            ("ragged_dot.*for group_sizes", lambda: jax_sm100.ragged_dot(self.a, w, [2, 2])),
+            ("ragged_dot.*for bias",
+             lambda: jax_sm100.ragged_dot(self.a, w, sizes, bias=[[0.0] * 3] * 2)),
+            ("scaled_matmul.*for rhs_scales", lambda: jax_sm100.scaled_matmul(
+                jnp.ones((1, 4, 128)), jnp.ones((1, 4, 128)), jnp.ones((1, 4, 1)), [[[1.0]] * 4])),
+        )  # fmt: skip
+        for pattern, fn in cases:
+            self.assert_raises(TypeError, pattern + ".*jnp.asarray", fn)
+        # Scalars and numpy arrays are arrays, as for lax.
+        np.testing.assert_allclose(
+            jax_sm100.matmul(np.asarray(self.a), np.asarray(self.b), bias=np.ones(3), c=1.0),
+            np.asarray(self.a) @ np.asarray(self.b) + 2.0, rtol=1e-6,
+        )  # fmt: skip
+
     def test_plan_wrong_type(self):
         self.assert_raises(
             TypeError, "GemmPlan", lambda: jax_sm100.matmul(self.a, self.b, plan={"m": 4})

@@ -73,8 +73,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
     whether the result is weakly typed.
     """
     # jax arrays and tracers pass through as they are (see the batch comment below).
-    a = a if isinstance(a, jax.Array) else jnp.asarray(a)
-    b = b if isinstance(b, jax.Array) else jnp.asarray(b)
+    a, b = P.as_array(a, "matmul", "a"), P.as_array(b, "matmul", "b")
     if activation not in ACTIVATIONS:
         raise ValueError(
             f"jax_sm100.matmul: unknown {activation=}; use one of {ACTIVATIONS} "
@@ -119,7 +118,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
         ) from None
     out_shape = (*batch, *((m,) if not a_vec else ()), *((n,) if not b_vec else ()))
     if bias is not None:
-        bias = jnp.asarray(bias)
+        bias = P.as_array(bias, "matmul", "bias")
         D.operand_dtype_name(bias.dtype, "bias")
         if bias.shape != (n,):
             raise ValueError(
@@ -128,7 +127,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
                 "for a per-row or full-shape addend use c"
             )
     if c is not None:
-        c = jnp.asarray(c)
+        c = P.as_array(c, "matmul", "c")
         D.operand_dtype_name(c.dtype, "c")
         try:
             ok = jnp.broadcast_shapes(c.shape, out_shape) == out_shape

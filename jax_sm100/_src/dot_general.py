@@ -231,8 +231,7 @@ def dot_general(
     Raises:
       The errors of `lax.dot_general` for invalid dimension numbers, shapes or dtypes.
     """
-    lhs = lhs if isinstance(lhs, jax.Array) else jnp.asarray(lhs)
-    rhs = rhs if isinstance(rhs, jax.Array) else jnp.asarray(rhs)
+    lhs, rhs = P.as_array(lhs, "dot_general", "lhs"), P.as_array(rhs, "dot_general", "rhs")
     reference = functools.partial(
         lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
         preferred_element_type=preferred_element_type, out_sharding=out_sharding,

@@ -212,6 +212,21 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
 
 
+def as_array(x, fn: str, position):
+    """`x` as a jax array (jax arrays and tracers as they are), or the TypeError lax's ops raise
+    for values that are not arrays or scalars (a list or tuple: lax does not guess a dtype)."""
+    if isinstance(x, jax.Array):
+        return x
+    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)) or hasattr(
+        x, "__jax_array__"
+    ):
+        return jnp.asarray(x)
+    raise TypeError(
+        f"jax_sm100.{fn} requires ndarray or scalar arguments, got {type(x).__name__} for "
+        f"{position}; wrap it in jnp.asarray (as for jax.lax's ops)"
+    )
+
+
 def spec_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
     if entry is None:

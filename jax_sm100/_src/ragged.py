@@ -111,7 +111,10 @@ def ragged_dot(
         bias, or group sizes that are not integers.
       NotImplementedError: a `group_offset`.
     """
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    lhs, rhs, group_sizes = (
+        P.as_array(x, "ragged_dot", name)
+        for x, name in ((lhs, "lhs"), (rhs, "rhs"), (group_sizes, "group_sizes"))
+    )
     if activation not in ACTIVATIONS:
         raise ValueError(
             f"jax_sm100.ragged_dot: {activation=} must be one of {ACTIVATIONS} (None: the plain "
@@ -260,7 +263,7 @@ def _precision_fallback(precision, a_name: str, b_name: str) -> str | None:
 
 
 def _check_bias(bias, g: int, n: int):
-    bias = jnp.asarray(bias)
+    bias = P.as_array(bias, "ragged_dot", "bias")
     if bias.shape != (g, n):
         raise ValueError(
             f"jax_sm100.ragged_dot: bias.shape={bias.shape}, expected (g, n) = {(g, n)}: one "

@@ -97,8 +97,12 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
         `preferred_element_type` that is None or not floating; a derivative with respect to
         float8_e8m0fnu scales.
     """
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    lhs_scales, rhs_scales = jnp.asarray(lhs_scales), jnp.asarray(rhs_scales)
+    lhs, rhs, lhs_scales, rhs_scales = (
+        P.as_array(x, "scaled_matmul", name)
+        for x, name in (
+            (lhs, "lhs"), (rhs, "rhs"), (lhs_scales, "lhs_scales"), (rhs_scales, "rhs_scales")
+        )
+    )  # fmt: skip
     for name, x, allowed in (
         ("lhs", lhs, DATA_DTYPES), ("rhs", rhs, DATA_DTYPES),
         ("lhs_scales", lhs_scales, SCALE_DTYPES), ("rhs_scales", rhs_scales, SCALE_DTYPES),
