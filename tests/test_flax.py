@@ -27,6 +27,10 @@ from tests import test_util as tu
 
 DOT_GENERALS = {"ours": jax_sm100.dot_general, "lax": lax.dot_general}
 STEPS = 4
+# float32 products on a GPU run in TF32, ours and XLA's alike (JAX's default precision): each
+# operand keeps 10 of its 23 mantissa bits, so the two differ by about 1e-3 of a result where on
+# a CPU (both in float32) they agree to float32 rounding.
+F32_TOL = 1e-5 if jax.default_backend() == "cpu" else 5e-3
 
 
 class Mlp(nnx.Module):
@@ -89,7 +93,7 @@ def _matmul_count(fn, *args):
 
 
 class NnxTest(parameterized.TestCase):
-    @parameterized.named_parameters(("float32", None, 1e-5), ("bfloat16", jnp.bfloat16, 2e-2))
+    @parameterized.named_parameters(("float32", None, F32_TOL), ("bfloat16", jnp.bfloat16, 2e-2))
     def test_training_losses_match_lax(self, dtype, rtol):
         x, y = _data((4, 16, 64))
         losses = {
@@ -103,7 +107,7 @@ class NnxTest(parameterized.TestCase):
         x, y = _data((4, 16, 64), seed=1)
         fused = Mlp(64, 128, dot_general=jax_sm100.dot_general, fused=True, rngs=nnx.Rngs(0))
         plain = Mlp(64, 128, dot_general=lax.dot_general, rngs=nnx.Rngs(0))
-        np.testing.assert_allclose(_train_nnx(fused, x, y), _train_nnx(plain, x, y), rtol=1e-5)
+        np.testing.assert_allclose(_train_nnx(fused, x, y), _train_nnx(plain, x, y), rtol=F32_TOL)
 
     def test_products_bind_the_primitive(self):
         model = Mlp(64, 128, dot_general=jax_sm100.dot_general, rngs=nnx.Rngs(0))
@@ -124,7 +128,7 @@ class NnxTest(parameterized.TestCase):
         want = plain(x)
         if activation is not None:
             want = {"relu": nnx.relu, "gelu": nnx.gelu, "silu": nnx.silu}[activation](want)
-        np.testing.assert_allclose(fused(x), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(fused(x), want, rtol=F32_TOL, atol=F32_TOL)
         self.assertEqual(_matmul_count(lambda x: fused(x), x), 1)
         self.assertNotIn("add", str(jax.make_jaxpr(lambda x: fused(x))(x)))
 
@@ -155,12 +159,12 @@ class NnxTest(parameterized.TestCase):
         ours = nnx.Einsum("nta,hab->nthb", (8, 32, 4), (8, 4), einsum_op=jax_sm100.einsum,
                           rngs=nnx.Rngs(0))  # fmt: skip
         ref = nnx.Einsum("nta,hab->nthb", (8, 32, 4), (8, 4), rngs=nnx.Rngs(0))
-        np.testing.assert_allclose(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ours(x), ref(x), rtol=F32_TOL, atol=F32_TOL)
         self.assertEqual(_matmul_count(lambda x: ours(x), x), 1)
         ours = nnx.LinearGeneral((11, 32), (4, 5), axis=(-2, -1),
                                  dot_general=jax_sm100.dot_general, rngs=nnx.Rngs(0))  # fmt: skip
         ref = nnx.LinearGeneral((11, 32), (4, 5), axis=(-2, -1), rngs=nnx.Rngs(0))
-        np.testing.assert_allclose(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ours(x), ref(x), rtol=F32_TOL, atol=F32_TOL)
         self.assertEqual(_matmul_count(lambda x: ours(x), x), 1)
 
 
@@ -184,9 +188,9 @@ class LinenTest(parameterized.TestCase):
         ours = _train_linen(LinenMlp(jax_sm100.dot_general), x, y)
         ref = _train_linen(LinenMlp(lax.dot_general), x, y)
         self.assertLess(ours[-1], ours[0])
-        np.testing.assert_allclose(ours, ref, rtol=1e-5)
+        np.testing.assert_allclose(ours, ref, rtol=F32_TOL)
         fused = _train_linen(LinenMlp(jax_sm100.dot_general, fused=True), x, y)
-        np.testing.assert_allclose(fused, ref, rtol=1e-5)
+        np.testing.assert_allclose(fused, ref, rtol=F32_TOL)
 
     def test_products_bind_the_primitive(self):
         module = LinenMlp(jax_sm100.dot_general, fused=True)
@@ -203,7 +207,7 @@ class LinenTest(parameterized.TestCase):
             jax.tree.map(jnp.shape, params),
         )
         want = linen.relu(linen.Dense(40).apply(params, x))
-        np.testing.assert_allclose(fused.apply(params, x), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(fused.apply(params, x), want, rtol=F32_TOL, atol=F32_TOL)
 
 
 def _export_nnx_step(arch, fused, t=2048, d=1024, h=4096):
