@@ -355,6 +355,7 @@ class ErrorsTest(parameterized.TestCase):
             ("ragged_dot.*for group_sizes", lambda: jax_sm100.ragged_dot(self.a, w, [2, 2])),
             ("ragged_dot.*for bias",
              lambda: jax_sm100.ragged_dot(self.a, w, sizes, bias=[[0.0] * 3] * 2)),
+            ("quantize.*for x", lambda: jax_sm100.quantize([[1.0] * 128], "fp8_block128")),
             ("scaled_matmul.*for rhs_scales", lambda: jax_sm100.scaled_matmul(
                 jnp.ones((1, 4, 128)), jnp.ones((1, 4, 128)), jnp.ones((1, 4, 1)), [[[1.0]] * 4])),
         )  # fmt: skip

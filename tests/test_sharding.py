@@ -44,6 +44,7 @@ test reports its own outcome from there.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -590,14 +591,23 @@ class PartitionerTest(ShardedTestCase):
         # dim of 2 holds a part of the axis (a sub-axis), a sharding JAX's decoding for custom
         # partitioning refused (the compile raised; under GSPMD XLA aborted the process). Such
         # an operand is gathered.
-        x, w = rand(0, 256, 64), rand(1, 64, 32)
-        f = lambda x, w: jax_sm100.matmul(x.reshape(2, 128, 64), w)
+        # Its other dims keep their axes: with batch split over "data" as well, each device
+        # computes its half of the batch.
+        x, w = rand(0, 2, 256, 64), rand(1, 64, 32)
+        f = lambda x, w: jax_sm100.matmul(x.reshape(2, 2, 128, 64), w)
         before = jax.config.jax_use_shardy_partitioner
         jax.config.update("jax_use_shardy_partitioner", shardy)
         try:
-            got = jax.jit(f)(self.put(x, PS("model")), w)
-            want = jax.jit(f)(*[jax.device_put(v, self.devices[0]) for v in (x, w)])
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            for spec in (PS(None, "model"), PS("data", "model")):
+                sharded = self.put(x, spec)
+                got = jax.jit(f)(sharded, w)
+                want = jax.jit(f)(*[jax.device_put(v, self.devices[0]) for v in (x, w)])
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+                hlo = jax.jit(f).lower(sharded, w).compile().as_text()
+                dots = re.findall(r"= f32\[([\d,]+)\]\{[^}]*\} dot\(", hlo)
+                rows = 2 * 256 // (axis_size("data") if spec[0] else 1)
+                self.assertTrue(dots, hlo)
+                self.assertEqual({math.prod(map(int, d.split(","))) for d in dots}, {rows * 32})
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 

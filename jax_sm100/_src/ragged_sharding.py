@@ -76,7 +76,8 @@ callbacks live in this process), as for matmul. Under Auto axes nothing ties the
 gradient's g to the experts' split but Shardy's propagation from where the gradient is used (an
 update of the sharded weights in the same jit does); a bare `jax.grad` computes it whole on
 each device. Inside a `shard_map` that leaves some axes automatic, the product runs unpartitioned
-over those.
+over those. A dim split over a part of a mesh axis (Shardy's sub-axes, where a reshape cuts a
+split dim) is gathered, as for matmul (`sharding.decoded`).
 """
 
 from __future__ import annotations

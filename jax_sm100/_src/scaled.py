@@ -182,7 +182,7 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             f"jax_sm100.quantize: global_scale is for nvfp4, whose float8_e4m3fn scales span "
             f"2^-9 to 448; {recipe}'s {r.scale_dtype} scales cover x's range without one"
         )
-    x = jnp.moveaxis(jnp.asarray(x, jnp.float32), axis, -1)
+    x = jnp.moveaxis(P.as_array(x, "quantize", "x").astype(jnp.float32), axis, -1)
     g = None
     if global_scale:
         amax_all = jnp.max(jnp.abs(x))

@@ -43,8 +43,9 @@ callbacks live in this process), as for matmul. Inside a `shard_map` that leaves
 automatic, the product runs unpartitioned over those. Under Auto axes:
   * an operand whose sharding holds a part of a mesh axis (a sub-axis: Shardy gives one to the
     scales `quantize` makes in the same jit from data split inside a scale block, 256 rows or a
-    k of 2 blocks over 4 devices) reaches the callbacks as no sharding (`sharding.partitioned`):
-    the scales follow their data anyway, and data so split is gathered.
+    k of 2 blocks over 4 devices) reaches the callbacks with that dim unsplit
+    (`sharding.decoded`): the scales follow their data anyway, and data so split is gathered
+    along that dim.
   * under `vmap` the mapped dim is merged into B as its major part: a split of the mapped dim
     stays local, a split of B inside the vmap is gathered. (Under Explicit axes the types
     say which is split and B goes major where it alone is.)

@@ -31,20 +31,22 @@ Limits: a sharded program cannot be serialized with `jax.export` (custom_partiti
 callbacks live in this process). Inside a `shard_map` that leaves some mesh axes automatic,
 the product runs unpartitioned over those axes (its operands are gathered over them). When
 the program names no mesh (only positional shardings), every operand is replicated and each
-device computes the whole product; so is an operand split over a part of a mesh axis (Shardy
-makes such splits where a reshape cuts a split dim), which JAX cannot name for the callbacks
-(`partitioned`). A user's `plan=` is resized to the per-device problem; if
+device computes the whole product; so is an operand's dim split over a part of a mesh axis
+(Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
+A user's `plan=` is resized to the per-device problem; if
 its tiles do not fit that problem, the planner chooses again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import jax
+import numpy as np
 from jax import lax
-from jax._src import dispatch, op_shardings, sharding_impls
+from jax._src import dispatch, sharding_impls
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
     SdyShardingRule,
@@ -94,13 +96,14 @@ def partition(fn, ctx, **params):
 
 def partitioned(body, *, partition, infer, rule):
     """`custom_partitioning(body)` with these callbacks and Shardy rule, its callbacks given
-    the shardings the mesh's axes can name (`decoded`) and None for the others.
+    the shardings as the mesh's axes name them (`decoded`).
 
     JAX's own decoding (custom_partitioning's `decode_shardings`) raises inside the partitioner
     on a sharding over a part of a mesh axis, which Shardy propagates where an axis splits a
     dim of 256 rows that a rule (or a reshape before it) sees as 2 x 128: the compile then
-    fails, and under GSPMD XLA aborts the process. A sharding left out (None) is read as
-    unsplit, so that operand is gathered: slower, never wrong.
+    fails, and under GSPMD XLA aborts the process. Here such a dim is read as unsplit (that
+    operand is gathered along it: slower, never wrong) and the operand's other dims keep
+    their axes.
     """
     wrapped = custom_partitioning(body)
 
@@ -119,26 +122,58 @@ def partitioned(body, *, partition, infer, rule):
 
 
 def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
-    """`shape` with its GSPMD sharding as a NamedSharding over `mesh`, or with none where the
-    mesh's axes cannot name it (a part of an axis) or the program names no mesh."""
+    """`shape` with its GSPMD sharding (custom_partitioning's callbacks get those) as a
+    NamedSharding over `mesh`: per dim, the mesh axes (major first) whose coordinates give every
+    device's block along it. A dim that no axes give (split over a part of an axis) is unsplit
+    in the result, so each device's block holds the one it has; with no mesh, or a sharding that
+    is not a tiling of the mesh's devices, no sharding.
+
+    The devices of the HLO sharding are positions in the mesh's device order, as JAX's
+    `parse_flatten_op_sharding` reads them (custom_partitioning builds the mesh from the
+    program's device assignment)."""
     sh = shape.sharding
-    if isinstance(sh, NamedSharding) or sh is None:
-        return shape
-    named = None
-    if not mesh.empty:
-        hlo = sh._hlo_sharding
-        try:
-            spec = sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
-            named = NamedSharding(mesh, spec)
-            # JAX's parse assumes the devices run in the mesh's order; a reading that does not
-            # give back the same sharding is left out too.
-            if not op_shardings.are_hlo_shardings_equal(
-                named._to_xla_hlo_sharding(len(shape.shape)), hlo
-            ):
-                named = None
-        except Exception:  # noqa: BLE001 - its errors vary (IndivisibleError, KeyError, ...);
-            named = None  # left out, the operand is gathered: correct either way.
+    if sh is None or mesh.empty:
+        return jax.ShapeDtypeStruct(shape.shape, shape.dtype)
+    ndim = len(shape.shape)
+    hlo = sh._hlo_sharding
+    if hlo.is_replicated():
+        named = NamedSharding(mesh, PS())
+    elif not hlo.is_tiled() or hlo.num_devices() != mesh.size:
+        named = None
+    else:
+        named = NamedSharding(mesh, PS(*_axes_per_dim(hlo, mesh, ndim)))
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=named)
+
+
+def _axes_per_dim(hlo, mesh, ndim) -> list:
+    tiles = tuple(hlo.tile_assignment_dimensions())
+    devices = np.asarray(hlo.tile_assignment_devices()).reshape(tiles)
+    block = np.zeros((ndim, mesh.size), np.int64)  # each device's block index along each dim
+    for t in np.ndindex(*tiles):
+        block[:, devices[t]] = t[:ndim]
+    sizes = dict(mesh.shape)
+    positions = np.unravel_index(np.arange(mesh.size), tuple(sizes.values()))
+    coords = dict(zip(mesh.axis_names, positions, strict=True))
+    split = [a for a in mesh.axis_names if sizes[a] > 1]
+    used, spec = set(), []
+    for d in range(ndim):
+        got = ()
+        if tiles[d] > 1:
+            for r in range(1, len(split) + 1):
+                for axes in itertools.permutations(split, r):
+                    if used.intersection(axes) or math.prod(sizes[a] for a in axes) != tiles[d]:
+                        continue
+                    index = np.zeros(mesh.size, np.int64)
+                    for a in axes:
+                        index = index * sizes[a] + coords[a]
+                    if np.array_equal(index, block[d]):
+                        got = axes
+                        break
+                if got:
+                    break
+        used.update(got)
+        spec.append(P.spec_entry(got))
+    return spec
 
 
 def unsharded_context(ctx):
@@ -275,7 +310,7 @@ class _Roles:
 
 
 def _spec_axes(sharding, ndim) -> list[tuple[str, ...]]:
-    # No sharding (GSPMD's inference), or a positional one when the program names no mesh.
+    # No sharding: GSPMD's inference, or the program names no mesh (`decoded`).
     if not isinstance(sharding, NamedSharding):
         return [()] * ndim
     spec = tuple(sharding.spec)
