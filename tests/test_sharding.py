@@ -107,6 +107,7 @@ if _PLATFORM == "cpu":
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl.testing import absltest, parameterized  # noqa: E402
+from jax._src import core as jax_core  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS  # noqa: E402
 
@@ -672,6 +673,36 @@ class ExplicitAxesTest(ShardedTestCase):
             want = jax.jit(functools.partial(jnp.einsum, eq, **kw))(*args)
             self.assertEqual(same_spec(got.sharding.spec), same_spec(want.sharding.spec), eq)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_unreduced_operands_raise_as_in_lax(self):
+        # An operand typed unreduced (partial sums pending over "model") raised a ValueError
+        # from indexing its spec; lax's products raise a ShardingTypeError. Ours do too, naming
+        # the reshard that reduces it, and that reshard works.
+        self.require("model")
+        a, b, w = rand(0, 16, 32), rand(1, 32, 64), rand(2, 64, 24)
+        args = (self.put(a, PS(None, "model")), self.put(b, PS("model")), self.put(w, PS()))
+        partial = NamedSharding(self.mesh, PS(None, None, unreduced={"model"}))
+        reduced = NamedSharding(self.mesh, PS(None, None))
+
+        def product(op, reduce_first=False):
+            def f(a, b, w):
+                h = jnp.dot(a, b, out_sharding=partial)
+                return op(jax.sharding.reshard(h, reduced) if reduce_first else h, w)
+
+            return f
+
+        dims = (((1,), (0,)), ((), ()))
+        for name, op in (
+            ("matmul", jax_sm100.matmul),
+            ("dot_general", lambda h, w: jax_sm100.dot_general(h, w, dims)),
+        ):
+            with self.assertRaisesRegex(
+                jax_core.ShardingTypeError, rf"jax_sm100.{name}: .* jax.sharding.reshard\("
+            ):
+                jax.jit(product(op))(*args)
+            np.testing.assert_allclose(
+                jax.jit(product(op, reduce_first=True))(*args), a @ b @ w, rtol=1e-4, atol=1e-4
+            )
 
     def test_result_types(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

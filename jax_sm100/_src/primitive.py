@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import core as jax_core
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching
 
@@ -213,18 +214,29 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
 
 
 def as_array(x, fn: str, position):
-    """`x` as a jax array (jax arrays and tracers as they are), or the TypeError lax's ops raise
-    for values that are not arrays or scalars (a list or tuple: lax does not guess a dtype)."""
-    if isinstance(x, jax.Array):
-        return x
-    if isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)) or hasattr(
-        x, "__jax_array__"
-    ):
-        return jnp.asarray(x)
-    raise TypeError(
-        f"jax_sm100.{fn} requires ndarray or scalar arguments, got {type(x).__name__} for "
-        f"{position}; wrap it in jnp.asarray (as for jax.lax's ops)"
-    )
+    """`x` as a jax array (jax arrays and tracers as they are), or the errors lax's products
+    raise: a TypeError for values that are not arrays or scalars (a list or tuple: lax does not
+    guess a dtype), a ShardingTypeError for an array typed unreduced (partial sums over a mesh
+    axis, from an `out_sharding` with `unreduced=`)."""
+    if not isinstance(x, jax.Array):
+        if not isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)) and not hasattr(
+            x, "__jax_array__"
+        ):
+            raise TypeError(
+                f"jax_sm100.{fn} requires ndarray or scalar arguments, got {type(x).__name__} "
+                f"for {position}; wrap it in jnp.asarray (as for jax.lax's ops)"
+            )
+        x = jnp.asarray(x)
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    pending = getattr(spec, "unreduced", None)
+    if pending:
+        raise jax_core.ShardingTypeError(
+            f"jax_sm100.{fn}: {position} is typed {jax.typeof(x).str_short()}, with partial "
+            f"sums pending over {sorted(pending)} (as lax's products, ours take no unreduced "
+            f"operand); reduce it first: jax.sharding.reshard({position}, "
+            f"{spec.update(unreduced=frozenset())})"
+        )
+    return x
 
 
 def spec_axes(entry) -> tuple[str, ...]:
