@@ -112,7 +112,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS  # noqa: E402
 
 import jax_sm100  # noqa: E402
-from jax_sm100._src import constraints  # noqa: E402
+from jax_sm100._src import constraints, primitive  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
@@ -655,21 +655,76 @@ class ExplicitAxesTest(ShardedTestCase):
                 np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
     def test_einsum_with_heads_split(self):
-        # nnx.Einsum's projections with heads split for tensor parallelism: merging the
-        # split heads with the head dim has no type JAX can give a local reshape, so those
-        # contractions run on lax.dot_general (recorded) where they raised before; values and
-        # result types as jnp.einsum's.
+        # nnx.Einsum's projections with heads split for tensor parallelism: the GEMM's reshapes
+        # merge the split heads (major) with the head dim, a reshape that moves no data, typed
+        # as such (primitive.typed_reshape): each contraction binds our matmul (they ran on
+        # lax.dot_general before, JAX's own reshape rule refusing them). Values and result
+        # types as jnp.einsum's.
         x, w, o = rand(0, 4, 8, 32), rand(1, 32, 4, 8), rand(2, 4, 8, 32)
         cases = [
             ("bsd,dhk->bshk", x, w, PS("data"), PS(None, "model")),
             ("bsd,hkd->bshk", x, o, PS("data"), PS("model")),
             ("bshk,hkd->bsd", rand(3, 4, 8, 4, 8), o, PS("data", None, "model"), PS("model")),
+            # Sequence split over "model" beside heads split over it: a different plan from
+            # XLA's (x moved to the heads' split, the weight never gathered), same values.
+            ("bshk,hkd->bsd", rand(5, 4, 8, 4, 8), o, PS("data", "model"), PS("model")),
         ]
         for eq, a, b, sa, sb in cases:
             args = (self.put(a, sa), self.put(b, sb))
             # A contraction over the split heads needs its result's type spelled out (jnp too).
             kw = {"out_sharding": NamedSharding(self.mesh, PS("data"))} if eq[-3:] == "bsd" else {}
-            got = jax.jit(functools.partial(jax_sm100.einsum, eq, **kw))(*args)
+            ours = functools.partial(jax_sm100.einsum, eq, **kw)
+            self.assertIn("jax_sm100_matmul", str(jax.make_jaxpr(ours)(*args)), eq)
+            got = jax.jit(ours)(*args)
+            want = jax.jit(functools.partial(jnp.einsum, eq, **kw))(*args)
+            self.assertEqual(same_spec(got.sharding.spec), same_spec(want.sharding.spec), eq)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_typed_reshape(self):
+        # Merges and splits whose split dim is the major one of its group, on whole blocks of
+        # the group's first result dim, are typed without moving data; the others are left to
+        # JAX's rule (a ShardingTypeError where it has none). Values always x.reshape's.
+        m = axis_size("model")
+        x = rand(0, 2, 4 * m, 3, 8)
+        cases = [
+            # (spec, new shape, the result's spec or None where JAX's rule decides)
+            (PS(None, "model"), (2, 4 * m * 3, 8), PS(None, "model")),
+            (PS(None, "model"), (2, m, 4, 3, 8), PS(None, "model")),
+            (PS(None, "model"), (2, 1, 4 * m, 1, 24), PS(None, None, "model")),
+            (PS("data", "model"), (2 * 4 * m, 3, 8), None),  # both merged dims split
+            (PS(None, "model"), (2, 2, 2 * m * 3, 8), None if m > 2 else PS(None, "model")),
+        ]
+        for spec, shape, want in cases:
+            sharded = self.put(x, spec)
+            f = lambda v, shape=shape: primitive.typed_reshape(v, shape)
+            if want is None:
+                try:
+                    got = jax.jit(f)(sharded)
+                except jax_core.ShardingTypeError:
+                    continue
+            else:
+                got = jax.jit(f)(sharded)
+                self.assertEqual(same_spec(got.sharding.spec), same_spec(want), (spec, shape))
+                hlo = jax.jit(f).lower(sharded).compile().as_text()
+                self.assertEqual(collectives(hlo), counts(), (spec, shape))
+            np.testing.assert_array_equal(got, x.reshape(shape))
+
+    def test_reshapes_that_move_data_run_on_lax(self):
+        # Heads split as the minor dim of a merge (the head dim major) have no type a local
+        # reshape gives: those contractions run on lax.dot_general, recorded, with lax's values
+        # and types.
+        x, o = rand(0, 4, 8, 32), rand(1, 4, 8, 8, 4)
+        cases = [
+            ("bsd,dkh->bshk", x, rand(2, 32, 8, 4), PS("data"), PS(None, None, "model")),
+            ("bskh,khd->bsd", o, rand(3, 8, 4, 32), PS("data", None, None, "model"),
+             PS(None, "model")),
+        ]  # fmt: skip
+        for eq, a, b, sa, sb in cases:
+            args = (self.put(a, sa), self.put(b, sb))
+            kw = {"out_sharding": NamedSharding(self.mesh, PS("data"))} if eq[-3:] == "bsd" else {}
+            with jax_sm100.lowerings() as seen:
+                got = jax.jit(functools.partial(jax_sm100.einsum, eq, **kw))(*args)
+            self.assertTrue(any("reshape of a sharded dim" in str(s) for s in seen), (eq, seen))
             want = jax.jit(functools.partial(jnp.einsum, eq, **kw))(*args)
             self.assertEqual(same_spec(got.sharding.spec), same_spec(want.sharding.spec), eq)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -256,16 +256,17 @@ def dot_general(
         a = lhs if form.lhs.perm is None else lax.transpose(lhs, form.lhs.perm)
         b = rhs if form.rhs.perm is None else lax.transpose(rhs, form.rhs.perm)
         # Only reshapes that change the shape: `a` unchanged must reach the primitive as itself.
-        a = a if a.shape == form.lhs.shape else a.reshape(form.lhs.shape)
-        b = b if b.shape == form.rhs.shape else b.reshape(form.rhs.shape)
+        a = a if a.shape == form.lhs.shape else P.typed_reshape(a, form.lhs.shape)
+        b = b if b.shape == form.rhs.shape else P.typed_reshape(b, form.rhs.shape)
         (out,) = P.matmul_p.bind(a, b, plan=None, **params)
-        return out if out.shape == form.out_shape else out.reshape(form.out_shape)
+        return out if out.shape == form.out_shape else P.typed_reshape(out, form.out_shape)
 
     if form.lhs.shape != lhs.shape or form.rhs.shape != rhs.shape or form.out_shape != want.shape:
         if P.explicit_type(lhs) is not None or P.explicit_type(rhs) is not None:
-            # Under Explicit axes a reshape that merges a sharded dim with a minor one (heads
-            # split for tensor parallelism, merged with the head dim) has no type JAX can give
-            # without communication: lax.dot_general's own rule handles those layouts.
+            # Under Explicit axes a reshape that merges a split dim as the minor part (heads
+            # split after the head dim, a sequence split under a whole batch) has no type
+            # without moving data (`P.typed_reshape` types those that have one): lax's own
+            # rule handles those layouts.
             try:
                 jax.eval_shape(on_kernels, lhs, rhs)
             except jax_core.ShardingTypeError as e:

@@ -285,6 +285,45 @@ def explicit_axes(x) -> list[tuple[str, ...]] | None:
     return [spec_axes(spec[i] if i < len(spec) else None) for i in range(typed_aval(x).ndim)]
 
 
+def typed_reshape(x, shape):
+    """`x.reshape(shape)`, its result typed under Explicit axes where the reshape moves no data:
+    each group of dims it merges or splits is split on its major dim alone, and that split falls
+    on whole blocks of the group's first result dim (heads split for tensor parallelism merged
+    with the head dim, batch split merged with the sequence). Elsewhere JAX's own rule decides
+    (and raises a ShardingTypeError where it cannot type the result)."""
+    shape = tuple(shape)
+    axes = explicit_axes(x)
+    if tuple(x.shape) == shape or axes is None or not any(axes):
+        return x.reshape(shape)
+    sizes = explicit_type(x).mesh.shape
+    new = [()] * len(shape)
+    ins = [(d, n) for d, n in enumerate(x.shape) if n != 1]
+    outs = [(d, n) for d, n in enumerate(shape) if n != 1]
+    a = b = 0
+    while a < len(ins):
+        group, firsts = [ins[a]], []
+        whole, got = ins[a][1], 1
+        a += 1
+        while whole != got:  # the smallest run of dims on each side with equal products
+            if got < whole:
+                firsts.append(outs[b])
+                got *= outs[b][1]
+                b += 1
+            else:
+                group.append(ins[a])
+                whole *= ins[a][1]
+                a += 1
+        split = [axes[d] for d, _ in group]
+        blocks = math.prod(sizes[ax] for ax in split[0])
+        if any(split[1:]) or firsts[0][1] % blocks:
+            return x.reshape(shape)
+        new[firsts[0][0]] = split[0]
+    if any(axes[d] for d, n in enumerate(x.shape) if n == 1):
+        return x.reshape(shape)
+    spec = jax.sharding.PartitionSpec(*map(spec_entry, new))
+    return lax.reshape(x, shape, out_sharding=explicit_type(x).update(spec=spec))
+
+
 def shards(x, dim: int) -> int:
     """How many blocks `x`'s type splits `dim` into under Explicit axes (1 elsewhere)."""
     axes = explicit_axes(x)
