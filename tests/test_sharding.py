@@ -675,10 +675,13 @@ class ExplicitAxesTest(ShardedTestCase):
             kw = {"out_sharding": NamedSharding(self.mesh, PS("data"))} if eq[-3:] == "bsd" else {}
             ours = functools.partial(jax_sm100.einsum, eq, **kw)
             self.assertIn("jax_sm100_matmul", str(jax.make_jaxpr(ours)(*args)), eq)
-            got = jax.jit(ours)(*args)
-            want = jax.jit(functools.partial(jnp.einsum, eq, **kw))(*args)
-            self.assertEqual(same_spec(got.sharding.spec), same_spec(want.sharding.spec), eq)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            theirs = functools.partial(jnp.einsum, eq, **kw)
+            # The values and their gradients, typed as jnp's.
+            for f, g in ((ours, theirs), (grad_of(ours, (0, 1)), grad_of(theirs, (0, 1)))):
+                got, want = jax.jit(f)(*args), jax.jit(g)(*args)
+                for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                    self.assertEqual(same_spec(u.sharding.spec), same_spec(v.sharding.spec), eq)
+                    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
 
     def test_typed_reshape(self):
         # Merges and splits whose split dim is the major one of its group, on whole blocks of
