@@ -538,6 +538,54 @@ class TransformTest(ShardedTestCase):
         for g, spec in zip(grads, specs, strict=True):
             self.assertEqual(same_spec(g.sharding.spec), same_spec(spec))
 
+    def test_shard_map_results_vary_and_differentiate(self):
+        # Inside shard_map a product of device-varying operands varies over their manual axes
+        # (as lax's do): its gradient through a psum is typed right (it raised "Expected
+        # cotangent type ...{V:model}") and out_specs claiming a varying result replicated are
+        # refused (they were accepted: each device's rows, silently). Every primitive alike.
+        self.require("model")
+        x, w, bias = rand(0, 16, 32), rand(1, 32, 24), rand(2, 24)
+        sizes = jnp.array([5, 2], jnp.int32)  # of each device's 8 rows
+        sx, sw = PS("data", "model"), PS("model", None)
+        products = {
+            "matmul": (
+                lambda a, b, c: jax_sm100.matmul(a, b, bias=c, activation="gelu"),
+                lambda a, b, c: jax.nn.gelu(a @ b + c, approximate=True),
+            ),
+            "dot_general": (
+                lambda a, b, c: jax_sm100.dot_general(a, b, (((1,), (0,)), ((), ()))) * c,
+                lambda a, b, c: (a @ b) * c,
+            ),
+            "ragged_dot": (
+                lambda a, b, c: jax_sm100.ragged_dot(a, jnp.stack([b, 2 * b]), sizes) + c,
+                lambda a, b, c: jax.lax.ragged_dot(a, jnp.stack([b, 2 * b]), sizes) + c,
+            ),
+            "scaled_matmul": (
+                lambda a, b, c: (
+                    jax_sm100.scaled_matmul(
+                        a[None], b.T[None], jnp.ones((1, a.shape[0], 1)), jnp.ones((1, 24, 1))
+                    )[0]
+                    + c
+                ),
+                lambda a, b, c: a @ b + c,
+            ),
+        }
+        args = (self.put(x, sx), self.put(w, sw), self.put(bias, PS()))
+        for name, (ours, theirs) in products.items():
+            for op in (ours, theirs):
+                f = jax.shard_map(
+                    lambda a, b, c, op=op: jax.lax.psum(op(a, b, c), "model"),
+                    mesh=self.mesh, in_specs=(sx, sw, PS()), out_specs=PS("data"),
+                )  # fmt: skip
+                got = jax.jit(jax.grad(lambda *v, f=f: jnp.sum(jnp.sin(f(*v))), (0, 1, 2)))(*args)
+                if op is ours:
+                    mine = got
+            for u, v in zip(mine, got, strict=True):
+                np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4, err_msg=name)
+            wrong = jax.shard_map(ours, mesh=self.mesh, in_specs=(sx, sw, PS()), out_specs=PS())
+            with self.assertRaisesRegex(ValueError, "out_specs which require replication"):
+                jax.jit(wrong)(*args)
+
 
 @_delegated
 class PartitionerTest(ShardedTestCase):

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src.interpreters import ad as _ad_internal
-from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from jax_sm100._src import constraints as C
@@ -44,7 +43,7 @@ from jax_sm100._src import primitive as P
 
 # --- act_grad_mul_p: act'(z) * x, linear in x --------------------------------------------------
 
-act_grad_mul_p = jex_core.Primitive("jax_sm100_act_grad_mul")
+act_grad_mul_p = P.Primitive("jax_sm100_act_grad_mul")
 
 
 def _act_grad_mul(x, z, *, activation):
@@ -92,7 +91,7 @@ mlir.register_lowering(act_grad_mul_p, mlir.lower_fun(_act_grad_mul, multiple_re
 
 # --- gated_matmul_p: alpha * ((act'(z) * a) @ b), linear in a and b ------------------------------
 
-gated_matmul_p = jex_core.Primitive("jax_sm100_gated_matmul")
+gated_matmul_p = P.Primitive("jax_sm100_gated_matmul")
 
 
 def _gated(a, z, b, *, activation, transpose_a, transpose_b, alpha, out_dtype):

@@ -40,7 +40,40 @@ from jax.interpreters import ad, batching
 from jax_sm100._src import dtypes as D
 from jax_sm100._src.kernels.spec import ACT_GRAD_CLAMP, ACTIVATIONS, GELU_K0, GELU_K1
 
-matmul_p = jex_core.Primitive("jax_sm100_matmul")
+
+class Primitive(jex_core.Primitive):
+    """A primitive of this library: inside `shard_map` its operands are first cast to vary over
+    the same manual mesh axes (as lax's ops cast theirs), and its results vary over those axes
+    (its abstract eval's results are typed so), so that a product of device-varying operands is
+    typed as device-varying: autodiff then gets its cotangents' types right (a `psum` of the
+    varying result, transposed) and `shard_map` refuses `out_specs` that would claim such a
+    result is replicated."""
+
+    def bind(self, *args, **params):
+        return super().bind(*jax_core.auto_insert_reshard(*args), **params)
+
+    def def_abstract_eval(self, abstract_eval):
+        def varying(*avals, **params):
+            vma = jax_core.standard_vma_rule(self.name, *avals)
+            out = abstract_eval(*avals, **params)
+            if not vma:
+                return out
+
+            # The operands' (manual) mesh types the results, where the rule gave them none.
+            mesh = next(a.sharding.mesh for a in avals if not a.sharding.mesh.empty)
+
+            def vary(aval):
+                sharding = aval.sharding
+                if sharding.mesh.empty:
+                    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                return aval.update(sharding=sharding, manual_axis_type=aval.mat.update(varying=vma))
+
+            return [vary(a) for a in out] if self.multiple_results else vary(out)
+
+        return super().def_abstract_eval(varying)
+
+
+matmul_p = Primitive("jax_sm100_matmul")
 matmul_p.multiple_results = True
 
 

@@ -53,7 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
 from jax_sm100._src import autodiff, dispatch, ragged_sharding
@@ -61,8 +60,8 @@ from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import ACTIVATIONS
 
-ragged_dot_p = jex_core.Primitive("jax_sm100_ragged_dot")
-ragged_outer_p = jex_core.Primitive("jax_sm100_ragged_outer")
+ragged_dot_p = P.Primitive("jax_sm100_ragged_dot")
+ragged_outer_p = P.Primitive("jax_sm100_ragged_outer")
 
 
 # --- the public function -------------------------------------------------------------------------

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -47,7 +46,7 @@ from jax_sm100._src import primitive as P
 from jax_sm100._src import scale_layout, scaled_sharding
 from jax_sm100._src.constraints import FP8_DTYPES
 
-scaled_matmul_p = jex_core.Primitive("jax_sm100_scaled_matmul")
+scaled_matmul_p = P.Primitive("jax_sm100_scaled_matmul")
 
 DATA_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "bfloat16", "float16", "float32")
 SCALE_DTYPES = ("float32", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn")
@@ -419,7 +418,7 @@ def _narrow(ct, dtype):
 
 # A tangent's conversion to float32 whose transpose rounds the cotangent back saturating (the
 # transpose of `astype` would round past-range values of fp8 data to NaN).
-_widen_p = jex_core.Primitive("jax_sm100_scaled_widen")
+_widen_p = P.Primitive("jax_sm100_scaled_widen")
 _widen_p.def_impl(_widen_impl)
 # (typed as t is: under Explicit axes the cotangent must have the tangent's sharding)
 _widen_p.def_abstract_eval(
