@@ -634,6 +634,40 @@ class PartitionerTest(ShardedTestCase):
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 
+    def test_decoded_shardings(self):
+        # The callbacks' GSPMD shardings read back as the NamedShardings they came from, over
+        # meshes in and out of device order, one dim over two axes in either order; a dim over
+        # a part of an axis reads as unsplit, the others keep their axes.
+        from jax._src.sharding_impls import GSPMDSharding
+
+        from jax_sm100._src import sharding as S
+
+        devices = np.array(self.devices)
+        for order in (np.arange(8), np.arange(8)[::-1], np.array([5, 2, 7, 0, 3, 6, 1, 4])):
+            for names, shape in ((("a", "b"), (2, 4)), (("a", "b", "c"), (2, 2, 2))):
+                mesh = jax.sharding.Mesh(devices[order].reshape(shape), names)
+                specs = [
+                    PS(),
+                    PS(names[0]),
+                    PS(None, names[-1]),
+                    PS((names[1], names[0])),
+                    PS(names[0], (names[-1], names[1])) if len(names) > 2 else PS(names[1]),
+                ]
+                for spec in specs:
+                    hlo = NamedSharding(mesh, spec)._to_xla_hlo_sharding(3)
+                    gspmd = GSPMDSharding(mesh._flat_devices_tuple, hlo)
+                    got = S.decoded(jax.ShapeDtypeStruct((8, 8, 8), jnp.float32, sharding=gspmd),
+                                    mesh).sharding  # fmt: skip
+                    self.assertEqual(same_spec(got.spec), same_spec(spec), (order, names, spec))
+        # A sub-axis: dim 0 over half of "b" (4), dim 1 over "a": dim 0 reads as unsplit.
+        mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("a", "b"))
+        replicated = [S.xc.OpSharding.Type.REPLICATED]
+        sub = S.xc.HloSharding.iota_tile([2, 2, 2], [2, 2, 2], [1, 0, 2], replicated)
+        got = S.decoded(jax.ShapeDtypeStruct(
+            (8, 8), jnp.float32, sharding=GSPMDSharding(mesh._flat_devices_tuple, sub)
+        ), mesh).sharding  # fmt: skip
+        self.assertEqual(same_spec(got.spec), same_spec(PS(None, "a")))
+
     @parameterized.named_parameters(("shardy", True), ("gspmd", False))
     def test_an_operand_split_over_part_of_an_axis(self, shardy):
         # Rows split over "model" then reshaped to [2, rows / 2, k]: over 4 devices, the batch
@@ -809,6 +843,32 @@ class ExplicitAxesTest(ShardedTestCase):
             np.testing.assert_allclose(
                 jax.jit(product(op, reduce_first=True))(*args), a @ b @ w, rtol=1e-4, atol=1e-4
             )
+
+    def test_unreduced_results_and_reduced_operands(self):
+        # out_sharding=P(..., unreduced=...) asks for partial sums: lax gives them (the kernels
+        # reduced them, and resharding the sum to unreduced counted it once per device: 4x the
+        # product after the next reduction). Operands typed reduced= raise a typed error (their
+        # unreduced gradient came out 2x over "data", the same way).
+        self.require("model")
+        a, b = rand(0, 16, 32), rand(1, 32, 24)
+        args = (self.put(a, PS(None, "model")), self.put(b, PS("model")))
+        partial = NamedSharding(self.mesh, PS(None, None, unreduced={"model"}))
+        whole = NamedSharding(self.mesh, PS())
+        dims = (((1,), (0,)), ((), ()))
+        for op in (
+            lambda a, b: jax_sm100.matmul(a, b, out_sharding=partial),
+            lambda a, b: jax_sm100.dot_general(a, b, dims, out_sharding=partial),
+            lambda a, b: jax_sm100.einsum("ij,jk->ik", a, b, out_sharding=partial),
+        ):
+            self.assertEqual(jax.typeof(jax.jit(op)(*args)).sharding.spec.unreduced, {"model"})
+            got = jax.jit(lambda a, b, op=op: jax.sharding.reshard(op(a, b), whole))(*args)
+            np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+        with self.assertRaisesRegex(ValueError, "unreduced out_sharding asks for partial sums"):
+            jax_sm100.matmul(*args, activation="gelu", out_sharding=partial)
+        w = self.put(b, PS())
+        w = jax.device_put(w, NamedSharding(self.mesh, PS(None, None, reduced={"data"})))
+        with self.assertRaisesRegex(jax_core.ShardingTypeError, "reduced over .*without reduced="):
+            jax.jit(jax_sm100.matmul)(self.put(a, PS("data")), w)
 
     def test_result_types(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

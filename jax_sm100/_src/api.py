@@ -235,6 +235,21 @@ def matmul(
         out_dtype = preferred_element_type
     operands, params, out_shape, weak = _prepare(a, b, bias, c, activation, out_dtype, alpha, beta)
     split = P._split(operands, params["has_bias"], params["has_c"])
+    if DG.unreduced_axes(out_sharding):
+        # Partial sums of the product, as jnp.matmul gives them: the partitioned kernels reduce
+        # k's partials, and an epilogue cannot apply to partial sums.
+        if bias is not None or c is not None or activation is not None or alpha != 1.0 or plan:
+            raise ValueError(
+                "jax_sm100.matmul: an unreduced out_sharding asks for partial sums, to which "
+                "bias, c, an activation, alpha or a plan cannot apply; ask for the reduced "
+                "result, or apply them after the reduction"
+            )
+        DG.record_fallback("jax_sm100.matmul", "an unreduced out_sharding", runs="jnp.matmul")
+        out = jnp.matmul(
+            P.as_array(a, "matmul", "a"), P.as_array(b, "matmul", "b"), precision=precision,
+            preferred_element_type=params["out_dtype"], out_sharding=out_sharding,
+        )  # fmt: skip
+        return DG.with_result_type(out, weak, None)
     # Only a precision passed here counts, not `jax.default_matmul_precision`: the XLA path
     # below is jnp's math, without the primitive's sharding rules (see the README).
     reason = None

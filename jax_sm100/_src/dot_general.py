@@ -189,6 +189,12 @@ def record_fallback(what: str, reason: str, runs: str = "lax.dot_general") -> No
     dispatch.record(dispatch.Lowered(None, f"{what}: {runs} ({reason})"))
 
 
+def unreduced_axes(out_sharding) -> frozenset:
+    """The mesh axes over which `out_sharding` asks for partial sums (`unreduced=`)."""
+    spec = getattr(out_sharding, "spec", out_sharding)
+    return frozenset(getattr(spec, "unreduced", None) or ())
+
+
 def with_result_type(out, weak_type: bool, out_sharding):
     """`out` weakly typed where the reference result is, and resharded where asked."""
     if weak_type:
@@ -238,6 +244,9 @@ def dot_general(
     )  # fmt: skip
     want = jax.eval_shape(reference, lhs, rhs)  # lax's checks, result dtype and weak type
     reason = fallback_reason(lhs.dtype, rhs.dtype, want.dtype, precision)
+    if reason is None and unreduced_axes(out_sharding):
+        # The partitioned kernels reduce k's partial sums; lax types them as asked.
+        reason = f"out_sharding unreduced over {sorted(unreduced_axes(out_sharding))}"
     form = None
     if reason is None:
         form = gemm_form(lhs.shape, rhs.shape, dimension_numbers)

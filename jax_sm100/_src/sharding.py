@@ -40,13 +40,13 @@ its tiles do not fit that problem, the planner chooses again.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
 import jax
 import numpy as np
 from jax import lax
 from jax._src import dispatch, sharding_impls
+from jax._src.lib import xla_client as xc
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
     SdyShardingRule,
@@ -136,12 +136,19 @@ def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape.shape, shape.dtype)
     ndim = len(shape.shape)
     hlo = sh._hlo_sharding
-    if hlo.is_replicated():
-        named = NamedSharding(mesh, PS())
-    elif not hlo.is_tiled() or hlo.num_devices() != mesh.size:
+    try:
+        if hlo.is_replicated():
+            named = NamedSharding(mesh, PS())
+        elif (
+            not hlo.is_tiled()
+            or hlo.num_devices() != mesh.size
+            or any(t != xc.OpSharding.Type.REPLICATED for t in hlo.subgroup_types())
+        ):  # maximal, on other devices, or with unreduced or manual subgroups
+            named = None
+        else:
+            named = NamedSharding(mesh, PS(*_axes_per_dim(hlo, mesh, ndim)))
+    except (NotImplementedError, AssertionError):  # shardings XLA's bindings do not describe
         named = None
-    else:
-        named = NamedSharding(mesh, PS(*_axes_per_dim(hlo, mesh, ndim)))
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=named)
 
 
@@ -154,25 +161,25 @@ def _axes_per_dim(hlo, mesh, ndim) -> list:
     sizes = dict(mesh.shape)
     positions = np.unravel_index(np.arange(mesh.size), tuple(sizes.values()))
     coords = dict(zip(mesh.axis_names, positions, strict=True))
-    split = [a for a in mesh.axis_names if sizes[a] > 1]
     used, spec = set(), []
     for d in range(ndim):
-        got = ()
-        if tiles[d] > 1:
-            for r in range(1, len(split) + 1):
-                for axes in itertools.permutations(split, r):
-                    if used.intersection(axes) or math.prod(sizes[a] for a in axes) != tiles[d]:
-                        continue
-                    index = np.zeros(mesh.size, np.int64)
-                    for a in axes:
-                        index = index * sizes[a] + coords[a]
-                    if np.array_equal(index, block[d]):
-                        got = axes
-                        break
-                if got:
+        # Peel the dim's axes major first: the axis whose coordinate is every device's block
+        # index divided by the blocks the rest make, then the rest.
+        got, rest, index = [], tiles[d], block[d]
+        while rest > 1:
+            for ax in mesh.axis_names:
+                n = sizes[ax]
+                if ax in used or ax in got or n == 1 or rest % n:
+                    continue
+                if np.array_equal(index // (rest // n), coords[ax]):
+                    got.append(ax)
+                    rest, index = rest // n, index % (rest // n)
                     break
+            else:  # a part of an axis: unsplit here
+                got = []
+                break
         used.update(got)
-        spec.append(P.spec_entry(got))
+        spec.append(P.spec_entry(tuple(got)))
     return spec
 
 
