@@ -847,8 +847,9 @@ class ExplicitAxesTest(ShardedTestCase):
     def test_unreduced_results_and_reduced_operands(self):
         # out_sharding=P(..., unreduced=...) asks for partial sums: lax gives them (the kernels
         # reduced them, and resharding the sum to unreduced counted it once per device: 4x the
-        # product after the next reduction). Operands typed reduced= raise a typed error (their
-        # unreduced gradient came out 2x over "data", the same way).
+        # product after the next reduction). Operands typed reduced= are taken (their unreduced
+        # gradient came out 2x over "data" the same way; an untyped ValueError before that).
+        # A reshard of our result to unreduced counts it once (it counted it 4 times).
         self.require("model")
         a, b = rand(0, 16, 32), rand(1, 32, 24)
         args = (self.put(a, PS(None, "model")), self.put(b, PS("model")))
@@ -863,12 +864,29 @@ class ExplicitAxesTest(ShardedTestCase):
             self.assertEqual(jax.typeof(jax.jit(op)(*args)).sharding.spec.unreduced, {"model"})
             got = jax.jit(lambda a, b, op=op: jax.sharding.reshard(op(a, b), whole))(*args)
             np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
+        for op in (jax_sm100.matmul, lambda a, b: jnp.matmul(a, b, out_sharding=whole)):
+            got = jax.jit(
+                lambda a, b, op=op: jax.sharding.reshard(
+                    jax.sharding.reshard(op(a, b), partial), whole
+                )
+            )(*args)
+            np.testing.assert_allclose(got, a @ b, rtol=1e-4, atol=1e-4)
         with self.assertRaisesRegex(ValueError, "unreduced out_sharding asks for partial sums"):
             jax_sm100.matmul(*args, activation="gelu", out_sharding=partial)
-        w = self.put(b, PS())
-        w = jax.device_put(w, NamedSharding(self.mesh, PS(None, None, reduced={"data"})))
-        with self.assertRaisesRegex(jax_core.ShardingTypeError, "reduced over .*without reduced="):
-            jax.jit(jax_sm100.matmul)(self.put(a, PS("data")), w)
+        # A weight typed reduced over "data": its gradient is left unreduced, as jnp's.
+        w = jax.device_put(b, NamedSharding(self.mesh, PS(None, None, reduced={"data"})))
+        x = self.put(a, PS("data"))
+        grads = {}
+        for name, op in (("ours", jax_sm100.matmul), ("jnp", jnp.matmul)):
+
+            def step(x, w, op=op):
+                gx, gw = grad_of(lambda x, w: op(x, w), (0, 1))(x, w)
+                self.assertEqual(jax.typeof(gw).sharding.spec.unreduced, {"data"})
+                return gx, jax.sharding.reshard(gw, whole)
+
+            grads[name] = jax.jit(step)(x, w)
+        for u, v in zip(grads["ours"], grads["jnp"], strict=True):
+            np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
 
     def test_result_types(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

@@ -250,8 +250,8 @@ def as_array(x, fn: str, position):
     """`x` as a jax array (jax arrays and tracers as they are), or the errors lax's products
     raise: a TypeError for values that are not arrays or scalars (a list or tuple: lax does not
     guess a dtype), a ShardingTypeError for an array typed unreduced (partial sums over a mesh
-    axis, from an `out_sharding` with `unreduced=`); and a ShardingTypeError for one typed
-    `reduced=` (lax takes it; its unreduced cotangent is not one our kernels give)."""
+    axis, from an `out_sharding` with `unreduced=`). One typed `reduced=` is taken as lax takes
+    it."""
     if not isinstance(x, jax.Array):
         if not isinstance(x, (np.ndarray, np.generic, bool, int, float, complex)) and not hasattr(
             x, "__jax_array__"
@@ -261,18 +261,13 @@ def as_array(x, fn: str, position):
                 f"for {position}; wrap it in jnp.asarray (as for jax.lax's ops)"
             )
         x = jnp.asarray(x)
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
     if getattr(spec, "reduced", None):
-        # Its cotangent would be typed unreduced, and a partitioned kernel's reduced result
-        # resharded to unreduced is summed again by the next reduction (XLA: each device's copy
-        # counted as a partial sum; measured 2x over a "data" axis of 2).
-        raise jax_core.ShardingTypeError(
-            f"jax_sm100.{fn}: {position} is typed {jax.typeof(x).str_short()}, reduced over "
-            f"{sorted(spec.reduced)} (its gradient left unreduced), which our partitioned "
-            f"kernels do not produce; type it without reduced= where it is made "
-            f"(NamedSharding(mesh, {spec.update(reduced=frozenset())})) and reduce its "
-            "gradient as usual"
-        )
+        # Replicated over those axes, its cotangent left unreduced: the products take it
+        # plain, and the reshard's transpose gives the cotangent that type.
+        x = jax.sharding.reshard(x, sharding.update(spec=spec.update(reduced=frozenset())))
+        spec = jax.typeof(x).sharding.spec
     pending = getattr(spec, "unreduced", None)
     if pending:
         raise jax_core.ShardingTypeError(
