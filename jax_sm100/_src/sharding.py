@@ -118,14 +118,7 @@ def partitioned(body, *, partition, infer, rule):
         decode_shardings=False,
         sharding_rule=rule,
     )
-
-    def call(*operands):
-        # A multiply by one after the call (XLA drops it once partitioned): Shardy otherwise
-        # gives the call's result the unreduced axes of a reshard that consumes it, which the
-        # callbacks see as replicated, and the full sums were then counted once per device.
-        return jax.tree.map(lambda out: out * np.ones((), out.dtype), wrapped(*operands))
-
-    return call
+    return wrapped
 
 
 def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
