@@ -33,6 +33,11 @@ the product runs unpartitioned over those axes (its operands are gathered over t
 the program names no mesh (only positional shardings), every operand is replicated and each
 device computes the whole product; so is an operand's dim split over a part of a mesh axis
 (Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
+Under Explicit axes a `jax.sharding.reshard` of a partitioned product's result straight to an
+`unreduced=` type counts its (reduced) sum once per device: Shardy gives the call the
+reshard's unreduced axes, which its callback sees as replicated. Ask for partial sums with
+`out_sharding=` instead (they run on XLA's dot); `reduced=` operands are kept clear of it
+(`primitive.as_array`).
 A user's `plan=` is resized to the per-device problem; if
 its tiles do not fit that problem, the planner chooses again.
 """
