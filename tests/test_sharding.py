@@ -779,6 +779,10 @@ class ExplicitAxesTest(ShardedTestCase):
             (PS("data", "model"), (2 * 4 * m, 3, 8), None),  # both merged dims split
             (PS(None, "model"), (2, 2, 2 * m * 3, 8), None if m > 2 else PS(None, "model")),
         ]
+        # An empty array: JAX's rule (the grouping needs nonzero sizes; it raised IndexError).
+        empty = self.put(jnp.zeros((0, 4 * m)), PS(None, "model"))
+        with self.assertRaises(jax_core.ShardingTypeError):
+            primitive.typed_reshape(empty, (4 * m, 0))
         for spec, shape, want in cases:
             sharded = self.put(x, spec)
             f = lambda v, shape=shape: primitive.typed_reshape(v, shape)

@@ -336,7 +336,7 @@ def typed_reshape(x, shape):
     (and raises a ShardingTypeError where it cannot type the result)."""
     shape = tuple(shape)
     axes = explicit_axes(x)
-    if tuple(x.shape) == shape or axes is None or not any(axes):
+    if tuple(x.shape) == shape or axes is None or not any(axes) or 0 in (*x.shape, *shape):
         return x.reshape(shape)
     sizes = explicit_type(x).mesh.shape
     new = [()] * len(shape)
