@@ -238,7 +238,8 @@ def matmul(
     if DG.unreduced_axes(out_sharding):
         # Partial sums of the product, as jnp.matmul gives them: the partitioned kernels reduce
         # k's partials, and an epilogue cannot apply to partial sums.
-        if bias is not None or c is not None or activation is not None or alpha != 1.0 or plan:
+        epilogue = (bias, c, activation, plan)
+        if any(v is not None for v in epilogue) or alpha != 1.0:
             raise ValueError(
                 "jax_sm100.matmul: an unreduced out_sharding asks for partial sums, to which "
                 "bias, c, an activation, alpha or a plan cannot apply; ask for the reduced "

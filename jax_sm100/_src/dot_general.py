@@ -244,9 +244,9 @@ def dot_general(
     )  # fmt: skip
     want = jax.eval_shape(reference, lhs, rhs)  # lax's checks, result dtype and weak type
     reason = fallback_reason(lhs.dtype, rhs.dtype, want.dtype, precision)
-    if reason is None and unreduced_axes(out_sharding):
+    if reason is None and (pending := unreduced_axes(out_sharding)):
         # The partitioned kernels reduce k's partial sums; lax types them as asked.
-        reason = f"out_sharding unreduced over {sorted(unreduced_axes(out_sharding))}"
+        reason = f"out_sharding unreduced over {sorted(pending)}"
     form = None
     if reason is None:
         form = gemm_form(lhs.shape, rhs.shape, dimension_numbers)

@@ -24,10 +24,8 @@ coincide only for one row, where they mean the same), and `plain` repeats them p
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jax_sm100._src import primitive as P
 
@@ -60,42 +58,26 @@ def to_blocked(plain):
     rows and blocks where it falls on whole atoms (else that dim is gathered first)."""
     *lead, rows, blocks = plain.shape
     rm, rk = blocked_shape(rows, blocks)[:2]
-    plain, (rows_axes, blocks_axes) = _atom_split(
-        plain, (rows, rm, ATOM_ROWS), (blocks, rk, ATOM_BLOCKS)
-    )
+    plain = _atom_split(plain, (rows, rm, ATOM_ROWS), (blocks, rk, ATOM_BLOCKS))
     pad = [(0, 0)] * len(lead) + [(0, rm * ATOM_ROWS - rows), (0, rk * ATOM_BLOCKS - blocks)]
     x = jnp.pad(plain, pad, constant_values=jnp.asarray(1, plain.dtype))
-    shape = (*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS)
-    axes = P.explicit_axes(x)
-    new_axes = None if axes is None else (*axes[:-2], rows_axes, (), (), blocks_axes, ())
-    x = _reshape(x, shape, new_axes)
+    x = P.typed_reshape(x, (*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS))
     n = len(lead)
     return x.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))
 
 
 def _atom_split(x, *dims):
     """x with each of its two last dims, (size, atoms, per_atom), whole under Explicit axes
-    unless its split falls on whole atoms (size == atoms * per_atom, the axes dividing atoms);
-    and the axes each keeps."""
+    unless its split falls on whole atoms (size == atoms * per_atom, the axes dividing atoms)."""
     axes = P.explicit_axes(x)
     if axes is None:
-        return x, ((), ())
-    kept, gather = [], []
-    for d, (size, atoms, per_atom), have in zip((-2, -1), dims, axes[-2:], strict=True):
-        if have and (size != atoms * per_atom or atoms % P.shards(x, d)):
-            gather.append(d)
-            have = ()
-        kept.append(have)
-    return P.unsplit(x, *gather), tuple(kept)
-
-
-def _reshape(x, shape, new_axes):
-    """x reshaped, its result typed with `new_axes` (each new dim's mesh axes) under Explicit
-    axes; `new_axes` None: untyped."""
-    if new_axes is None:
-        return x.reshape(shape)
-    spec = jax.sharding.PartitionSpec(*map(P.spec_entry, new_axes))
-    return lax.reshape(x, shape, out_sharding=spec)
+        return x
+    gather = [
+        d
+        for d, (size, atoms, per_atom), have in zip((-2, -1), dims, axes[-2:], strict=True)
+        if have and (size != atoms * per_atom or atoms % P.shards(x, d))
+    ]
+    return P.unsplit(x, *gather)
 
 
 def from_blocked(blocked, rows: int, blocks: int):
@@ -116,9 +98,7 @@ def from_blocked(blocked, rows: int, blocks: int):
     gather += [n] if rm * ATOM_ROWS != rows else []
     gather += [n + 3] if rk * ATOM_BLOCKS != blocks else []
     x = P.unsplit(x, *gather)
-    axes = P.explicit_axes(x)
-    new_axes = None if axes is None else (*axes[:n], axes[n], axes[n + 3])
-    x = _reshape(x, (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS), new_axes)
+    x = P.typed_reshape(x, (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS))
     return x[..., :rows, :blocks]
 
 

@@ -37,9 +37,8 @@ Under Explicit axes a `jax.sharding.reshard` of a partitioned product's result s
 `unreduced=` type counts its (reduced) sum once per device: Shardy gives the call the
 reshard's unreduced axes, which its callback sees as replicated. Ask for partial sums with
 `out_sharding=` instead (they run on XLA's dot); `reduced=` operands are kept clear of it
-(`primitive.as_array`).
-A user's `plan=` is resized to the per-device problem; if
-its tiles do not fit that problem, the planner chooses again.
+(`primitive.as_array`). A user's `plan=` is resized to the per-device problem; if its tiles do
+not fit that problem, the planner chooses again.
 """
 
 from __future__ import annotations
