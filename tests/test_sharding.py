@@ -408,13 +408,25 @@ class ForwardTest(ShardedTestCase):
         got, _ = self.check(f, (x, w, b), specs, counts(all_reduce=reduces("model")))
         self.assertEqual(same_spec(got.sharding.spec), same_spec(PS("data")))
 
-    def test_row_parallel_reduce_scatters_when_the_output_is_sharded(self):
+    def test_row_parallel_onto_a_split_result_collects_as_lax(self):
+        # Under Explicit axes the product's result is constrained to its type, as lax's is, so
+        # a split result asked for with `out_sharding=` is resharded from the reduced type:
+        # the same collectives as lax's dot (before, Shardy gave the custom call the reshard's
+        # sharding, and with it a reshard to an unreduced type: 4x the values). Under Auto axes
+        # the product reduce-scatters onto the split result (PartitionerTest).
         self.require("model")
         x, w, b = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64)
         specs = (PS("data", "model"), PS("model", None), PS())
-        got, _ = self.check(
-            gelu_bias, (x, w, b), specs, counts(reduce_scatter=1), out_spec=PS("data", "model")
+        split = NamedSharding(self.mesh, PS("data", "model"))
+        f = lambda x, w, b: jax_sm100.matmul(x, w, bias=b, activation="gelu", out_sharding=split)
+        lax_f = lambda x, w, b: jax.nn.gelu(jnp.matmul(x, w, out_sharding=split) + b)
+        lax_hlo = (
+            jax.jit(lax_f).lower(*(self.put(v, s) for v, s in zip((x, w, b), specs))).compile()
         )
+        got, _ = self.check(
+            f, (x, w, b), specs, collectives(lax_hlo.as_text()), out_spec=PS("data", "model"),
+            reference=gelu_bias,
+        )  # fmt: skip
         self.assertEqual(same_spec(got.sharding.spec), same_spec(PS("data", "model")))
 
     def test_row_parallel_with_c_alpha_beta_bfloat16(self):
@@ -883,6 +895,36 @@ class ExplicitAxesTest(ShardedTestCase):
             grads[name] = jax.jit(step)(x, w)
         for u, v in zip(grads["ours"], grads["jnp"], strict=True):
             np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
+
+    def test_reshard_of_a_result_to_unreduced(self):
+        # A user's reshard of our result to an unreduced type, then back: Shardy gave the
+        # custom call the reshard's unreduced axes (its callbacks saw them as replicated), and
+        # the sum came back 4x over "model", whatever the operands' splits. Each primitive's
+        # result is now constrained to its type, as lax's are.
+        self.require("model")
+        partial = NamedSharding(self.mesh, PS(None, None, unreduced={"model"}))
+        whole = NamedSharding(self.mesh, PS())
+        x, w = rand(0, 16, 32), rand(1, 32, 24)
+        lhs, rhs = rand(2, 16, 32), rand(3, 4, 32, 24)
+        sizes = jnp.asarray([3, 0, 9, 4], jnp.int32)
+        q = jax_sm100.quantize(rand(4, 1, 16, 128), "fp8_block128")
+        r = jax_sm100.quantize(rand(5, 1, 24, 128), "fp8_block128")
+        cases = [
+            (jax_sm100.matmul, (x, w), (PS(None, "model"), PS("model"))),
+            (jax_sm100.matmul, (x, w), (PS("data"), PS())),
+            (jax_sm100.matmul, (x, w), (PS(), PS(None, "model"))),
+            (jax_sm100.ragged_dot, (lhs, rhs, sizes), (PS("data"), PS(), PS())),
+            (jax_sm100.ragged_dot, (lhs, rhs, sizes), (PS(), PS("model"), PS())),
+            (lambda *a: jax_sm100.scaled_matmul(*a)[0], (q[0], r[0], q[1], r[1]),
+             (PS(), PS(), PS(), PS())),
+        ]  # fmt: skip
+        for op, args, specs in cases:
+            args = [self.put(a, s) for a, s in zip(args, specs, strict=True)]
+            want = jax.jit(lambda *a, op=op: jax.sharding.reshard(op(*a), whole))(*args)
+            got = jax.jit(
+                lambda *a, op=op: jax.sharding.reshard(jax.sharding.reshard(op(*a), partial), whole)
+            )(*args)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(specs))
 
     def test_result_types(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

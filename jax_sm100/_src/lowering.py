@@ -41,8 +41,8 @@ def _lowering(local_fn, ctx, *args, **params):
 
     partitioned = sharding.partition(fn, ctx, **params)
     if partitioned is fn:
-        ctx = sharding.unsharded_context(ctx)
-    return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(fn, multiple_results=True)(sharding.unsharded_context(ctx), *args)
+    return sharding.lower_partitioned(partitioned, ctx, *args, multiple_results=True)
 
 
 mlir.register_lowering(P.matmul_p, functools.partial(_lowering, _local_cpu), platform="cpu")

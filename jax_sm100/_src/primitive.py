@@ -265,11 +265,9 @@ def as_array(x, fn: str, position):
     spec = getattr(sharding, "spec", None)
     if getattr(spec, "reduced", None):
         # Replicated over those axes, its cotangent left unreduced: the products take it
-        # plain, and the reshard's transpose gives the cotangent that type. The multiply by
-        # one (XLA drops it) keeps that reshard off our partitioned product's result: Shardy
-        # gave the custom call its unreduced axes, and the sum was counted once per device.
-        plain = jax.sharding.reshard(x, sharding.update(spec=spec.update(reduced=frozenset())))
-        x = plain * np.ones((), plain.dtype)
+        # plain, and the reshard's transpose gives the cotangent that type (from our result's
+        # own sharding: `sharding.lower_partitioned`).
+        x = jax.sharding.reshard(x, sharding.update(spec=spec.update(reduced=frozenset())))
         spec = jax.typeof(x).sharding.spec
     pending = getattr(spec, "unreduced", None)
     if pending:

@@ -126,14 +126,14 @@ def lowering(prim, name: str, local_fn):
             return local_fn(*operands, **params)
 
         partitioned = _partition_call(prim, name, fn, ctx, params)
-        if partitioned is fn and (
-            sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context()
-        ):
+        if partitioned is not fn:
+            return sharding.lower_partitioned(partitioned, ctx, *operands, multiple_results=False)
+        if sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context():
             # Nothing partitioned: traced on plain avals outside the mesh (operands typed over
             # Explicit axes of size 1, or plain ones under a mesh of Explicit axes, would leave
             # XLA's ragged dot an `out_sharding` to infer, which it cannot).
-            ctx, partitioned = sharding.untyped_context(ctx), sharding.untyped(fn)
-        return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *operands)
+            ctx, fn = sharding.untyped_context(ctx), sharding.untyped(fn)
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *operands)
 
     return rule
 

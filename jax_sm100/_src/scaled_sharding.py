@@ -94,7 +94,7 @@ def lowering(prim, local_fn):
                 infer=lambda mesh, args: _infer(roles, mesh, args),
                 rule=roles.sharding_rule(),
             )
-            return mlir.lower_fun(wrapped, multiple_results=False)(ctx, *operands)
+            return sharding.lower_partitioned(wrapped, ctx, *operands, multiple_results=False)
         if sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context():
             # One device: nothing is split, so the local math is traced untyped.
             ctx, fn = sharding.untyped_context(ctx), sharding.untyped(fn)

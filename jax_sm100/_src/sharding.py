@@ -33,11 +33,9 @@ the product runs unpartitioned over those axes (its operands are gathered over t
 the program names no mesh (only positional shardings), every operand is replicated and each
 device computes the whole product; so is an operand's dim split over a part of a mesh axis
 (Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
-Under Explicit axes a `jax.sharding.reshard` of a partitioned product's result straight to an
-`unreduced=` type counts its (reduced) sum once per device: Shardy gives the call the
-reshard's unreduced axes, which its callback sees as replicated. Ask for partial sums with
-`out_sharding=` instead (they run on XLA's dot); `reduced=` operands are kept clear of it
-(`primitive.as_array`). A user's `plan=` is resized to the per-device problem; if its tiles do
+Under Explicit axes the custom call's results are constrained to their types' shardings
+(`lower_partitioned`), so a reshard of them to an `unreduced=` type starts from a sum, as
+after lax's dot; partial sums asked for with `out_sharding=` run on XLA's dot. A user's `plan=` is resized to the per-device problem; if its tiles do
 not fit that problem, the planner chooses again.
 """
 
@@ -50,6 +48,7 @@ import jax
 import numpy as np
 from jax import lax
 from jax._src import dispatch, sharding_impls
+from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import xla_client as xc
 from jax.experimental.custom_partitioning import (
     ArrayMapping,
@@ -123,6 +122,29 @@ def partitioned(body, *, partition, infer, rule):
         sharding_rule=rule,
     )
     return wrapped
+
+
+def lower_partitioned(wrapped, ctx, *operands, multiple_results: bool) -> list:
+    """`mlir.lower_fun(wrapped)` (a `partitioned` function) on `operands`, each result
+    constrained to its type's sharding under Explicit axes, as JAX's own ops are
+    (`lower_with_sharding_in_types`).
+
+    Without the constraint the custom call's result has no sharding of its own, and Shardy gives
+    it the sharding of a constraint that consumes it: a user's `jax.sharding.reshard` of the
+    result to an `unreduced=` type then made the call's result unreduced, which its callbacks
+    see as replicated (the HLO sharding drops unreduced axes), so each device's whole sum was
+    summed again over those axes (4x over "model"). Typed, the reshard starts from the
+    result's own sharding, as it does after lax's dot."""
+    outs = jax_mlir.lower_fun(wrapped, multiple_results=multiple_results)(ctx, *operands)
+    return [
+        jax_mlir.lower_with_sharding_in_types(ctx, out, aval) if _typed(aval) else out
+        for out, aval in zip(outs, ctx.avals_out, strict=True)
+    ]
+
+
+def _typed(aval) -> bool:
+    sh = getattr(aval, "sharding", None)
+    return isinstance(sh, NamedSharding) and sh.mesh._any_axis_explicit
 
 
 def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
