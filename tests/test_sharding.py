@@ -420,9 +420,8 @@ class ForwardTest(ShardedTestCase):
         split = NamedSharding(self.mesh, PS("data", "model"))
         f = lambda x, w, b: jax_sm100.matmul(x, w, bias=b, activation="gelu", out_sharding=split)
         lax_f = lambda x, w, b: jax.nn.gelu(jnp.matmul(x, w, out_sharding=split) + b)
-        lax_hlo = (
-            jax.jit(lax_f).lower(*(self.put(v, s) for v, s in zip((x, w, b), specs))).compile()
-        )
+        sharded = [self.put(v, s) for v, s in zip((x, w, b), specs, strict=True)]
+        lax_hlo = jax.jit(lax_f).lower(*sharded).compile()
         got, _ = self.check(
             f, (x, w, b), specs, collectives(lax_hlo.as_text()), out_spec=PS("data", "model"),
             reference=gelu_bias,

@@ -35,8 +35,9 @@ device computes the whole product; so is an operand's dim split over a part of a
 (Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
 Under Explicit axes the custom call's results are constrained to their types' shardings
 (`lower_partitioned`), so a reshard of them to an `unreduced=` type starts from a sum, as
-after lax's dot; partial sums asked for with `out_sharding=` run on XLA's dot. A user's `plan=` is resized to the per-device problem; if its tiles do
-not fit that problem, the planner chooses again.
+after lax's dot; partial sums asked for with `out_sharding=` run on XLA's dot. A user's
+`plan=` is resized to the per-device problem; if its tiles do not fit that problem, the
+planner chooses again.
 """
 
 from __future__ import annotations
