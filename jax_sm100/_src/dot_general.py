@@ -285,7 +285,28 @@ def dot_general(
                 return reference(lhs, rhs)
     if form.copies:
         dispatch.record(dispatch.Lowered(None, "jax_sm100.dot_general: " + "; ".join(form.copies)))
-    return with_result_type(on_kernels(lhs, rhs), want.weak_type, out_sharding)
+    out = on_kernels(lhs, rhs)
+    if out_sharding is None:
+        out_sharding = lax_type(out, want)
+    return with_result_type(out, want.weak_type, out_sharding)
+
+
+def lax_type(out, want):
+    """Under Explicit axes, lax.dot_general's result type `want`'s sharding where `out`'s
+    differs, else None: the GEMM's result is typed by its own rule (a batch dim split as
+    either operand has it, heads kept split through the reshapes), lax's by its (batch dims as
+    lhs has them), and a caller's cotangents, `out_specs` and later ops expect lax's."""
+    have, need = P.explicit_type(out), getattr(want, "sharding", None)
+    if have is None or need is None:
+        return None
+    ndim = len(want.shape)
+
+    def entries(spec):
+        return [P.spec_axes(spec[i] if i < len(spec) else None) for i in range(ndim)]
+
+    if entries(tuple(have.spec)) == entries(tuple(need.spec)):
+        return None
+    return need
 
 
 def einsum(subscripts, /, *operands, **kwargs) -> jax.Array:
