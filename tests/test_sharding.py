@@ -408,25 +408,23 @@ class ForwardTest(ShardedTestCase):
         got, _ = self.check(f, (x, w, b), specs, counts(all_reduce=reduces("model")))
         self.assertEqual(same_spec(got.sharding.spec), same_spec(PS("data")))
 
-    def test_row_parallel_onto_a_split_result_collects_as_lax(self):
-        # Under Explicit axes the product's result is constrained to its type, as lax's is, so
-        # a split result asked for with `out_sharding=` is resharded from the reduced type:
-        # the same collectives as lax's dot (before, Shardy gave the custom call the reshard's
-        # sharding, and with it a reshard to an unreduced type: 4x the values). Under Auto axes
-        # the product reduce-scatters onto the split result (PartitionerTest).
+    def test_row_parallel_reduce_scatters_when_the_output_is_sharded(self):
+        # Asked by the jit's out_shardings or by the product's out_sharding=: the results'
+        # open constraints (sharding.lower_partitioned) let the split reach the custom call (a
+        # closed one, as lax's ops get, all-reduced and then sliced).
         self.require("model")
         x, w, b = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64)
         specs = (PS("data", "model"), PS("model", None), PS())
         split = NamedSharding(self.mesh, PS("data", "model"))
-        f = lambda x, w, b: jax_sm100.matmul(x, w, bias=b, activation="gelu", out_sharding=split)
-        lax_f = lambda x, w, b: jax.nn.gelu(jnp.matmul(x, w, out_sharding=split) + b)
-        sharded = [self.put(v, s) for v, s in zip((x, w, b), specs, strict=True)]
-        lax_hlo = jax.jit(lax_f).lower(*sharded).compile()
-        got, _ = self.check(
-            f, (x, w, b), specs, collectives(lax_hlo.as_text()), out_spec=PS("data", "model"),
-            reference=gelu_bias,
-        )  # fmt: skip
-        self.assertEqual(same_spec(got.sharding.spec), same_spec(PS("data", "model")))
+        typed = lambda x, w, b: jax_sm100.matmul(
+            x, w, bias=b, activation="gelu", out_sharding=split
+        )
+        for f in (gelu_bias, typed):
+            got, _ = self.check(
+                f, (x, w, b), specs, counts(reduce_scatter=1), out_spec=PS("data", "model"),
+                reference=gelu_bias,
+            )  # fmt: skip
+            self.assertEqual(same_spec(got.sharding.spec), same_spec(PS("data", "model")))
 
     def test_row_parallel_with_c_alpha_beta_bfloat16(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

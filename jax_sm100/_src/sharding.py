@@ -33,7 +33,7 @@ the product runs unpartitioned over those axes (its operands are gathered over t
 the program names no mesh (only positional shardings), every operand is replicated and each
 device computes the whole product; so is an operand's dim split over a part of a mesh axis
 (Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
-Under Explicit axes the custom call's results are constrained to their types' shardings
+Under Explicit axes the custom call's results carry their types' shardings
 (`lower_partitioned`), so a reshard of them to an `unreduced=` type starts from a sum, as
 after lax's dot; partial sums asked for with `out_sharding=` run on XLA's dot. A user's
 `plan=` is resized to the per-device problem; if its tiles do not fit that problem, the
@@ -126,26 +126,44 @@ def partitioned(body, *, partition, infer, rule):
 
 
 def lower_partitioned(wrapped, ctx, *operands, multiple_results: bool) -> list:
-    """`mlir.lower_fun(wrapped)` (a `partitioned` function) on `operands`, each result
-    constrained to its type's sharding under Explicit axes, as JAX's own ops are
-    (`lower_with_sharding_in_types`).
+    """`mlir.lower_fun(wrapped)` (a `partitioned` function) on `operands`, each result typed
+    over Explicit axes given an open Shardy constraint of its type's axes (`_open_constraint`).
 
-    Without the constraint the custom call's result has no sharding of its own, and Shardy gives
-    it the sharding of a constraint that consumes it: a user's `jax.sharding.reshard` of the
-    result to an `unreduced=` type then made the call's result unreduced, which its callbacks
-    see as replicated (the HLO sharding drops unreduced axes), so each device's whole sum was
-    summed again over those axes (4x over "model"). Typed, the reshard starts from the
-    result's own sharding, as it does after lax's dot."""
+    Without it the custom call's result has no sharding of its own, and Shardy applies the
+    sharding of a constraint that consumes it: a user's `jax.sharding.reshard` of the result
+    to an `unreduced=` type made the call's result unreduced, which its callbacks see as
+    replicated (the HLO sharding drops unreduced axes), so each device's whole sum was summed
+    again over those axes (4x over "model"). A closed constraint (JAX's own for its ops,
+    `lower_with_sharding_in_types`) mends that too, but also keeps a requested split of the
+    result from reaching the call, so a row-parallel product all-reduces and then slices
+    where it reduce-scatters; open dims let propagation split them further, as before, and
+    unreduced axes are never propagated, only applied."""
     outs = jax_mlir.lower_fun(wrapped, multiple_results=multiple_results)(ctx, *operands)
     return [
-        jax_mlir.lower_with_sharding_in_types(ctx, out, aval) if _typed(aval) else out
+        _open_constraint(ctx, out, aval) if _typed(aval) else out
         for out, aval in zip(outs, ctx.avals_out, strict=True)
     ]
 
 
 def _typed(aval) -> bool:
     sh = getattr(aval, "sharding", None)
-    return isinstance(sh, NamedSharding) and sh.mesh._any_axis_explicit
+    return (
+        isinstance(sh, NamedSharding)
+        and sh.mesh._any_axis_explicit
+        and not sh.mesh.are_all_axes_manual
+        and jax.config.jax_use_shardy_partitioner
+    )
+
+
+def _open_constraint(ctx, out, aval):
+    """`out` through `sdy.sharding_constraint` with `aval`'s axes on each dim, every dim open
+    (propagation may add axes) and no axis held replicated."""
+    sdy = aval.sharding._to_sdy_sharding(aval.ndim)
+    sdy = sdy.replace(
+        dim_shardings=tuple(d.replace(is_open=True) for d in sdy.dim_shardings),
+        replicated_axes=frozenset(),
+    )
+    return jax_mlir.wrap_with_sharding_op(ctx, out, aval, sdy)
 
 
 def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
