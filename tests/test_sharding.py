@@ -572,7 +572,10 @@ class TransformTest(ShardedTestCase):
             "scaled_matmul": (
                 lambda a, b, c: (
                     jax_sm100.scaled_matmul(
-                        a[None], b.T[None], jnp.ones((1, a.shape[0], 1)), jnp.ones((1, 24, 1))
+                        a[None],
+                        b.T[None],
+                        jnp.ones((1, a.shape[0], 1), jnp.float32),
+                        jnp.ones((1, 24, 1), jnp.float32),
                     )[0]
                     + c
                 ),
@@ -933,7 +936,10 @@ class ExplicitAxesTest(ShardedTestCase):
             ("bac,ac->ba", (4, 8, 16), (8, 16), PS(None, ("model", "data")), PS()),
             ("bac,ac->ba", (4, 8, 16), (8, 16), PS("model", "data"), PS(None, ("model", "data"))),
             ("bij,bjk->bik", (4, 8, 16), (4, 16, 8), PS(), PS("data")),
-        ]
+            # Its backward's products split one batch dim two ways (matmul's type rule raised).
+            ("bhqd,bhkd->bhqk", (4, 8, 8, 16), (4, 8, 8, 16), PS("data"),
+             PS(None, ("model", "data"))),
+        ]  # fmt: skip
         for eq, sa, sb, pa, pb in cases:
             args = (self.put(rand(0, *sa), pa), self.put(rand(1, *sb), pb))
             want, jnp_vjp = jax.vjp(functools.partial(jnp.einsum, eq), *args)
@@ -943,6 +949,12 @@ class ExplicitAxesTest(ShardedTestCase):
             for g, w in zip(jax.jit(our_vjp)(want), jax.jit(jnp_vjp)(want), strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(w).sharding.spec, eq)
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+        # A user's operands splitting one batch dim two ways raise as jnp.matmul's do.
+        a, b = self.put(rand(2, 8, 4, 16), PS("model")), self.put(rand(3, 8, 16, 4), PS("data"))
+        with self.assertRaisesRegex(ValueError, "batch dim 0 .* reshard"):
+            jax_sm100.matmul(a, b)
+        with self.assertRaises(ValueError):
+            jnp.matmul(a, b)
 
     def test_result_types(self):
         x, w, c = rand(0, 32, 48), rand(1, 48, 64), rand(2, 32, 64)

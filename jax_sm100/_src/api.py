@@ -165,6 +165,7 @@ def _prepare(a, b, bias, c, activation, out_dtype, alpha, beta):
         operands.append(bias.reshape((1,) * nb + (n,)))
     if c_op is not None:
         operands.append(c_op)
+    P.check_batch_shardings(a_op, b_op, None, c_op, nb)
     params = dict(
         transpose_a=False, transpose_b=b_vec, alpha=float(alpha), beta=float(beta),
         activation=activation, out_dtype=out_dt, has_bias=bias is not None,

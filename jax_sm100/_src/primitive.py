@@ -222,14 +222,12 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     nb = len(out_shape) - 2
     batch = []
     for i in range(nb):
-        owners = [x for x in (a, b, c, bias) if x is not None and x.shape[i] != 1]
-        specs = {spec(x, i) for x in owners} - {None}
-        if len(specs) > 1:
-            raise ValueError(
-                f"jax_sm100.matmul: batch dim {i} is sharded differently across operands "
-                f"({sorted(map(str, specs))}); reshard them to one sharding first"
-            )
-        batch.append(specs.pop() if specs else None)
+        # The first operand that splits the dim (a's where it does, as lax's lhs): the
+        # partitioner reshards the others to it. Binds the autodiff makes can split one batch
+        # dim two ways where jnp's vjp runs; a user's operands that do raise first
+        # (`check_batch_shardings`).
+        specs = [spec(x, i) for x in (a, b, c, bias) if x is not None and x.shape[i] != 1]
+        batch.append(next((s for s in specs if s is not None), None))
     # m as a has it and n as b has it; where those are whole, as c has them (c is the result's
     # shape, and typing the result like c spares resharding c).
     m_spec = spec(a, nb + (1 if transpose_a else 0))
@@ -244,6 +242,24 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
     while parts and parts[-1] is None:
         parts.pop()
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*parts))
+
+
+def check_batch_shardings(a, b, bias, c, nb: int):
+    """A ValueError, as jnp.matmul raises, where two operands split one of the `nb` batch
+    dims differently (under Explicit axes), naming the reshard that makes them agree."""
+    for i in range(nb):
+        specs = set()
+        for x in (a, b, c, bias):
+            sharding = explicit_type(x) if x is not None else None
+            if sharding is not None and x.shape[i] != 1 and i < len(sharding.spec):
+                specs.add(sharding.spec[i])
+        specs.discard(None)
+        if len(specs) > 1:
+            raise ValueError(
+                f"jax_sm100.matmul: batch dim {i} is sharded differently across operands "
+                f"({sorted(map(str, specs))}); reshard them to one sharding first "
+                "(jax.sharding.reshard), as jnp.matmul requires"
+            )
 
 
 def as_array(x, fn: str, position):
