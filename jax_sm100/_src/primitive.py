@@ -252,8 +252,8 @@ def check_batch_shardings(a, b, bias, c, nb: int):
         for x in (a, b, c, bias):
             sharding = explicit_type(x) if x is not None else None
             if sharding is not None and x.shape[i] != 1 and i < len(sharding.spec):
-                specs.add(sharding.spec[i])
-        specs.discard(None)
+                specs.add(spec_axes(sharding.spec[i]))
+        specs.discard(())
         if len(specs) > 1:
             raise ValueError(
                 f"jax_sm100.matmul: batch dim {i} is sharded differently across operands "
