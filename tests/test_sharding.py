@@ -409,9 +409,9 @@ class ForwardTest(ShardedTestCase):
         self.assertEqual(same_spec(got.sharding.spec), same_spec(PS("data")))
 
     def test_row_parallel_reduce_scatters_when_the_output_is_sharded(self):
-        # Asked by the jit's out_shardings or by the product's out_sharding=: the results'
-        # open constraints (sharding.lower_partitioned) let the split reach the custom call (a
-        # closed one, as lax's ops get, all-reduced and then sliced).
+        # Asked by the jit's out_shardings or by the product's out_sharding=: behind the
+        # results' open constraints (sharding.lower_partitioned) the split reaches the custom
+        # call by propagation (a closed constraint of the type all-reduced, then sliced).
         self.require("model")
         x, w, b = rand(0, 32, 48), rand(1, 48, 64), rand(2, 64)
         specs = (PS("data", "model"), PS("model", None), PS())

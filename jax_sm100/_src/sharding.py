@@ -33,7 +33,7 @@ the product runs unpartitioned over those axes (its operands are gathered over t
 the program names no mesh (only positional shardings), every operand is replicated and each
 device computes the whole product; so is an operand's dim split over a part of a mesh axis
 (Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
-Under Explicit axes the custom call's results carry their types' shardings
+Under Explicit axes the custom call's results pass through an open constraint
 (`lower_partitioned`), so a reshard of them to an `unreduced=` type starts from a sum, as
 after lax's dot; partial sums asked for with `out_sharding=` run on XLA's dot. A user's
 `plan=` is resized to the per-device problem; if its tiles do not fit that problem, the
@@ -127,17 +127,19 @@ def partitioned(body, *, partition, infer, rule):
 
 def lower_partitioned(wrapped, ctx, *operands, multiple_results: bool) -> list:
     """`mlir.lower_fun(wrapped)` (a `partitioned` function) on `operands`, each result typed
-    over Explicit axes given an open Shardy constraint of its type's axes (`_open_constraint`).
+    over Explicit axes passed through an empty, open Shardy constraint (`_open_constraint`).
 
     Without it the custom call's result has no sharding of its own, and Shardy applies the
     sharding of a constraint that consumes it: a user's `jax.sharding.reshard` of the result
     to an `unreduced=` type made the call's result unreduced, which its callbacks see as
     replicated (the HLO sharding drops unreduced axes), so each device's whole sum was summed
-    again over those axes (4x over "model"). A closed constraint (JAX's own for its ops,
-    `lower_with_sharding_in_types`) mends that too, but also keeps a requested split of the
-    result from reaching the call, so a row-parallel product all-reduces and then slices
-    where it reduce-scatters; open dims let propagation split them further, as before, and
-    unreduced axes are never propagated, only applied."""
+    again over those axes (4x over "model"). Behind the open constraint a consumer's sharding
+    reaches the call by propagation only, which carries dim shardings (a requested split of a
+    row-parallel result: the reduce-scatter) and never unreduced axes. A closed constraint of
+    the result's type (JAX's own for its ops, `lower_with_sharding_in_types`) mended the
+    values too, but turned those reduce-scatters into an all-reduce and a slice; the type's
+    axes as an open constraint's kept them, but moved more bytes in FSDP-style programs on
+    meshes mixing Auto and Explicit axes."""
     outs = jax_mlir.lower_fun(wrapped, multiple_results=multiple_results)(ctx, *operands)
     return [
         _open_constraint(ctx, out, aval) if _typed(aval) else out
@@ -156,11 +158,11 @@ def _typed(aval) -> bool:
 
 
 def _open_constraint(ctx, out, aval):
-    """`out` through `sdy.sharding_constraint` with `aval`'s axes on each dim, every dim open
-    (propagation may add axes) and no axis held replicated."""
+    """`out` through an `sdy.sharding_constraint` on `aval`'s mesh that names no axis and
+    leaves every dim open: nothing for propagation to follow or to refuse."""
     sdy = aval.sharding._to_sdy_sharding(aval.ndim)
     sdy = sdy.replace(
-        dim_shardings=tuple(d.replace(is_open=True) for d in sdy.dim_shardings),
+        dim_shardings=tuple(d.replace(axes=(), is_open=True) for d in sdy.dim_shardings),
         replicated_axes=frozenset(),
     )
     return jax_mlir.wrap_with_sharding_op(ctx, out, aval, sdy)
