@@ -176,6 +176,20 @@ XLA_RTOL = {"cpu": (2e-5, 1e-4), "gpu": (1e-4, 5e-4)}
 KERNEL_RTOL = (2e-3, 1e-2)
 
 
+def assert_f32_close(got, want, tol: float, err_msg: str = ""):
+    """float32 results of ours and of XLA's products: within `tol` (relative and absolute) on
+    cpu; on gpu both run float32 products as TF32, with different tiles and sums, so within
+    KERNEL_RTOL's gradient tolerance of the largest element."""
+    if _PLATFORM == "cpu":
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=err_msg)
+        return
+    want = np.asarray(want, np.float64)
+    scale = max(float(np.max(np.abs(want))), 1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), want, rtol=0, atol=KERNEL_RTOL[1] * scale, err_msg=err_msg
+    )
+
+
 def rtol_for(args, *, grad: bool) -> float:
     kernel = any(kernel_may_run(x.dtype) for x in jax.tree.leaves(args))
     return (KERNEL_RTOL if kernel else XLA_RTOL[_PLATFORM])[int(grad)]
@@ -593,7 +607,7 @@ class TransformTest(ShardedTestCase):
                 if op is ours:
                     mine = got
             for u, v in zip(mine, got, strict=True):
-                np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4, err_msg=name)
+                assert_f32_close(u, v, 1e-4, err_msg=name)
             wrong = jax.shard_map(ours, mesh=self.mesh, in_specs=(sx, sw, PS()), out_specs=PS())
             with self.assertRaisesRegex(ValueError, "out_specs which require replication"):
                 jax.jit(wrong)(*args)
@@ -654,6 +668,8 @@ class PartitionerTest(ShardedTestCase):
 
         from jax_sm100._src import sharding as S
 
+        if len(self.devices) < 8:
+            self.skipTest("meshes of 8 devices")
         devices = np.array(self.devices)
         for order in (np.arange(8), np.arange(8)[::-1], np.array([5, 2, 7, 0, 3, 6, 1, 4])):
             for names, shape in ((("a", "b"), (2, 4)), (("a", "b", "c"), (2, 2, 2))):
@@ -688,6 +704,8 @@ class PartitionerTest(ShardedTestCase):
         # an operand is gathered.
         # Its other dims keep their axes: with batch split over "data" as well, each device
         # computes its half of the batch.
+        if axis_size("model") != 4:
+            self.skipTest("a part of the axis: 'model' of 4 devices over a dim of 2")
         x, w = rand(0, 2, 256, 64), rand(1, 64, 32)
         f = lambda x, w: jax_sm100.matmul(x.reshape(2, 2, 128, 64), w)
         before = jax.config.jax_use_shardy_partitioner
@@ -775,7 +793,7 @@ class ExplicitAxesTest(ShardedTestCase):
                 got, want = jax.jit(f)(*args), jax.jit(g)(*args)
                 for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                     self.assertEqual(same_spec(u.sharding.spec), same_spec(v.sharding.spec), eq)
-                    np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-5)
+                    assert_f32_close(u, v, 1e-5)
 
     def test_typed_reshape(self):
         # Merges and splits whose split dim is the major one of its group, on whole blocks of
@@ -894,7 +912,7 @@ class ExplicitAxesTest(ShardedTestCase):
 
             grads[name] = jax.jit(step)(x, w)
         for u, v in zip(grads["ours"], grads["jnp"], strict=True):
-            np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-4)
+            assert_f32_close(u, v, 1e-4)
 
     def test_reshard_of_a_result_to_unreduced(self):
         # A user's reshard of our result to an unreduced type, then back: Shardy gave the
@@ -924,7 +942,7 @@ class ExplicitAxesTest(ShardedTestCase):
             got = jax.jit(
                 lambda *a, op=op: jax.sharding.reshard(jax.sharding.reshard(op(*a), partial), whole)
             )(*args)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(specs))
+            assert_f32_close(got, want, 1e-5, err_msg=str(specs))
 
     def test_einsum_results_typed_as_lax(self):
         # Batch dims split in one operand only, or over two axes: the GEMM's rule kept the
@@ -942,13 +960,20 @@ class ExplicitAxesTest(ShardedTestCase):
         ]  # fmt: skip
         for eq, sa, sb, pa, pb in cases:
             args = (self.put(rand(0, *sa), pa), self.put(rand(1, *sb), pb))
-            want, jnp_vjp = jax.vjp(functools.partial(jnp.einsum, eq), *args)
+            try:
+                want, jnp_vjp = jax.vjp(functools.partial(jnp.einsum, eq), *args)
+            except jax_core.ShardingTypeError:
+                # Newer JAX refuses batch dims split on one side only: so do ours (lax's rule
+                # runs first).
+                with self.assertRaises(jax_core.ShardingTypeError):
+                    jax_sm100.einsum(eq, *args)
+                continue
             got, our_vjp = jax.vjp(functools.partial(jax_sm100.einsum, eq), *args)
             self.assertEqual(jax.typeof(got).sharding.spec, jax.typeof(want).sharding.spec, eq)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert_f32_close(got, want, 1e-5)
             for g, w in zip(jax.jit(our_vjp)(want), jax.jit(jnp_vjp)(want), strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(w).sharding.spec, eq)
-                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+                assert_f32_close(g, w, 1e-4)
         # A user's operands splitting one batch dim two ways raise as jnp.matmul's do.
         a, b = self.put(rand(2, 8, 4, 16), PS("model")), self.put(rand(3, 8, 16, 4), PS("data"))
         with self.assertRaisesRegex(ValueError, "batch dim 0 .* reshard"):

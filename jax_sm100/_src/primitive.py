@@ -291,7 +291,7 @@ def as_array(x, fn: str, position):
             f"jax_sm100.{fn}: {position} is typed {jax.typeof(x).str_short()}, with partial "
             f"sums pending over {sorted(pending)} (as lax's products, ours take no unreduced "
             f"operand); reduce it first: jax.sharding.reshard({position}, "
-            f"NamedSharding(mesh, {spec.update(unreduced=frozenset())}))"
+            f"NamedSharding(mesh, {jax.sharding.PartitionSpec(*spec.partitions)}))"
         )
     return x
 
