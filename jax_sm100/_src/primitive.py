@@ -247,13 +247,10 @@ def out_sharding(a, b, bias, c, out_shape, transpose_a, transpose_b):
 def check_batch_shardings(a, b, bias, c, nb: int):
     """A ValueError, as jnp.matmul raises, where two operands split one of the `nb` batch
     dims differently (under Explicit axes), naming the reshard that makes them agree."""
+    typed = [(x, explicit_axes(x)) for x in (a, b, c, bias) if x is not None]
+    typed = [(x, axes) for x, axes in typed if axes is not None]
     for i in range(nb):
-        specs = set()
-        for x in (a, b, c, bias):
-            sharding = explicit_type(x) if x is not None else None
-            if sharding is not None and x.shape[i] != 1 and i < len(sharding.spec):
-                specs.add(spec_axes(sharding.spec[i]))
-        specs.discard(())
+        specs = {axes[i] for x, axes in typed if x.shape[i] != 1} - {()}
         if len(specs) > 1:
             raise ValueError(
                 f"jax_sm100.matmul: batch dim {i} is sharded differently across operands "
