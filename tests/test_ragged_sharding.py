@@ -75,7 +75,7 @@ def reference_biased(lhs, rhs, group_sizes, bias):
     ends = jnp.cumsum(group_sizes)
     rows = jnp.arange(lhs.shape[0])[:, None]
     member = ((rows >= ends - group_sizes) & (rows < ends)).astype(jnp.float32)
-    return reference_dot(lhs, rhs, group_sizes) + member @ bias
+    return reference_dot(lhs, rhs, group_sizes) + jnp.dot(member, bias, precision=HIGHEST)
 
 
 def sin_loss(f):

@@ -874,9 +874,7 @@ class ExplicitAxesTest(ShardedTestCase):
                 jax_core.ShardingTypeError, rf"jax_sm100.{name}: .* jax.sharding.reshard\("
             ):
                 jax.jit(product(op))(*args)
-            np.testing.assert_allclose(
-                jax.jit(product(op, reduce_first=True))(*args), a @ b @ w, rtol=1e-4, atol=1e-4
-            )
+            assert_f32_close(jax.jit(product(op, reduce_first=True))(*args), a @ b @ w, 1e-4)
 
     def test_unreduced_results_and_reduced_operands(self):
         # out_sharding=P(..., unreduced=...) asks for partial sums: lax gives them (the kernels
@@ -943,6 +941,33 @@ class ExplicitAxesTest(ShardedTestCase):
                 lambda *a, op=op: jax.sharding.reshard(jax.sharding.reshard(op(*a), partial), whole)
             )(*args)
             assert_f32_close(got, want, 1e-5, err_msg=str(specs))
+
+    def test_reductions_inside_set_mesh(self):
+        # Products whose per-device partial sums are reduced (k split; rows split under
+        # ragged_dot's weight gradient), compiled inside `jax.sharding.set_mesh`: JAX 0.11
+        # typed the per-device function's operands over the context's Explicit mesh and
+        # lowered psum's reducer with Shardy constraints, which XLA refused (a GPU aborted).
+        self.require("model")
+        x, w = rand(0, 16, 256), rand(1, 256, 24)
+        lhs, rhs = rand(2, 16, 32), rand(3, 4, 32, 24)
+        sizes = jnp.asarray([3, 0, 9, 4], jnp.int32)
+        q = jax_sm100.quantize(rand(4, 1, 16, 512), "fp8_block128")
+        r = jax_sm100.quantize(rand(5, 1, 24, 512), "fp8_block128")
+        grad = lambda op, n: jax.grad(lambda *a: jnp.sum(jnp.sin(op(*a))), tuple(range(n)))  # noqa: E731
+        cases = [
+            (jax_sm100.matmul, (x, w), (PS(None, "model"), PS("model"))),
+            (grad(jax_sm100.matmul, 2), (x, w), (PS(None, "model"), PS("model"))),
+            (grad(jax_sm100.ragged_dot, 2), (lhs, rhs, sizes), (PS("data"), PS(), PS())),
+            (lambda *a: jax_sm100.scaled_matmul(*a)[0], (q[0], r[0], q[1], r[1]),
+             (PS(None, None, "model"), PS(None, None, "model"), PS(), PS())),
+        ]  # fmt: skip
+        for op, args, specs in cases:
+            sharded = [self.put(a, s) for a, s in zip(args, specs, strict=True)]
+            want = jax.jit(op)(*sharded)
+            with jax.sharding.set_mesh(self.mesh):
+                got = jax.jit(op)(*sharded)
+            for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                assert_f32_close(g, v, 1e-6, err_msg=str(specs))
 
     def test_einsum_results_typed_as_lax(self):
         # Batch dims split in one operand only, or over two axes: the GEMM's rule kept the

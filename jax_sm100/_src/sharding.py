@@ -70,6 +70,8 @@ from jax_sm100._src import primitive as P
 dispatch.prim_requires_devices_during_lowering.add(P.matmul_p)
 dispatch.prim_requires_devices_during_lowering.add(autodiff.gated_matmul_p)
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
 
 def partition(fn, ctx, **params):
     """Wraps the local lowering `fn(*operands)` so sharded operands split into local GEMMs.
@@ -108,16 +110,32 @@ def partitioned(body, *, partition, infer, rule):
     fails, and under GSPMD XLA aborts the process. Here such a dim is read as unsplit (that
     operand is gathered along it: slower, never wrong) and the operand's other dims keep
     their axes.
+
+    The per-device function is traced with no mesh in context. XLA calls the partition
+    callback while it compiles, inside the caller's `jax.sharding.set_mesh` when there is one,
+    and custom_partitioning types the per-device operands over that context's mesh. Under
+    Explicit axes, JAX 0.11 then lowers a `psum`'s reducer with Shardy constraints in its
+    body, which XLA refuses ("Unsupported reduction computation"; on a GPU the process
+    aborts): every k-split product under `set_mesh` failed so.
     """
     wrapped = custom_partitioning(body)
 
     def shapes(mesh, tree):
         return jax.tree.map(lambda s: decoded(s, mesh), tree)
 
-    wrapped.def_partition(
-        partition=lambda mesh, args, result: partition(
+    def partition_without_context(mesh, args, result):
+        mesh, lower_fn, result_shardings, arg_shardings = partition(
             mesh, shapes(mesh, args), shapes(mesh, result)
-        ),
+        )
+
+        def per_device(*operands):
+            with jax.sharding.use_abstract_mesh(_NO_MESH):
+                return lower_fn(*operands)
+
+        return mesh, per_device, result_shardings, arg_shardings
+
+    wrapped.def_partition(
+        partition=partition_without_context,
         infer_sharding_from_operands=lambda mesh, args, result: infer(mesh, shapes(mesh, args)),
         decode_shardings=False,
         sharding_rule=rule,
