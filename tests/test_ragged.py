@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from unittest import mock
 
 import jax
@@ -669,6 +670,23 @@ class RaggedDotTest(parameterized.TestCase):
             if f is summed:
                 # No copy of the experts per batch, nor a weight gradient per batch to sum.
                 self.assertFalse(re.search(r"tensor<4x8x256x384x", text), "a [4, 8, k, n]")
+
+    def test_folded_batches_keep_int32_sizes_under_x64(self):
+        # With x64 on, the rows each batch's groups hold were summed as int64 and added to the
+        # int32 sizes: a FutureWarning from JAX 0.11 (an error in later releases).
+        lhs = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((4, 8, 256, 384), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+        f = jax.jit(jax.vmap(jax_sm100.ragged_dot))
+        with (
+            jax.enable_x64(True),
+            warnings.catch_warnings(),
+            mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}),
+            jax_sm100.lowerings() as seen,
+        ):
+            warnings.simplefilter("error", FutureWarning)
+            _export(f, lhs, rhs, sizes)
+        self.assertEqual([x.plan.kernel for x in seen], [planning.KERNEL_SM90_GROUPED])
 
     def test_shared_experts_merge_alike_forward_and_backward(self):
         # At 128 rows a group (4 batches of 1024 rows, 8 shared experts) a forward alone folds

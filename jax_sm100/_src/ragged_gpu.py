@@ -210,7 +210,7 @@ def _saturated_sizes(group_sizes, m: int):
     """[B, g] sizes as the kernels read them (`ragged_sharding.saturated_sizes`). Returns
     (sizes, rows in groups [B])."""
     sizes = ragged_sharding.saturated_sizes(group_sizes, m)
-    return sizes, jnp.sum(sizes, axis=-1)
+    return sizes, jnp.sum(sizes, axis=-1, dtype=sizes.dtype)
 
 
 def fold_rows(lhs, rhs, group_sizes, bias):
