@@ -145,7 +145,7 @@ def partitioned(body, *, partition, infer, rule):
 
 def lower_partitioned(wrapped, ctx, *operands, multiple_results: bool) -> list:
     """`mlir.lower_fun(wrapped)` (a `partitioned` function) on `operands`, each result typed
-    over Explicit axes passed through an empty, open Shardy constraint (`_open_constraint`).
+    over Explicit axes passed through empty, open Shardy constraints (`_open_constraint`).
 
     Without it the custom call's result has no sharding of its own, and Shardy applies the
     sharding of a constraint that consumes it: a user's `jax.sharding.reshard` of the result
@@ -176,14 +176,21 @@ def _typed(aval) -> bool:
 
 
 def _open_constraint(ctx, out, aval):
-    """`out` through an `sdy.sharding_constraint` on `aval`'s mesh that names no axis and
-    leaves every dim open: nothing for propagation to follow or to refuse."""
+    """`out` through two `sdy.sharding_constraint`s on `aval`'s mesh that name no axis and
+    leave every dim open: nothing for propagation to follow or to refuse.
+
+    Two, because from JAX 0.12 one alone, right after the custom call, stopped being a
+    barrier: a consumer's unreduced axes reached it again (the 4x above, for k-split
+    products). The second's operand has a sharding of its own (the first's), and that holds
+    on JAX 0.10 to 0.12, with the same collectives as one (review helper-66's sweep)."""
     sdy = aval.sharding._to_sdy_sharding(aval.ndim)
     sdy = sdy.replace(
         dim_shardings=tuple(d.replace(axes=(), is_open=True) for d in sdy.dim_shardings),
         replicated_axes=frozenset(),
     )
-    return jax_mlir.wrap_with_sharding_op(ctx, out, aval, sdy)
+    for _ in range(2):
+        out = jax_mlir.wrap_with_sharding_op(ctx, out, aval, sdy)
+    return out
 
 
 def decoded(shape: jax.ShapeDtypeStruct, mesh) -> jax.ShapeDtypeStruct:
