@@ -973,6 +973,33 @@ class ExplicitAxesTest(ShardedTestCase):
             for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 assert_f32_close(g, v, 1e-6, err_msg=str(specs))
 
+    def test_typed_operands_outside_a_mesh_context(self):
+        # Operands typed over Explicit axes, no mesh in context: scaled_matmul's gradient (its
+        # JVP's reference math passed a bare PartitionSpec to einsum, which needs a mesh in
+        # context) and eager calls (ragged_dot's ran XLA's ragged_dot, which has no Explicit
+        # rule; now eager calls compile the primitive as jit does).
+        self.require("model")
+        lhs, rhs = rand(2, 16, 256), rand(3, 4, 256, 24)
+        sizes = jnp.asarray([3, 5, 0, 6], jnp.int32)
+        q = jax_sm100.quantize(rand(4, 1, 16, 256), "fp8_block128")
+        r = jax_sm100.quantize(rand(5, 1, 24, 256), "fp8_block128")
+        floats = (q[0].astype(jnp.float32), r[0].astype(jnp.float32), q[1], r[1])
+        loss = lambda *a: jnp.sum(jnp.sin(jax_sm100.scaled_matmul(*a)))  # noqa: E731
+        cases = [
+            (jax.jit(jax.grad(loss, (0, 1))), floats, (PS(None, "data"), PS(), PS(), PS())),
+            (jax.jit(jax.grad(loss, (0, 1))), floats,
+             (PS(None, None, "model"), PS(None, None, "model"), PS(), PS())),
+            (jax_sm100.ragged_dot, (lhs, rhs, sizes), (PS(None, "model"), PS(None, "model"), PS())),
+            (jax_sm100.ragged_dot, (lhs, rhs, sizes), (PS("data"), PS(), PS())),
+            (lambda *a: jax_sm100.scaled_matmul(*a)[0], (q[0], r[0], q[1], r[1]),
+             (PS(None, "data"), PS(), PS(), PS())),
+        ]  # fmt: skip
+        for op, args, specs in cases:
+            want = op(*args)
+            got = op(*[self.put(a, s) for a, s in zip(args, specs, strict=True)])
+            for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                assert_f32_close(g, v, 1e-5, err_msg=str(specs))
+
     def test_einsum_results_typed_as_lax(self):
         # Batch dims split in one operand only, or over two axes: the GEMM's rule kept the
         # split, lax's types the batch dim as its lhs has it, so a vjp given jnp's cotangent

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import dispatch as jax_dispatch
 from jax.interpreters import ad, batching, mlir
 
 from jax_sm100._src import autodiff, dispatch, ragged_sharding
@@ -443,7 +444,9 @@ for _prim, _fn, _name in (
     (ragged_dot_p, _ragged_dot_xla, "ragged_dot"),
     (ragged_outer_p, _ragged_outer_xla, "ragged_outer"),
 ):
-    _prim.def_impl(lambda *args, _fn=_fn, **params: _fn(*args, **params))
+    # Eager calls compile the primitive alone, as jit would (dispatch.apply_primitive): the
+    # same kernels and sharding rules (XLA's ragged_dot has no Explicit-axes rule of its own).
+    _prim.def_impl(functools.partial(jax_dispatch.apply_primitive, _prim))
     # Sharded programs run the registered function per device (ragged_sharding.py).
     mlir.register_lowering(_prim, ragged_sharding.lowering(_prim, _name, _fn), platform="cpu")
     mlir.register_lowering(

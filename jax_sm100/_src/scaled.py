@@ -34,11 +34,13 @@ or plain ([B, rows, k / block]) and means the same product either way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import dispatch as jax_dispatch
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -340,7 +342,12 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     if spec is not None and P.explicit_axes(a)[-1] != P.explicit_axes(b)[-1]:
         # k split differently in the two: gathered in both (a dot reduces over one split).
         a, b = P.unsplit(a, -1), P.unsplit(b, -1)
-    out = jnp.einsum("bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=spec)
+    # A NamedSharding on the operands' mesh: a bare spec needs a mesh in context, and a jit
+    # of the gradient (or an eager call) outside `set_mesh` has none.
+    out_sharding = None if spec is None else NamedSharding(P.explicit_type(a).mesh, spec)
+    out = jnp.einsum(
+        "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding
+    )
     return out.astype(out_dtype)
 
 
@@ -351,7 +358,8 @@ def _cuda(*args, **params):
 
 
 scaled_matmul_p.def_abstract_eval(_abstract)
-scaled_matmul_p.def_impl(reference)
+# Eager calls compile the primitive alone, as jit would: the same kernels and sharding rules.
+scaled_matmul_p.def_impl(functools.partial(jax_dispatch.apply_primitive, scaled_matmul_p))
 # Both platforms partition a sharded call into local products the same way (scaled_sharding.py).
 mlir.register_lowering(scaled_matmul_p, scaled_sharding.lowering(scaled_matmul_p, reference),
                        platform="cpu")  # fmt: skip
