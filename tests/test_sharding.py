@@ -977,7 +977,8 @@ class ExplicitAxesTest(ShardedTestCase):
         # Operands typed over Explicit axes, no mesh in context: scaled_matmul's gradient (its
         # JVP's reference math passed a bare PartitionSpec to einsum, which needs a mesh in
         # context) and eager calls (ragged_dot's ran XLA's ragged_dot, which has no Explicit
-        # rule; now eager calls compile the primitive as jit does).
+        # rule; now eager calls compile the primitive as jit does), and with only one operand
+        # typed (its reference read the plain one's axes).
         self.require("model")
         lhs, rhs = rand(2, 16, 256), rand(3, 4, 256, 24)
         sizes = jnp.asarray([3, 5, 0, 6], jnp.int32)
@@ -989,6 +990,9 @@ class ExplicitAxesTest(ShardedTestCase):
             (jax.jit(jax.grad(loss, (0, 1))), floats, (PS(None, "data"), PS(), PS(), PS())),
             (jax.jit(jax.grad(loss, (0, 1))), floats,
              (PS(None, None, "model"), PS(None, None, "model"), PS(), PS())),
+            # One operand typed, the others plain arrays (None): raised a TypeError.
+            (jax.jit(jax.grad(loss, (0, 1))), floats, (None, PS(None, "model"), None, None)),
+            (jax.jit(jax.grad(loss, (0, 1))), floats, (PS(None, None, "model"), None, None, None)),
             (jax_sm100.ragged_dot, (lhs, rhs, sizes), (PS(None, "model"), PS(None, "model"), PS())),
             (jax_sm100.ragged_dot, (lhs, rhs, sizes), (PS("data"), PS(), PS())),
             (lambda *a: jax_sm100.scaled_matmul(*a)[0], (q[0], r[0], q[1], r[1]),
@@ -996,7 +1000,9 @@ class ExplicitAxesTest(ShardedTestCase):
         ]  # fmt: skip
         for op, args, specs in cases:
             want = op(*args)
-            got = op(*[self.put(a, s) for a, s in zip(args, specs, strict=True)])
+            got = op(
+                *[a if s is None else self.put(a, s) for a, s in zip(args, specs, strict=True)]
+            )
             for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 assert_f32_close(g, v, 1e-5, err_msg=str(specs))
 

@@ -339,12 +339,24 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     """The documented math in XLA ops, float32 throughout, rounded once."""
     a, b = _dequantized(lhs, lhs_scales), _dequantized(rhs, rhs_scales)
     spec = out_spec(a, b)
-    if spec is not None and P.explicit_axes(a)[-1] != P.explicit_axes(b)[-1]:
-        # k split differently in the two: gathered in both (a dot reduces over one split).
-        a, b = P.unsplit(a, -1), P.unsplit(b, -1)
-    # A NamedSharding on the operands' mesh: a bare spec needs a mesh in context, and a jit
-    # of the gradient (or an eager call) outside `set_mesh` has none.
-    out_sharding = None if spec is None else NamedSharding(P.explicit_type(a).mesh, spec)
+    out_sharding = None
+    if spec is not None:
+        # One operand untyped beside a typed one: typed whole on the other's mesh, so that
+        # JAX can type the einsum's transposes (their results take the operands' types).
+        mesh = (P.explicit_type(a) or P.explicit_type(b)).mesh
+        a, b = (
+            x
+            if P.explicit_type(x)
+            else jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+            for x in (a, b)
+        )
+        ka, kb = (P.explicit_axes(x)[-1] for x in (a, b))
+        if ka != kb:
+            # k split differently in the two: gathered in both (a dot reduces over one split).
+            a, b = P.unsplit(a, -1), P.unsplit(b, -1)
+        # A NamedSharding on the operands' mesh: a bare spec needs a mesh in context, and a
+        # jit of the gradient (or an eager call) outside `set_mesh` has none.
+        out_sharding = NamedSharding(mesh, spec)
     out = jnp.einsum(
         "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding
     )

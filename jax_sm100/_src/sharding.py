@@ -311,7 +311,7 @@ def untyped(fn):
     """`fn` traced outside any mesh (for `untyped_context`'s avals)."""
 
     def outside_the_mesh(*operands):
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
             return fn(*operands)
 
     return outside_the_mesh
