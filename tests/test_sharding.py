@@ -920,7 +920,7 @@ class ExplicitAxesTest(ShardedTestCase):
         # A user's reshard of our result to an unreduced type, then back: Shardy gave the
         # custom call the reshard's unreduced axes (its callbacks saw them as replicated), and
         # the sum came back 4x over "model", whatever the operands' splits. Each primitive's
-        # result now passes through an open constraint (sharding.lower_partitioned).
+        # result now passes through open constraints (sharding.lower_partitioned).
         self.require("model")
         partial = NamedSharding(self.mesh, PS(None, None, unreduced={"model"}))
         whole = NamedSharding(self.mesh, PS())

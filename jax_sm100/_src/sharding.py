@@ -33,7 +33,7 @@ the product runs unpartitioned over those axes (its operands are gathered over t
 the program names no mesh (only positional shardings), every operand is replicated and each
 device computes the whole product; so is an operand's dim split over a part of a mesh axis
 (Shardy makes such splits where a reshape cuts a split dim), which no axis names (`decoded`).
-Under Explicit axes the custom call's results pass through an open constraint
+Under Explicit axes the custom call's results pass through open constraints
 (`lower_partitioned`), so a reshard of them to an `unreduced=` type starts from a sum, as
 after lax's dot; partial sums asked for with `out_sharding=` run on XLA's dot. A user's
 `plan=` is resized to the per-device problem; if its tiles do not fit that problem, the
@@ -127,12 +127,7 @@ def partitioned(body, *, partition, infer, rule):
         mesh, lower_fn, result_shardings, arg_shardings = partition(
             mesh, shapes(mesh, args), shapes(mesh, result)
         )
-
-        def per_device(*operands):
-            with jax.sharding.use_abstract_mesh(_NO_MESH):
-                return lower_fn(*operands)
-
-        return mesh, per_device, result_shardings, arg_shardings
+        return mesh, untyped(lower_fn), result_shardings, arg_shardings
 
     wrapped.def_partition(
         partition=partition_without_context,
