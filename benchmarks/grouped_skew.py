@@ -9,6 +9,9 @@ on and off, beside `jax_sm100.matmul` at the same m, k, n:
   cut to one row each (what their weights cost to stream, with almost no MMA work);
 - the same sizes in other group orders (sorted, shuffled, and the small groups spread evenly
   between the large ones by work tile), since the kernel walks its work tiles group by group;
+- the skewed sizes rounded to multiples of 64 rows (at least 64 a non-empty group, the same
+  total): the same weights streamed and every row through the tensor cores useful, which is
+  the most a kernel that wastes no padded row could save on the skewed sizes;
 - equal groups.
 
 Every variant has the same operands; sizes that sum to less than m leave the rest of the rows
@@ -59,6 +62,21 @@ def spread(large, small, empty, tile_m: int = 128):
     return np.asarray([*out, *small[placed:], *empty])
 
 
+def rounded(sizes, unit: int = SMALL):
+    """`sizes` with each non-empty group rounded to a multiple of `unit` rows (at least one unit)
+    and the largest groups trimmed or grown by a unit until the total is unchanged (it must be
+    a multiple of `unit`)."""
+    s = np.asarray(sizes)
+    units = np.where(s > 0, np.maximum(1, np.rint(s / unit)), 0).astype(np.int64)
+    target = int(s.sum()) // unit
+    if target * unit != int(s.sum()) or target < np.count_nonzero(units):
+        raise ValueError(f"{int(s.sum())} rows do not round to units of {unit} per group")
+    while units.sum() != target:
+        i = int(np.argmax(units))
+        units[i] += 1 if units.sum() < target else -1
+    return (units * unit).astype(s.dtype)
+
+
 def variants(sizes, equal, seed: int):
     s = np.asarray(sizes)
     large, small, empty = s[s >= SMALL], s[(s > 0) & (s < SMALL)], s[s == 0]
@@ -72,6 +90,7 @@ def variants(sizes, equal, seed: int):
         "shuffled": np.random.default_rng(seed).permutation(s),
         "small spread": spread(large, small, empty),
         "small spread, large desc": spread(np.sort(large)[::-1], small, empty),
+        f"rounded to {SMALL} rows": rounded(s),
         "equal": np.asarray(equal),
     }
 
@@ -80,6 +99,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--groups", type=int, nargs="*", default=[128, 256])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dynamic", nargs="*", default=["1", "0"], choices=["1", "0"])
+    ap.add_argument("--only", nargs="*", default=None, help="variant names to time (all unset)")
     args = ap.parse_args(argv)
     dense = jax.jit(jax_sm100.matmul)
     for i, (g, m, k, n) in enumerate(PROBLEMS):
@@ -88,11 +109,13 @@ def main(argv=None):
         lhs, rhs, _, _ = operands(i, g, m, k, n)
         sizes = group_sizes(i, g, m, "skewed")
         cases = variants(sizes, group_sizes(i, g, m, "equal"), i)
+        if args.only is not None:
+            cases = {name: v for name, v in cases.items() if name in args.only}
         for _ in range(args.rounds):
             t_dense = time_steps(dense, lhs, rhs[0])
             print(f"{g} groups, {m}x{k}x{n}: dense {2 * m * k * n / t_dense / 1e12:.1f} TF/s "
                   f"({t_dense * 1e6:.1f} us)", flush=True)  # fmt: skip
-            for dynamic in ("1", "0"):
+            for dynamic in args.dynamic:
                 for name, v in cases.items():
                     t = _forward_seconds(lhs, rhs, v, dynamic)
                     nbytes = (np.count_nonzero(v) * k * n + int(v.sum()) * (k + n)) * 2
