@@ -158,6 +158,18 @@ class DtypeTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "differ"):
             jax_sm100.matmul(a, b, out_dtype=jnp.bfloat16, preferred_element_type=jnp.float32)
 
+    def test_bad_result_dtypes_name_the_argument(self):
+        a, b = _rand((24, 40), "bfloat16"), _rand((40, 16), "bfloat16", seed=1)
+        # The fix is another dtype argument, not a cast of a dtype (`out_dtype.astype`).
+        with self.assertRaisesRegex(TypeError, r"out_dtype is .*int32.* e.g. out_dtype=jnp"):
+            jax_sm100.matmul(a, b, out_dtype=jnp.int32)
+        with self.assertRaisesRegex(TypeError, "preferred_element_type is .*int32"):
+            jax_sm100.ragged_dot(
+                a, b[None], jnp.asarray([24], jnp.int32), preferred_element_type=jnp.int32
+            )
+        with self.assertRaisesRegex(TypeError, "runs only block-scaled: use .*scaled_matmul"):
+            jax_sm100.matmul(a.astype(jnp.float4_e2m1fn), b)
+
 
 class PrecisionTest(parameterized.TestCase):
     def test_highest_float32_runs_on_xla_and_says_so(self):

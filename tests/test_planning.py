@@ -349,6 +349,29 @@ class PlanEditsTest(parameterized.TestCase):
         with self.assertRaisesRegex(C.PlanError, "not supported"):
             jax_sm100.plan(4, 4, 4, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_89")
 
+    def test_dtype_arguments_raise_naming_the_argument(self):
+        bf16 = dict(a_dtype="bfloat16", b_dtype="bfloat16")
+        for arch in ("sm_90a", "sm_100a"):
+            # A result dtype no kernel writes: a TypeError naming the argument (it was a bare
+            # KeyError from the planner's bit table), dense and block-scaled.
+            for bad in ("int32", "bool", "complex64"):
+                with self.assertRaisesRegex(TypeError, rf"jax_sm100.plan: out_dtype is .*{bad}"):
+                    jax_sm100.plan(128, 128, 128, **bf16, out_dtype=bad, arch=arch)
+            with self.assertRaisesRegex(TypeError, "jax_sm100.plan: out_dtype is .*int32"):
+                jax_sm100.plan(
+                    256, 256, 256, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+                    scale_dtype="float32", scale_block=128, out_dtype="int32", arch=arch,
+                )  # fmt: skip
+            with self.assertRaisesRegex(TypeError, r"a_dtype is .*int8.* e.g. a_dtype=jnp"):
+                jax_sm100.plan(128, 128, 128, a_dtype="int8", b_dtype="int8", arch=arch)
+            # nvfp4 data without scales: the fix is the scales, not a cast.
+            with self.assertRaisesRegex(TypeError, "runs only block-scaled: pass scale_dtype="):
+                jax_sm100.plan(
+                    128, 128, 128, a_dtype="float4_e2m1fn", b_dtype="float4_e2m1fn", arch=arch
+                )
+        with self.assertRaisesRegex(TypeError, r"precompile: the out dtype is .*int32"):
+            jax_sm100.precompile([(128, 128, 128)], dtypes=("bfloat16", "bfloat16", "int32"))
+
 
 class Sm90ScheduleTest(parameterized.TestCase):
     """Ping-pong plans and `sm90_variant`, the tuning edit that refills A/B stages."""

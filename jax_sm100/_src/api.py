@@ -39,7 +39,7 @@ def _requested_dtype(dtype) -> np.dtype:
             UserWarning,
             stacklevel=5,
         )
-    D.operand_dtype_name(got, "out_dtype")
+    D.dtype_argument_name(got, "out_dtype", "jax_sm100.matmul")
     return got
 
 

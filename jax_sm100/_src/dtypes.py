@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src.constraints import DTYPE_BITS, FP8_DTYPES
+from jax_sm100._src.constraints import DTYPE_BITS, FP8_DTYPES, SCALED_DATA_BITS
 
 SUPPORTED = tuple(DTYPE_BITS)
 
@@ -18,18 +18,50 @@ def name(dtype) -> str:
         raise TypeError(f"{dtype!r} is not a dtype; use one of {SUPPORTED}") from e
 
 
+def _unsupported(dtype, n: str) -> str:
+    kind = np.dtype(dtype).kind
+    what = {"i": "integer", "u": "unsigned integer", "c": "complex", "b": "boolean"}.get(
+        kind, "unsupported"
+    )
+    return f"{what} dtype {n}"
+
+
+def _block_scaled_only(n: str) -> bool:
+    """Data dtypes that run only block-scaled (`scaled_matmul`): nvfp4's float4_e2m1fn."""
+    return n in SCALED_DATA_BITS and n not in DTYPE_BITS
+
+
 def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") -> str:
-    """Validates an operand dtype, returning its name; TypeError (naming `caller`) says what is
-    accepted."""
+    """Validates an operand array's dtype, returning its name; TypeError (naming `caller`)
+    says what is accepted and how to cast the array."""
     n = name(dtype)
     if n not in DTYPE_BITS:
-        kind = np.dtype(dtype).kind
-        what = {"i": "integer", "u": "unsigned integer", "c": "complex", "b": "boolean"}.get(
-            kind, "unsupported"
-        )
+        if _block_scaled_only(n):
+            raise TypeError(
+                f"{caller}: {operand} has dtype {n}, which runs only block-scaled: use "
+                "jax_sm100.scaled_matmul with its scales (jax_sm100.quantize makes both)"
+            )
         raise TypeError(
-            f"{caller}: {operand} has {what} dtype {n}; the kernels take floating "
+            f"{caller}: {operand} has {_unsupported(dtype, n)}; the kernels take floating "
             f"operands of {SUPPORTED}. Cast it first, e.g. {operand}.astype(jnp.bfloat16)."
+        )
+    return n
+
+
+def dtype_argument_name(dtype, argument: str, caller: str, example: str | None = None) -> str:
+    """Validates a dtype given as an argument (`out_dtype=`, `preferred_element_type=`,
+    `plan`'s `a_dtype=`), returning its name; TypeError (naming `caller`) says what to pass,
+    with `example` (default `argument=jnp.bfloat16`)."""
+    n = name(dtype)
+    if n not in DTYPE_BITS:
+        if _block_scaled_only(n) and caller == "jax_sm100.plan":
+            raise TypeError(
+                f"{caller}: {argument}={n} runs only block-scaled: pass scale_dtype= and "
+                "scale_block= too (nvfp4: scale_dtype=jnp.float8_e4m3fn, scale_block=16)"
+            )
+        raise TypeError(
+            f"{caller}: {argument} is the {_unsupported(dtype, n)}; the kernels take "
+            f"{SUPPORTED}: pass one of them, e.g. {example or argument + '=jnp.bfloat16'}"
         )
     return n
 

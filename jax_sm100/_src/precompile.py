@@ -125,6 +125,7 @@ def precompile(
 
     Raises:
       ValueError: for a shape that is not 3 or 4 ints, or `dtypes` not 2 or 3 long.
+      TypeError: for a dtype the kernels do not take.
       Exception: whatever planning or `compile_plan` raises, with a note naming the shape.
     """
     compile_mod = importlib.import_module("jax_sm100._src.compile")
@@ -132,8 +133,15 @@ def precompile(
 
     if len(dtypes) not in (2, 3):
         raise ValueError(f"dtypes={tuple(dtypes)!r} must be (a, b) or (a, b, out)")
+    for what, dtype in zip(("a", "b", "out"), dtypes, strict=False):
+        D.dtype_argument_name(dtype, f"the {what} dtype", "jax_sm100.precompile",
+                              "dtypes=('bfloat16', 'bfloat16')")  # fmt: skip
     a_dtype, b_dtype, out_dtype = (*dtypes, None)[:3]
-    bias_name = None if bias_dtype is None else D.name(bias_dtype)
+    bias_name = (
+        None
+        if bias_dtype is None
+        else D.dtype_argument_name(bias_dtype, "bias_dtype", "jax_sm100.precompile")
+    )
     shapes = [tuple(int(d) for d in s) for s in shapes]
     problems = [_split_shape(s) for s in shapes]
 

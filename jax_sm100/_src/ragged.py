@@ -158,9 +158,9 @@ def ragged_dot(
     if preferred_element_type is None:
         out_dtype = np.dtype(D.default_out_dtype(a_name, b_name))
     else:
-        out_dtype = np.dtype(D.operand_dtype_name(preferred_element_type,
-                                                  "preferred_element_type",
-                                                  "jax_sm100.ragged_dot"))  # fmt: skip
+        out_dtype = np.dtype(D.dtype_argument_name(preferred_element_type,
+                                                   "preferred_element_type",
+                                                   "jax_sm100.ragged_dot"))  # fmt: skip
     lhs, rhs = _widen_fp8_to_16_bits(lhs, rhs, a_name, b_name)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     biases = ()

@@ -237,10 +237,10 @@ def plan(
 
 def make_problem(
     m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
-    b_major="n", preact_out=False, groups=0, ragged="",
+    b_major="n", preact_out=False, groups=0, ragged="", caller="jax_sm100.plan",
 ) -> GemmProblem:  # fmt: skip
     """A `GemmProblem` from `plan`'s arguments: dtypes by name (the output's defaulted as
-    `plan` says), sizes checked positive.
+    `plan` says), sizes checked positive; errors name `caller`.
 
     Raises:
       PlanError: non-positive sizes or unknown layouts.
@@ -248,9 +248,14 @@ def make_problem(
     """
     from jax_sm100._src import dtypes as D  # noqa: PLC0415
 
-    a_name, b_name = D.operand_dtype_name(a_dtype, "a"), D.operand_dtype_name(b_dtype, "b")
-    out_name = D.default_out_dtype(a_name, b_name) if out_dtype is None else D.name(out_dtype)
-    c_name = None if c_dtype is None else D.operand_dtype_name(c_dtype, "c")
+    a_name = D.dtype_argument_name(a_dtype, "a_dtype", caller)
+    b_name = D.dtype_argument_name(b_dtype, "b_dtype", caller)
+    out_name = (
+        D.default_out_dtype(a_name, b_name)
+        if out_dtype is None
+        else D.dtype_argument_name(out_dtype, "out_dtype", caller)
+    )
+    c_name = None if c_dtype is None else D.dtype_argument_name(c_dtype, "c_dtype", caller)
     for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise C.PlanError(f"{name}={v!r} must be a positive int")

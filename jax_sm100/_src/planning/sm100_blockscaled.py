@@ -86,7 +86,12 @@ def scaled_problem(
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
     return GemmProblem(
         m=int(m), n=int(n), k=int(k), a_dtype=names["a_dtype"], b_dtype=names["b_dtype"],
-        out_dtype="bfloat16" if out_dtype is None else D.name(out_dtype), batch=int(batch),
+        out_dtype=(
+            "bfloat16"
+            if out_dtype is None
+            else D.dtype_argument_name(out_dtype, "out_dtype", "jax_sm100.plan")
+        ),
+        batch=int(batch),
         a_major="k", b_major=b_major, scale_dtype=names["scale_dtype"],
         scale_block=int(scale_block), b_scale_rows=int(b_scale_rows),
     )  # fmt: skip
