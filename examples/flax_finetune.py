@@ -160,11 +160,17 @@ def main():
     parser.add_argument("--no-fused", dest="fused", action="store_false",
                         help="the MLP's up-projection as nnx.Linear + nnx.gelu too")  # fmt: skip
     parser.add_argument("--small", action="store_true",
-                        help="2 layers, d_model 128, 256 tokens: seconds on a CPU")  # fmt: skip
+                        help="smaller defaults (2 layers, d_model 128, 4 heads, d_ff 512, 4 x 64 "
+                             "tokens, 8 steps, warmup 1, lr 1e-3): seconds on a CPU; flags "
+                             "given beside it still count")  # fmt: skip
     args = parser.parse_args()
     if args.small:
-        args.layers, args.d_model, args.heads, args.d_ff = 2, 128, 4, 512
-        args.batch, args.seq, args.steps, args.warmup, args.lr = 4, 64, 8, 1, 1e-3
+        parser.set_defaults(layers=2, d_model=128, heads=4, d_ff=512, batch=4, seq=64, steps=8,
+                            warmup=1, lr=1e-3)  # fmt: skip
+        args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: at least 2 (the first step compiles, the rest are "
+                     "timed)")  # fmt: skip
 
     print(f"{jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, "
           f"flax {flax.__version__}, optax {optax.__version__}: {args.layers} blocks, "

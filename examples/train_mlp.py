@@ -30,16 +30,16 @@ def init(key, widths, dtype):
     return params
 
 
+def epilogue(i, layers, dtype):
+    """Layer `i`'s activation and output dtype: gelu in the input's dtype, the last layer linear
+    in float32."""
+    last = i == layers - 1
+    return dict(activation=None if last else "gelu", out_dtype=jnp.float32 if last else dtype)
+
+
 def forward(params, x):
     for i, layer in enumerate(params):
-        last = i == len(params) - 1
-        x = jax_sm100.matmul(
-            x,
-            layer["w"],
-            bias=layer["b"],
-            activation=None if last else "gelu",
-            out_dtype=jnp.float32 if last else x.dtype,
-        )
+        x = jax_sm100.matmul(x, layer["w"], bias=layer["b"], **epilogue(i, len(params), x.dtype))
     return x
 
 
@@ -82,7 +82,7 @@ def main():
     x0 = jnp.zeros((args.batch, WIDTHS[0]), dtype)
     h = x0
     for i, layer in enumerate(params):
-        plan = jax_sm100.plan_for(h, layer["w"], bias=layer["b"])
+        plan = jax_sm100.plan_for(h, layer["w"], bias=layer["b"], **epilogue(i, len(params), dtype))
         print(f"\nlayer {i}: [{args.batch} x {layer['w'].shape[0]}] @ {layer['w'].shape}")
         print("  " + str(plan).replace("\n", "\n  "))
         h = jnp.zeros((args.batch, layer["w"].shape[1]), dtype)

@@ -142,6 +142,15 @@ class ExportForSm100Test(parameterized.TestCase):
             (obj,) = _embedded_objects(text)
             self.assertTrue(family in obj, f"{arch}: no {family} kernel in the exported object")
 
+    def test_bad_target_arch_names_the_variable(self):
+        a = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_80"}):
+            with self.assertRaisesRegex(
+                jax_sm100.PlanError, "JAX_SM100_TARGET_ARCH='sm_80' in the environment: .*sm_90a"
+            ):
+                _export(lambda a, b: jax_sm100.matmul(a, b), a, b)
+
     def test_sm100_grid_from_the_drivers_occupancy(self):
         # On an sm_100a device the lowering asks the driver how many clusters fit (whole GPCs);
         # where that is fewer than the plan's resources allow, the grid launches that many.

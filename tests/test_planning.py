@@ -369,6 +369,8 @@ class PlanEditsTest(parameterized.TestCase):
                 jax_sm100.plan(
                     128, 128, 128, a_dtype="float4_e2m1fn", b_dtype="float4_e2m1fn", arch=arch
                 )
+        with self.assertRaisesRegex(C.PlanError, "a grouped problem has batch=1.*pass batch=1"):
+            jax_sm100.plan(4096, 4096, 4096, **bf16, groups=4, ragged="m", batch=2)
         with self.assertRaisesRegex(TypeError, r"precompile: the out dtype is .*int32"):
             jax_sm100.precompile([(128, 128, 128)], dtypes=("bfloat16", "bfloat16", "int32"))
 

@@ -417,6 +417,13 @@ class RaggedDotTest(parameterized.TestCase):
         with self.assertRaisesRegex(TypeError, "bias must be floating"):
             jax_sm100.ragged_dot(lhs, rhs, sizes, bias=jnp.ones((2, 3), jnp.int32))
 
+    def test_rhs_stored_transposed_names_the_transpose(self):
+        lhs, sizes = jnp.ones((8, 32)), jnp.asarray([4, 4], jnp.int32)
+        with self.assertRaisesRegex(ValueError, r"rhs is \[g, k, n\]: rhs.transpose\(0, 2, 1\)"):
+            jax_sm100.ragged_dot(lhs, jnp.ones((2, 16, 32)), sizes)  # [g, n, k]
+        with self.assertRaisesRegex(ValueError, r"k and g must agree$"):
+            jax_sm100.ragged_dot(lhs, jnp.ones((2, 16, 8)), sizes)  # k wrong, not transposed
+
     def test_bias_training_step_runs_the_grouped_kernels(self):
         # sm_90a export of a training step with a bias and an activation: the three products
         # are still the grouped kernel's, the forward's with the bias in its epilogue (the

@@ -68,7 +68,12 @@ def lowering_target(plan: planning.GemmPlan | None = None) -> Target | None:
     if plan is not None:
         return Target(plan.arch, plan.num_sms)
     arch = os.environ.get("JAX_SM100_TARGET_ARCH")
-    return Target(arch) if arch else None
+    if not arch:
+        return None
+    try:
+        return Target(arch)
+    except constraints.PlanError as e:
+        raise constraints.PlanError(f"JAX_SM100_TARGET_ARCH={arch!r} in the environment: {e}") from e
 
 
 @functools.cache
@@ -215,13 +220,16 @@ def record(lowered: Lowered) -> None:
 
 
 def last_lowering() -> Lowered | None:
-    """How the most recent CUDA lowering of `matmul` in this process went, or None."""
+    """The most recent record of this process (see `lowerings`), or None."""
     return _history[-1] if _history else None
 
 
 @contextlib.contextmanager
 def lowerings() -> Iterator[list[Lowered]]:
-    """Collects how every CUDA lowering of `matmul` inside the block went, in order:
+    """Collects, in order, a record of how each product inside the block runs: one per CUDA
+    lowering of `matmul`, `ragged_dot` and `scaled_matmul` (their plan, or None, and a note of
+    the path and why), and, on any platform, one when a call is traced onto a lax op instead
+    of a primitive (`dot_general`, `einsum` or `ragged_dot` running lax's own; plan None):
 
         with jax_sm100.lowerings() as seen:
             jax.jit(step).lower(params, batch)

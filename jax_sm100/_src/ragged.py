@@ -132,9 +132,15 @@ def ragged_dot(
         )
     k, (g, kb, _) = lhs.shape[1], rhs.shape
     if k != kb or group_sizes.shape[0] != g:
+        # rhs given [g, n, k] (the layout of a weight stored transposed) is the likely slip.
+        hint = (
+            "; rhs is [g, k, n]: rhs.transpose(0, 2, 1) if it is stored [g, n, k]"
+            if k != kb and rhs.shape[2] == k
+            else ""
+        )
         raise ValueError(
             f"jax_sm100.ragged_dot: lhs.shape={lhs.shape} has k={k}, rhs.shape={rhs.shape} has "
-            f"k={kb} and g={g}, group_sizes.shape={group_sizes.shape}: k and g must agree"
+            f"k={kb} and g={g}, group_sizes.shape={group_sizes.shape}: k and g must agree{hint}"
         )
     if group_offset is not None:
         raise NotImplementedError(

@@ -264,6 +264,9 @@ def make_problem(
     if not isinstance(groups, (int, np.integer)) or groups < 0 or (groups > 0) != bool(ragged):
         raise C.PlanError(f"{groups=}, {ragged=}: a grouped problem has groups > 0 and ragged "
                           "'m' or 'k'; a dense one 0 and ''")  # fmt: skip
+    if groups and batch != 1:
+        raise C.PlanError(f"{batch=} with {groups=}: a grouped problem has batch=1 (`ragged_dot` "
+                          "under vmap folds the batch into the groups); pass batch=1")  # fmt: skip
     return GemmProblem(
         m=int(m), n=int(n), k=int(k), a_dtype=a_name, b_dtype=b_name, out_dtype=out_name,
         c_dtype=c_name, batch=int(batch), a_major=a_major, b_major=b_major,
