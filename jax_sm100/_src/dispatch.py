@@ -73,7 +73,9 @@ def lowering_target(plan: planning.GemmPlan | None = None) -> Target | None:
     try:
         return Target(arch)
     except constraints.PlanError as e:
-        raise constraints.PlanError(f"JAX_SM100_TARGET_ARCH={arch!r} in the environment: {e}") from e
+        raise constraints.PlanError(
+            f"JAX_SM100_TARGET_ARCH={arch!r} in the environment: {e}"
+        ) from e
 
 
 @functools.cache
