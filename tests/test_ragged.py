@@ -193,6 +193,60 @@ class RaggedDotTest(parameterized.TestCase):
         with self.assertRaisesRegex(NotImplementedError, "group_offset.*sliced"):
             jax_sm100.ragged_dot(lhs, rhs, sizes, group_offset=jnp.zeros((1,), jnp.int32))
 
+    def test_precision_forms_as_lax_takes_them(self):
+        # lax canonicalizes precision: preset names as strings, a lax.DotAlgorithm (a
+        # NamedTuple, not a pair of Precisions), and jax.default_matmul_precision for None.
+        rng = np.random.default_rng(9)
+        sizes = jnp.asarray([8, 8], jnp.int32)
+        bf = [tu.rand(rng, s, "bfloat16") for s in ((16, 8), (2, 8, 4))]
+        f32 = [x.astype(jnp.float32) for x in bf]
+
+        def path(args, **kw):
+            with jax_sm100.lowerings() as seen:
+                jaxpr = str(jax.make_jaxpr(lambda a, b: jax_sm100.ragged_dot(a, b, sizes, **kw))(
+                    *args))  # fmt: skip
+            on_kernels = "jax_sm100_ragged_dot" in jaxpr
+            self.assertEqual(on_kernels, not seen, (kw, seen))
+            return seen[-1].note if seen else None
+
+        self.assertIsNone(path(bf, precision="BF16_BF16_F32"))
+        self.assertIn("precision=F32_F32_F32", path(bf, precision="F32_F32_F32"))
+        algorithm = lax.DotAlgorithm(jnp.bfloat16, jnp.bfloat16, jnp.float32)
+        self.assertIn("explicit lax.DotAlgorithm", path(bf, precision=algorithm))
+        self.assertIsNone(path(f32))
+        with jax.default_matmul_precision("highest"):
+            self.assertIn("HIGHEST with float32", path(f32))
+            self.assertIsNone(path(bf))
+        with self.assertRaisesRegex(ValueError, "Precision argument must be one of"):
+            path(bf, precision="bogus")
+        out = jax_sm100.ragged_dot(*bf, sizes, precision="BF16_BF16_F32")
+        tu.assert_close(self, out, _reference(*bf, sizes), "bfloat16", 8)
+
+    def test_mixed_16_bit_result_dtype_is_lax(self):
+        # bfloat16 beside float16 gives lax's bfloat16 (jnp would promote to float32).
+        rng = np.random.default_rng(10)
+        sizes = jnp.asarray([5, 0, 6], jnp.int32)
+        lhs, rhs = tu.rand(rng, (12, 8), "bfloat16"), tu.rand(rng, (3, 8, 4), "float16")
+        for a, b in ((lhs, rhs), (lhs.astype(jnp.float16), rhs.astype(jnp.bfloat16))):
+            want = lax.ragged_dot(a, b, sizes)
+            got = jax_sm100.ragged_dot(a, b, sizes)
+            self.assertEqual(got.dtype, want.dtype)
+            tu.assert_close(self, got, _reference(a, b, sizes), "bfloat16", 8)
+            grads = jax.grad(
+                lambda a, b: jax_sm100.ragged_dot(a, b, sizes).astype(jnp.float32).sum(), (0, 1)
+            )(a, b)
+            self.assertEqual([g.dtype for g in grads], [a.dtype, b.dtype])
+
+    def test_wide_preferred_type_without_x64_is_truncated(self):
+        lhs, rhs = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((2, 8, 3), jnp.bfloat16)
+        sizes = jnp.asarray([2, 2], jnp.int32)
+        with self.assertWarnsRegex(UserWarning, "float64 requested in ragged_dot .* float32"):
+            out = jax.jit(
+                lambda a, b: jax_sm100.ragged_dot(a, b, sizes, preferred_element_type=jnp.float64)
+            )(lhs, rhs)
+        self.assertEqual(out.dtype, jnp.float32)
+        np.testing.assert_array_equal(out, np.full((4, 3), 8.0))
+
     def test_cuda_lowering_says_which_path(self):
         # Lowered for CUDA on a machine without a GPU and without a target arch: XLA's
         # ragged_dot_general, and the lowering says so.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,24 +24,6 @@ def _weak(x) -> bool:
     return bool(getattr(jax.typeof(x), "weak_type", False))
 
 
-def _requested_dtype(dtype) -> np.dtype:
-    """A caller's result dtype, as jnp takes it: a 64-bit one without `jax_enable_x64` is
-    truncated to 32 bits with jnp's UserWarning; non-floating dtypes raise TypeError."""
-    want = np.dtype(D.name(dtype))
-    got = np.dtype(jax.dtypes.canonicalize_dtype(want))
-    if got != want:
-        warnings.warn(
-            f"Explicitly requested dtype {want} requested in matmul is not available, and will "
-            f"be truncated to dtype {got}. To enable more dtypes, set the jax_enable_x64 "
-            "configuration option or the JAX_ENABLE_X64 shell environment variable. See "
-            "https://github.com/jax-ml/jax#current-gotchas for more.",
-            UserWarning,
-            stacklevel=5,
-        )
-    D.dtype_argument_name(got, "out_dtype", "jax_sm100.matmul")
-    return got
-
-
 def result_type(a, b, out_dtype):
     """(a, b, result dtype, weak): `jnp.matmul`'s result type for `a @ b`, and the operands.
 
@@ -54,7 +35,7 @@ def result_type(a, b, out_dtype):
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
     if out_dtype is not None:
-        return a, b, _requested_dtype(out_dtype), False
+        return a, b, D.requested(out_dtype, "out_dtype", "jax_sm100.matmul", stacklevel=5), False
     if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
         return a, b, np.dtype(D.default_out_dtype(a_name, b_name)), False
     weak_a, weak_b = _weak(a), _weak(b)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,6 +67,26 @@ def dtype_argument_name(dtype, argument: str, caller: str, example: str | None =
             f"{SUPPORTED}: pass one of them, e.g. {example or argument + '=jnp.bfloat16'}"
         )
     return n
+
+
+def requested(dtype, argument: str, caller: str, stacklevel: int = 3) -> np.dtype:
+    """A result dtype a caller asks for (`argument` of `caller`), as jnp takes it: a 64-bit one
+    without `jax_enable_x64` is truncated to 32 bits with jnp's UserWarning; a dtype the
+    kernels do not write raises TypeError (`dtype_argument_name`). `stacklevel` is the
+    warning's, counted from here (3: the caller's caller)."""
+    want = np.dtype(name(dtype))
+    got = np.dtype(jax.dtypes.canonicalize_dtype(want))
+    if got != want:
+        warnings.warn(
+            f"Explicitly requested dtype {want} requested in {caller.split('.')[-1]} is not "
+            f"available, and will be truncated to dtype {got}. To enable more dtypes, set the "
+            "jax_enable_x64 configuration option or the JAX_ENABLE_X64 shell environment "
+            "variable. See https://github.com/jax-ml/jax#current-gotchas for more.",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    dtype_argument_name(got, argument, caller)
+    return got
 
 
 def default_out_dtype(a: str, b: str) -> str:

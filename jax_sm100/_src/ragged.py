@@ -94,12 +94,13 @@ def ragged_dot(
     and round once; two fp8 operands give bfloat16 unless `preferred_element_type` says
     otherwise (fp8 results lose too much); group sizes are clamped to [0, m] before use (in
     their own dtype: sizes past int32 do not wrap), negative ones being empty groups, as the
-    kernels read them, so the groups never overlap. These run on lax.ragged_dot itself
-    (recorded in `jax_sm100.lowerings()`): float32 operands with `Precision.HIGHEST`, integer
-    and complex operands, and a `lax.DotAlgorithmPreset` other than the kernels' own (DEFAULT;
-    BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8 operand beside
-    a bfloat16 or float16 one is converted to that dtype first (exactly), and so are e4m3
-    beside e5m2 to bfloat16, so the pair runs on the 16-bit kernel. Two operands of one fp8
+    kernels read them, so the groups never overlap. `precision` is taken as lax takes it (None
+    is `jax.default_matmul_precision`'s value). These run on lax.ragged_dot itself (recorded
+    in `jax_sm100.lowerings()`): float32 operands at `Precision.HIGHEST`, integer and complex
+    operands, a `lax.DotAlgorithm`, and a `lax.DotAlgorithmPreset` other than the kernels' own
+    (DEFAULT; BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8
+    operand beside a bfloat16 or float16 one is converted to that dtype first (exactly), and so
+    are e4m3 beside e5m2 to bfloat16, so the pair runs on the 16-bit kernel. Two operands of one fp8
     format run on the fp8 kernel; on sm_90a (whose fp8 wgmma reads them K-major) XLA
     transposes the experts to [g, n, k] for it. `group_offset` raises
     NotImplementedError (lax.ragged_dot cannot take one either).
@@ -162,11 +163,10 @@ def ragged_dot(
     a_name = D.operand_dtype_name(lhs.dtype, "lhs", "jax_sm100.ragged_dot")
     b_name = D.operand_dtype_name(rhs.dtype, "rhs", "jax_sm100.ragged_dot")
     if preferred_element_type is None:
-        out_dtype = np.dtype(D.default_out_dtype(a_name, b_name))
+        out_dtype = np.dtype(_default_out_dtype(a_name, b_name))
     else:
-        out_dtype = np.dtype(D.dtype_argument_name(preferred_element_type,
-                                                   "preferred_element_type",
-                                                   "jax_sm100.ragged_dot"))  # fmt: skip
+        out_dtype = D.requested(preferred_element_type, "preferred_element_type",
+                                "jax_sm100.ragged_dot")  # fmt: skip
     lhs, rhs = _widen_fp8_to_16_bits(lhs, rhs, a_name, b_name)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     biases = ()
@@ -217,6 +217,20 @@ def _lax_sizes(gs, m):
     return ragged_sharding.saturated_sizes(gs, m)
 
 
+@functools.lru_cache(maxsize=64)
+def _default_out_dtype(a_name: str, b_name: str) -> str:
+    """The result dtype with no `preferred_element_type`: lax.ragged_dot's (bfloat16 beside
+    float16 is bfloat16, as for lax.dot_general, where jnp would promote to float32), but
+    bfloat16 for fp8 operands (`dtypes.default_out_dtype`)."""
+    if a_name in D.FP8_DTYPES or b_name in D.FP8_DTYPES:
+        return D.default_out_dtype(a_name, b_name)
+    out = jax.eval_shape(
+        lax.ragged_dot, jax.ShapeDtypeStruct((1, 1), a_name),
+        jax.ShapeDtypeStruct((1, 1, 1), b_name), jax.ShapeDtypeStruct((1,), np.int32),
+    )  # fmt: skip
+    return np.dtype(out.dtype).name
+
+
 def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
     """An fp8 operand beside a 16-bit floating one (fp8 weights with bfloat16 activations),
     converted to the other's dtype, and two different fp8 formats both to bfloat16, which
@@ -251,20 +265,25 @@ _KERNEL_ALGORITHMS = {
 
 
 def _precision_fallback(precision, a_name: str, b_name: str) -> str | None:
-    """Why `precision` sends a call of these operand dtypes to lax.ragged_dot, or None."""
-    values = precision if isinstance(precision, (tuple, list)) else (precision,)
-    for p in values:
-        if p is None:
-            continue
-        if isinstance(p, lax.DotAlgorithmPreset):
-            if p == lax.DotAlgorithmPreset.DEFAULT:
-                continue
-            takes = _KERNEL_ALGORITHMS.get(p.name, ())
-            if a_name in takes and b_name in takes:
-                continue
-            return f"precision={p.name}, not a dot algorithm of the grouped kernels"
-        if lax.Precision(p) == lax.Precision.HIGHEST and "float32" in (a_name, b_name):
-            return "precision=HIGHEST with float32 operands"
+    """Why `precision` (as lax canonicalizes it: strings, presets by name, a `DotAlgorithm`,
+    `jax.default_matmul_precision` for None) sends a call of these operand dtypes to
+    lax.ragged_dot, or None."""
+    from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
+
+    p = lax_internal.canonicalize_precision(precision)
+    if p is None:
+        return None
+    if isinstance(p, lax.DotAlgorithmPreset):
+        if p == lax.DotAlgorithmPreset.DEFAULT:
+            return None
+        takes = _KERNEL_ALGORITHMS.get(p.name, ())
+        if a_name in takes and b_name in takes:
+            return None
+        return f"precision={p.name}, not a dot algorithm of the grouped kernels"
+    if isinstance(p, lax.DotAlgorithm):
+        return "an explicit lax.DotAlgorithm"
+    if lax.Precision.HIGHEST in p and "float32" in (a_name, b_name):
+        return "precision=HIGHEST with float32 operands"
     return None
 
 
