@@ -103,8 +103,18 @@ FALLBACKS = [
         (40, 16),
         "bfloat16",
         (((1,), (0,)), NO_BATCH),
-        {"precision": lax.DotAlgorithmPreset.BF16_BF16_F32},
-        "dot algorithm",
+        {"precision": lax.DotAlgorithmPreset.F32_F32_F32},
+        "not a dot algorithm the kernels compute",
+    ),  # fmt: skip
+    (
+        "other_operands_algorithm",
+        (24, 40),
+        "float16",
+        (40, 16),
+        "float16",
+        (((1,), (0,)), NO_BATCH),
+        {"precision": "BF16_BF16_F32"},
+        "not a dot algorithm the kernels compute",
     ),  # fmt: skip
     ("empty", (0, 40), "float32", (40, 16), "float32", (((1,), (0,)), NO_BATCH), {}, "empty"),
 ]
@@ -205,12 +215,24 @@ class FallbackTest(parameterized.TestCase):
         self.assertEqual(jax.typeof(got), jax.typeof(want))
         np.testing.assert_array_equal(got, want)
 
-    @parameterized.parameters(lax.Precision.HIGHEST, "highest", lax.Precision.HIGH)
-    def test_precision_of_16_bit_operands_runs_on_the_primitive(self, precision):
-        lhs, rhs = _operands((24, 40), (40, 16), "bfloat16")
+    @parameterized.parameters(
+        (lax.Precision.HIGHEST, "bfloat16"),
+        ("highest", "bfloat16"),
+        (lax.Precision.HIGH, "bfloat16"),
+        # The presets the kernels compute, by value or by name, for their operands.
+        (lax.DotAlgorithmPreset.BF16_BF16_F32, "bfloat16"),
+        ("BF16_BF16_F32", "bfloat16"),
+        ("F16_F16_F32", "float16"),
+        (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, "float8_e4m3fn"),
+    )
+    def test_precision_of_16_bit_operands_runs_on_the_primitive(self, precision, dtype):
+        lhs, rhs = _operands((24, 40), (40, 16), dtype)
         dn = (((1,), (0,)), NO_BATCH)
-        names = _eqn_names(lambda a, b: jax_sm100.dot_general(a, b, dn, precision), lhs, rhs)
+        fn = lambda a, b: jax_sm100.dot_general(a, b, dn, precision)  # noqa: E731
+        names = _eqn_names(fn, lhs, rhs)
         self.assertIn("jax_sm100_matmul", names)
+        self.assertIn("jax_sm100_matmul", _eqn_names(
+            lambda a, b: jax_sm100.matmul(a, b, precision=precision), lhs, rhs))  # fmt: skip
 
     def test_high_float32_runs_on_the_primitive(self):
         # tf32 meets HIGH (lax.Precision("tensorfloat32") is HIGH).

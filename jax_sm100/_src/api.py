@@ -193,8 +193,8 @@ def matmul(
         `dataclasses.replace`) to run instead of the planner's choice; it must be for this
         problem's sizes, dtypes and layouts.
       precision: as `jnp.matmul`. The kernels meet every `lax.Precision` for 16-bit and fp8
-        operands; `HIGHEST` with float32 operands, or an explicit dot algorithm, runs on XLA's
-        dot.
+        operands, and the presets naming them (`dot_general.KERNEL_ALGORITHMS`); `HIGHEST`
+        with float32 operands, or another dot algorithm, runs on XLA's dot.
         `jax.default_matmul_precision` is not consulted (`jax_sm100.dot_general` does).
       preferred_element_type: `jnp.matmul`'s name for `out_dtype`.
       out_sharding: as `jnp.matmul`; the result is resharded to it.

@@ -27,7 +27,8 @@ Algorithm (`gemm_form`):
 Anything else runs on `lax.dot_general` itself, recorded in `jax_sm100.lowerings()` with the
 reason: no contracting dim (an outer product), non-floating operands or result, an empty dim,
 `precision=HIGHEST` on float32 operands (the SM100 kernels multiply float32 as tf32, which meets
-DEFAULT and HIGH only) and explicit dot algorithms.
+DEFAULT and HIGH only) and explicit dot algorithms other than the kernels' own
+(`KERNEL_ALGORITHMS`: BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from jax_sm100._src import (
     lowering,  # noqa: F401  (registers the lowerings)
 )
 from jax_sm100._src import primitive as P
-from jax_sm100._src.constraints import DTYPE_BITS
+from jax_sm100._src.constraints import DTYPE_BITS, FP8_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,29 +147,42 @@ def gemm_form(lhs_shape, rhs_shape, dimension_numbers) -> GemmForm | str:
     )
 
 
+# The dot algorithms the kernels compute (operands of the named dtypes multiplied exactly, float32
+# accumulation): a preset naming one runs on the kernels for such operands, as DEFAULT does.
+KERNEL_ALGORITHMS = {
+    "BF16_BF16_F32": ("bfloat16",),
+    "F16_F16_F32": ("float16",),
+    "ANY_F8_ANY_F8_F32": FP8_DTYPES,
+}
+
+
 def precision_reason(precision, lhs_dtype, rhs_dtype) -> str | None:
     """Why the kernels would not meet `precision` for these operand dtypes, or None.
 
-    `precision=None` is `jax.default_matmul_precision`'s value, as for `lax.dot_general`.
+    `precision` is taken as lax canonicalizes it: None is `jax.default_matmul_precision`'s
+    value, and a preset may be given by name.
 
     The kernels multiply 16-bit and fp8 operands exactly and accumulate in float32, which meets
-    every `lax.Precision`; float32 operands run as tf32 on SM100 (DEFAULT and HIGH, as XLA's dot
-    on a GPU), so HIGHEST goes to lax. An explicit `DotAlgorithm` or preset other than DEFAULT
-    always goes to lax, which implements it as asked.
+    every `lax.Precision` and the presets that name those operands (`KERNEL_ALGORITHMS`);
+    float32 operands run as tf32 on SM100 (DEFAULT and HIGH, as XLA's dot on a GPU), so
+    HIGHEST goes to lax. A `lax.DotAlgorithm` and every other preset go to lax, which
+    implements them as asked.
     """
     from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
 
     canonical = lax_internal.canonicalize_precision(precision)
     if canonical is None:
         return None
+    names = {np.dtype(d).name for d in (lhs_dtype, rhs_dtype)}
     if isinstance(canonical, lax.DotAlgorithmPreset):
         if canonical == lax.DotAlgorithmPreset.DEFAULT:
             return None
-        return f"precision={canonical} (an explicit dot algorithm)"
+        if names <= set(KERNEL_ALGORITHMS.get(canonical.name, ())):
+            return None
+        return f"precision={canonical.name}, not a dot algorithm the kernels compute"
     if isinstance(canonical, lax.DotAlgorithm):
         return "an explicit lax.DotAlgorithm"
-    f32 = any(np.dtype(d) == np.float32 for d in (lhs_dtype, rhs_dtype))
-    if f32 and lax.Precision.HIGHEST in canonical:
+    if "float32" in names and lax.Precision.HIGHEST in canonical:
         return (
             "precision=HIGHEST with float32 operands (the SM100 kernels multiply float32 as "
             "tf32, which meets DEFAULT and HIGH)"

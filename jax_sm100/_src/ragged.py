@@ -57,6 +57,7 @@ from jax._src import dispatch as jax_dispatch
 from jax.interpreters import ad, batching, mlir
 
 from jax_sm100._src import autodiff, dispatch, ragged_sharding
+from jax_sm100._src import dot_general as DG
 from jax_sm100._src import dtypes as D
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import ACTIVATIONS
@@ -174,8 +175,8 @@ def ragged_dot(
         biases = (_check_bias(bias, g, rhs.shape[2]).astype(acc),)
     # The algorithms of the operands the kernels take (fp8 ones widened above), or of the
     # operands as given (ANY_F8_ANY_F8_F32 of e4m3 x e5m2, computed exactly as bfloat16).
-    fallback = _precision_fallback(precision, D.name(lhs.dtype), D.name(rhs.dtype))
-    fallback = fallback and _precision_fallback(precision, a_name, b_name)
+    fallback = DG.precision_reason(precision, lhs.dtype, rhs.dtype)
+    fallback = fallback and DG.precision_reason(precision, a_name, b_name)
     if fallback is not None and activation is None and bias is None:
         return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
     if fallback is not None:
@@ -253,38 +254,6 @@ def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_shardin
     return lax.ragged_dot(lhs, rhs, _lax_sizes(sizes, lhs.shape[0]), precision=precision,
                           preferred_element_type=preferred_element_type,
                           out_sharding=out_sharding)  # fmt: skip
-
-
-# The dot algorithms the grouped kernels compute (float32 accumulation of their operands), by
-# the operand dtypes they name; other presets run on lax.ragged_dot.
-_KERNEL_ALGORITHMS = {
-    "BF16_BF16_F32": ("bfloat16",),
-    "F16_F16_F32": ("float16",),
-    "ANY_F8_ANY_F8_F32": D.FP8_DTYPES,
-}
-
-
-def _precision_fallback(precision, a_name: str, b_name: str) -> str | None:
-    """Why `precision` (as lax canonicalizes it: strings, presets by name, a `DotAlgorithm`,
-    `jax.default_matmul_precision` for None) sends a call of these operand dtypes to
-    lax.ragged_dot, or None."""
-    from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
-
-    p = lax_internal.canonicalize_precision(precision)
-    if p is None:
-        return None
-    if isinstance(p, lax.DotAlgorithmPreset):
-        if p == lax.DotAlgorithmPreset.DEFAULT:
-            return None
-        takes = _KERNEL_ALGORITHMS.get(p.name, ())
-        if a_name in takes and b_name in takes:
-            return None
-        return f"precision={p.name}, not a dot algorithm of the grouped kernels"
-    if isinstance(p, lax.DotAlgorithm):
-        return "an explicit lax.DotAlgorithm"
-    if lax.Precision.HIGHEST in p and "float32" in (a_name, b_name):
-        return "precision=HIGHEST with float32 operands"
-    return None
 
 
 def _check_bias(bias, g: int, n: int):
