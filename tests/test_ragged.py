@@ -240,10 +240,17 @@ class RaggedDotTest(parameterized.TestCase):
     def test_wide_preferred_type_without_x64_is_truncated(self):
         lhs, rhs = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((2, 8, 3), jnp.bfloat16)
         sizes = jnp.asarray([2, 2], jnp.int32)
-        with self.assertWarnsRegex(UserWarning, "float64 requested in ragged_dot .* float32"):
-            out = jax.jit(
-                lambda a, b: jax_sm100.ragged_dot(a, b, sizes, preferred_element_type=jnp.float64)
-            )(lhs, rhs)
+        # x64 off here whatever the process has (some test modules turn it on at import).
+        with jax.enable_x64(False):
+            with self.assertWarnsRegex(
+                UserWarning, "float64 requested in ragged_dot .* float32"
+            ) as w:
+                out = jax.jit(
+                    lambda a, b: jax_sm100.ragged_dot(
+                        a, b, sizes, preferred_element_type=jnp.float64
+                    )
+                )(lhs, rhs)
+        self.assertEqual(w.filename, __file__)  # points at the caller
         self.assertEqual(out.dtype, jnp.float32)
         np.testing.assert_array_equal(out, np.full((4, 3), 8.0))
 
