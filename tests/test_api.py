@@ -169,6 +169,24 @@ class DtypeTest(parameterized.TestCase):
             )
         with self.assertRaisesRegex(TypeError, "runs only block-scaled: use .*scaled_matmul"):
             jax_sm100.matmul(a.astype(jnp.float4_e2m1fn), b)
+        with self.assertRaisesRegex(TypeError, "matmul: preferred_element_type is .*int8"):
+            jax_sm100.matmul(a, b, preferred_element_type=jnp.int8)
+        with self.assertRaisesRegex(TypeError, "plan_for: out_dtype is .*int8"):
+            jax_sm100.plan_for(a, b, out_dtype=jnp.int8)
+        with self.assertRaisesRegex(TypeError, "precompile: c_dtype is .*int32"):
+            jax_sm100.precompile([(128, 128, 128)], c_dtype="int32", progress=False)
+        with jax.enable_x64(False), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            # Rejected as asked, before any truncation (int64 is not reported as int32).
+            with self.assertRaisesRegex(TypeError, "out_dtype is the integer dtype int64"):
+                jax_sm100.matmul(a, b, out_dtype=np.int64)
+            self.assertEqual(caught, [])
+            # plan_for truncates a float64 out_dtype with the warning at the caller's line.
+            p = jax_sm100.plan_for(a, b, out_dtype=np.float64)
+        self.assertEqual(p.out_dtype, "float32")
+        (w,) = caught
+        self.assertIn("float64 requested in plan_for", str(w.message))
+        self.assertEqual(w.filename, __file__)
 
 
 class PrecisionTest(parameterized.TestCase):
@@ -183,6 +201,19 @@ class PrecisionTest(parameterized.TestCase):
         self.assertIn("HIGHEST", note)
         want = tu.reference(a, b, bias=bias, activation="relu")
         tu.assert_close(self, fn(a, b), want, "float32")
+
+    def test_xla_path_runs_the_algorithm_asked_for(self):
+        # Where the kernels do not meet a precision, XLA's dot runs it as asked (it ran HIGHEST).
+        a, b = _rand((24, 40)), _rand((40, 16), seed=1)
+        algorithm = lax.DotAlgorithm(jnp.bfloat16, jnp.bfloat16, jnp.float32)
+        for precision, want in (
+            ("BF16_BF16_F32", "BF16_BF16_F32"),
+            (lax.DotAlgorithmPreset.TF32_TF32_F32, "TF32_TF32_F32"),
+            (algorithm, "DotAlgorithm("),
+        ):
+            fn = lambda a, b, p=precision: jax_sm100.matmul(a, b, precision=p)  # noqa: E731
+            (dot,) = [e for e in jax.make_jaxpr(fn)(a, b).eqns if e.primitive.name == "dot_general"]
+            self.assertIn(want, str(dot.params["precision"]))
 
     def test_default_matmul_precision_is_not_consulted(self):
         # Documented: only precision= counts (the XLA path would lose the primitive's

@@ -210,6 +210,8 @@ def matmul(
       PlanError: a plan that does not fit the problem (a ValueError).
     """
     if preferred_element_type is not None:
+        # Checked under its own name here; result_type checks (and truncates) it as out_dtype.
+        D.dtype_argument_name(preferred_element_type, "preferred_element_type", "jax_sm100.matmul")
         if out_dtype is not None and D.name(out_dtype) != D.name(preferred_element_type):
             raise ValueError(
                 f"jax_sm100.matmul: {out_dtype=} and {preferred_element_type=} differ; pass one"
@@ -243,7 +245,7 @@ def matmul(
             raise ValueError(f"jax_sm100.matmul: plan= runs our kernels, but {reason}")
         DG.record_fallback("jax_sm100.matmul", reason, runs="XLA's dot and epilogue")
         kw = {k: v for k, v in params.items() if k not in ("has_bias", "has_c")}
-        (out,) = P.reference_matmul(*split, upcast=False, **kw)
+        (out,) = P.reference_matmul(*split, upcast=False, precision=precision, **kw)
         return DG.with_result_type(out.reshape(out_shape), weak, out_sharding)
     if plan is not None:
         if not isinstance(plan, planning.GemmPlan):
@@ -264,6 +266,11 @@ def plan_for(
     the primitive lowers to XLA's dot there.
     """
     captured = {}
+
+    if out_dtype is not None:
+        # Checked and truncated (with jnp's warning, naming the caller's line) here, not inside
+        # the trace below.
+        out_dtype = D.requested(out_dtype, "out_dtype", "jax_sm100.plan_for")
 
     def trace(a, b, bias, c):
         ops, captured["params"], *_ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)

@@ -230,8 +230,9 @@ def last_lowering() -> Lowered | None:
 def lowerings() -> Iterator[list[Lowered]]:
     """Collects, in order, a record of how each product inside the block runs: one per CUDA
     lowering of `matmul`, `ragged_dot` and `scaled_matmul` (their plan, or None, and a note of
-    the path and why), and, on any platform, one when a call is traced onto a lax op instead
-    of a primitive (`dot_general`, `einsum` or `ragged_dot` running lax's own; plan None):
+    the path and why), and, on any platform, one when a call is traced onto XLA's ops instead
+    of a primitive (`matmul` with a precision the kernels do not meet, or `dot_general`,
+    `einsum` or `ragged_dot` running lax's own; plan None):
 
         with jax_sm100.lowerings() as seen:
             jax.jit(step).lower(params, batch)

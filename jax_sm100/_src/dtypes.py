@@ -45,7 +45,7 @@ def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") ->
                 "jax_sm100.scaled_matmul with its scales (jax_sm100.quantize makes both)"
             )
         raise TypeError(
-            f"{caller}: {operand} has {_unsupported(dtype, n)}; the kernels take floating "
+            f"{caller}: {operand} has {_unsupported(dtype, n)}; it takes floating "
             f"operands of {SUPPORTED}. Cast it first, e.g. {operand}.astype(jnp.bfloat16)."
         )
     return n
@@ -63,7 +63,7 @@ def dtype_argument_name(dtype, argument: str, caller: str, example: str | None =
                 "scale_block= too (nvfp4: scale_dtype=jnp.float8_e4m3fn, scale_block=16)"
             )
         raise TypeError(
-            f"{caller}: {argument} is the {_unsupported(dtype, n)}; the kernels take "
+            f"{caller}: {argument} is the {_unsupported(dtype, n)}; it takes "
             f"{SUPPORTED}: pass one of them, e.g. {example or argument + '=jnp.bfloat16'}"
         )
     return n
@@ -72,9 +72,9 @@ def dtype_argument_name(dtype, argument: str, caller: str, example: str | None =
 def requested(dtype, argument: str, caller: str, stacklevel: int = 3) -> np.dtype:
     """A result dtype a caller asks for (`argument` of `caller`), as jnp takes it: a 64-bit one
     without `jax_enable_x64` is truncated to 32 bits with jnp's UserWarning; a dtype the
-    kernels do not write raises TypeError (`dtype_argument_name`). `stacklevel` is the
-    warning's, counted from here (3: the caller's caller)."""
-    want = np.dtype(name(dtype))
+    kernels do not write raises TypeError (`dtype_argument_name`), before any truncation.
+    `stacklevel` is the warning's, counted from here (3: the caller's caller)."""
+    want = np.dtype(dtype_argument_name(dtype, argument, caller))
     got = np.dtype(jax.dtypes.canonicalize_dtype(want))
     if got != want:
         warnings.warn(
@@ -85,7 +85,6 @@ def requested(dtype, argument: str, caller: str, stacklevel: int = 3) -> np.dtyp
             UserWarning,
             stacklevel=stacklevel,
         )
-    dtype_argument_name(got, argument, caller)
     return got
 
 

@@ -142,6 +142,8 @@ def precompile(
         if bias_dtype is None
         else D.dtype_argument_name(bias_dtype, "bias_dtype", "jax_sm100.precompile")
     )
+    if c_dtype is not None:
+        D.dtype_argument_name(c_dtype, "c_dtype", "jax_sm100.precompile")
     shapes = [tuple(int(d) for d in s) for s in shapes]
     problems = [_split_shape(s) for s in shapes]
 
@@ -156,6 +158,7 @@ def precompile(
             problem = planning.make_problem(
                 m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
                 c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
+                caller="jax_sm100.precompile",
             )  # fmt: skip
             decision = dispatch.plan_call(problem, dispatch.Target(arch, num_sms or 0))
             plan, plan_notes = decision.plan, decision.notes

@@ -481,11 +481,14 @@ def epilogue_xla(acc, c, bias, *, alpha, beta, activation, out_dtype, save_preac
 
 
 def reference_matmul(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
-                     out_dtype, upcast, save_preact=False, act_grad=None):  # fmt: skip
+                     out_dtype, upcast, save_preact=False, act_grad=None,
+                     precision=lax.Precision.HIGHEST):  # fmt: skip
     """The primitive's math in XLA ops: a batched dot_general plus `epilogue_xla`.
 
     `upcast` converts operands to float32 first (exact for every accepted dtype, and what the CPU
     backend needs for fp8); otherwise the dot runs natively with a float32 accumulator.
+    `precision` is the dot's: HIGHEST (exact float32 products), or the caller's where `matmul`
+    runs here because the kernels do not meet it.
     """
     acc_t = acc_dtype(a.dtype, b.dtype, out_dtype)
     if upcast:
@@ -501,7 +504,7 @@ def reference_matmul(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         b2 = b.reshape(b.shape[nb:])
         acc = lax.dot_general(
             a, b2, (((contract_a,), (1 if transpose_b else 0,)), ((), ())),
-            precision=lax.Precision.HIGHEST, preferred_element_type=acc_t,
+            precision=precision, preferred_element_type=acc_t,
         )  # fmt: skip
         acc = jnp.broadcast_to(acc, (*out_batch, *acc.shape[-2:]))
     else:
@@ -511,7 +514,7 @@ def reference_matmul(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         contract_b = nb + 1 if transpose_b else nb
         acc = lax.dot_general(
             a, b, (((contract_a,), (contract_b,)), (batch, batch)),
-            precision=lax.Precision.HIGHEST, preferred_element_type=acc_t,
+            precision=precision, preferred_element_type=acc_t,
         )  # fmt: skip
     return epilogue_xla(
         acc, c, bias, alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype,
