@@ -51,17 +51,17 @@ def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") ->
     return n
 
 
-def dtype_argument_name(dtype, argument: str, caller: str, example: str | None = None) -> str:
+def dtype_argument_name(
+    dtype, argument: str, caller: str, example: str | None = None, block_scaled_fix: str = ""
+) -> str:
     """Validates a dtype given as an argument (`out_dtype=`, `preferred_element_type=`,
     `plan`'s `a_dtype=`), returning its name; TypeError (naming `caller`) says what to pass,
-    with `example` (default `argument=jnp.bfloat16`)."""
+    with `example` (default `argument=jnp.bfloat16`), or `block_scaled_fix` for data that runs
+    only block-scaled where the caller can plan that."""
     n = name(dtype)
     if n not in DTYPE_BITS:
-        if _block_scaled_only(n) and caller == "jax_sm100.plan":
-            raise TypeError(
-                f"{caller}: {argument}={n} runs only block-scaled: pass scale_dtype= and "
-                "scale_block= too (nvfp4: scale_dtype=jnp.float8_e4m3fn, scale_block=16)"
-            )
+        if _block_scaled_only(n) and block_scaled_fix:
+            raise TypeError(f"{caller}: {argument}={n} runs only block-scaled: {block_scaled_fix}")
         raise TypeError(
             f"{caller}: {argument} is the {_unsupported(dtype, n)}; it takes "
             f"{SUPPORTED}: pass one of them, e.g. {example or argument + '=jnp.bfloat16'}"

@@ -133,6 +133,8 @@ def precompile(
 
     if len(dtypes) not in (2, 3):
         raise ValueError(f"dtypes={tuple(dtypes)!r} must be (a, b) or (a, b, out)")
+    # Every dtype is checked here, under precompile's names (make_problem's own checks, which
+    # name plan's arguments, then pass).
     for what, dtype in zip(("a", "b", "out"), dtypes, strict=False):
         D.dtype_argument_name(dtype, f"the {what} dtype", "jax_sm100.precompile",
                               "dtypes=('bfloat16', 'bfloat16')")  # fmt: skip
@@ -158,7 +160,6 @@ def precompile(
             problem = planning.make_problem(
                 m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
                 c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
-                caller="jax_sm100.precompile",
             )  # fmt: skip
             decision = dispatch.plan_call(problem, dispatch.Target(arch, num_sms or 0))
             plan, plan_notes = decision.plan, decision.notes

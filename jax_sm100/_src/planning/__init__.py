@@ -237,10 +237,10 @@ def plan(
 
 def make_problem(
     m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
-    b_major="n", preact_out=False, groups=0, ragged="", caller="jax_sm100.plan",
+    b_major="n", preact_out=False, groups=0, ragged="",
 ) -> GemmProblem:  # fmt: skip
     """A `GemmProblem` from `plan`'s arguments: dtypes by name (the output's defaulted as
-    `plan` says), sizes checked positive; errors name `caller`.
+    `plan` says), sizes checked positive.
 
     Raises:
       PlanError: non-positive sizes or unknown layouts.
@@ -248,8 +248,13 @@ def make_problem(
     """
     from jax_sm100._src import dtypes as D  # noqa: PLC0415
 
-    a_name = D.dtype_argument_name(a_dtype, "a_dtype", caller)
-    b_name = D.dtype_argument_name(b_dtype, "b_dtype", caller)
+    caller = "jax_sm100.plan"
+    scaled = (
+        "pass scale_dtype= and scale_block= too (nvfp4: scale_dtype=jnp.float8_e4m3fn, "
+        "scale_block=16)"
+    )
+    a_name = D.dtype_argument_name(a_dtype, "a_dtype", caller, block_scaled_fix=scaled)
+    b_name = D.dtype_argument_name(b_dtype, "b_dtype", caller, block_scaled_fix=scaled)
     out_name = (
         D.default_out_dtype(a_name, b_name)
         if out_dtype is None
