@@ -13,7 +13,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100._src import dispatch, ffi, ffi_checks, planning
+from jax_sm100._src import dispatch, ffi, ffi_checks, gpu_lowering, planning
 from jax_sm100._src.primitive import matmul_p
 from tests import test_gpu_matrix as gpu_matrix
 
@@ -195,6 +195,72 @@ class ExportForSm100Test(parameterized.TestCase):
                 jax_sm100.PlanError, "is for sm_100a, but this call runs on sm_90a"
             ):
                 _export(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, a.update(shape=(64, 64)))
+
+
+class _Compiled(Exception):
+    """Raised by a stand-in compile_plan: the lowering got as far as compiling."""
+
+
+class LoweringAgreesWithPlanTest(parameterized.TestCase):
+    """What plan_for says a call runs is what its CUDA lowering runs and records."""
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2")
+    def test_fp8_bias_runs_on_the_kernel(self, bias_dtype):
+        # The epilogue adds the bias in float32, so a bias of a dtype the kernels do not read
+        # goes to them converted (it went to XLA's dot while plan_for named the kernel).
+        a = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((384, 512), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((512,), jnp.dtype(bias_dtype))
+        for arch in ("sm_90a", "sm_100a"):
+            p = jax_sm100.plan(256, 512, 384, a_dtype="bfloat16", b_dtype="bfloat16",
+                               arch=arch, force_kernel=True)  # fmt: skip
+            self.assertNotEqual(p.kernel, "xla_dot")
+            self.assertEqual(jax_sm100.plan_for(a, b, bias=bias, arch=arch).kernel,
+                             jax_sm100.plan_for(a, b, arch=arch).kernel)  # fmt: skip
+            compile_plan = mock.Mock(side_effect=_Compiled)
+            with (
+                mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                mock.patch.object(gpu_lowering.compile_mod, "compile_plan", compile_plan),
+                mock.patch.object(ffi, "register"),
+            ):
+                with self.assertRaises(_Compiled):
+                    _export(lambda a, b, bias, p=p: jax_sm100.matmul(a, b, bias=bias, plan=p),
+                            a, b, bias)  # fmt: skip
+            (plan, spec), _ = compile_plan.call_args
+            self.assertEqual((plan.kernel, spec.bias_dtype), (p.kernel, "float32"))
+            self.assertIn(f"bias {bias_dtype} converted to float32", dispatch.last_lowering().note)
+
+    def test_split_k_refitted_says_so(self):
+        # k / 2 = 4100 is not a multiple of 8: the planner's split-K x2 drops to the unsplit
+        # kernel, and the plan's reason says that rather than the split it no longer runs.
+        a = jax.ShapeDtypeStruct((64, 8200), jnp.bfloat16)
+        b = jax.ShapeDtypeStruct((8200, 8192), jnp.bfloat16)
+        planned = jax_sm100.plan(64, 8192, 8200, a_dtype="bfloat16", b_dtype="bfloat16",
+                                 arch="sm_90a")  # fmt: skip
+        self.assertEqual(planned.split_k, 2)
+        p = jax_sm100.plan_for(a, b, arch="sm_90a")
+        self.assertEqual((p.kernel, p.split_k), ("sm90_wgmma", 1))
+        self.assertRegex(p.reason, r"^wgmma \d+x\d+ tile, unsplit: the planner's split-K x2 needs")
+        self.assertIn("unsplit", str(p))
+
+    def test_xla_reason_named_once(self):
+        a = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            _export(lambda a, b: jax_sm100.matmul(a, b), a, a)
+        note = dispatch.last_lowering().note
+        self.assertTrue(note.startswith("XLA dot: a small problem"), note)
+        self.assertEqual(note.count("XLA dot"), 1, note)
+
+    @parameterized.parameters(((0, 128), (128, 256)), ((64, 0), (0, 256)), ((4, 0, 8), (8, 16)))
+    def test_plan_for_an_empty_product(self, a_shape, b_shape):
+        a = jax.ShapeDtypeStruct(a_shape, jnp.bfloat16)
+        b = jax.ShapeDtypeStruct(b_shape, jnp.bfloat16)
+        with self.assertRaisesRegex(jax_sm100.PlanError, "empty product, which has no plan: "
+                                    "matmul computes it with XLA's dot"):  # fmt: skip
+            jax_sm100.plan_for(a, b, arch="sm_90a")
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            exp = _export(lambda a, b: jax_sm100.matmul(a, b), a, b)
+        self.assertNotIn("custom_call @jax_sm100", exp.mlir_module())
 
 
 class GpuSuitePlansTest(parameterized.TestCase):

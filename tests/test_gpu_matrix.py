@@ -441,6 +441,10 @@ _DTYPE_CASES = (
     Case(200, 264, 256, "float8_e5m2", transpose_b=True, out_dtype="float16", bias="float32",
          activation="relu"),
     Case(256, 512, 256, "float8_e4m3fn", transpose_b=True, out_dtype="float32", c="float32"),
+    # An fp8 bias, which the kernels take converted to float32 (the epilogue's dtype).
+    Case(1000, 520, 256, "float8_e4m3fn", transpose_b=True, bias="float8_e5m2",
+         activation="gelu"),
+    Case(1024, 1040, 512, "bfloat16", bias="float8_e4m3fn"),
     # XLA's dot: what the kernels do not take.
     Case(256, 512, 256, "float8_e4m3fn"),  # fp8 with an N-major B
     Case(256, 512, 256, "float8_e4m3fn", transpose_b=True, out_dtype="float8_e4m3fn"),

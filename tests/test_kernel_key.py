@@ -184,7 +184,9 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
         (root / "kernels" / "sm100_gemm.py").write_text("KERNEL = 1\n")
         (root / "kernels" / "sub" / "epilogue.py").write_text("EPI = 2\n")
         (root / "compile.py").write_text("COMPILE = 3\n")
-        (root / "planning.py").write_text("PLAN = 4\n")
+        (root / "planning").mkdir()
+        (root / "planning" / "sm100.py").write_text("PLAN = 4\n")
+        (root / "api.py").write_text("API = 4\n")
         return root
 
     def test_real_sources_hash(self):
@@ -204,7 +206,9 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
             lambda r: (r / "kernels/sm100_gemm.py").rename(r / "kernels/sm100_gemm2.py"),
             True,
         ),
-        ("planning_edit", lambda r: (r / "planning.py").write_text("PLAN = 5\n"), False),
+        # The kernels run the planner's code while traced (grid clusters, TMEM columns).
+        ("planning_edit", lambda r: (r / "planning/sm100.py").write_text("PLAN = 5\n"), True),
+        ("api_edit", lambda r: (r / "api.py").write_text("API = 5\n"), False),
         # The modules that name and store a binary do not change it.
         ("key_module_added", lambda r: (r / "kernel_key.py").write_text("KEY = 1\n"), False),
         ("cache_module_added", lambda r: (r / "disk_cache.py").write_text("CACHE = 1\n"), False),
@@ -269,6 +273,42 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
             fingerprint = kernel_key.dsl_build_fingerprint.__wrapped__()
         self.assertStartsWith(fingerprint, f"{tmp_flavour}=")
         self.assertNotEqual(fingerprint, kernel_key.dsl_build_fingerprint())
+
+    def test_dsl_compile_settings_change_the_key(self):
+        # The DSL's own compile settings (CUTE_DSL_LINEINFO and the like) make other binaries:
+        # each its own key. Its target arch (the kernel's `arch`) and the path of its runtime
+        # library (this machine's) do not count.
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: PLC0415
+
+        plan = planning.plan(256, 256, 256, a_dtype="bfloat16", b_dtype="bfloat16",
+                             arch="sm_100a", force_kernel=True)  # fmt: skip
+        spec = KernelSpec.for_plan(plan)
+        before = kernel_key.cache_key(plan, spec, arch="sm_100a")
+        envar = CuTeDSL._get_dsl().envar
+        self.assertIn("lineinfo=", kernel_key.dsl_compile_settings())
+        for name, value in (("lineinfo", True), ("debug", True), ("compiler_opt", "opt-level=1")):
+            saved = getattr(envar, name)
+            setattr(envar, name, value)
+            try:
+                self.assertNotEqual(kernel_key.cache_key(plan, spec, arch="sm_100a"), before, name)
+            finally:
+                setattr(envar, name, saved)
+        self.assertEqual(kernel_key.cache_key(plan, spec, arch="sm_100a"), before)
+        saved = envar._arch
+        envar.arch = "sm_90a"
+        try:
+            self.assertEqual(kernel_key.cache_key(plan, spec, arch="sm_100a"), before)
+        finally:
+            envar._arch = saved
+        self.assertNotIn("shared_libs", kernel_key.dsl_compile_settings())
+
+    def test_dsl_compile_settings_without_the_dsl(self):
+        env = {"CUTE_DSL_LINEINFO": "1", "CUTE_DSL_ARCH": "sm_90a", "OTHER": "x"}
+        with (
+            mock.patch.dict(sys.modules, {"cutlass.cutlass_dsl.cutlass": None}),
+            mock.patch.dict(kernel_key.os.environ, env, clear=True),
+        ):
+            self.assertEqual(kernel_key.dsl_compile_settings(), "CUTE_DSL_LINEINFO=1")
 
 
 if __name__ == "__main__":

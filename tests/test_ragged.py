@@ -1010,6 +1010,28 @@ class RaggedDotTest(parameterized.TestCase):
                 np.diff(want, prepend=0),
             )  # fmt: skip
 
+    @parameterized.parameters("cpu", "cuda")
+    def test_rows_past_int32_run_on_xla(self, platform):
+        # m = 2^31 rows: the planner sends them to XLA's ragged dot, whose sizes end at the
+        # last int32 row (clamping to m itself overflowed int32 and raised OverflowError).
+        m = 2**31
+        sizes = np.array([2**31 - 1, 2**31 - 1, -4, 7], np.int32)
+        want = np.minimum(np.cumsum(np.clip(sizes.astype(np.int64), 0, m)), 2**31 - 1)
+        ends = ragged_sharding.group_ends(jnp.asarray(sizes), m)
+        np.testing.assert_array_equal(np.asarray(ends, np.int64), want)
+        args = (jax.ShapeDtypeStruct((m, 16), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4, 16, 16), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4,), jnp.int32))  # fmt: skip
+
+        def loss(lhs, rhs, gs):
+            return jax_sm100.ragged_dot(lhs, rhs, gs).astype(jnp.float32).sum()
+
+        env = {"JAX_SM100_TARGET_ARCH": "sm_90a"} if platform == "cuda" else {}
+        with mock.patch.dict(os.environ, env):
+            for f in (jax_sm100.ragged_dot, jax.grad(loss, argnums=(0, 1))):
+                exp = jax.export.export(jax.jit(f), platforms=[platform])(*args)
+                self.assertNotIn("custom_call @jax_sm100", exp.mlir_module())
+
     def test_export_with_a_symbolic_group_count(self):
         # jax.export with g symbolic: XLA's ragged dot takes a static group count only, and
         # ours says so with lax's own error (an undecidable comparison of g m with int32

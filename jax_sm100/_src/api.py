@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import (
+    constraints,
     dispatch,
     lowering,  # noqa: F401  (registers the lowerings)
     planning,
@@ -263,7 +264,8 @@ def plan_for(
 
     `a`, `b`, `bias` and `c` may be arrays or `jax.ShapeDtypeStruct`s. On a machine without an
     SM90/SM100 GPU and no `arch`, the plan is the sm_100a one with `kernel="xla_dot"`, since
-    the primitive lowers to XLA's dot there.
+    the primitive lowers to XLA's dot there. An empty product (a zero dim in `a` or `b`) has
+    no plan and raises `PlanError`: `matmul` computes it with XLA's dot.
     """
     captured = {}
 
@@ -278,6 +280,12 @@ def plan_for(
 
     ops = jax.eval_shape(trace, a, b, bias, c)
     params = captured["params"]
+    if any(d == 0 for x in ops[:2] for d in x.shape):
+        raise constraints.PlanError(
+            f"jax_sm100.plan_for: operands of shapes {ops[0].shape} and {ops[1].shape} make an "
+            "empty product, which has no plan: matmul computes it with XLA's dot (zeros where "
+            "k = 0)"
+        )
     problem = P.problem_for_operands(*P._split(ops, params["has_bias"], params["has_c"]), **params)
     device = dispatch.device_target()
     target = device if device is not None and arch in (None, device.arch) else None

@@ -178,15 +178,35 @@ def _fit_split(plan: planning.GemmPlan, planned: bool) -> tuple[planning.GemmPla
             plan = dataclasses.replace(plan, kernel=planning.KERNEL_XLA, split_k=1, reason=small)
             return plan, ("split-K not applicable (k not divisible) and too small unsplit",)
         note = ("split-K not applicable (k not divisible): unsplit kernel",)
+        reason = _split_reason(plan, 1)
         if plan.split_reduce == "cluster":
-            return planning.with_split(plan, 1), note
+            return dataclasses.replace(planning.with_split(plan, 1), reason=reason), note
         # An XLA-reduced plan keeps its stages, schedule and cluster (the binary verified).
-        return dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1), note
+        unsplit = dataclasses.replace(plan, kernel=planning.KERNEL_SM90, split_k=1, reason=reason)
+        return unsplit, note
     if split != plan.split_k:
+        reason = _split_reason(plan, split)
         if plan.split_reduce == "cluster":
-            return planning.with_split(plan, split), ()  # its (1, split) cluster
-        return dataclasses.replace(plan, split_k=split), ()
+            # Its (1, split) cluster.
+            return dataclasses.replace(planning.with_split(plan, split), reason=reason), ()
+        return dataclasses.replace(plan, split_k=split, reason=reason), ()
     return plan, ()
+
+
+def _split_reason(plan: planning.GemmPlan, split: int) -> str:
+    """The reason of `plan` refitted to `split` (`_fit_split`): what the plan now runs, and why
+    the planner's factor does not."""
+    tm, tn, _ = plan.mma_tiler_mnk
+    if plan.batch > 1:
+        why = f"the planner's split-K x{plan.split_k} runs on one GEMM, not a batch of {plan.batch}"
+    else:
+        why = (
+            f"the planner's split-K x{plan.split_k} needs K/{plan.split_k} whole and a "
+            f"multiple of {constraints.tma_quantum(plan.a_dtype)} (k={plan.k})"
+        )
+    if split == 1:
+        return f"wgmma {tm}x{tn} tile, unsplit: {why}"
+    return f"split-K x{split}, the largest factor that fits: {why}"
 
 
 def _usable_split(p: planning.GemmPlan) -> int:

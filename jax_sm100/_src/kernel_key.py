@@ -2,15 +2,18 @@
 
 disk_cache.py stores compiled kernels under the names `cache_key` gives. The name covers every
 field of the plan and the kernel spec, serialized canonically (stable across processes and
-Python's hash salting), the target arch, the host's OS and CPU, the nvidia-cutlass-dsl version
-and the fingerprint of its compiler library, and a hash of our kernel sources. At import this
-module needs only the standard library; the DSL is read from its files, and the compiler
-flavour from the DSL's own loaded module.
+Python's hash salting), the target arch, the host's OS and CPU, the nvidia-cutlass-dsl version,
+the fingerprint of its compiler library and its own compile settings (`dsl_compile_settings`),
+and a hash of our kernel sources. At import this module needs only the standard library; the
+DSL is read from its files, and the compiler flavour and settings from the DSL's own loaded
+modules.
 
 Which sources count
 -------------------
-Every `.py` under `jax_sm100/_src/kernels/`, `compile.py` and `constraints.py`, whose text
-makes the binary.
+Every `.py` under `jax_sm100/_src/kernels/` and `jax_sm100/_src/planning/` (the kernels run
+the planner's code while they are traced: the sm_100a grid's cluster count, the TMEM columns
+of the scale factors, the grouped cluster shapes), `compile.py` and `constraints.py`, whose
+text makes the binary.
 Neither this module nor disk_cache.py counts: they name and store a binary without changing
 it. A change to what the key's serialization means bumps `_KEY_FORMAT` instead; a change to
 the entry file layout bumps disk_cache's `_FORMAT_VERSION`.
@@ -26,6 +29,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import platform
 import re
 import sys
@@ -39,11 +43,12 @@ DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
 # Bump when the serialization in `cache_key` changes meaning.
 _KEY_FORMAT = 1
 
-# Everything whose source text changes a compiled kernel: the kernels, the module that drives
-# the DSL compile, and the constraints the kernels read (e.g. the split-K partial tile's row
-# padding). Not this module nor disk_cache.py (see the module docstring).
+# Everything whose source text changes a compiled kernel: the kernels, the planning code they
+# call while traced, the module that drives the DSL compile, and the constraints the kernels
+# read (e.g. the split-K partial tile's row padding). Not this module nor disk_cache.py (see
+# the module docstring).
 _SRC_ROOT = Path(__file__).resolve().parent
-_SOURCE_DIRS = ("kernels",)
+_SOURCE_DIRS = ("kernels", "planning")
 _SOURCE_FILES = ("compile.py", "constraints.py")
 
 
@@ -103,7 +108,8 @@ def _hash_sources(root: Path) -> str:
 
 @functools.cache
 def kernel_sources_hash() -> str:
-    """sha256 of every `.py` under `jax_sm100/_src/kernels/`, of `compile.py` and `constraints.py`.
+    """sha256 of every `.py` under `jax_sm100/_src/kernels/` and `planning/`, of `compile.py`
+    and `constraints.py`.
 
     Computed once per process: editing a kernel changes the key of every kernel in the next
     process.
@@ -194,6 +200,33 @@ def dsl_build_fingerprint() -> str:
     return ";".join(parts)
 
 
+# Of the DSL's compile settings, those the key leaves out: the target arch is the kernel's own
+# (`cache_key`'s `arch`; the compile sets the DSL's for it), and the runtime library's path
+# names a directory of this machine (the library itself is the DSL version's and flavour's).
+_DSL_SETTINGS_LEFT_OUT = ("arch", "shared_libs")
+
+
+def dsl_compile_settings() -> str:
+    """The settings the DSL's own JIT cache keys on (those it marks as changing a compile, from
+    its `CUTE_DSL_*` environment variables: line info, debug, compiler options, assertions...),
+    but `_DSL_SETTINGS_LEFT_OUT`. Where the DSL's settings object cannot be read, every
+    `CUTE_DSL_*` variable in the environment but `CUTE_DSL_ARCH`."""
+    try:
+        from cutlass.cutlass_dsl.cutlass import CuTeDSL  # noqa: PLC0415
+
+        rendered = CuTeDSL._get_dsl().envar.cache_key_str()
+    except Exception:  # Absent, or another version's API: what the environment says.
+        return ";".join(
+            f"{k}={v}"
+            for k, v in sorted(os.environ.items())
+            if k.startswith("CUTE_DSL_") and k != "CUTE_DSL_ARCH"
+        )
+    kept = (
+        x for x in rendered.split(";") if x and x.split("=", 1)[0] not in _DSL_SETTINGS_LEFT_OUT
+    )
+    return ";".join(kept)
+
+
 def cache_key(
     plan: Any,
     spec: Any,
@@ -206,8 +239,9 @@ def cache_key(
 
     Serializes every field of `plan` and `spec` canonically (stable across processes and
     Python's hash salting), the target arch, the host's OS and CPU (the object file holds the
-    host-side launch code), the nvidia-cutlass-dsl version and compiler fingerprint, the hash
-    of the kernel sources (`kernel_sources_hash`) and `extra`.
+    host-side launch code), the nvidia-cutlass-dsl version, compiler fingerprint and compile
+    settings (`dsl_compile_settings`), the hash of the kernel sources (`kernel_sources_hash`)
+    and `extra`.
 
     Args:
       plan: a frozen dataclass (a `GemmPlan`) whose fields are None, bool, int, float, str,
@@ -240,6 +274,7 @@ def cache_key(
         "host": f"{sys.platform}-{platform.machine()}",
         "dsl_version": dsl_version(),
         "dsl_build": dsl_build_fingerprint(),
+        "dsl_settings": dsl_compile_settings(),
         "sources": kernel_sources_hash(),
         "extra": sorted(extra.items()),
     }

@@ -200,7 +200,8 @@ def _int32_sizes(group_sizes, m: int):
     clamp them, `_lax_sizes` on XLA's)."""
     dtype = np.dtype(group_sizes.dtype)
     if dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4):
-        group_sizes = jnp.clip(group_sizes, 0, m)
+        top = m if jax.export.is_symbolic_dim(m) else min(m, np.iinfo(dtype).max)
+        group_sizes = jnp.clip(group_sizes, 0, top)
     return group_sizes.astype(jnp.int32)
 
 

@@ -204,11 +204,19 @@ def group_sizes_like(group_sizes, rhs):
     return jax.sharding.reshard(group_sizes, target)
 
 
+# The last row an int32 group end can name.
+INT32_MAX = 2**31 - 1
+
+
 def group_ends(group_sizes, m):
     """[..., g] int32: each group's end row as the kernels read the sizes (each clamped to
     [0, m], their running sum saturating at m), along the last axis. The scan adds
     min(b, m - a) to a rather than clamping a + b, so no partial sum passes m (int32 holds
-    every m). Sizes split along g under Explicit axes are gathered first (g int32s)."""
+    every m). Sizes split along g under Explicit axes are gathered first (g int32s). Past int32
+    rows (only XLA's ragged dot takes so many) the ends saturate at the last int32 row, where
+    a running sum of int32 sizes would wrap in XLA."""
+    if not jax.export.is_symbolic_dim(m):
+        m = min(m, INT32_MAX)
     sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
     sizes = whole_groups(sizes, sizes.ndim - 1)
     return lax.associative_scan(lambda a, b: a + jnp.minimum(b, m - a), sizes, axis=-1)
