@@ -74,6 +74,7 @@ constexpr uintptr_t kAlignment = 16;
 class Sha256 {
  public:
   void Update(const uint8_t* data, size_t size) {
+    if (size == 0) return;  // data may be null (an empty attribute): memcpy must not see it
     length_ += size;
     if (buffered_ > 0) {
       const size_t take = std::min(size, sizeof(buffer_) - buffered_);
@@ -362,11 +363,13 @@ bool IsArrayDtype(int64_t code) {
 }
 
 // Elements from a tensor's first to one past its last element: 0 when any extent is 0, else
-// 1 + sum((extent - 1) * stride). False on a negative value or int64 overflow.
+// 1 + sum((extent - 1) * stride). False on a negative value in any mode or int64 overflow.
 bool ElementSpan(const TensorSlot& t, int64_t* span) {
-  int64_t last = 0;
   for (int64_t i = 0; i < t.rank; ++i) {
     if (t.shape[i] < 0 || t.strides[i] < 0) return false;
+  }
+  int64_t last = 0;
+  for (int64_t i = 0; i < t.rank; ++i) {
     if (t.shape[i] == 0) {
       *span = 0;
       return true;
@@ -397,11 +400,13 @@ ffi::Error ParseCall(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> ord
   }
   call->num_tensors = count;
   size_t at = 1;
+  bool more_names = false;  // a comma after the last name read ("a,b," lists a third, empty)
   for (size_t i = 0; i < count; ++i) {
     TensorSlot& t = call->tensors[i];
     const size_t comma = names.find(',');
     t.name = std::string(names.substr(0, comma));
-    names = comma == std::string_view::npos ? std::string_view() : names.substr(comma + 1);
+    more_names = comma != std::string_view::npos;
+    names = more_names ? names.substr(comma + 1) : std::string_view();
     if (t.name.empty()) return BadDims("names lists fewer tensors than order");
     t.which = order[i];
     if (at + 4 > dims.size()) return BadDims("too short for tensor '" + t.name + "'");
@@ -457,7 +462,7 @@ ffi::Error ParseCall(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> ord
     t.arg_size = offset;
   }
   if (at != dims.size()) return BadDims("trailing entries");
-  if (!names.empty()) return BadDims("names lists more tensors than order");
+  if (more_names) return BadDims("names lists more tensors than order");
   return ffi::Error::Success();
 }
 

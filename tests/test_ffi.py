@@ -36,7 +36,7 @@ from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 
 import jax_sm100
-from jax_sm100._src import disk_cache, dispatch, ffi, ffi_checks
+from jax_sm100._src import constraints, disk_cache, dispatch, ffi, ffi_checks
 from jax_sm100._src import primitive as P
 
 _HAS_CXX = bool(os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++"))
@@ -78,11 +78,11 @@ class LayoutTest(parameterized.TestCase):
     def test_extent_range(self):
         top = ffi_checks.MAX_EXTENT
         self.assertEqual(top, 2**31 - 1)
-        self.assertIsNone(ffi_checks.check_extents(top, top, top, top))
+        self.assertIsNone(constraints.extent_support(top, top, top, top))
         # A folded batch of short rows: 2^31 rows of 16 (64 GiB of bf16, an H200 holds it).
-        why = ffi_checks.check_extents(2**31, 16, 16)
+        why = constraints.extent_support(2**31, 16, 16)
         self.assertRegex(why, r"m=2147483648 exceeds the kernels' int32 extent range.*XLA's dot")
-        self.assertRegex(ffi_checks.check_extents(8, 8, 8, 2**31), "batch=2147483648")
+        self.assertRegex(constraints.extent_support(8, 8, 8, 2**31), "batch=2147483648")
         big = ffi_checks.TensorLayout("a", "bfloat16", (2**31, 16, 1), (16, 1, 2**35), (0, 1, 2))
         with self.assertRaisesRegex(ffi_checks.LayoutError, r"tensor 'a' has extent 2147483648"):
             ffi_checks.encode([big])
@@ -94,6 +94,8 @@ class LayoutTest(parameterized.TestCase):
         ("dtype", lambda d: d[:1] + [13] + d[2:], "dtype code 13"),
         ("mask", lambda d: d[:3] + [0b1000] + d[4:], "masks"),
         ("negative", lambda d: d[:5] + [-1] + d[6:], "negative"),
+        # A zero extent before a negative stride (the handler stopped at the zero).
+        ("zero_then_negative", lambda d: d[:5] + [0, 8, 1, 8, -1, 32], "negative"),
         ("extent", lambda d: d[:5] + [2**31] + d[6:], "int32 index range"),
     )
     def test_malformed_dims_are_refused(self, edit, message):
@@ -106,6 +108,18 @@ class LayoutTest(parameterized.TestCase):
             code, text, _ = ffi.check_call(bad, [-1], names, [], [(16, 32)])
             self.assertEqual(code, _INVALID_ARGUMENT)
             self.assertRegex(text, message)
+
+    @parameterized.parameters("d,", ",d", "d,,", "")
+    def test_malformed_names_are_refused(self, names):
+        dims, _ = ffi_checks.encode(
+            [ffi_checks.TensorLayout("d", "bfloat16", (4, 8, 1), (8, 1, 32), (0, 1, 2))]
+        )
+        with self.assertRaisesRegex(ffi_checks.LayoutError, "does not list 1 tensors"):
+            ffi_checks.check_call(dims, [-1], names, [], [((1, 4, 8), "bfloat16")])
+        if _HAS_CXX:
+            code, text, _ = ffi.check_call(dims, [-1], names, [], [(16, 32)])
+            self.assertEqual(code, _INVALID_ARGUMENT)
+            self.assertRegex(text, "names lists (more|fewer) tensors than order")
 
     def test_dtype_codes_are_the_ffi_headers(self):
         header = Path(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h").read_text()
@@ -383,6 +397,9 @@ class NativeTest(parameterized.TestCase):
         out = bytes(65)
         ffi.library().JaxSm100_Sha256Hex(data, size, out)
         self.assertEqual(out[:64].decode(), hashlib.sha256(data).hexdigest())
+        if size == 0:  # an empty attribute: no data pointer at all
+            ffi.library().JaxSm100_Sha256Hex(None, 0, out)
+            self.assertEqual(out[:64].decode(), hashlib.sha256(b"").hexdigest())
 
 
 # ---------------------------------------------------------------------------------- trust
@@ -489,6 +506,51 @@ class TrustTest(absltest.TestCase):
             ffi.build()
         os.chmod(planted.parent, 0o700)
         self.assertEqual(ffi.build(), planted)
+
+    def test_ffi_library_is_not_built_in_a_folder_others_can_write(self):
+        # The first build is refused where a library found later would be (it was built, and
+        # loaded, there).
+        os.environ["JAX_SM100_CACHE_DIR"] = str(self.dir)
+        os.environ.pop("JAX_SM100_FFI_LIB", None)
+        os.environ["CXX"] = "/nonexistent/c++"  # no compile may start
+        os.chmod(self.dir, 0o777)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
+            ffi.build()
+        os.chmod(self.dir, 0o700)
+        key = ffi._build_key(ffi.source_path().read_bytes(), jax.ffi.include_dir())
+        (self.dir / f"ffi-{key}").chmod(0o770)  # made by the first try, modes kept
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, f"ffi-{key}"):
+            ffi.build()
+
+    def test_ffi_build_without_a_working_compiler(self):
+        # A compiler that cannot run raises FfiBuildError naming the fix, and leaves no
+        # temporary file behind (it raised a bare FileNotFoundError and left one a try).
+        os.environ["JAX_SM100_CACHE_DIR"] = str(self.dir)
+        os.environ.pop("JAX_SM100_FFI_LIB", None)
+        os.environ["CXX"] = "/nonexistent/c++"
+        for _ in range(2):
+            with self.assertRaisesRegex(ffi.FfiBuildError, "(?s)C\\+\\+17 compiler.*did not run"):
+                ffi.build()
+        (folder,) = self.dir.glob("ffi-*")
+        self.assertEqual(list(folder.iterdir()), [])
+
+    def test_no_build_at_import_where_jax_platforms_leaves_cuda_out(self):
+        for platforms, excluded in ((None, False), ("", False), ("cpu", True), ("cuda,cpu", False),
+                                    ("gpu", False), (" CPU , tpu", True)):  # fmt: skip
+            self.assertEqual(ffi.cuda_excluded(platforms), excluded, platforms)
+        with (
+            mock.patch.object(ffi, "cuda_plugin_installed", return_value=True),
+            mock.patch.object(ffi, "cuda_excluded", return_value=True),
+            mock.patch.object(ffi, "register") as register,
+        ):
+            self.assertFalse(ffi.register_if_cuda())
+        register.assert_not_called()
+
+    def test_ffi_library_key_names_the_host(self):
+        src, include = ffi.source_path().read_bytes(), jax.ffi.include_dir()
+        with mock.patch.object(ffi.platform, "machine", return_value="aarch64"):
+            other = ffi._build_key(src, include)
+        self.assertNotEqual(other, ffi._build_key(src, include))
 
     @absltest.skipUnless(_HAS_CXX, "the CUDA lowering registers the FFI handler: needs g++/c++")
     def test_lowering_with_a_group_writable_cache_fails_with_the_fix(self):

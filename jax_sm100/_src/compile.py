@@ -11,7 +11,8 @@ Because the binary depends on the plan's tiling and the spec but not on the prob
 caches are keyed on the plan without m, n, k and batch: all problems that plan the same tiles
 share one compile. In front of the compiler sit an in-process dict and the on-disk store of
 disk_cache.py (`JAX_SM100_CACHE_DIR`; `off` disables it), so a new process that meets a binary
-a previous one built loads it without importing the DSL.
+a previous one built loads it without compiling (the key reads the DSL's version, compiler
+flavour and settings, which the planner has imported already).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _from_disk_or_compile(plan, spec: KernelSpec) -> CompiledGemm:
     """The on-disk kernel cache (disk_cache.py) in front of the compiler.
 
     The entry's payload is the object file; its metadata holds everything else a CompiledGemm
-    carries (PTX, cubin as hex, argument layout), so a hit needs no DSL import at all.
+    carries (PTX, cubin as hex, argument layout), so a hit needs no compile.
     """
     from jax_sm100._src import disk_cache, kernel_key  # noqa: PLC0415
 
@@ -202,10 +203,6 @@ def _compile_in_subprocess(plan, spec: KernelSpec) -> CompiledGemm:
             + proc.stderr.decode(errors="replace")[-4000:]
         )
     return pickle.loads(proc.stdout)
-
-
-def cache_stats() -> dict[str, int]:
-    return dict(_stats, entries=len(_cache))
 
 
 def workspace_shapes(plan) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -2,11 +2,12 @@
 
 The handler (`ffi/gemm_ffi.cc`) is plain C++ against the XLA FFI headers that jaxlib ships
 (`jax.ffi.include_dir()`); it links nothing from CUDA and dlopens the CuTe DSL runtime
-(`libcute_dsl_runtime.so`, in the nvidia-cutlass-dsl wheel) on first use. It is built lazily, on
-the first CUDA lowering in a process, with the system C++ compiler into a per-user cache
-directory keyed by a hash of its source and of the FFI headers, so importing jax_sm100 needs
-no compiler, no GPU and no CUDA toolkit, and CPU-only installs never build it. BUILD.md says
-how to prebuild it (`python -m jax_sm100.build_ffi`) and which variables steer it.
+(`libcute_dsl_runtime.so`, in the nvidia-cutlass-dsl wheel) on first use. It is built on first
+need, with the system C++ compiler into a per-user cache directory keyed by a hash of its
+source, the host and the FFI headers: at import where a JAX CUDA plugin is installed and
+JAX_PLATFORMS does not leave CUDA out (`register_if_cuda`), else at the first CUDA lowering.
+So CPU-only installs need no compiler, no GPU and no CUDA toolkit, and never build it. BUILD.md
+says how to prebuild it (`python -m jax_sm100.build_ffi`) and which variables steer it.
 
 A library found in the cache folder is loaded only when that folder is private to the user
 (`disk_cache.check_private_dir`): loading it runs its code, as loading a kernel does.
@@ -22,8 +23,10 @@ import functools
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 
@@ -66,20 +69,23 @@ def compile_command(cxx: str, src: os.PathLike, include_dir: str, out: os.PathLi
 
 
 def _build_key(src: bytes, include_dir: str) -> str:
+    # The library is host code: one cache folder shared by x86-64 and aarch64 machines (an NFS
+    # home) holds one build of each.
     h = hashlib.sha256(src)
-    h.update(jax.__version__.encode())
+    h.update(f"{jax.__version__}\0{sys.platform}\0{platform.machine()}".encode())
     for header in sorted(pathlib.Path(include_dir, "xla", "ffi", "api").glob("*.h")):
         h.update(header.read_bytes())
     return h.hexdigest()[:16]
 
 
-def build(out_dir: pathlib.Path | None = None) -> pathlib.Path:
+def build() -> pathlib.Path:
     """Compiles the handler (if not already built) and returns the shared library's path.
 
     Raises:
       FfiBuildError: no C++ compiler, or the compile failed (its output is in the message).
-      UntrustedCacheError: the library in the cache folder could have been written by another
-        user (disk_cache.py, "Trust").
+      UntrustedCacheError: the cache folder, or the library in it, could have been written by
+        another user (disk_cache.py, "Trust"): checked before a library is built there, and
+        before one found there is returned.
     """
     prebuilt = os.environ.get("JAX_SM100_FFI_LIB")
     if prebuilt:
@@ -92,33 +98,40 @@ def build(out_dir: pathlib.Path | None = None) -> pathlib.Path:
         )
     include_dir = jax.ffi.include_dir()
     key = _build_key(src_path.read_bytes(), include_dir)
-    target = (out_dir or _cache_dir() / f"ffi-{key}") / _LIB_NAME
+    target = _cache_dir() / f"ffi-{key}" / _LIB_NAME
     if target.exists():
-        if out_dir is None:
-            disk_cache.check_private_dir(target.parent)
-            disk_cache.check_private_file(target, os.stat(target))
+        disk_cache.check_private_dir(target.parent)
+        disk_cache.check_private_file(target, os.stat(target))
         return target
+    no_compiler = (
+        "jax_sm100: building the FFI handler needs a C++17 compiler (g++ or clang++) on PATH, or "
+        "CXX set; or set JAX_SM100_FFI_LIB to a library built elsewhere (BUILD.md)"
+    )
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        raise FfiBuildError(
-            "jax_sm100: building the FFI handler needs a C++17 compiler (g++ or clang++) on PATH, "
-            "or CXX set; or set JAX_SM100_FFI_LIB to a library built elsewhere (BUILD.md)"
-        )
-    if out_dir is None:
-        disk_cache.make_private_dir(target.parent)  # as the kernel cache makes its folder
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        tmp_path = tmp.name
-    cmd = compile_command(cxx, src_path, include_dir, tmp_path)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp_path)
-        raise FfiBuildError(
-            f"jax_sm100: building the FFI handler failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
-        )
-    os.chmod(tmp_path, 0o755)  # the linker's mode follows the umask; nobody else may write it
-    os.replace(tmp_path, target)  # atomic: concurrent builders agree on the result
+        raise FfiBuildError(no_compiler)
+    disk_cache.make_private_dir(target.parent)  # as the kernel cache makes its folder
+    # A folder that was there already keeps its modes: the build goes only where a library
+    # found later would be trusted.
+    disk_cache.check_private_dir(target.parent)
+    fd, tmp_path = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".so")
+    os.close(fd)
+    try:
+        cmd = compile_command(cxx, src_path, include_dir, tmp_path)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise FfiBuildError(f"{no_compiler}; {cxx!r} did not run: {e}") from e
+        if proc.returncode != 0:
+            raise FfiBuildError(
+                f"jax_sm100: building the FFI handler failed:\n{' '.join(cmd)}\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        os.chmod(tmp_path, 0o755)  # the linker's mode follows the umask; nobody else may write
+        os.replace(tmp_path, target)  # atomic: concurrent builders agree on the result
+    finally:
+        if os.path.lexists(tmp_path):
+            os.unlink(tmp_path)
     return target
 
 
@@ -227,15 +240,25 @@ def cuda_plugin_installed() -> bool:
     return False
 
 
+def cuda_excluded(platforms: str | None) -> bool:
+    """Whether JAX's platforms setting (`JAX_PLATFORMS`, e.g. "cpu") keeps CUDA out of the
+    process; unset (None or ""), JAX takes every platform installed."""
+    names = {p.strip().lower() for p in (platforms or "").split(",") if p.strip()}
+    return bool(names) and not names & {"cuda", "gpu"}
+
+
 def register_if_cuda() -> bool:
     """Registers the target when JAX can run on CUDA here; True when registered.
 
     For processes that run a deserialised `jax.export` artifact or a persistent-cache hit
-    without lowering jax_sm100.matmul themselves. On a machine without a CUDA plugin this does
-    nothing (no compiler is needed there); a failed build is reported as a warning, and the
+    without lowering jax_sm100.matmul themselves. On a machine without a CUDA plugin, or where
+    JAX_PLATFORMS leaves CUDA out, this does nothing (no compiler is needed there); a failed
+    build is reported as a warning, and the
     CUDA lowering will raise it again with the full message if a kernel is actually used.
     """
     if not cuda_plugin_installed():
+        return False
+    if cuda_excluded(jax.config.jax_platforms):
         return False
     try:
         register()
@@ -250,7 +273,3 @@ def register_if_cuda() -> bool:
 def export_safety_checks() -> list:
     """`disabled_checks` for `jax.export.export` of functions that call our kernels."""
     return [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
-
-
-if __name__ == "__main__":
-    print(build())

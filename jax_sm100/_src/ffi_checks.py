@@ -6,10 +6,9 @@ stride of each mode in elements) in the custom call's `dims` attribute; the hand
 and refuses the call with `InvalidArgument` naming the tensor when the kernel would read or
 write past that buffer. This module is the Python statement of the same rules:
 
-- `check_extents`: whether a problem's extents stay in the kernels' index range (int32); the
-  same function as `constraints.extent_support`, which the planner asks (through
+- The kernels' index range (int32): the planner asks `constraints.extent_support` (through
   `kernel_support`), so that a problem past the range runs on XLA's dot with the reason in the
-  plan; the handler refuses such extents again.
+  plan; `encode` and the handler refuse such extents again.
 - `TensorLayout`, `encode`: the attribute format (`DIMS_FORMAT`), written by gpu_lowering.py.
 - `check_call`: the handler's checks (instantiate: the attribute; execute: each buffer's dtype
   and element count), run by the lowering at trace time and by the tests against the handler's
@@ -67,11 +66,6 @@ class LayoutError(ValueError):
     """A kernel call whose tensor layouts do not fit its buffers; the message names the tensor."""
 
 
-# The planner's extent rule (`constraints.extent_support`): a problem past the kernels' int32
-# index range runs on XLA's dot with this reason in its plan.
-check_extents = constraints.extent_support
-
-
 @dataclasses.dataclass(frozen=True)
 class TensorLayout:
     """One tensor argument of a kernel call.
@@ -127,7 +121,7 @@ def encode(layouts: Sequence[TensorLayout]) -> tuple[list[int], str]:
 
     Raises:
       LayoutError: an extent past the kernels' index range (the planner sends such problems to
-        XLA's dot: `check_extents`), or more tensors than the handler takes.
+        XLA's dot: `constraints.extent_support`), or more tensors than the handler takes.
     """
     if not 0 < len(layouts) <= MAX_TENSORS:
         raise LayoutError(f"{len(layouts)} tensors; the handler takes 1 to {MAX_TENSORS}")

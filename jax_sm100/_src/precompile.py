@@ -35,8 +35,9 @@ class Precompiled:
       plan: its plan, as the CUDA lowering adjusts it for a call.
       spec: the spec it was compiled with.
       compiled: the `CompiledGemm`, or None when no kernel was compiled (see `note`).
-      note: "compiled" (followed by the lowering's notes on the plan, if any), "same plan as
-        <shape>" or "XLA dot: <reason>".
+      note: "compiled" (followed by the lowering's notes on the plan, if any), "same kernel
+        as <shape>" (an earlier shape's plan compiles to the same binary: the plans differ in
+        their sizes only) or "XLA dot: <reason>".
       seconds: wall time of this shape's compile (0 when none ran).
     """
 
@@ -151,7 +152,9 @@ def precompile(
 
     bar = _Progress(len(shapes), (file or sys.stderr) if progress else None)
     results: list[Precompiled] = []
-    first_shape: dict[tuple[planning.GemmPlan, KernelSpec], tuple[int, ...]] = {}
+    # The first shape of each binary (`compile.binary_key`: plans differing in their sizes only
+    # share one).
+    first_shape: dict[tuple, tuple[int, ...]] = {}
     start = time.perf_counter()
     for i, (shape, (batch, m, n, k)) in enumerate(zip(shapes, problems, strict=True)):
         label = "x".join(map(str, shape)) + f" {arch}"
@@ -170,11 +173,12 @@ def precompile(
             if plan.kernel == planning.KERNEL_XLA:
                 results.append(Precompiled(shape, plan, spec, None, plan.reason, 0.0))
                 continue
-            if (plan, spec) in first_shape:
-                note = f"same plan as {first_shape[plan, spec]}"
+            binary = compile_mod.binary_key(plan, spec)
+            if binary in first_shape:
+                note = f"same kernel as {first_shape[binary]}"
                 results.append(Precompiled(shape, plan, spec, None, note, 0.0))
                 continue
-            first_shape[plan, spec] = shape
+            first_shape[binary] = shape
             t0 = time.perf_counter()
             compiled = compile_mod.compile_plan(plan, spec)
             seconds = time.perf_counter() - t0
@@ -188,6 +192,6 @@ def precompile(
     n_xla = sum(r.plan.kernel == planning.KERNEL_XLA for r in results)
     bar.close(
         f"precompile: {n_compiled} kernels for {arch} in {time.perf_counter() - start:.1f} s "
-        f"({len(results) - n_compiled - n_xla} shapes shared a plan, {n_xla} run on XLA's dot)"
+        f"({len(results) - n_compiled - n_xla} shapes shared a kernel, {n_xla} run on XLA's dot)"
     )
     return results
