@@ -178,6 +178,7 @@ using RtError = int;  // CuteDSLRT_Error_t
 using ModuleCreateFn = RtError (*)(void** module, const unsigned char* bytes, size_t size,
                                    const char** shared_libs, size_t num_shared_libs);
 using GetFunctionFn = RtError (*)(void** function, void* module, const char* prefix);
+using ModuleDestroyFn = RtError (*)(void* module);
 using RunFn = RtError (*)(void* function, void** args, size_t num_args);
 using ErrorStringFn = const char* (*)(RtError error);
 using CudaErrorStringFn = const char* (*)(int error);
@@ -185,6 +186,7 @@ using CudaErrorStringFn = const char* (*)(int error);
 struct Runtime {
   ModuleCreateFn module_create = nullptr;
   GetFunctionFn get_function = nullptr;
+  ModuleDestroyFn module_destroy = nullptr;  // for a module whose function is missing
   RunFn run = nullptr;
   ErrorStringFn error_string = nullptr;
 };
@@ -220,9 +222,11 @@ ffi::ErrorOr<Runtime> LoadRuntimeLocked() {
   rt.module_create =
       reinterpret_cast<ModuleCreateFn>(dlsym(lib, "CuteDSLRT_Module_Create_From_Bytes"));
   rt.get_function = reinterpret_cast<GetFunctionFn>(dlsym(lib, "CuteDSLRT_Module_Get_Function"));
+  rt.module_destroy = reinterpret_cast<ModuleDestroyFn>(dlsym(lib, "CuteDSLRT_Module_Destroy"));
   rt.run = reinterpret_cast<RunFn>(dlsym(lib, "CuteDSLRT_Function_Run"));
   rt.error_string = reinterpret_cast<ErrorStringFn>(dlsym(lib, "CuteDSLRT_GetErrorString"));
-  if (!rt.module_create || !rt.get_function || !rt.run || !rt.error_string) {
+  if (!rt.module_create || !rt.get_function || !rt.module_destroy || !rt.run ||
+      !rt.error_string) {
     return ffi::Unexpected(ffi::Error::Internal(
         "jax_sm100: " + g_runtime_path +
         " lacks the CuteDSLRT_* entry points; nvidia-cutlass-dsl >= 4.8 is required"));
@@ -289,6 +293,7 @@ ffi::ErrorOr<std::pair<void*, Runtime>> LoadKernel(std::string_view key,
   LoadedKernel loaded{std::vector<uint8_t>(object.begin(), object.end()), std::string(prefix)};
   err = rt->get_function(&function, module, loaded.prefix.c_str());
   if (err != 0) {
+    rt->module_destroy(module);  // nothing else holds it
     return ffi::Unexpected(ffi::Error::Internal(
         "jax_sm100: function '" + loaded.prefix +
         "' not found in the compiled kernel: " + RuntimeErrorText(rt->error_string, err)));
