@@ -109,6 +109,27 @@ class DtypeTest(parameterized.TestCase):
         eqn = next(e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul")
         self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(dtype)})
 
+    def test_weak_integer_operand_has_no_say(self):
+        # A broadcast Python int (weak int32) beside a float takes jnp's promoted float dtype,
+        # as a weak float does (it was refused as an integer operand); ints alone stay refused.
+        def f(a, s, t):
+            w, v = jnp.broadcast_to(s, (40, 16)), jnp.broadcast_to(t, (40, 16))
+            return jax_sm100.matmul(a, w), jnp.matmul(a, w), jax_sm100.matmul(w.T, 0.5 * v)
+
+        a = _rand((24, 40), "bfloat16")
+        ours, ref, both = jax.jit(f)(a, 3, 1.5)
+        self.assertEqual(jax.typeof(ours), jax.typeof(ref))
+        tu.assert_close(self, ours, np.asarray(ref, np.float32), "bfloat16", 2)
+        self.assertEqual(
+            jax.typeof(both),
+            jax.typeof(jnp.matmul(jnp.broadcast_to(3, (16, 40)), jnp.broadcast_to(0.75, (40, 16)))),
+        )
+        np.testing.assert_allclose(both, np.full((16, 16), 3 * 0.75 * 40))
+        with self.assertRaisesRegex(TypeError, "a has integer dtype int32"):
+            jax_sm100.matmul(jnp.broadcast_to(1, (4, 8)), jnp.broadcast_to(2, (8, 3)))
+        with self.assertRaisesRegex(TypeError, "a has integer dtype int32"):
+            jax_sm100.matmul(jnp.ones((4, 8), jnp.int32), jnp.ones((8, 3), jnp.bfloat16))
+
     def test_both_weak_gives_weak(self):
         def f(s, t):
             a, b = jnp.broadcast_to(s, (4, 8)), jnp.broadcast_to(t, (8, 3))

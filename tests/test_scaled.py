@@ -228,6 +228,28 @@ class ScaledMatmulTest(parameterized.TestCase):
                               for x in batched])  # fmt: skip
             tu.assert_close(self, out, want, "float32", 64)
 
+    @parameterized.parameters(*scaled.RECIPES)
+    def test_no_contraction(self, recipe):
+        # k = 0, quantize's own output included: zeros, as jax.nn.scaled_matmul and the jnp
+        # contraction give (the plain scales' check and the dequantization divided by zero).
+        lhs, ls = jax_sm100.quantize(jnp.ones((1, 3, 0)), recipe)
+        rhs, rs = jax_sm100.quantize(jnp.ones((1, 4, 0)), recipe)
+        out = jax.jit(jax_sm100.scaled_matmul)(lhs, rhs, ls, rs)
+        np.testing.assert_array_equal(out, np.zeros((1, 3, 4), np.float32))
+        grads = jax.grad(lambda x, w: jax_sm100.scaled_matmul(x, w, ls, rs).sum(), (0, 1))
+        for g, x in zip(grads(lhs, rhs), (lhs, rhs), strict=True):
+            self.assertEqual((g.shape, g.dtype), (x.shape, x.dtype))
+        if scaled.RECIPES[recipe].layout != "blocked":
+            zero = jnp.ones((1, 3, 0))
+            self.assertEqual(jax_sm100.scaled_matmul(lhs, rhs, zero, jnp.ones((1, 4, 0))).shape,
+                             (1, 3, 4))  # fmt: skip
+        for arch in ("sm_90a", "sm_100a"):
+            with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+                exp = jax.export.export(jax.jit(jax_sm100.scaled_matmul), platforms=["cuda"])(
+                    lhs, rhs, ls, rs
+                )
+            self.assertNotIn("custom_call @jax_sm100", exp.mlir_module())
+
     def test_cuda_lowering_says_which_path(self):
         lhs = jax.ShapeDtypeStruct((1, 128, 256), jnp.float8_e4m3fn)
         rhs = jax.ShapeDtypeStruct((1, 64, 256), jnp.float8_e4m3fn)

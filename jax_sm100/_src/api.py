@@ -32,14 +32,21 @@ def result_type(a, b, out_dtype):
     weakly typed when both operands are. A weakly typed operand is converted to the result
     dtype, as jnp's elementwise ops do, so that the product has one operand dtype and can run
     on the kernels. fp8 operands, which jnp does not promote, follow `dtypes.default_out_dtype`.
+    A weakly typed integer or bool operand (a broadcast Python int) beside a float one takes
+    the float dtype jnp promotes to, first.
     """
+    weak_a, weak_b = _weak(a), _weak(b)
+    if (weak_a or weak_b) and any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in (a, b)):
+        promoted = jnp.result_type(a, b)
+        if jnp.issubdtype(promoted, jnp.floating):
+            a = a.astype(promoted) if weak_a and a.dtype != promoted else a
+            b = b.astype(promoted) if weak_b and b.dtype != promoted else b
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
     if out_dtype is not None:
         return a, b, D.requested(out_dtype, "out_dtype", "jax_sm100.matmul", stacklevel=5), False
     if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
         return a, b, np.dtype(D.default_out_dtype(a_name, b_name)), False
-    weak_a, weak_b = _weak(a), _weak(b)
     out = np.dtype(jnp.result_type(a, b))
     if weak_a and not weak_b and a.dtype != out:
         a = a.astype(out)
