@@ -3,6 +3,7 @@ the recipes' layouts and accuracy, transformations, errors."""
 
 from __future__ import annotations
 
+import functools
 import os
 from unittest import mock
 
@@ -232,17 +233,17 @@ class ScaledMatmulTest(parameterized.TestCase):
     def test_no_contraction(self, recipe):
         # k = 0, quantize's own output included: zeros, as jax.nn.scaled_matmul and the jnp
         # contraction give (the plain scales' check and the dequantization divided by zero).
-        lhs, ls = jax_sm100.quantize(jnp.ones((1, 3, 0)), recipe)
-        rhs, rs = jax_sm100.quantize(jnp.ones((1, 4, 0)), recipe)
+        lhs, ls = jax_sm100.quantize(jnp.ones((1, 3, 0), jnp.float32), recipe)
+        rhs, rs = jax_sm100.quantize(jnp.ones((1, 4, 0), jnp.float32), recipe)
         out = jax.jit(jax_sm100.scaled_matmul)(lhs, rhs, ls, rs)
         np.testing.assert_array_equal(out, np.zeros((1, 3, 4), np.float32))
         grads = jax.grad(lambda x, w: jax_sm100.scaled_matmul(x, w, ls, rs).sum(), (0, 1))
         for g, x in zip(grads(lhs, rhs), (lhs, rhs), strict=True):
             self.assertEqual((g.shape, g.dtype), (x.shape, x.dtype))
         if scaled.RECIPES[recipe].layout != "blocked":
-            zero = jnp.ones((1, 3, 0))
-            self.assertEqual(jax_sm100.scaled_matmul(lhs, rhs, zero, jnp.ones((1, 4, 0))).shape,
-                             (1, 3, 4))  # fmt: skip
+            ones = functools.partial(jnp.ones, dtype=jnp.float32)
+            out = jax_sm100.scaled_matmul(lhs, rhs, ones((1, 3, 0)), ones((1, 4, 0)))
+            self.assertEqual(out.shape, (1, 3, 4))
         for arch in ("sm_90a", "sm_100a"):
             with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
                 exp = jax.export.export(jax.jit(jax_sm100.scaled_matmul), platforms=["cuda"])(
