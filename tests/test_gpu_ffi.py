@@ -63,13 +63,14 @@ def _layouts(compiled, m=_M, n=_N, k=_K):
     ]
 
 
-def _raw_call(compiled, *, layouts=None, dims=None, key=None, obj=None, out_rows=_M):
+def _raw_call(compiled, *, layouts=None, dims=None, key=None, obj=None, out_rows=_M,
+              prefix=None):  # fmt: skip
     """A jitted f(a [1, m, k], b [1, k, n]) -> d [1, out_rows, n]: one hand-built custom call."""
     enc_dims, names = ffi_checks.encode(layouts or _layouts(compiled))
     attrs = dict(
         key=key or compiled.digest,
         object=np.frombuffer(obj or compiled.object_bytes, dtype=np.uint8),
-        prefix=compiled.function_prefix,
+        prefix=prefix or compiled.function_prefix,
         dims=np.asarray(enc_dims if dims is None else dims, dtype=np.int64),
         order=np.asarray(
             [{"a": 0, "b": 1, "d": -1}[t.name] for t in compiled.tensor_args], dtype=np.int64
@@ -159,6 +160,15 @@ class HandlerTest(absltest.TestCase):
         self._assert_refused(forged, rf"sha256 is {self.other.digest} but")
         self._assert_correct(first(self.a, self.b))
         self._assert_correct(_raw_call(self.other)(self.a, self.b), np.maximum(self.ref, 0))
+
+    def test_missing_function_is_refused(self):
+        # The object loads, its function is not there: refused (the module destroyed), and
+        # the kernel loaded under the same key before runs on.
+        self._assert_correct(_raw_call(self.compiled)(self.a, self.b))
+        self._assert_refused(
+            _raw_call(self.compiled, prefix="no_such_function"),
+            "function 'no_such_function' not found in the compiled kernel",
+        )
 
     def test_many_instances_and_a_loop(self):
         # Each custom call is an instance with its own state made at instantiate; a loop of
