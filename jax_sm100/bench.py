@@ -120,7 +120,8 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
     product costs one product plus one tiny fusion, and 1 / unroll of the loop counter.
 
     Args:
-      product: (a [m, k], b [k, n]) -> out [m, n].
+      product: (a [m, k], b [k, n]) -> out [m, n], or a tuple whose first element is out (the
+        others are carried too, so that every one is written, as a kernel's second result is).
       reps: the number of products, a Python int, a multiple of `unroll` (the trip count
         reps / unroll is then static: XLA knows it and annotates the loop with it).
       unroll: products per loop iteration.
@@ -139,13 +140,14 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
             a, a00, out = carry
             for _ in range(unroll):
                 out = product(a, b)
-                a00 = a00.astype(jnp.float32) + scale * out[0, 0].astype(jnp.float32)
+                first = out[0] if isinstance(out, tuple) else out
+                a00 = a00.astype(jnp.float32) + scale * first[0, 0].astype(jnp.float32)
                 a00 = a00.astype(a.dtype)
                 a = a.at[0, 0].set(a00)
             return a, a00, out
 
         out = jax.eval_shape(product, a, b)
-        init = (a, a[0, 0], jnp.zeros(out.shape, out.dtype))
+        init = (a, a[0, 0], jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out))
         return jax.lax.fori_loop(0, reps // unroll, body, init)[2]
 
     return f
@@ -471,7 +473,7 @@ def time_device(
 
     def one_call(compiled) -> tuple[float, float]:
         t = time.perf_counter()
-        compiled(a, b, scale).block_until_ready()
+        jax.block_until_ready(compiled(a, b, scale))
         return t, time.perf_counter()
 
     def calibrate(product):
@@ -515,7 +517,8 @@ def time_device(
     times = spans[:, :, 1] - spans[:, :, 0]
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
-        size = math.prod(jax.eval_shape(product, a, b).shape)
+        out_shape = jax.eval_shape(product, a, b)
+        size = math.prod((out_shape[0] if isinstance(out_shape, tuple) else out_shape).shape)
         check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size)
         intervals = tuple((float(t0), float(t1)) for t0, t1 in spans[:, i])
         out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check, intervals))

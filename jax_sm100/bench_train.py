@@ -21,7 +21,7 @@ the step needs beside its inputs and outputs: saved activations, gradients in fl
 bytes of the residuals the backward saves (`saved_residuals`), and how many of the compiled
 step's products are our kernel and how many XLA's.
 
-Then (`--products`) the MLP block's backward products alone, and `jax.vjp` of one 8192^3
+Then (unless `--no-products`) the MLP block's products alone, and `jax.vjp` of one 8192^3
 product, by the device method of `jax_sm100.bench` (R dependent products in one XLA loop):
 each product in the layout the backward runs it in (input gradients with B transposed, weight
 gradients with A transposed, the fused activation-gradient epilogue against XLA's product plus
@@ -209,13 +209,15 @@ def report_models(rows) -> None:
 # --- the backward products alone ------------------------------------------------------------------
 
 
-def _bind(x, y, *extra, tx=False, ty=False, act_grad=None, bias=False, activation=None):
+def _bind(x, y, *extra, tx=False, ty=False, act_grad=None, bias=False, activation=None,
+          both=False):  # fmt: skip
     params = dict(
         transpose_a=tx, transpose_b=ty, alpha=1.0, beta=1.0, activation=activation,
         out_dtype=np.dtype(jnp.bfloat16), has_bias=bias, has_c=act_grad is not None,
         plan=None, save_preact=activation is not None, act_grad=act_grad,
     )  # fmt: skip
-    return P.matmul_p.bind(x, y, *extra, **params)[0]
+    outs = P.matmul_p.bind(x, y, *extra, **params)
+    return tuple(outs) if both else outs[0]
 
 
 def product_cases():
@@ -238,9 +240,11 @@ def product_cases():
         y = lax.dot_general(a, b, dn_bt).astype(jnp.float32)
         return (y * P.activation_grad(z.astype(jnp.float32), "gelu")).astype(jnp.bfloat16)
 
+    # Both sides write gelu(z) and z (the pre-activation the backward reads).
     yield ("fwd 1: x @ w1 + b1, gelu, saves z", (t, f, d), _normal(k[2], (t, d)),
-           _normal(k[3], (d, f)), lambda a, b: _bind(a, b, b1, bias=True, activation="gelu"),
-           lambda a, b: dot_fused_gelu(a, b)[0])  # fmt: skip
+           _normal(k[3], (d, f)),
+           lambda a, b: _bind(a, b, b1, bias=True, activation="gelu", both=True),
+           dot_fused_gelu)  # fmt: skip
     yield ("fwd 2: h @ w2", (t, d, f), _normal(k[4], (t, f)), _normal(k[5], (f, d)),
            lambda a, b: _bind(a, b), lambda a, b: jnp.dot(a, b))  # fmt: skip
     yield ("dgrad 2: (g @ w2^T) * gelu'(z)", (t, f, d), _normal(k[6], (t, d)),

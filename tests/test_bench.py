@@ -47,6 +47,20 @@ class DeviceTimerTest(parameterized.TestCase):
         self.assertEqual((t.check.unroll, t.check.min_size), (bench.DEFAULT_UNROLL, 24 * 40))
         self.assertEqual(t.check.problems(), [])
 
+    def test_products_with_a_second_result_write_it(self):
+        # A product returning (out, z) (the forward that saves its pre-activation): z is carried
+        # through the loop too, so it is written every product, as the kernel's second result.
+        a, b = _operands(24, 40, 32)
+
+        def both(a, b):
+            y = jnp.dot(a, b)
+            return jnp.tanh(y), y
+
+        t = bench.time_device(both, a, b, min_seconds=2e-3, rounds=3)
+        self.assertEqual((t.check.min_size, t.check.problems()), (24 * 40, []))
+        text = _compiled_text(bench.loop_fn(both, 8, 4), a, b, jnp.float32(0))
+        self.assertRegex(text, r"ROOT .*\(f32\[24,40\]\S*, f32\[24,40\]\S*\) tuple")
+
     def test_several_products_are_timed_alike(self):
         a, b = _operands(24, 40, 32)
         timings = bench.time_device(
