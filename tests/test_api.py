@@ -125,6 +125,13 @@ class DtypeTest(parameterized.TestCase):
             jax.typeof(jnp.matmul(jnp.broadcast_to(3, (16, 40)), jnp.broadcast_to(0.75, (40, 16)))),
         )
         np.testing.assert_allclose(both, np.full((16, 16), 3 * 0.75 * 40))
+        # The same rules as the weak float it stands for: beside fp8, and with out_dtype.
+        a8 = jnp.ones((4, 8), jnp.float8_e4m3fn)
+        for b, kw in ((a8, {}), (a[:4, :8], {"out_dtype": jnp.float32})):
+            got = jax_sm100.matmul(b, jnp.broadcast_to(1001, (8, 3)), **kw)
+            want = jax_sm100.matmul(b, jnp.broadcast_to(1001.0, (8, 3)), **kw)
+            self.assertEqual(jax.typeof(got), jax.typeof(want))
+            np.testing.assert_array_equal(got, want)
         with self.assertRaisesRegex(TypeError, "a has integer dtype int(32|64)"):
             jax_sm100.matmul(jnp.broadcast_to(1, (4, 8)), jnp.broadcast_to(2, (8, 3)))
         with self.assertRaisesRegex(TypeError, "a has integer dtype int32"):

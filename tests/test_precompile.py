@@ -29,22 +29,25 @@ class _Compiling(Exception):
     """Raised by the stand-in compile_plan once the CUDA lowering has chosen its binary."""
 
 
-def _binary_the_lowering_compiles(m, n, k, *, arch, num_sms):
-    """(plan, spec) the CUDA lowering passes to compile_plan for a bf16 [m, k] @ [k, n] call."""
+def _binary_the_lowering_compiles(m, n, k, *, arch, num_sms, bias_dtype=None):
+    """(plan, spec) the CUDA lowering passes to compile_plan for a bf16 [m, k] @ [k, n] call
+    (with a [n] bias of `bias_dtype`, where given)."""
     calls = []
 
     def record(plan, spec):
         calls.append((plan, spec))
         raise _Compiling
 
-    def call(a, b):
+    def call(a, b, bias=None):
         return gpu_lowering.cuda_matmul_impl(
-            a, b, None, None, transpose_a=False, transpose_b=False, alpha=1.0, beta=1.0,
+            a, b, bias, None, transpose_a=False, transpose_b=False, alpha=1.0, beta=1.0,
             activation=None, out_dtype=jnp.bfloat16,
         )  # fmt: skip
 
     operands = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
                 jax.ShapeDtypeStruct((k, n), jnp.bfloat16))  # fmt: skip
+    if bias_dtype is not None:
+        operands += (jax.ShapeDtypeStruct((n,), jnp.dtype(bias_dtype)),)
     stand_in = types.SimpleNamespace(compile_plan=record)
     with (
         mock.patch.object(dispatch, "device_target", lambda: dispatch.Target(arch, num_sms, True)),
@@ -129,6 +132,17 @@ class PrecompileTest(parameterized.TestCase):
         results = precompile([(4096, 4096, 4096)], arch="sm_90a", num_sms=114, progress=False)
         self.assertEqual(results[0].plan.num_sms, 114)
         self.compile_plan.assert_called_once()
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2", "bfloat16", "float32")
+    def test_bias_dtype_is_the_one_the_lowering_compiles(self, bias_dtype):
+        # The lowering hands the kernel an fp8 bias as float32: precompile warms that binary.
+        lowered = _binary_the_lowering_compiles(4096, 4096, 4096, arch="sm_90a", num_sms=132,
+                                                bias_dtype=bias_dtype)  # fmt: skip
+        (result,) = precompile([(4096, 4096, 4096)], arch="sm_90a", num_sms=132,
+                               bias_dtype=bias_dtype, progress=False)  # fmt: skip
+        self.assertEqual((result.plan, result.spec), lowered)
+        self.assertEqual(result.spec.bias_dtype, "bfloat16" if bias_dtype == "bfloat16"
+                         else "float32")  # fmt: skip
 
     def test_plans_for_the_targets_sm_count(self):
         # The planner plans for the device's SM count (not a default count swapped in after):

@@ -1031,6 +1031,18 @@ class RaggedDotTest(parameterized.TestCase):
             for f in (jax_sm100.ragged_dot, jax.grad(loss, argnums=(0, 1))):
                 exp = jax.export.export(jax.jit(f), platforms=[platform])(*args)
                 self.assertNotIn("custom_call @jax_sm100", exp.mlir_module())
+            sizes32 = args[2].update(dtype=jnp.uint32)
+            jax.export.export(jax.jit(jax_sm100.ragged_dot), platforms=[platform])(
+                *args[:2], sizes32
+            )
+        # Sizes wider than int32 saturate at the last int32 row, not at m (which wrapped).
+        wide = ragged._int32_sizes(jnp.asarray([2**31 + 7, 3], jnp.uint32), m)
+        np.testing.assert_array_equal(wide, [2**31 - 1, 3])
+        with jax.enable_x64(True):
+            wide = ragged._int32_sizes(jnp.asarray([2**31, 3], jnp.int64), m)
+            np.testing.assert_array_equal(wide, [2**31 - 1, 3])
+            ends = ragged_sharding.group_ends(wide, m)
+            np.testing.assert_array_equal(ends, [2**31 - 1, 2**31 - 1])
 
     def test_export_with_a_symbolic_group_count(self):
         # jax.export with g symbolic: XLA's ragged dot takes a static group count only, and

@@ -244,6 +244,9 @@ class ScaledMatmulTest(parameterized.TestCase):
             ones = functools.partial(jnp.ones, dtype=jnp.float32)
             out = jax_sm100.scaled_matmul(lhs, rhs, ones((1, 3, 0)), ones((1, 4, 0)))
             self.assertEqual(out.shape, (1, 3, 4))
+            # No k: no blocks, so no scale columns either.
+            with self.assertRaisesRegex(ValueError, r"scales \(1, 3, 5\) do not fit data"):
+                jax_sm100.scaled_matmul(lhs, rhs, ones((1, 3, 5)), ones((1, 4, 0)))
         for arch in ("sm_90a", "sm_100a"):
             with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
                 exp = jax.export.export(jax.jit(jax_sm100.scaled_matmul), platforms=["cuda"])(

@@ -32,15 +32,16 @@ def result_type(a, b, out_dtype):
     weakly typed when both operands are. A weakly typed operand is converted to the result
     dtype, as jnp's elementwise ops do, so that the product has one operand dtype and can run
     on the kernels. fp8 operands, which jnp does not promote, follow `dtypes.default_out_dtype`.
-    A weakly typed integer or bool operand (a broadcast Python int) beside a float one takes
-    the float dtype jnp promotes to, first.
+    A weakly typed integer operand (a broadcast Python int) beside a float one is first the
+    weakly typed float a Python float would be, so that it follows the same rules (an integer
+    product stays refused).
     """
     weak_a, weak_b = _weak(a), _weak(b)
-    if (weak_a or weak_b) and any(not jnp.issubdtype(x.dtype, jnp.inexact) for x in (a, b)):
-        promoted = jnp.result_type(a, b)
-        if jnp.issubdtype(promoted, jnp.floating):
-            a = a.astype(promoted) if weak_a and a.dtype != promoted else a
-            b = b.astype(promoted) if weak_b and b.dtype != promoted else b
+    inexact_a, inexact_b = (jnp.issubdtype(x.dtype, jnp.inexact) for x in (a, b))
+    if weak_a and jnp.issubdtype(a.dtype, jnp.integer) and inexact_b:
+        a = a + 0.0  # a weak float of the default float dtype, as jnp promotes it
+    if weak_b and jnp.issubdtype(b.dtype, jnp.integer) and inexact_a:
+        b = b + 0.0
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
     if out_dtype is not None:

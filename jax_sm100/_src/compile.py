@@ -80,7 +80,6 @@ class CompiledGemm:
 
 _cache: dict[tuple, CompiledGemm] = {}
 _lock = threading.Lock()
-_stats = {"compiles": 0, "hits": 0, "disk_hits": 0}
 
 
 def binary_key(plan, spec: KernelSpec) -> tuple:
@@ -112,7 +111,6 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     with _lock:
         hit = _cache.get(key)
         if hit is not None:
-            _stats["hits"] += 1
             return hit
         compiled = _from_disk_or_compile(plan, spec)
         _cache[key] = compiled
@@ -120,7 +118,6 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
 
 
 def _build(plan, spec: KernelSpec) -> CompiledGemm:
-    _stats["compiles"] += 1
     if os.environ.get("JAX_SM100_COMPILE_SUBPROCESS") == "1":
         return _compile_in_subprocess(plan, spec)
     return _compile(plan, spec)
@@ -148,7 +145,6 @@ def _from_disk_or_compile(plan, spec: KernelSpec) -> CompiledGemm:
     entry = cache.get_or_create(key, build_entry)
     if built:
         return built[0]
-    _stats["disk_hits"] += 1
     return _from_entry(plan, entry)
 
 

@@ -70,6 +70,14 @@ KERNEL_OPERAND_DTYPES = {
 }
 KERNEL_OUT_DTYPES = ("bfloat16", "float16", "float32")
 
+
+def kernel_bias_dtype(name: str) -> str:
+    """The dtype the kernels read a bias of dtype `name` in: its own where the epilogue reads
+    it, else float32 (an fp8 or float64 bias is converted first; the epilogue adds it in
+    float32 either way, as `primitive.epilogue_xla` does)."""
+    return name if name in KERNEL_OUT_DTYPES else "float32"
+
+
 # TMA moves rows whose contiguous extent is a multiple of 16 bytes.
 TMA_ALIGN_BYTES = 16
 

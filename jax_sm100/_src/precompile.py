@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
-from jax_sm100._src import dispatch, planning
+from jax_sm100._src import constraints, dispatch, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _BAR_WIDTH = 24
@@ -140,10 +140,13 @@ def precompile(
         D.dtype_argument_name(dtype, f"the {what} dtype", "jax_sm100.precompile",
                               "dtypes=('bfloat16', 'bfloat16')")  # fmt: skip
     a_dtype, b_dtype, out_dtype = (*dtypes, None)[:3]
+    # The dtype the lowering hands the kernel the bias in (an fp8 or float64 bias as float32).
     bias_name = (
         None
         if bias_dtype is None
-        else D.dtype_argument_name(bias_dtype, "bias_dtype", "jax_sm100.precompile")
+        else constraints.kernel_bias_dtype(
+            D.dtype_argument_name(bias_dtype, "bias_dtype", "jax_sm100.precompile")
+        )
     )
     if c_dtype is not None:
         D.dtype_argument_name(c_dtype, "c_dtype", "jax_sm100.precompile")

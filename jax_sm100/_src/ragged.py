@@ -194,13 +194,13 @@ def ragged_dot(
 
 def _int32_sizes(group_sizes, m: int):
     """The sizes as int32, as the primitive takes them. Sizes of wider or unsigned 32-bit types
-    are clamped to [0, m] first, in their own dtype, so that one past int32 saturates at m
-    rather than wrapping; int32 and narrower pass as they are (an op on them would cost the
-    expert-sharded sizes a gather). Negative sizes are empty groups on every path (the kernels
-    clamp them, `_lax_sizes` on XLA's)."""
+    are clamped to [0, m] first (to the last int32 row where m passes it), in their own dtype,
+    so that one past int32 saturates rather than wrapping; int32 and narrower pass as they are
+    (an op on them would cost the expert-sharded sizes a gather). Negative sizes are empty
+    groups on every path (the kernels clamp them, `_lax_sizes` on XLA's)."""
     dtype = np.dtype(group_sizes.dtype)
     if dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4):
-        top = m if jax.export.is_symbolic_dim(m) else min(m, np.iinfo(dtype).max)
+        top = m if jax.export.is_symbolic_dim(m) else min(m, ragged_sharding.INT32_MAX)
         group_sizes = jnp.clip(group_sizes, 0, top)
     return group_sizes.astype(jnp.int32)
 

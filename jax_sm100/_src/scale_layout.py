@@ -124,8 +124,7 @@ def scale_block(data_shape, scales_shape, scales_dtype) -> int:
         len(scales_shape) != len(data_shape)
         or scales_shape[:-2] != data_shape[:-2]
         or scales_shape[-2] not in (rows, -(-rows // ROW_BLOCK))
-        or scales_shape[-1] < (k > 0)
-        or (k and k % scales_shape[-1])
+        or (scales_shape[-1] != 0 if k == 0 else scales_shape[-1] < 1 or k % scales_shape[-1])
     ):
         raise ValueError(f"scales {scales_shape} do not fit data {data_shape}")
     # No k: no blocks, whose size is then 1 (the product is zeros, as jax.nn's).
