@@ -205,6 +205,22 @@ Runtime g_runtime;
 bool g_runtime_loaded = false;
 std::unordered_map<std::string, LoadedKernel> g_kernels;  // by sha256 of the object
 
+// Calls a runtime entry point. Some failures come back as an error code, others as a C++
+// exception thrown through the C entry point (a function missing from a module:
+// "BinaryExecutionEngine: Failed to lookup function"), which is caught here: its text goes to
+// `thrown` (kept if set before) and the call returns -1.
+template <typename Fn, typename... Args>
+RtError CallRuntime(std::string* thrown, Fn fn, Args... args) {
+  try {
+    return fn(args...);
+  } catch (const std::exception& e) {
+    if (thrown->empty()) *thrown = e.what();
+  } catch (...) {
+    if (thrown->empty()) *thrown = "an unrecognised C++ exception";
+  }
+  return -1;
+}
+
 ffi::ErrorOr<Runtime> LoadRuntimeLocked() {
   if (g_runtime_loaded) return g_runtime;
   if (g_runtime_path.empty()) {
@@ -281,22 +297,25 @@ ffi::ErrorOr<std::pair<void*, Runtime>> LoadKernel(std::string_view key,
   auto rt = LoadRuntimeLocked();
   if (rt.has_error()) return ffi::Unexpected(rt.error());
   void* module = nullptr;
-  RtError err = rt->module_create(&module, object.begin(), object.size(), nullptr, 0);
+  std::string thrown;
+  RtError err = CallRuntime(&thrown, rt->module_create, &module, object.begin(), object.size(),
+                            static_cast<const char**>(nullptr), size_t{0});
   if (err != 0) {
     return ffi::Unexpected(ffi::Error::Internal(
         "jax_sm100: loading the compiled GEMM kernel failed: " +
-        RuntimeErrorText(rt->error_string, err) +
+        (thrown.empty() ? RuntimeErrorText(rt->error_string, err) : thrown) +
         ". The kernel was built for a different GPU architecture or DSL version than this "
         "process runs; clear the kernel cache and re-trace"));
   }
   void* function = nullptr;
   LoadedKernel loaded{std::vector<uint8_t>(object.begin(), object.end()), std::string(prefix)};
-  err = rt->get_function(&function, module, loaded.prefix.c_str());
+  err = CallRuntime(&thrown, rt->get_function, &function, module, loaded.prefix.c_str());
   if (err != 0) {
-    rt->module_destroy(module);  // nothing else holds it
+    std::string ignored;
+    CallRuntime(&ignored, rt->module_destroy, module);  // nothing else holds it
     return ffi::Unexpected(ffi::Error::Internal(
-        "jax_sm100: function '" + loaded.prefix +
-        "' not found in the compiled kernel: " + RuntimeErrorText(rt->error_string, err)));
+        "jax_sm100: function '" + loaded.prefix + "' not found in the compiled kernel: " +
+        (thrown.empty() ? RuntimeErrorText(rt->error_string, err) : thrown)));
   }
   loaded.function = function;
   g_kernels[key_str] = std::move(loaded);
