@@ -14,9 +14,11 @@ transformer
     projection, residual, LayerNorm, then the MLP above (d_ff 14336), residual.
 
 For each: the step time (3 warm-up steps, then 5 rounds of 10 asynchronously dispatched steps
-blocked once; median round / 10), the products' TFLOP/s (3 x 2mnk per product per step: forward,
-input gradient, weight gradient; attention's own FLOPs not counted), the ratio jnp.dot's step
-time / ours (> 1: ours faster), the compiled step's temporary memory (`memory_analysis()`, what
+blocked once, the two sides' rounds interleaved with the first side alternating, each round
+after an untimed step of its own: `time_steps_alike`; median round / 10), the products' TFLOP/s
+(3 x 2mnk per product per step: forward, input gradient, weight gradient; attention's own
+FLOPs not counted), the ratio jnp.dot's step time / ours (> 1: ours faster), the compiled
+step's temporary memory (`memory_analysis()`, what
 the step needs beside its inputs and outputs: saved activations, gradients in flight) and the
 bytes of the residuals the backward saves (`saved_residuals`), and how many of the compiled
 step's products are our kernel and how many XLA's.
@@ -151,21 +153,45 @@ def time_steps(step, *args, steps: int = 10, rounds: int = 5) -> float:
     return float(np.median(times))
 
 
-def measure(model, p, x) -> Side:
+def time_steps_alike(steps_args, steps: int = 10, rounds: int = 5) -> list[float]:
+    """`time_steps` of several (step, args), their rounds interleaved in `bench.round_orders`
+    (each side first and after each other equally often), each round after an untimed step of
+    its own, so that the card's clock drift and the order's own effect fall on every side alike
+    (timed one after the other, the second side inherits the first's clocks)."""
+    for step, args in steps_args:
+        for _ in range(3):
+            jax.block_until_ready(step(*args))
+    times = [[] for _ in steps_args]
+    orders = bench.round_orders(len(steps_args))
+    for r in range(rounds):
+        for i in orders[r % len(orders)]:
+            step, args = steps_args[i]
+            jax.block_until_ready(step(*args))  # untimed: this side's own steady state
+            t = time.perf_counter()
+            for _ in range(steps):
+                out = step(*args)
+            jax.block_until_ready(out)
+            times[i].append((time.perf_counter() - t) / steps)
+    return [float(np.median(t)) for t in times]
+
+
+def prepare(model, p, x) -> tuple:
+    """(the compiled value_and_grad step, its Side without the time)."""
     loss = _loss(model)
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     compiled = step.lower(p, x).compile()
     mem = compiled.memory_analysis()
     ours, xla = _products(compiled.as_text())
     value = float(compiled(p, x)[0])
-    return Side(
-        seconds=time_steps(compiled, p, x),
+    side = Side(
+        seconds=float("nan"),
         temp_bytes=None if mem is None else int(mem.temp_size_in_bytes),
         residual_bytes=_residual_bytes(loss, p, x),
         ours_products=ours,
         xla_products=xla,
         loss=value,
     )
+    return compiled, side
 
 
 def models():
@@ -187,7 +213,13 @@ def run_models(names) -> list[tuple[str, int, Side, Side]]:
     for name, model, p, x, flop in models():
         if name not in names:
             continue
-        ours, theirs = measure(model("ours"), p, x), measure(model("jnp"), p, x)
+        (c_ours, ours), (c_theirs, theirs) = (
+            prepare(model("ours"), p, x),
+            prepare(model("jnp"), p, x),
+        )
+        t_ours, t_theirs = time_steps_alike([(c_ours, (p, x)), (c_theirs, (p, x))])
+        ours = dataclasses.replace(ours, seconds=t_ours)
+        theirs = dataclasses.replace(theirs, seconds=t_theirs)
         rows.append((name, flop, ours, theirs))
     return rows
 

@@ -17,7 +17,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 import jax_sm100
-from jax_sm100 import bench
+from jax_sm100 import bench, bench_train
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
 from tests import test_util as tu
 
@@ -130,6 +130,30 @@ class DeviceTimerTest(parameterized.TestCase):
         seen = clocks.over([(t0, t1)])
         self.assertGreater(seen.samples, 5)
         self.assertEqual((seen.sm_mhz, seen.watts, seen.reasons), (1410.0, 699.0, 0x4))
+
+    def test_training_steps_are_timed_in_alternating_rounds(self):
+        # bench --train's two sides: rounds interleaved, each side first as often, and every
+        # timed round after an untimed step of the same side (timed one side after the other,
+        # the second inherited the first's clocks).
+        calls = []
+
+        def side(i):
+            def step(x):
+                calls.append(i)
+                return x
+
+            return step
+
+        x = jnp.ones(())
+        times = bench_train.time_steps_alike([(side(0), (x,)), (side(1), (x,))], steps=2, rounds=4)
+        self.assertLen(times, 2)
+        timed = calls[6:]  # after 3 warm-up steps each
+        self.assertEqual(calls[:6], [0, 0, 0, 1, 1, 1])
+        self.assertLen(timed, 4 * 2 * 3)
+        rounds = [timed[j : j + 3] for j in range(0, len(timed), 3)]
+        self.assertTrue(all(len(set(r)) == 1 for r in rounds))  # settle step + 2 timed, one side
+        firsts = [rounds[j][0] for j in range(0, len(rounds), 2)]
+        self.assertEqual(sorted(firsts), [0, 0, 1, 1])
 
     def test_round_orders_balance_place_and_predecessor(self):
         # Each product takes each place, and follows each other product, equally often over
