@@ -273,7 +273,7 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
 # the H200: the persistent kernel's start-up (barrier init, cluster sync, pipeline fill) costs
 # ~1-1.6 us more than cuBLAS's kernels, measured by `python -m jax_sm100.bench --method device`
 # on 2026-11-29 (benchmarks/RESULTS.md): 0.62-0.83x at 128^3, 256^3, 1024^3, 1024x1024x128 and
-# 512x2048x512; 0.90x at 1024x4096x1024 (2^33 FLOPs) and 0.92-0.96x at 2048^3. Split-K plans
+# 512x2048x512; 0.90x at 1024x4096x1024 (2^33 FLOPs) and 0.91-0.93x at 2048^3. Split-K plans
 # win at 64x4096x4096 (1.2x, 2^31.0 FLOPs), tie at 256x256x4096 and 128x1024x1024 and lose at
 # 64x64x4096 (0.72x).
 # Epilogue store stages the SM90 planner gives from the shared memory the A/B ring leaves over,
