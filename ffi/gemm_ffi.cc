@@ -214,7 +214,7 @@ RtError CallRuntime(std::string* thrown, Fn fn, Args... args) {
   try {
     return fn(args...);
   } catch (const std::exception& e) {
-    if (thrown->empty()) *thrown = e.what();
+    if (thrown->empty()) *thrown = *e.what() ? e.what() : "a C++ exception with no message";
   } catch (...) {
     if (thrown->empty()) *thrown = "an unrecognised C++ exception";
   }
@@ -227,6 +227,14 @@ ffi::ErrorOr<Runtime> LoadRuntimeLocked() {
     return ffi::Unexpected(ffi::Error::Internal(
         "jax_sm100: the CuTe DSL runtime path was never set; import jax_sm100 (its ffi module "
         "registers the handler and the path) before running a compiled function"));
+  }
+  // The runtime links its own C++ runtime and unwinder statically. An exception it throws
+  // (CallRuntime) is caught here only once this process has unwound one through the system's
+  // unwinder: in a process that never has, its unwind aborts (reproduced outside JAX with the
+  // real runtime). One throw of our own here makes the first catch work.
+  try {
+    throw 0;
+  } catch (...) {
   }
   void* lib = dlopen(g_runtime_path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
@@ -622,10 +630,12 @@ ffi::Error Execute(void* stream, GemmState* state, ffi::AnyBuffer a, ffi::AnyBuf
   const size_t n = state->call.num_tensors;
   launch.pointers[n] = &stream;
   launch.pointers[n + 1] = &launch_status;
-  RtError err = state->run(state->function, launch.pointers, n + 2);
+  std::string thrown;  // allocates nothing unless the runtime throws
+  RtError err = CallRuntime(&thrown, state->run, state->function, launch.pointers, n + 2);
   if (err != 0) {
-    return ffi::Error::Internal("jax_sm100: running the GEMM kernel failed: " +
-                                RuntimeErrorText(state->error_string, err));
+    return ffi::Error::Internal(
+        "jax_sm100: running the GEMM kernel failed: " +
+        (thrown.empty() ? RuntimeErrorText(state->error_string, err) : thrown));
   }
   if (launch_status != 0) {
     return ffi::Error::Internal("jax_sm100: launching the GEMM kernel failed with " +
