@@ -139,18 +139,24 @@ def _residual_bytes(loss, p, x) -> int:
     return total
 
 
-def time_steps(step, *args, steps: int = 10, rounds: int = 5) -> float:
-    """Median over `rounds` of (wall time of `steps` async steps, blocked once) / steps."""
+def _warm_up(step, args) -> None:
     for _ in range(3):
         jax.block_until_ready(step(*args))
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = step(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / steps)
-    return float(np.median(times))
+
+
+def _round(step, args, steps: int) -> float:
+    """Wall time of `steps` async steps, blocked once, / steps."""
+    t = time.perf_counter()
+    for _ in range(steps):
+        out = step(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / steps
+
+
+def time_steps(step, *args, steps: int = 10, rounds: int = 5) -> float:
+    """Median over `rounds` of (wall time of `steps` async steps, blocked once) / steps."""
+    _warm_up(step, args)
+    return float(np.median([_round(step, args, steps) for _ in range(rounds)]))
 
 
 def time_steps_alike(steps_args, steps: int = 10, rounds: int = 5) -> list[float]:
@@ -159,19 +165,14 @@ def time_steps_alike(steps_args, steps: int = 10, rounds: int = 5) -> list[float
     its own, so that the card's clock drift and the order's own effect fall on every side alike
     (timed one after the other, the second side inherits the first's clocks)."""
     for step, args in steps_args:
-        for _ in range(3):
-            jax.block_until_ready(step(*args))
+        _warm_up(step, args)
     times = [[] for _ in steps_args]
     orders = bench.round_orders(len(steps_args))
     for r in range(rounds):
         for i in orders[r % len(orders)]:
             step, args = steps_args[i]
             jax.block_until_ready(step(*args))  # untimed: this side's own steady state
-            t = time.perf_counter()
-            for _ in range(steps):
-                out = step(*args)
-            jax.block_until_ready(out)
-            times[i].append((time.perf_counter() - t) / steps)
+            times[i].append(_round(step, args, steps))
     return [float(np.median(t)) for t in times]
 
 

@@ -132,13 +132,13 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         dispatch.record(dispatch.Lowered(p, "; ".join(notes + [why])))
         return _reference(a, b, bias, c, **kw)
     bias_name = None if bias is None else np.dtype(bias.dtype).name
-    if bias_name is not None and constraints.kernel_bias_dtype(bias_name) != bias_name:
+    read_as = None if bias is None else constraints.kernel_bias_dtype(bias_name)
+    if read_as != bias_name:
         # An fp8 or float64 bias: the epilogue adds it in float32 (`epilogue_xla` casts it to
         # the accumulator's dtype, float32 wherever the kernels run), so the kernel takes it
         # converted, with the same result.
-        notes.append(f"bias {bias_name} converted to float32, the epilogue's dtype")
-        bias_name = constraints.kernel_bias_dtype(bias_name)
-        bias1 = bias1.astype(bias_name)
+        notes.append(f"bias {bias_name} converted to {read_as}, the epilogue's dtype")
+        bias_name, bias1 = read_as, bias1.astype(read_as)
     spec = KernelSpec(
         a_dtype=names[0], b_dtype=names[1], out_dtype=out_dtype.name, a_major=a_major,
         b_major=b_major, c_dtype=c_name, bias_dtype=bias_name, activation=activation,

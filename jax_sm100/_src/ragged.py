@@ -200,8 +200,7 @@ def _int32_sizes(group_sizes, m: int):
     groups on every path (the kernels clamp them, `_lax_sizes` on XLA's)."""
     dtype = np.dtype(group_sizes.dtype)
     if dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4):
-        top = m if jax.export.is_symbolic_dim(m) else min(m, ragged_sharding.INT32_MAX)
-        group_sizes = jnp.clip(group_sizes, 0, top)
+        group_sizes = jnp.clip(group_sizes, 0, ragged_sharding.int32_rows(m))
     return group_sizes.astype(jnp.int32)
 
 

@@ -208,6 +208,11 @@ def group_sizes_like(group_sizes, rhs):
 INT32_MAX = 2**31 - 1
 
 
+def int32_rows(m):
+    """`m` as far as int32 group ends reach (a symbolic m as it is)."""
+    return m if jax.export.is_symbolic_dim(m) else min(m, INT32_MAX)
+
+
 def group_ends(group_sizes, m):
     """[..., g] int32: each group's end row as the kernels read the sizes (each clamped to
     [0, m], their running sum saturating at m), along the last axis. The scan adds
@@ -215,8 +220,7 @@ def group_ends(group_sizes, m):
     every m). Sizes split along g under Explicit axes are gathered first (g int32s). Past int32
     rows (only XLA's ragged dot takes so many) the ends saturate at the last int32 row, where
     a running sum of int32 sizes would wrap in XLA."""
-    if not jax.export.is_symbolic_dim(m):
-        m = min(m, INT32_MAX)
+    m = int32_rows(m)
     sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
     sizes = whole_groups(sizes, sizes.ndim - 1)
     return lax.associative_scan(lambda a, b: a + jnp.minimum(b, m - a), sizes, axis=-1)
