@@ -72,9 +72,9 @@ def _steady(product, a, b, seconds: float):
     reps = bench.DEFAULT_UNROLL
     while True:
         f = jax.jit(bench.loop_fn(product, reps)).lower(a, b, scale).compile()
-        f(a, b, scale).block_until_ready()
+        jax.block_until_ready(f(a, b, scale))
         t = time.perf_counter()
-        f(a, b, scale).block_until_ready()
+        jax.block_until_ready(f(a, b, scale))
         if time.perf_counter() - t >= 0.1 or reps >= 1 << 16:
             break
         reps *= 2
@@ -83,7 +83,7 @@ def _steady(product, a, b, seconds: float):
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             t0 = time.perf_counter()
-            f(a, b, scale).block_until_ready()
+            jax.block_until_ready(f(a, b, scale))
             spans.append((t0, time.perf_counter()))
     last = [s for s in spans if s[0] >= spans[-1][1] - 1.0]
     per = float(np.median([t1 - t0 for t0, t1 in last])) / reps

@@ -16,16 +16,20 @@ device
     16; R is a multiple of U). Each product writes `a[0, 0] + scale * out[0, 0]` of its output
     into a[0, 0] of the next, with `scale` a runtime argument equal to 0.0. XLA cannot fold a
     runtime scale, so it can neither hoist a product out of the loop nor merge or drop any,
-    while the result stays exactly one product's. R starts at 4 U and grows (in multiples of
-    U) until one call takes >= 20 ms (`--device-ms`); the time is the median over 5 rounds of
-    one call's wall time (after warm-up) divided by R, so dispatch is paid once per R products.
+    while the result stays exactly one product's. Every result of every product of an
+    iteration is carried out of the loop, so that XLA computes each in full (an XLA epilogue
+    after the dot included) and not only the element the next update reads. R starts at 4 U
+    and grows (in multiples of U) until one call takes >= 20 ms (`--device-ms`); the time is
+    the median over 5 rounds of one call's wall time (after warm-up) divided by R, so dispatch
+    is paid once per R products.
     In each round every side's timed call follows an untimed one of its own, so each is timed
     under its own load's clocks, not the previous side's (`time_device`).
     Unrolling shares the loop's own cost per iteration (15.3 us on the H200 with no product
     inside, more than the smallest kernels take) among U products. The compiled HLO is
     checked: exactly one while loop, with the known trip count R / U, whose body holds exactly
     U products (the `jax_sm100_gemm` custom call, a cuBLAS call or a dot), each with the full
-    [m, n] output, and no operand copy, and no product outside it; a figure that fails the
+    [m, n] output, all U products' results carried at full size, no operand copy, and no
+    product outside it; a figure that fails the
     check is printed with `!` and the reason. What the loop costs besides the products (its
     bookkeeping and each product's one-element update), measured with the products removed
     under the same unrolling, is printed as the loop overhead per product, and is inside both
@@ -124,17 +128,23 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
     reading it back made XLA copy `a` before every update but the last of an iteration). A
     product costs one product plus one tiny fusion, and 1 / unroll of the loop counter.
 
+    Every result of every product of an iteration is carried in a loop slot of its own, and `f`
+    returns them all. Were only the last product's results kept, the next update would read
+    just out[0, 0] of the others, and XLA computes only that element of an XLA epilogue after
+    the dot (gelu(y + b1) over one element) and drops a second result outright (seen on CPU):
+    the side with the XLA epilogue would do less work than the side whose kernel fuses it.
+
     Args:
       product: (a [m, k], b [k, n]) -> out [m, n], or a tuple whose first element is out (the
-        others are carried beside it). Only the iteration's last product's results are carried:
-        of the others XLA may compute only the element the update reads of an XLA epilogue
-        after the dot, and drop a second result (seen on CPU; an open defect).
+        others are carried beside it).
       reps: the number of products, a Python int, a multiple of `unroll` (the trip count
         reps / unroll is then static: XLA knows it and annotates the loop with it).
       unroll: products per loop iteration.
 
     Returns:
-      A function of (a [m, k], b [k, n], scale []) returning the last product's out [m, n].
+      A function of (a [m, k], b [k, n], scale []) returning a tuple of `unroll` results, the
+      last iteration's products' in order: the last is the last product's (out [m, n], or its
+      tuple). They take `unroll` times one product's output memory.
 
     Raises:
       ValueError: `unroll` is not positive or `reps` is not a positive multiple of it.
@@ -144,16 +154,19 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
 
     def f(a, b, scale):
         def body(_, carry):
-            a, a00, out = carry
+            a, a00, _ = carry
+            outs = []
             for _ in range(unroll):
                 out = product(a, b)
+                outs.append(out)
                 a00 = a00.astype(jnp.float32) + scale * _first(out)[0, 0].astype(jnp.float32)
                 a00 = a00.astype(a.dtype)
                 a = a.at[0, 0].set(a00)
-            return a, a00, out
+            return a, a00, tuple(outs)
 
         out = jax.eval_shape(product, a, b)
-        init = (a, a[0, 0], jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out))
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out)
+        init = (a, a[0, 0], tuple(zeros for _ in range(unroll)))
         return jax.lax.fori_loop(0, reps // unroll, body, init)[2]
 
     return f
@@ -257,6 +270,10 @@ class LoopCheck:
       other_products: products elsewhere (hoisted out of the loop or peeled off it).
       body_copies: non-scalar copies in the loop's body (a per-iteration operand copy), other
         than int32 ones (stream-K flags).
+      results: the results of one product (the kernel's second result, say).
+      carried: the loop's carried arrays of exactly `min_size` elements: each product's
+        results, which `loop_fn` carries so that XLA computes every one in full (an operand
+        of that size is carried too and counts; only a check of min_size > 1 reads this).
     """
 
     reps: int
@@ -268,18 +285,26 @@ class LoopCheck:
     small_products: int
     other_products: int
     body_copies: int
+    results: int = 1
+    carried: int = 0
 
     @classmethod
-    def from_hlo(cls, text: str, reps: int, unroll: int, min_size: int = 1) -> LoopCheck:
+    def from_hlo(
+        cls, text: str, reps: int, unroll: int, min_size: int = 1, results: int = 1
+    ) -> LoopCheck:
         """Reads a compiled module's text (`compiled.as_text()`); arguments as the attributes."""
         comps, entry = _parse_hlo(text)
         names = _reachable(comps, entry)
         whiles = [ins for n in names for ins in comps[n] if ins.opcode == "while"]
         total = sum(ins.is_product for n in names for ins in comps[n])
-        body_products = small_products = body_copies = 0
+        body_products = small_products = body_copies = carried = 0
         trip_count = None
         if len(whiles) == 1:
             text = whiles[0].text
+            carried = sum(
+                math.prod(int(d) for d in dims.split(",") if d) == min_size
+                for dims in _DIMS.findall(whiles[0].shape)
+            )
             inner = []
             for pattern in (_BODY, _CONDITION):
                 found = pattern.search(text)
@@ -299,7 +324,7 @@ class LoopCheck:
             trip = _TRIP_COUNT.search(text)
             trip_count = int(trip.group(1)) if trip else None
         return cls(reps, unroll, min_size, len(whiles), trip_count, body_products, small_products,
-                   total - body_products, body_copies)  # fmt: skip
+                   total - body_products, body_copies, results, carried)  # fmt: skip
 
     def problems(self) -> list[str]:
         """Why the loop is not R / U iterations of exactly U products each; empty when it is."""
@@ -311,6 +336,10 @@ class LoopCheck:
                        f"{self.min_size} output elements (narrowed)")  # fmt: skip
         if self.other_products:
             out.append(f"{self.other_products} products outside the loop (hoisted or peeled)")
+        if self.min_size > 1 and self.whiles == 1 and self.carried < self.unroll * self.results:
+            want = self.unroll * self.results
+            out.append(f"{self.carried} full-size results carried by the loop, want {want} "
+                       "(XLA may compute the others in part)")  # fmt: skip
         return out
 
     def loop_problems(self) -> list[str]:
@@ -523,8 +552,10 @@ def time_device(
     times = spans[:, :, 1] - spans[:, :, 0]
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
-        size = math.prod(_first(jax.eval_shape(product, a, b)).shape)
-        check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size)
+        shapes = jax.eval_shape(product, a, b)
+        size = math.prod(_first(shapes).shape)
+        results = sum(math.prod(x.shape) == size for x in jax.tree.leaves(shapes))
+        check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size, results)
         intervals = tuple((float(t0), float(t1)) for t0, t1 in spans[:, i])
         out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check, intervals))
     return out[0] if single else out

@@ -7,6 +7,7 @@ import contextlib
 import io
 import math
 import os
+import re
 import tempfile
 import time
 from unittest import mock
@@ -58,8 +59,57 @@ class DeviceTimerTest(parameterized.TestCase):
 
         t = bench.time_device(both, a, b, min_seconds=2e-3, rounds=3)
         self.assertEqual((t.check.min_size, t.check.problems()), (24 * 40, []))
+        self.assertEqual((t.check.results, t.check.carried), (2, 2 * bench.DEFAULT_UNROLL))
         text = _compiled_text(bench.loop_fn(both, 8, 4), a, b, jnp.float32(0))
-        self.assertRegex(text, r"ROOT .*\(f32\[24,40\]\S*, f32\[24,40\]\S*\) tuple")
+        # The function returns both results of each of the 4 products of the last iteration.
+        results = re.search(r"entry_computation_layout=\{\(.*?\)->\((.*?)\)\}", text)
+        self.assertEqual(results.group(1).count("f32[24,40]"), 8, results.group(1))
+
+    @parameterized.named_parameters(("one_result", False), ("two_results", True))
+    def test_an_xla_epilogue_is_computed_in_full_for_every_product(self, both):
+        # gelu(y + b1) after an XLA dot: were only the iteration's last product's results kept,
+        # XLA would compute the epilogue of the others on the one element the next update reads
+        # (and drop their second result), so that side would do less work than a fused kernel.
+        m, n, k, unroll = 64, 96, 32, 4
+        a, b = (x.astype(jnp.bfloat16) for x in _operands(m, n, k))
+        b1 = jnp.linspace(-1, 1, n, dtype=jnp.bfloat16)
+
+        def product(a, b):
+            y = jnp.dot(a, b) + b1
+            out = jax.nn.gelu(y, approximate=True)
+            return (out, y) if both else out
+
+        text = _compiled_text(bench.loop_fn(product, 8, unroll), a, b, jnp.float32(0))
+        results = 2 if both else 1
+        check = bench.LoopCheck.from_hlo(text, 8, unroll, m * n, results)
+        self.assertEqual((check.carried, check.problems()), (unroll * results, []))
+        comps, _ = bench._parse_hlo(text)
+        (loop,) = [i for c in comps.values() for i in c if i.opcode == "while"]
+        body = bench._reachable(comps, bench._BODY.search(loop.text).group(1))
+        full = [i for c in body for i in comps[c] if i.opcode == "fusion"
+                and i.shape.startswith(f"bf16[{m},{n}]")]  # fmt: skip
+        self.assertGreaterEqual(len(full), unroll * results)
+
+        # A loop that keeps only the last product's result is flagged.
+        def last_only(a, b, scale):
+            def body(_, carry):
+                a, out = carry
+                for _ in range(unroll):
+                    out = bench._first(product(a, b))
+                    a = a.at[0, 0].add((scale * out[0, 0]).astype(a.dtype))
+                return a, out
+
+            return jax.lax.fori_loop(0, 2, body, (a, jnp.zeros((m, n), jnp.bfloat16)))[1]
+
+        check = bench.LoopCheck.from_hlo(
+            _compiled_text(last_only, a, b, jnp.float32(0)), 8, unroll, m * n, results
+        )
+        self.assertEqual(check.carried, 1)
+        self.assertIn(
+            f"1 full-size results carried by the loop, want {unroll * results} "
+            "(XLA may compute the others in part)",
+            check.problems(),
+        )
 
     def test_several_products_are_timed_alike(self):
         a, b = _operands(24, 40, 32)
@@ -254,7 +304,7 @@ ENTRY %main (x: f32[8,8], y: s32[132]) -> (f32[8,8], s32[132]) {
         self.assertIn("4 products per iteration, want 2", check.problems())
         self.assertIn("trip count 2, want 4 (unrolled or split further)", check.problems())
 
-        peeled = lambda a, b, s: bench.loop_fn(jnp.dot, 4, 2)(a, b, s) + jnp.dot(a, b)
+        peeled = lambda a, b, s: bench.loop_fn(jnp.dot, 4, 2)(a, b, s)[-1] + jnp.dot(a, b)
         check = bench.LoopCheck.from_hlo(_compiled_text(peeled, a, b, s), 4, 2, 32 * 32)
         self.assertEqual((check.body_products, check.other_products), (2, 1))
         self.assertIn("1 products outside the loop (hoisted or peeled)", check.problems())
@@ -265,7 +315,12 @@ ENTRY %main (x: f32[8,8], y: s32[132]) -> (f32[8,8], s32[132]) {
         self.assertEqual((check.body_products, check.small_products), (3, 3))
         self.assertEqual(
             check.problems(),
-            ["3 products per iteration with fewer than 1024 output elements (narrowed)"],
+            [
+                "3 products per iteration with fewer than 1024 output elements (narrowed)",
+                # a and b [32, 32] are the loop's only arrays of 1024 elements
+                "2 full-size results carried by the loop, want 3 (XLA may compute the others "
+                "in part)",
+            ],
         )
 
         check = bench.LoopCheck.from_hlo(_compiled_text(jnp.dot, a, b), 4, 2)
@@ -304,8 +359,10 @@ ENTRY %main (x: f32[8,8], y: s32[132]) -> (f32[8,8], s32[132]) {
         single = np.asarray(jax.jit(product)(a, b))
         # scale 0, as the benchmark runs it: exactly one product, whatever R and U.
         for reps, unroll in ((7, 1), (12, 4), (16, 16)):
-            out = jax.jit(bench.loop_fn(product, reps, unroll))(a, b, jnp.float32(0))
-            np.testing.assert_array_equal(np.asarray(out), single)
+            outs = jax.jit(bench.loop_fn(product, reps, unroll))(a, b, jnp.float32(0))
+            self.assertLen(outs, unroll)  # the last iteration's products, each in full
+            for out in outs:
+                np.testing.assert_array_equal(np.asarray(out), single)
 
         # scale 0.25: a[0, 0] moves after every product, so only row 0 changes, as simulated.
         def simulate(reps):
@@ -317,7 +374,7 @@ ENTRY %main (x: f32[8,8], y: s32[132]) -> (f32[8,8], s32[132]) {
 
         for reps, unroll in ((3, 1), (6, 3)):
             loop = jax.jit(bench.loop_fn(product, reps, unroll))
-            out = np.asarray(loop(a, b, jnp.float32(0.25)))
+            out = np.asarray(loop(a, b, jnp.float32(0.25))[-1])
             np.testing.assert_allclose(out[1:], single[1:], rtol=1e-6, atol=1e-6)
             np.testing.assert_allclose(out[0], simulate(reps)[0], rtol=1e-4, atol=1e-4)
             # `reps` dependent products ran: not fewer (one per iteration, say), not more.
