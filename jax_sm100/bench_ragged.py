@@ -10,7 +10,9 @@ sizes:
   groups, many small or empty ones);
 
 it times in one process, by wall clock (3 warm-up calls, then the median of 5 rounds of 10 async
-calls blocked once; ours for every problem before any of XLA's, `run`):
+calls blocked once; ours for every problem before any of XLA's, `run`; ours' grouped and dense
+sides of one problem and kind in interleaved rounds, `bench_train.time_steps_alike`, so that
+the ratios to our dense product are of the same moments):
 
 - `jax_sm100.ragged_dot` forward, and its vjp (d lhs and d rhs);
 - `jax.lax.ragged_dot` forward and vjp;
@@ -47,7 +49,7 @@ from jax import lax
 
 import jax_sm100
 from jax_sm100._src import ragged
-from jax_sm100.bench_train import time_steps
+from jax_sm100.bench_train import time_steps, time_steps_alike
 
 PROBLEMS = (
     (8, 32768, 4096, 4096),
@@ -146,29 +148,39 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
         (ours_dense, xla_dense), dense_w = _dense(dtype), rhs[0]
         if jnp.dtype(dtype).itemsize == 1:
             dense_w = dense_w.T.copy()  # [n, k]: fp8 GEMMs on sm_90a read B K-major
-        dense = {
-            "ours": time_steps(jax.jit(ours_dense), lhs, dense_w),
-            "ours_vjp": time_steps(_vjp_of(ours_dense, 2), lhs, dense_w, ct),
-            "xla": time_steps(jax.jit(xla_dense), lhs, dense_w),
+        dense_sides = {
+            "ours": (jax.jit(ours_dense), (lhs, dense_w)),
+            "ours_vjp": (_vjp_of(ours_dense, 2), (lhs, dense_w, ct)),
+            "xla": (jax.jit(xla_dense), (lhs, dense_w)),
         }
         for kind in kinds:
             sizes = group_sizes(i, g, m, kind)
-            with jax_sm100.lowerings() as seen:
-                t = {
-                    "ours": time_steps(ours, lhs, rhs, sizes),
-                    "ours_vjp": time_steps(_vjp_of(ours), lhs, rhs, sizes, ct),
-                    "d_lhs": time_steps(_D_LHS, lhs, rhs, sizes, ct),
-                    "d_rhs": time_steps(_D_RHS, lhs, rhs, sizes, ct),
-                }
+            sides = {
+                "ours": (ours, (lhs, rhs, sizes)),
+                "ours_vjp": (_vjp_of(ours), (lhs, rhs, sizes, ct)),
+                "d_lhs": (_D_LHS, (lhs, rhs, sizes, ct)),
+                "d_rhs": (_D_RHS, (lhs, rhs, sizes, ct)),
+            }
             if jnp.dtype(dtype).itemsize == 1:
                 # fp8 experts stored [g, n, k]: sm_90a's kernel reads them without XLA's
                 # transpose (ragged_gpu.lower's and this swapaxes cancel).
-                t["ours_nk"] = time_steps(_OURS_NK, lhs, jnp.swapaxes(rhs, 1, 2).copy(), sizes)
+                w_nk = jnp.swapaxes(rhs, 1, 2).copy()
+                sides["ours_nk"] = (_OURS_NK, (lhs, w_nk, sizes))
             if bias:
                 # A per-group bias and gelu in the epilogue, and composed in XLA.
-                t["bias"] = time_steps(_BIASED, lhs, rhs, sizes, group_bias)
-                t["bias_xla"] = time_steps(_biased_composed, lhs, rhs, sizes, group_bias)
-                t["bias_vjp"] = time_steps(_BIASED_VJP, lhs, rhs, sizes, group_bias, ct)
+                sides["bias"] = (_BIASED, (lhs, rhs, sizes, group_bias))
+                sides["bias_xla"] = (_biased_composed, (lhs, rhs, sizes, group_bias))
+                sides["bias_vjp"] = (_BIASED_VJP, (lhs, rhs, sizes, group_bias, ct))
+            with jax_sm100.lowerings() as seen:
+                for step, args in sides.values():
+                    jax.block_until_ready(step(*args))
+            # Ours, grouped and dense, in interleaved rounds: the grouped-to-dense ratios are
+            # the targets, so the card's drift and the order fall on both sides alike.
+            named = [("g", key, v) for key, v in sides.items()]
+            named += [("d", key, v) for key, v in dense_sides.items()]
+            times = time_steps_alike([v for _, _, v in named])
+            t = {key: x for (side, key, _), x in zip(named, times, strict=True) if side == "g"}
+            dense = {key: x for (side, key, _), x in zip(named, times, strict=True) if side == "d"}
             # Each lowering's note begins with what ran (ragged_gpu.lower: the kernel, tile,
             # schedule and cluster, or why XLA's ragged dot).
             path = "; ".join(sorted({low.note.split("; ")[0] for low in seen}))

@@ -310,7 +310,7 @@ def vjp_8192(n=8192):
     a, b, ct = _normal(k[0], (n, n)), _normal(k[1], (n, n)), _normal(k[2], (n, n))
     ours = jax.jit(lambda a, b, ct: jax.vjp(jax_sm100.matmul, a, b)[1](ct))
     dot = jax.jit(lambda a, b, ct: jax.vjp(jnp.dot, a, b)[1](ct))
-    return time_steps(ours, a, b, ct, steps=20), time_steps(dot, a, b, ct, steps=20)
+    return tuple(time_steps_alike([(ours, (a, b, ct)), (dot, (a, b, ct))], steps=20))
 
 
 def report_products(rows, vjp) -> None:
