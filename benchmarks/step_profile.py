@@ -1,0 +1,124 @@
+"""Where a training step's time goes, ours beside `jnp.dot`: round lengths and the GPU's kernels.
+
+    python benchmarks/step_profile.py [--model transformer|mlp] [--top 25] [--small]
+
+The models are `python -m jax_sm100.bench --train`'s (`jax_sm100/bench_train.py`). For each
+side it prints:
+
+* the step time by `bench_train.time_steps_alike` (the two sides' rounds interleaved) in
+  rounds of 10, 50 and 200 steps: short rounds are noisier than the sides differ (the
+  transformer block read 0.95-1.00x in rounds of 10 on the H200, 1.000-1.002x in rounds of
+  50 and 200; benchmarks/RESULTS.md, forty-third session);
+* under `jax.profiler`, 20 steps: the wall time a step, the GPU's span a step (first kernel's
+  start to last kernel's end, over every stream), its busy time and the idle gaps between
+  kernels, and the `--top` kernels by time a step (name, time, launches a step).
+
+Each side's kernels run on one stream, so span minus busy is the time the GPU waited for the
+host. `--small` runs tiny models (a CPU smoke test; the CPU's profile has no device streams,
+so only the step times print).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+import time
+
+import jax
+
+from jax_sm100 import bench_train as bt
+
+STEPS = 20  # profiled steps a side
+
+
+def _models(small: bool):
+    """(name -> (params, x, model(impl))) for the two models, at `bench --train`'s sizes."""
+    mlp = dict(tokens=128, d_model=64, d_ff=128) if small else bt.MLP
+    tr = dict(batch=2, seq=64, d_model=128, heads=4, d_ff=256) if small else bt.TRANSFORMER
+    key, xkey = jax.random.key(0), jax.random.key(1)
+    return {
+        "mlp": (
+            bt.mlp_params(key, mlp["d_model"], mlp["d_ff"]),
+            bt._normal(xkey, (mlp["tokens"], mlp["d_model"])),
+            lambda impl: lambda p, x: bt.mlp(impl, p, x),
+        ),
+        "transformer": (
+            bt.transformer_params(key, **tr),
+            bt._normal(xkey, (tr["batch"], tr["seq"], tr["d_model"])),
+            lambda impl: lambda p, x: bt.transformer(impl, p, x, tr["heads"]),
+        ),
+    }
+
+
+def _profile(step, args):
+    """(wall s a step, {stream: sorted (start ns, duration ns, name)}) over STEPS steps."""
+    jax.block_until_ready(step(*args))
+    folder = tempfile.mkdtemp()
+    jax.profiler.start_trace(folder)
+    t = time.perf_counter()
+    for _ in range(STEPS):
+        out = step(*args)
+    jax.block_until_ready(out)
+    wall = (time.perf_counter() - t) / STEPS
+    jax.profiler.stop_trace()
+    streams = {}
+    for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
+        for plane in jax.profiler.ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    events = [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+                    streams[f"{plane.name} {line.name}"] = sorted(events)
+    return wall, streams
+
+
+def _report(name, wall, streams, top):
+    print(f"{name}: wall {wall * 1e3:.3f} ms a step under the profiler")
+    events = sorted(e for evs in streams.values() for e in evs)
+    if not events:
+        print("  no device streams in the profile")
+        return
+    span = (max(s + d for s, d, _ in events) - events[0][0]) / STEPS / 1e6
+    busy = sum(d for _, d, _ in events) / STEPS / 1e6
+    print(f"  GPU span {span:.3f} ms a step, busy {busy:.3f} ms, streams {len(streams)}")
+    for stream, evs in streams.items():
+        gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:], strict=False)]
+        idle = sum(g for g in gaps if g > 0) / STEPS / 1e3
+        print(f"  {stream}: {len(evs) // STEPS} kernels a step, idle between them {idle:.1f} us")
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for _, d, kernel in events:
+        by_name[kernel][0] += d
+        by_name[kernel][1] += 1
+    for kernel, (d, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {d / STEPS / 1e3:9.1f} us  x{n / STEPS:<5g} {kernel[:100]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--model", default="transformer", choices=("transformer", "mlp"))
+    ap.add_argument("--top", type=int, default=25, help="kernels listed a side")
+    ap.add_argument("--small", action="store_true", help="tiny models (a CPU smoke test)")
+    args = ap.parse_args()
+    p, x, model = _models(args.small)[args.model]
+    steps = {}
+    for impl in ("ours", "jnp"):
+        step = jax.jit(jax.value_and_grad(bt._loss(model(impl)), argnums=(0, 1)))
+        steps[impl] = step.lower(p, x).compile()
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, {args.model}")
+    sides = [(steps["ours"], (p, x)), (steps["jnp"], (p, x))]
+    for n, rounds in ((10, 6), (50, 6), (200, 4)):
+        ours, theirs = bt.time_steps_alike(sides, steps=n, rounds=rounds)
+        print(f"rounds of {n:3d} steps ({rounds}): ours {ours * 1e3:.3f} ms, jnp.dot "
+              f"{theirs * 1e3:.3f} ms, ratio {theirs / ours:.3f}")  # fmt: skip
+    for impl in ("ours", "jnp"):
+        _report(impl if impl == "ours" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top)
+
+
+if __name__ == "__main__":
+    main()
