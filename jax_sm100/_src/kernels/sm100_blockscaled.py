@@ -104,8 +104,9 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
         """The scale factors' staged SMEM layouts (the DSL's, for this tiled MMA), checked to span
         the bytes a stage's TMA boxes bring. Not checked here: that their order is the boxes'
         (atoms along k, then atoms along the rows). Review helper-79 read it off the PTX of
-        nvfp4 at 128x256 with DSL 4.8.1 (the copy into TMEM column 272 + 8 kb + 4 ra reads atom
-        ka + 4 ra); a DSL release that reorders the layout would break it silently."""
+        nvfp4 at 128x256 with DSL 4.8.1 (each copy into TMEM reads the atom the boxes' order
+        puts at its SMEM offset); a DSL release that reorders the layout would break it
+        silently."""
         self.sfa_smem_staged = blockscaled.make_smem_layout_sfa(
             self.tiled_mma, self.mma_tiler, self.sf_vec, self.num_ab_stages
         )
