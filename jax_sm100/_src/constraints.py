@@ -98,7 +98,9 @@ SMEM_RESERVED_BYTES = 1024
 GROUPED_WORK_RING = 4
 GROUPED_WORK_RING_BYTES = GROUPED_WORK_RING * (4 + 2 * 8)
 MIN_AB_STAGES = 2
-# Largest cluster the hardware schedules portably.
+# Largest cluster the hardware schedules: 8 CTAs portably; sm_100a parts also take 16, a
+# non-portable size, which the DSL allows on every kernel it emits (the kernel op's
+# `non_portable_cluster_size_allowed` attribute). The planner picks at most 2 on either.
 MAX_CLUSTER_SIZE = {"sm_100a": 16, "sm_90a": 8}
 # Per SM (CUDA C++ Programming Guide, compute capabilities 9.0 and 10.0): 228 KB of shared
 # memory, of which the system keeps 1 KB per resident CTA; 2048 threads; 32 CTAs.
