@@ -69,12 +69,16 @@ def _steady(product, a, b, seconds: float):
     """(seconds per product, ClockReading over the last second) of `product(a, b)` run back to
     back in `bench.loop_fn` loops of about 0.1 s for `seconds`."""
     scale = jnp.zeros((), jnp.float32)
-    reps = bench.DEFAULT_UNROLL
+    reps = 2 * bench.DEFAULT_UNROLL  # two trips at least: XLA removes a loop of one
+    # The loop's result slots, donated to each call and taken back from it (`time_device`'s way:
+    # no call fills them).
+    slots = bench.loop_slots(product, a, b)
     while True:
-        f = jax.jit(bench.loop_fn(product, reps)).lower(a, b, scale).compile()
-        jax.block_until_ready(f(a, b, scale))
+        loop = jax.jit(bench.loop_fn(product, reps), donate_argnums=3)
+        f = loop.lower(a, b, scale, slots).compile()
+        slots = jax.block_until_ready(f(a, b, scale, slots))
         t = time.perf_counter()
-        jax.block_until_ready(f(a, b, scale))
+        slots = jax.block_until_ready(f(a, b, scale, slots))
         if time.perf_counter() - t >= 0.1 or reps >= 1 << 16:
             break
         reps *= 2
@@ -83,7 +87,7 @@ def _steady(product, a, b, seconds: float):
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             t0 = time.perf_counter()
-            jax.block_until_ready(f(a, b, scale))
+            slots = jax.block_until_ready(f(a, b, scale, slots))
             spans.append((t0, time.perf_counter()))
     last = [s for s in spans if s[0] >= spans[-1][1] - 1.0]
     per = float(np.median([t1 - t0 for t0, t1 in last])) / reps

@@ -133,6 +133,9 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
     just out[0, 0] of the others, and XLA computes only that element of an XLA epilogue after
     the dot (gelu(y + b1) over one element) and drops a second result outright (seen on CPU):
     the side with the XLA epilogue would do less work than the side whose kernel fuses it.
+    The slots come in as an argument (`loop_slots`), so that a caller that donates them and
+    passes each call's result to the next (`time_device`) times no filling of them: made
+    inside, each call would first write zeros over U times one product's output.
 
     Args:
       product: (a [m, k], b [k, n]) -> out [m, n], or a tuple whose first element is out (the
@@ -142,9 +145,10 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
       unroll: products per loop iteration.
 
     Returns:
-      A function of (a [m, k], b [k, n], scale []) returning a tuple of `unroll` results, the
-      last iteration's products' in order: the last is the last product's (out [m, n], or its
-      tuple). They take `unroll` times one product's output memory.
+      A function of (a [m, k], b [k, n], scale [], slots=None) returning a tuple of `unroll`
+      results, the last iteration's products' in order: the last is the last product's (out
+      [m, n], or its tuple). `slots` is what it returns (`loop_slots`: its initial values);
+      None makes zeros inside. They take `unroll` times one product's output memory.
 
     Raises:
       ValueError: `unroll` is not positive or `reps` is not a positive multiple of it.
@@ -152,7 +156,7 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
     if unroll < 1 or reps < 1 or reps % unroll:
         raise ValueError(f"want reps a positive multiple of unroll >= 1, got {reps=}, {unroll=}")
 
-    def f(a, b, scale):
+    def f(a, b, scale, slots=None):
         def body(_, carry):
             a, a00, _ = carry
             outs = []
@@ -164,12 +168,17 @@ def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Calla
                 a = a.at[0, 0].set(a00)
             return a, a00, tuple(outs)
 
-        out = jax.eval_shape(product, a, b)
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out)
-        init = (a, a[0, 0], tuple(zeros for _ in range(unroll)))
-        return jax.lax.fori_loop(0, reps // unroll, body, init)[2]
+        if slots is None:
+            slots = loop_slots(product, a, b, unroll)
+        return jax.lax.fori_loop(0, reps // unroll, body, (a, a[0, 0], tuple(slots)))[2]
 
     return f
+
+
+def loop_slots(product: Callable, a, b, unroll: int = DEFAULT_UNROLL) -> tuple:
+    """`loop_fn`'s slots for `product(a, b)`: `unroll` zero results of its shapes."""
+    out = jax.eval_shape(product, a, b)
+    return tuple(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), out) for _ in range(unroll))
 
 
 # Custom-call targets that are one matrix product: ours, cuBLAS/cuBLASLt, oneDNN on CPU.
@@ -182,6 +191,7 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
 _DIMS = re.compile(r"\[([\d,]*)\]")
+_ENTRY_RESULT = re.compile(r"^ENTRY .*?->\s*(.*?)\s*\{\s*$", re.MULTILINE)  # the module's results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +281,9 @@ class LoopCheck:
       body_copies: non-scalar copies in the loop's body (a per-iteration operand copy), other
         than int32 ones (stream-K flags).
       results: the results of one product (the kernel's second result, say).
-      carried: the loop's carried arrays of exactly `min_size` elements: each product's
-        results, which `loop_fn` carries so that XLA computes every one in full (an operand
-        of that size is carried too and counts; only a check of min_size > 1 reads this).
+      carried: the module's results of exactly `min_size` elements: `loop_fn` returns every
+        result of each of the loop's last U products, so that XLA computes every one in full
+        (only a check of min_size > 1 reads this).
     """
 
     reps: int
@@ -297,14 +307,15 @@ class LoopCheck:
         names = _reachable(comps, entry)
         whiles = [ins for n in names for ins in comps[n] if ins.opcode == "while"]
         total = sum(ins.is_product for n in names for ins in comps[n])
-        body_products = small_products = body_copies = carried = 0
+        body_products = small_products = body_copies = 0
         trip_count = None
+        header = _ENTRY_RESULT.search(text)
+        carried = sum(
+            math.prod(int(d) for d in dims.split(",") if d) == min_size
+            for dims in _DIMS.findall(header.group(1) if header else "")
+        )
         if len(whiles) == 1:
             text = whiles[0].text
-            carried = sum(
-                math.prod(int(d) for d in dims.split(",") if d) == min_size
-                for dims in _DIMS.findall(whiles[0].shape)
-            )
             inner = []
             for pattern in (_BODY, _CONDITION):
                 found = pattern.search(text)
@@ -338,7 +349,7 @@ class LoopCheck:
             out.append(f"{self.other_products} products outside the loop (hoisted or peeled)")
         if self.min_size > 1 and self.whiles == 1 and self.carried < self.unroll * self.results:
             want = self.unroll * self.results
-            out.append(f"{self.carried} full-size results carried by the loop, want {want} "
+            out.append(f"{self.carried} full-size results returned by the loop, want {want} "
                        "(XLA may compute the others in part)")  # fmt: skip
         return out
 
@@ -506,18 +517,22 @@ def time_device(
     scale = jnp.zeros((), jnp.float32)
     top_trips = max(1, max_reps // unroll)
 
-    def one_call(compiled) -> tuple[float, float]:
+    slots = {}  # product index -> its loop's slots, donated to each call and returned by it
+
+    def one_call(i, compiled) -> tuple[float, float]:
         t = time.perf_counter()
-        jax.block_until_ready(compiled(a, b, scale))
+        slots[i] = jax.block_until_ready(compiled(a, b, scale, slots[i]))
         return t, time.perf_counter()
 
-    def calibrate(product):
+    def calibrate(i, product):
         trips = max(1, min(start_trips, top_trips))
+        slots[i] = jax.block_until_ready(loop_slots(product, a, b, unroll))
         while True:
             reps = trips * unroll
-            compiled = jax.jit(loop_fn(product, reps, unroll)).lower(a, b, scale).compile()
-            one_call(compiled)  # warm-up: first-call allocation and loading
-            t0, t1 = one_call(compiled)
+            loop = jax.jit(loop_fn(product, reps, unroll), donate_argnums=3)
+            compiled = loop.lower(a, b, scale, slots[i]).compile()
+            one_call(i, compiled)  # warm-up: first-call allocation and loading
+            t0, t1 = one_call(i, compiled)
             t = t1 - t0
             if t >= min_seconds or trips >= top_trips:
                 return compiled, reps
@@ -532,13 +547,13 @@ def time_device(
     if len(contexts) != len(products):
         raise ValueError(f"{len(contexts)} contexts for {len(products)} products")
     loops = []
-    for product, context in zip(products, contexts, strict=True):
+    for i, (product, context) in enumerate(zip(products, contexts, strict=True)):
         with context() if context is not None else contextlib.nullcontext():
-            loops.append(calibrate(product))
+            loops.append(calibrate(i, product))
 
-    def settled_call(compiled) -> tuple[float, float]:
-        one_call(compiled)  # untimed: the clocks settle under this product's own load
-        return one_call(compiled)
+    def settled_call(i) -> tuple[float, float]:
+        one_call(i, loops[i][0])  # untimed: the clocks settle under this product's own load
+        return one_call(i, loops[i][0])
 
     # Rounds take the orders of `round_orders` in turn, so that each product follows each other
     # one equally often: the settling call does not absorb everything a predecessor leaves
@@ -548,7 +563,7 @@ def time_device(
     spans = np.zeros((rounds, len(loops), 2))
     for r in range(rounds):
         for i in orders[r % len(orders)]:
-            spans[r, i] = settled_call(loops[i][0])
+            spans[r, i] = settled_call(i)
     times = spans[:, :, 1] - spans[:, :, 0]
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):

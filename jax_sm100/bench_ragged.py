@@ -171,8 +171,10 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
                 sides["bias"] = (_BIASED, (lhs, rhs, sizes, group_bias))
                 sides["bias_xla"] = (_biased_composed, (lhs, rhs, sizes, group_bias))
                 sides["bias_vjp"] = (_BIASED_VJP, (lhs, rhs, sizes, group_bias, ct))
+            # The row's path is the plain product's and its gradients' (lowered here, first).
             with jax_sm100.lowerings() as seen:
-                for step, args in sides.values():
+                for key in ("ours", "ours_vjp", "d_lhs", "d_rhs"):
+                    step, args = sides[key]
                     jax.block_until_ready(step(*args))
             # Ours, grouped and dense, in interleaved rounds: the grouped-to-dense ratios are
             # the targets, so the card's drift and the order fall on both sides alike.

@@ -23,11 +23,12 @@ the step needs beside its inputs and outputs: saved activations, gradients in fl
 bytes of the residuals the backward saves (`saved_residuals`), and how many of the compiled
 step's products are our kernel and how many XLA's.
 
-Then (unless `--no-products`) the MLP block's products alone, and `jax.vjp` of one 8192^3
-product, by the device method of `jax_sm100.bench` (R dependent products in one XLA loop):
-each product in the layout the backward runs it in (input gradients with B transposed, weight
-gradients with A transposed, the fused activation-gradient epilogue against XLA's product plus
-its elementwise pass), ours beside the same product by `lax.dot_general`.
+Then (unless `--no-products`) the MLP block's products alone by the device method of
+`jax_sm100.bench` (R dependent products in one XLA loop): each product in the layout the
+backward runs it in (input gradients with B transposed, weight gradients with A transposed, the
+fused activation-gradient epilogue against XLA's product plus its elementwise pass), ours
+beside the same product by `lax.dot_general`; and `jax.vjp` of one 8192^3 product by wall
+clock (`time_steps_alike`, 6 rounds of 20 calls).
 """
 
 from __future__ import annotations
@@ -165,10 +166,12 @@ def time_steps(step, *args, steps: int = 10, rounds: int = 5) -> float:
 
 
 def time_steps_alike(steps_args, steps: int = 10, rounds: int = 5) -> list[float]:
-    """`time_steps` of several (step, args), their rounds interleaved in `bench.round_orders`
-    (each side first and after each other equally often), each round after an untimed step of
-    its own, so that the card's clock drift and the order's own effect fall on every side alike
-    (timed one after the other, the second side inherits the first's clocks)."""
+    """`time_steps` of several (step, args), their rounds interleaved in `bench.round_orders`,
+    each round after an untimed step of its own, so that the card's clock drift and the order's
+    own effect fall on every side alike (timed one after the other, the second side inherits
+    the first's clocks). Over `len(bench.round_orders(n))` rounds (or a multiple) each side
+    comes first and after each other equally often; fewer rounds take the first orders, which
+    still put every side in a different place each round."""
     for step, args in steps_args:
         _warm_up(step, args)
     times = [[] for _ in steps_args]
@@ -317,7 +320,7 @@ def vjp_8192(n=8192):
     a, b, ct = _normal(k[0], (n, n)), _normal(k[1], (n, n)), _normal(k[2], (n, n))
     ours = jax.jit(lambda a, b, ct: jax.vjp(jax_sm100.matmul, a, b)[1](ct))
     dot = jax.jit(lambda a, b, ct: jax.vjp(jnp.dot, a, b)[1](ct))
-    return tuple(time_steps_alike([(ours, (a, b, ct)), (dot, (a, b, ct))], steps=20))
+    return tuple(time_steps_alike([(ours, (a, b, ct)), (dot, (a, b, ct))], steps=20, rounds=6))
 
 
 def report_products(rows, vjp) -> None:

@@ -65,12 +65,17 @@ class DeviceTimerTest(parameterized.TestCase):
         results = re.search(r"entry_computation_layout=\{\(.*?\)->\((.*?)\)\}", text)
         self.assertEqual(results.group(1).count("f32[24,40]"), 8, results.group(1))
 
-    @parameterized.named_parameters(("one_result", False), ("two_results", True))
-    def test_an_xla_epilogue_is_computed_in_full_for_every_product(self, both):
+    @parameterized.named_parameters(
+        ("one_result", False, 96, 32),
+        ("two_results", True, 96, 32),
+        # Square: a and b have the output's size too, and must not count as results.
+        ("square", False, 64, 64),
+    )
+    def test_an_xla_epilogue_is_computed_in_full_for_every_product(self, both, n, k):
         # gelu(y + b1) after an XLA dot: were only the iteration's last product's results kept,
         # XLA would compute the epilogue of the others on the one element the next update reads
         # (and drop their second result), so that side would do less work than a fused kernel.
-        m, n, k, unroll = 64, 96, 32, 4
+        m, unroll = 64, 4
         a, b = (x.astype(jnp.bfloat16) for x in _operands(m, n, k))
         b1 = jnp.linspace(-1, 1, n, dtype=jnp.bfloat16)
 
@@ -106,10 +111,37 @@ class DeviceTimerTest(parameterized.TestCase):
         )
         self.assertEqual(check.carried, 1)
         self.assertIn(
-            f"1 full-size results carried by the loop, want {unroll * results} "
+            f"1 full-size results returned by the loop, want {unroll * results} "
             "(XLA may compute the others in part)",
             check.problems(),
         )
+
+    def test_the_timed_call_fills_no_slot(self):
+        # time_device donates the slots and feeds each call's result to the next: the compiled
+        # call aliases them to its results, and nothing outside the loop writes an [m, n] array
+        # (made inside, every call would first write zeros over U outputs).
+        m, n, k, unroll = 24, 40, 32, 4
+        a, b = _operands(m, n, k)
+
+        def both(a, b):
+            y = jnp.dot(a, b)
+            return jnp.tanh(y), y
+
+        slots = bench.loop_slots(both, a, b, unroll)
+        loop = jax.jit(bench.loop_fn(both, 8, unroll), donate_argnums=3)
+        text = loop.lower(a, b, jnp.float32(0), slots).compile().as_text()
+        self.assertIn("input_output_alias", text)
+        comps, entry = bench._parse_hlo(text)
+        views = ("parameter", "get-tuple-element", "bitcast", "tuple")
+        outside = [i.text for i in comps[entry] if i.opcode not in views
+                   and re.match(rf"f32\[{m},{n}\]", i.shape)]  # fmt: skip
+        self.assertEqual(outside, [])
+        # Fed back, the results are still exactly one product each, call after call.
+        expected = np.asarray(jnp.tanh(jnp.dot(a, b)))
+        for _ in range(3):
+            slots = loop(a, b, jnp.float32(0), slots)
+        for out, _ in slots:
+            np.testing.assert_array_equal(np.asarray(out), expected)
 
     def test_several_products_are_timed_alike(self):
         a, b = _operands(24, 40, 32)
@@ -317,8 +349,8 @@ ENTRY %main (x: f32[8,8], y: s32[132]) -> (f32[8,8], s32[132]) {
             check.problems(),
             [
                 "3 products per iteration with fewer than 1024 output elements (narrowed)",
-                # a and b [32, 32] are the loop's only arrays of 1024 elements
-                "2 full-size results carried by the loop, want 3 (XLA may compute the others "
+                # its results are [1, 32]
+                "0 full-size results returned by the loop, want 3 (XLA may compute the others "
                 "in part)",
             ],
         )
@@ -417,6 +449,22 @@ class RaggedBenchTest(absltest.TestCase):
         self.assertEqual(text.count("products alone: forward"), 4, text)
         self.assertIn("the bytes at copy speed", text)
         self.assertEqual(text.count("with a per-group bias and gelu: forward"), 4, text)
+
+    def test_path_is_the_plain_products(self):
+        # The row's path names what the plain product and its gradients ran on, not the bias
+        # side's plan (whose lowering is recorded here as a GPU's would be).
+        from jax_sm100 import bench_ragged  # noqa: PLC0415
+        from jax_sm100._src import dispatch  # noqa: PLC0415
+
+        plain = bench_ragged._BIASED
+
+        def biased(a, w, s, c):
+            dispatch.record(dispatch.Lowered(None, "the bias plan; bias in the epilogue"))
+            return plain(a, w, s, c)
+
+        with mock.patch.object(bench_ragged, "_BIASED", jax.jit(biased)):
+            rows = bench_ragged.run(bench_ragged.SMALL[:1], kinds=("equal",), bias=True)
+        self.assertEqual(rows[0][-1], "XLA (no CUDA lowering)")
 
 
 class ScaledBenchTest(absltest.TestCase):
