@@ -10,12 +10,12 @@ side it prints:
   transformer block read 0.95-1.00x in rounds of 10 on the H200, 1.000-1.002x in rounds of
   50 and 200; benchmarks/RESULTS.md, forty-third session);
 * under `jax.profiler`, 20 steps: the wall time a step, the GPU's span a step (first kernel's
-  start to last kernel's end, over every stream), its busy time and the idle gaps between
-  kernels, and the `--top` kernels by time a step (name, time, launches a step).
+  start to last kernel's end, over every stream), each stream's busy time and the idle gaps
+  between its kernels, and the `--top` kernels by time a step (name, time, launches a step).
 
-Each side's kernels run on one stream, so span minus busy is the time the GPU waited for the
-host. `--small` runs tiny models (a CPU smoke test; the CPU's profile has no device streams,
-so only the step times print).
+Where a side's kernels run on one stream (as both did on the H200, forty-third session), span
+minus busy is the time the GPU waited for the host. `--small` runs tiny models (a CPU smoke
+test; the CPU's profile has no device streams, so only the step times print).
 """
 
 from __future__ import annotations
@@ -56,23 +56,23 @@ def _models(small: bool):
 def _profile(step, args):
     """(wall s a step, {stream: sorted (start ns, duration ns, name)}) over STEPS steps."""
     jax.block_until_ready(step(*args))
-    folder = tempfile.mkdtemp()
-    jax.profiler.start_trace(folder)
-    t = time.perf_counter()
-    for _ in range(STEPS):
-        out = step(*args)
-    jax.block_until_ready(out)
-    wall = (time.perf_counter() - t) / STEPS
-    jax.profiler.stop_trace()
-    streams = {}
-    for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
-        for plane in jax.profiler.ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if line.name.startswith("Stream"):
-                    events = [(e.start_ns, e.duration_ns, e.name) for e in line.events]
-                    streams[f"{plane.name} {line.name}"] = sorted(events)
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        t = time.perf_counter()
+        for _ in range(STEPS):
+            out = step(*args)
+        jax.block_until_ready(out)
+        wall = (time.perf_counter() - t) / STEPS
+        jax.profiler.stop_trace()
+        streams = {}
+        for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
+            for plane in jax.profiler.ProfileData.from_file(path).planes:
+                if not plane.name.startswith("/device:GPU"):
+                    continue
+                for line in plane.lines:
+                    if line.name.startswith("Stream"):
+                        events = [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+                        streams[f"{plane.name} {line.name}"] = sorted(events)
     return wall, streams
 
 
@@ -83,12 +83,13 @@ def _report(name, wall, streams, top):
         print("  no device streams in the profile")
         return
     span = (max(s + d for s, d, _ in events) - events[0][0]) / STEPS / 1e6
-    busy = sum(d for _, d, _ in events) / STEPS / 1e6
-    print(f"  GPU span {span:.3f} ms a step, busy {busy:.3f} ms, streams {len(streams)}")
+    print(f"  GPU span {span:.3f} ms a step over {len(streams)} stream(s)")
     for stream, evs in streams.items():
+        busy = sum(d for _, d, _ in evs) / STEPS / 1e6
         gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:], strict=False)]
         idle = sum(g for g in gaps if g > 0) / STEPS / 1e3
-        print(f"  {stream}: {len(evs) // STEPS} kernels a step, idle between them {idle:.1f} us")
+        print(f"  {stream}: {len(evs) // STEPS} kernels a step, busy {busy:.3f} ms, idle "
+              f"between them {idle:.1f} us")  # fmt: skip
     by_name = collections.defaultdict(lambda: [0, 0])
     for _, d, kernel in events:
         by_name[kernel][0] += d

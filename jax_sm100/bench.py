@@ -16,9 +16,10 @@ device
     16; R is a multiple of U). Each product writes `a[0, 0] + scale * out[0, 0]` of its output
     into a[0, 0] of the next, with `scale` a runtime argument equal to 0.0. XLA cannot fold a
     runtime scale, so it can neither hoist a product out of the loop nor merge or drop any,
-    while the result stays exactly one product's. Every result of every product of an
+    while each result stays exactly one product's. Every result of every product of an
     iteration is carried out of the loop, so that XLA computes each in full (an XLA epilogue
-    after the dot included) and not only the element the next update reads. R starts at 4 U
+    after the dot included) and not only the element the next update reads; those U slots are
+    donated to each call and taken back from it, so no timed call fills them. R starts at 4 U
     and grows (in multiples of U) until one call takes >= 20 ms (`--device-ms`); the time is
     the median over 5 rounds of one call's wall time (after warm-up) divided by R, so dispatch
     is paid once per R products.
@@ -28,9 +29,9 @@ device
     inside, more than the smallest kernels take) among U products. The compiled HLO is
     checked: exactly one while loop, with the known trip count R / U, whose body holds exactly
     U products (the `jax_sm100_gemm` custom call, a cuBLAS call or a dot), each with the full
-    [m, n] output, all U products' results carried at full size, no operand copy, and no
-    product outside it; a figure that fails the
-    check is printed with `!` and the reason. What the loop costs besides the products (its
+    [m, n] output, all U products' results returned at full size, no operand copy, and no
+    product outside it; a figure that fails the check is printed with `!` and the reason.
+    What the loop costs besides the products (its
     bookkeeping and each product's one-element update), measured with the products removed
     under the same unrolling, is printed as the loop overhead per product, and is inside both
     sides' device times.
@@ -116,7 +117,7 @@ def _first(out):
 
 
 def loop_fn(product: Callable, reps: int, unroll: int = DEFAULT_UNROLL) -> Callable:
-    """`f(a, b, scale)`: `product` run `reps` times, each feeding the previous one's output back.
+    """`f(a, b, scale, slots)`: `product` run `reps` times, each feeding its output to the next.
 
     Product i computes out_i = product(a_i, b), where a_i is a_{i-1} with a_i[0, 0] =
     a_{i-1}[0, 0] + scale * out_{i-1}[0, 0] (in float32, rounded to a's dtype). With scale = 0.0
@@ -280,10 +281,12 @@ class LoopCheck:
       other_products: products elsewhere (hoisted out of the loop or peeled off it).
       body_copies: non-scalar copies in the loop's body (a per-iteration operand copy), other
         than int32 ones (stream-K flags).
-      results: the results of one product (the kernel's second result, say).
-      carried: the module's results of exactly `min_size` elements: `loop_fn` returns every
-        result of each of the loop's last U products, so that XLA computes every one in full
-        (only a check of min_size > 1 reads this).
+      results: how many results of `min_size` elements one product returns (2 for a forward
+        that also writes its pre-activation).
+      carried: the module's results of exactly `min_size` elements. `loop_fn` returns every
+        result of the loop's last U products, which is what makes XLA compute each in full;
+        this count guards that contract (a loop keeping fewer is flagged), not what XLA does
+        inside the loop (only a check of min_size > 1 reads it).
     """
 
     reps: int
@@ -350,7 +353,7 @@ class LoopCheck:
         if self.min_size > 1 and self.whiles == 1 and self.carried < self.unroll * self.results:
             want = self.unroll * self.results
             out.append(f"{self.carried} full-size results returned by the loop, want {want} "
-                       "(XLA may compute the others in part)")  # fmt: skip
+                       "(of results not returned, XLA may compute only part)")  # fmt: skip
         return out
 
     def loop_problems(self) -> list[str]:
@@ -496,7 +499,9 @@ def time_device(
     than after a heavier one, so two sides swapped places by their order alone).
 
     Args:
-      products: one product, or several to compare; each (a [m, k], b [k, n]) -> [m, n].
+      products: one product, or several to compare; each (a [m, k], b [k, n]) -> [m, n], or
+        a tuple of results whose largest is [m, n]. Each product's loop holds U of its results
+        (products of the same result shapes share them) for the whole call.
       a: [m, k], b: [k, n]: the operands.
       min_seconds: R grows (from `start_trips` * `unroll`, at least doubling) until one call
         takes this long.
@@ -517,20 +522,26 @@ def time_device(
     scale = jnp.zeros((), jnp.float32)
     top_trips = max(1, max_reps // unroll)
 
-    slots = {}  # product index -> its loop's slots, donated to each call and returned by it
+    # The loops' result slots, donated to each call and taken back from it; by the results'
+    # shapes and dtypes, so that products of the same results share one set (the loop never
+    # reads them).
+    slots, kinds = {}, []
 
     def one_call(i, compiled) -> tuple[float, float]:
         t = time.perf_counter()
-        slots[i] = jax.block_until_ready(compiled(a, b, scale, slots[i]))
+        slots[kinds[i]] = jax.block_until_ready(compiled(a, b, scale, slots[kinds[i]]))
         return t, time.perf_counter()
 
     def calibrate(i, product):
         trips = max(1, min(start_trips, top_trips))
-        slots[i] = jax.block_until_ready(loop_slots(product, a, b, unroll))
+        shapes = jax.eval_shape(product, a, b)
+        kinds.append(str(jax.tree.structure(shapes)) + str(jax.tree.leaves(shapes)))
+        if kinds[i] not in slots:
+            slots[kinds[i]] = jax.block_until_ready(loop_slots(product, a, b, unroll))
         while True:
             reps = trips * unroll
             loop = jax.jit(loop_fn(product, reps, unroll), donate_argnums=3)
-            compiled = loop.lower(a, b, scale, slots[i]).compile()
+            compiled = loop.lower(a, b, scale, slots[kinds[i]]).compile()
             one_call(i, compiled)  # warm-up: first-call allocation and loading
             t0, t1 = one_call(i, compiled)
             t = t1 - t0
@@ -567,9 +578,9 @@ def time_device(
     times = spans[:, :, 1] - spans[:, :, 0]
     out = []
     for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
-        shapes = jax.eval_shape(product, a, b)
-        size = math.prod(_first(shapes).shape)
-        results = sum(math.prod(x.shape) == size for x in jax.tree.leaves(shapes))
+        leaves = jax.tree.leaves(jax.eval_shape(product, a, b))
+        size = max(math.prod(x.shape) for x in leaves)
+        results = sum(math.prod(x.shape) == size for x in leaves)
         check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size, results)
         intervals = tuple((float(t0), float(t1)) for t0, t1 in spans[:, i])
         out.append(DeviceTiming(float(np.median(times[:, i])) / reps, reps, check, intervals))
