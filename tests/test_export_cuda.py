@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import types
 from unittest import mock
 
 import jax
@@ -150,6 +151,15 @@ class ExportForSm100Test(parameterized.TestCase):
                 jax_sm100.PlanError, "JAX_SM100_TARGET_ARCH='sm_80' in the environment: .*sm_90a"
             ):
                 _export(lambda a, b: jax_sm100.matmul(a, b), a, b)
+
+    def test_only_the_kernels_own_compute_capabilities_are_targets(self):
+        # Arch-specific code runs only on its own compute capability: a 10.3 part (B300) or an
+        # 8.0 one runs XLA's dot, not sm_100a or sm_90a kernels it could not load.
+        for cc, arch in (("9.0", "sm_90a"), ("10.0", "sm_100a"), ("10.3", None), ("9.1", None),
+                         ("8.0", None), ("12.0", None), ("", None)):  # fmt: skip
+            dev = types.SimpleNamespace(compute_capability=cc, core_count=100)
+            target = dispatch._target_of(dev)
+            self.assertEqual(target and (target.arch, target.num_sms), arch and (arch, 100), cc)
 
     def test_sm100_grid_from_the_drivers_occupancy(self):
         # On an sm_100a device the lowering asks the driver how many clusters fit (whole GPCs);

@@ -44,18 +44,26 @@ class Target:
 
 @functools.cache
 def device_target() -> Target | None:
-    """The first CUDA device's target (sm_90a for compute capability 9.x, sm_100a for 10.x),
-    or None when there is no device the kernels run on."""
+    """The first CUDA device's target (sm_90a for compute capability 9.0, sm_100a for 10.0), or
+    None when there is no device the kernels run on. Arch-specific ("a") code runs only on its
+    own compute capability, so other 9.x and 10.x parts (10.3, say) are not taken for these."""
     try:
         dev = jax.devices("gpu")[0]
     except RuntimeError:
         return None
+    return _target_of(dev)
+
+
+def _target_of(dev) -> Target | None:
     cc = str(getattr(dev, "compute_capability", "") or "")
-    major = int(cc.split(".")[0]) if cc else 0
-    arch = {9: "sm_90a", 10: "sm_100a"}.get(major)
+    arch = ARCH_OF_CAPABILITY.get(cc)
     if arch is None:
         return None
     return Target(arch, int(getattr(dev, "core_count", 0) or 0), on_device=True)
+
+
+# The compute capabilities whose arch-specific code the kernels are: H100/H200, B200/GB200.
+ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
 
 
 def lowering_target(plan: planning.GemmPlan | None = None) -> Target | None:
