@@ -546,6 +546,24 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertIn("bias and gelu by XLA after the float32 product", low.note)
         self.assertNotIn("in the epilogue", low.note)
 
+    def test_bad_switch_values_are_refused(self):
+        # The two grouped switches take only their documented values, on every arch (a typo
+        # such as "off" would otherwise silently keep the default).
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+        fwd = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s, activation="gelu"))
+        for arch in ("sm_90a", "sm_100a"):
+            for env, message in (
+                ({"JAX_SM100_RAGGED_FUSED_ACTIVATION": "off"},
+                 "JAX_SM100_RAGGED_FUSED_ACTIVATION='off': '1', '0' or unset"),
+                ({"JAX_SM100_GROUPED_SCHEDULE": "pp"}, "JAX_SM100_GROUPED_SCHEDULE='pp': one of"),
+            ):  # fmt: skip
+                env = {"JAX_SM100_TARGET_ARCH": arch, **env}
+                with mock.patch.dict(os.environ, env), self.subTest(arch=arch, env=env):
+                    with self.assertRaisesRegex(jax_sm100.PlanError, message):
+                        _export(fwd, lhs, rhs, sizes)
+
     @parameterized.parameters("0", "", "1")
     def test_activation_lowering(self, fused):
         # sm_90a: by default (or with JAX_SM100_RAGGED_FUSED_ACTIVATION=1) the kernel's epilogue

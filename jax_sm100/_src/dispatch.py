@@ -231,8 +231,9 @@ def _usable_split(p: planning.GemmPlan) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Lowered:
-    """How one CUDA lowering of `matmul` went: its plan (None where no plan was made) and a
-    note (batch handling, split-K fitting, or why it runs on XLA's dot)."""
+    """How one product was lowered (a CUDA lowering of `matmul`, `ragged_dot` or
+    `scaled_matmul`, or a call traced onto XLA's ops on any platform): its plan (None where no
+    plan was made) and a note (the path, batch handling, split-K fitting, or why XLA's ops)."""
 
     plan: planning.GemmPlan | None
     note: str
@@ -264,7 +265,7 @@ def lowerings() -> Iterator[list[Lowered]]:
 
         with jax_sm100.lowerings() as seen:
             jax.jit(step).lower(params, batch)
-        print([x.plan.kernel for x in seen])
+        print([x.plan.kernel if x.plan else x.note for x in seen])
 
     Only lowerings count: a jitted function already compiled lowers nothing again.
     """

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import dispatch, ffi_checks, planning, ragged_sharding
+from jax_sm100._src import constraints, dispatch, ffi_checks, planning, ragged_sharding
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -50,8 +50,12 @@ FUSED_ACTIVATION_ENV = "JAX_SM100_RAGGED_FUSED_ACTIVATION"
 
 
 def fused_activation() -> bool:
-    """Whether ragged_dot's activation runs in the grouped kernel's epilogue (module docstring)."""
-    return os.environ.get(FUSED_ACTIVATION_ENV, "") != "0"
+    """Whether ragged_dot's activation runs in the grouped kernel's epilogue (module docstring):
+    unless FUSED_ACTIVATION_ENV is "0"; "1" or unset fuse it, other values raise PlanError."""
+    value = os.environ.get(FUSED_ACTIVATION_ENV, "")
+    if value not in ("", "0", "1"):
+        raise constraints.PlanError(f"{FUSED_ACTIVATION_ENV}={value!r}: '1', '0' or unset")
+    return value != "0"
 
 
 def _kernel_problem(name, lhs, rhs, group_sizes, params, segments=1):

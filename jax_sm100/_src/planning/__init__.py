@@ -226,11 +226,15 @@ def plan(
     )  # fmt: skip
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
+    schedule = os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else ""
+    if schedule not in sm90.GROUPED_SCHEDULES:  # checked for every arch (sm_100a ignores it)
+        raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of "
+                          f"{sm90.GROUPED_SCHEDULES} ('' for the planner's choice)")  # fmt: skip
     return _plan_cached(
         p.m, p.n, p.k, p.a_dtype, p.b_dtype, p.out_dtype, p.c_dtype, p.batch, arch,
         p.a_major, p.b_major, bool(force_kernel) or small_problems_on_kernels(),
         preact_out=p.preact_out, num_sms=int(num_sms or 0), groups=p.groups, ragged=p.ragged,
-        grouped_schedule=os.environ.get("JAX_SM100_GROUPED_SCHEDULE", "") if p.groups else "",
+        grouped_schedule=schedule,
         grouped_dynamic=os.environ.get(GROUPED_DYNAMIC_ENV, "") if p.groups else "",
     )  # fmt: skip
 
