@@ -101,6 +101,12 @@ class CompileTest(absltest.TestCase):
                 self.assertNotIn("stablehlo.reduce", text)
             self.assertEqual(dispatch.last_lowering().plan.split_reduce, reduce)
 
+    def test_arguments_of_other_types_are_refused(self):
+        with self.assertRaisesRegex(TypeError, "plan must be a jax_sm100.GemmPlan .*got str"):
+            compile_mod.compile_plan("plan")
+        with self.assertRaisesRegex(TypeError, "spec must be a KernelSpec or None, got dict"):
+            compile_mod.compile_plan(_plan(256, 256, 256), spec={})
+
     def test_xla_plan_is_refused(self):
         p = dataclasses.replace(_plan(256, 256, 256), kernel="xla_dot")
         with self.assertRaisesRegex(ValueError, "XLA"):

@@ -225,9 +225,13 @@ class PrecompileTest(parameterized.TestCase):
         ("short_shape", dict(shapes=[(4096, 4096)])),
         ("long_shape", dict(shapes=[(1, 2, 3, 4, 5)])),
         ("dtypes", dict(shapes=[(64, 64, 64)], dtypes=("bfloat16",))),
-    )
-    def test_bad_arguments_raise(self, kwargs):
-        with self.assertRaises(ValueError):
+        ("float_size", dict(shapes=[(4096, 4096, 4096), (64.5, 64, 64)]), "sizes must be ints"),
+        ("activation", dict(shapes=[(4096, 4096, 4096)], activation="tanh"),
+         "activation='tanh' must be one of"),
+    )  # fmt: skip
+    def test_bad_arguments_raise(self, kwargs, message=""):
+        # Refused before anything is planned or compiled, naming the argument.
+        with self.assertRaisesRegex(ValueError, message):
             precompile(progress=False, **kwargs)
         self.compile_plan.assert_not_called()
 

@@ -104,8 +104,17 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
       A CompiledGemm.
 
     Raises:
+      TypeError: `plan` is not a GemmPlan (`jax_sm100.plan` makes one) or `spec` not a
+        KernelSpec.
       ValueError: the plan selects XLA's dot, or its kernel family cannot take (plan, spec).
     """
+    from jax_sm100._src.planning import GemmPlan  # noqa: PLC0415 (planning imports kernels)
+
+    if not isinstance(plan, GemmPlan):
+        raise TypeError(f"plan must be a jax_sm100.GemmPlan (from jax_sm100.plan), got "
+                        f"{type(plan).__name__}")  # fmt: skip
+    if spec is not None and not isinstance(spec, KernelSpec):
+        raise TypeError(f"spec must be a KernelSpec or None, got {type(spec).__name__}")
     spec = spec or KernelSpec.for_plan(plan)
     key = binary_key(plan, spec)
     with _lock:

@@ -20,8 +20,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
+import numpy as np
+
 from jax_sm100._src import constraints, dispatch, planning
-from jax_sm100._src.kernels.spec import KernelSpec
+from jax_sm100._src.kernels.spec import ACTIVATIONS, KernelSpec
 
 _BAR_WIDTH = 24
 
@@ -86,6 +88,15 @@ class _Progress:
         self._stream.flush()
 
 
+def _int_shape(shape) -> tuple[int, ...]:
+    """A shape's sizes as ints; a float or bool size (64.0, say) is refused, not truncated."""
+    sizes = tuple(shape)
+    for d in sizes:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+            raise ValueError(f"shape {sizes!r}: sizes must be ints, got {type(d).__name__} {d!r}")
+    return tuple(int(d) for d in sizes)
+
+
 def precompile(
     shapes: Iterable[Sequence[int]],
     *,
@@ -125,7 +136,8 @@ def precompile(
       One `Precompiled` per shape, in order.
 
     Raises:
-      ValueError: for a shape that is not 3 or 4 ints, or `dtypes` not 2 or 3 long.
+      ValueError: for a shape that is not 3 or 4 ints, `dtypes` not 2 or 3 long, or an
+        activation the epilogue does not apply.
       TypeError: for a dtype the kernels do not take.
       Exception: whatever planning or `compile_plan` raises, with a note naming the shape.
     """
@@ -150,7 +162,10 @@ def precompile(
     )
     if c_dtype is not None:
         D.dtype_argument_name(c_dtype, "c_dtype", "jax_sm100.precompile")
-    shapes = [tuple(int(d) for d in s) for s in shapes]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS} "
+                         "(jax_sm100.precompile's fused epilogue)")  # fmt: skip
+    shapes = [_int_shape(s) for s in shapes]
     problems = [_split_shape(s) for s in shapes]
 
     bar = _Progress(len(shapes), (file or sys.stderr) if progress else None)
