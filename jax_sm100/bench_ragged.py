@@ -272,7 +272,9 @@ def _row(row) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_sm100.bench --ragged", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--shapes", default=None, help="G:MxKxN,... (default: issue 18's)")
+    ap.add_argument("--shapes", default=None,
+                    help="G:MxKxN,... (default: " + ",".join(
+                        f"{g}:{m}x{k}x{n}" for g, m, k, n in PROBLEMS) + ")")  # fmt: skip
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
     ap.add_argument("--dtype", default="bfloat16",
                     help="operand dtype: bfloat16, float16, float8_e4m3fn or float8_e5m2 (fp8: "

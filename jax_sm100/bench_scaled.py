@@ -192,7 +192,9 @@ def report(rows) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_sm100.bench --scaled", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--shapes", default=None, help="MxNxK,... (default: issue 19's)")
+    ap.add_argument("--shapes", default=None,
+                    help="MxNxK,... (default: " + ",".join(
+                        "x".join(map(str, s)) for s in PROBLEMS) + ")")  # fmt: skip
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
     ap.add_argument("--device-ms", type=float, default=20.0,
                     help="grow R until one timed call takes this long")  # fmt: skip

@@ -607,9 +607,13 @@ class RaggedDotTest(parameterized.TestCase):
         ("g", (8, 4), (2, 4, 3), (3,), ValueError, "k and g must agree"),
         ("sizes_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "group_sizes must be integers"),
         ("operand_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "ragged_dot: lhs has boolean"),
-    )
+        # fp4 runs only block-scaled, and no grouped product is: not a scaled_matmul hint alone.
+        ("fp4", (8, 4), (2, 4, 3), (2,), TypeError,
+         "float4_e2m1fn, which runs only block-scaled, and no grouped product is"),
+    )  # fmt: skip
     def test_errors_name_the_fix(self, lhs_shape, rhs_shape, sizes_shape, error, message):
-        lhs_dtype = jnp.bool_ if "boolean" in message else jnp.float32
+        lhs_dtype = {"boolean": jnp.bool_, "float4": jnp.float4_e2m1fn}
+        lhs_dtype = next((d for key, d in lhs_dtype.items() if key in message), jnp.float32)
         lhs = jnp.ones(lhs_shape, lhs_dtype)
         rhs = jnp.ones(rhs_shape, jnp.float32)
         sizes = jnp.ones(sizes_shape, jnp.float32 if "integers" in message else jnp.int32)

@@ -202,8 +202,9 @@ def matmul(
         `dataclasses.replace`) to run instead of the planner's choice; it must be for this
         problem's sizes, dtypes and layouts.
       precision: as `jnp.matmul`. The kernels meet every `lax.Precision` for 16-bit and fp8
-        operands, and the presets naming them (`dot_general.KERNEL_ALGORITHMS`); `HIGHEST`
-        with float32 operands, or another dot algorithm, runs on XLA's dot.
+        operands, and the presets naming them (`lax.DotAlgorithmPreset.BF16_BF16_F32`,
+        `F16_F16_F32` and `ANY_F8_ANY_F8_F32` of such operands); `HIGHEST` with float32
+        operands, or another dot algorithm, runs on XLA's dot.
         `jax.default_matmul_precision` is not consulted (`jax_sm100.dot_general` does).
       preferred_element_type: `jnp.matmul`'s name for `out_dtype`.
       out_sharding: as `jnp.matmul`; the result is resharded to it.
@@ -215,7 +216,8 @@ def matmul(
       ValueError: a scalar operand, mismatched k, non-broadcasting batch dims, a bias or c of
         the wrong shape, an unknown activation, two different out_dtype and
         preferred_element_type.
-      TypeError: integer, complex or other unsupported dtypes; non-float alpha/beta.
+      TypeError: integer, complex or other unsupported dtypes; alpha or beta not a Python
+        real number (a bool, string, complex or array); a plan that is not a GemmPlan.
       PlanError: a plan that does not fit the problem (a ValueError).
     """
     if preferred_element_type is not None:

@@ -241,7 +241,10 @@ def dot_general(
       lhs: array.
       rhs: array.
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
-      precision: as `lax.dot_general`; see the module docstring for which values run on lax.
+      precision: as `lax.dot_general`. Every `lax.Precision` runs on the kernels for 16-bit
+        and fp8 operands, as do the presets naming them (`lax.DotAlgorithmPreset`'s
+        BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands); `HIGHEST` with
+        float32 operands, or another algorithm, runs `lax.dot_general`.
       preferred_element_type: the result dtype (as `lax.dot_general`; accumulation is float32).
       out_sharding: as `lax.dot_general`; the result is resharded to it.
 

@@ -39,6 +39,12 @@ def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") ->
     says what is accepted and how to cast the array."""
     n = name(dtype)
     if n not in DTYPE_BITS:
+        if _block_scaled_only(n) and caller == "jax_sm100.ragged_dot":
+            raise TypeError(
+                f"{caller}: {operand} has dtype {n}, which runs only block-scaled, and no "
+                "grouped product is block-scaled: give the experts in bfloat16 or fp8 "
+                "(float8_e4m3fn), or run each group through jax_sm100.scaled_matmul"
+            )
         if _block_scaled_only(n):
             raise TypeError(
                 f"{caller}: {operand} has dtype {n}, which runs only block-scaled: use "
