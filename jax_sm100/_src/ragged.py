@@ -225,9 +225,12 @@ def _default_out_dtype(a_name: str, b_name: str) -> str:
     bfloat16 for fp8 operands (`dtypes.default_out_dtype`)."""
     if a_name in D.FP8_DTYPES or b_name in D.FP8_DTYPES:
         return D.default_out_dtype(a_name, b_name)
+    # lax.dot_general's rule, which lax.ragged_dot shares: asked of ragged_dot itself under a
+    # mesh of Explicit axes, JAX 0.12 raises (it infers no result sharding for ragged_dot), and
+    # this cache fills in whichever context a process first asks.
     out = jax.eval_shape(
-        lax.ragged_dot, jax.ShapeDtypeStruct((1, 1), a_name),
-        jax.ShapeDtypeStruct((1, 1, 1), b_name), jax.ShapeDtypeStruct((1,), np.int32),
+        functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ()))),
+        jax.ShapeDtypeStruct((1, 1), a_name), jax.ShapeDtypeStruct((1, 1), b_name),
     )  # fmt: skip
     return np.dtype(out.dtype).name
 
