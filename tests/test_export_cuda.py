@@ -160,6 +160,11 @@ class ExportForSm100Test(parameterized.TestCase):
             dev = types.SimpleNamespace(compute_capability=cc, core_count=100)
             target = dispatch._target_of(dev)
             self.assertEqual(target and (target.arch, target.num_sms), arch and (arch, 100), cc)
+        # A GPU that is no target says so once (device_target is cached), naming what runs.
+        a100 = types.SimpleNamespace(compute_capability="8.0", device_kind="NVIDIA A100")
+        with mock.patch.object(jax, "devices", return_value=[a100]):
+            with self.assertWarnsRegex(UserWarning, r"A100, compute capability 8.0\) runs none"):
+                self.assertIsNone(dispatch.device_target.__wrapped__())
 
     def test_sm100_grid_from_the_drivers_occupancy(self):
         # On an sm_100a device the lowering asks the driver how many clusters fit (whole GPCs);

@@ -63,6 +63,7 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100 import tuning
+from jax_sm100._src import dispatch
 from jax_sm100._src.primitive import matmul_p
 
 ACTS = (None, "relu", "gelu", "silu")
@@ -97,7 +98,11 @@ def _sm90_device() -> bool:
         dev = jax.devices("gpu")[0]
     except RuntimeError:
         return False
-    return str(getattr(dev, "compute_capability", "")).startswith("9.")
+    # The library's own rule (dispatch.ARCH_OF_CAPABILITY); on a 9.0 GPU it must take it.
+    target = dispatch._target_of(dev)
+    if str(getattr(dev, "compute_capability", "")) == "9.0":
+        assert target is not None and target.arch == "sm_90a", (dev, target)
+    return target is not None and target.arch == "sm_90a"
 
 
 _SKIP = (not _sm90_device(), "needs an SM90 (Hopper) CUDA device and jax[cuda]")

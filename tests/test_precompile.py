@@ -9,6 +9,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl.testing import absltest, parameterized
 
 from jax_sm100._src import dispatch, gpu_lowering, planning
@@ -220,6 +221,12 @@ class PrecompileTest(parameterized.TestCase):
         with self.assertRaisesRegex(RuntimeError, "ptxas failed") as cm:
             precompile([(4096, 4096, 4096), (512, 512, 512)], progress=False)
         self.assertIn("(512, 512, 512)", "\n".join(cm.exception.__notes__))
+
+    def test_integer_sizes_of_any_kind_are_taken(self):
+        # Python, numpy and JAX integers alike (what shapes read off arrays give).
+        shape = (4096, np.int64(4096), jnp.int32(4096))
+        precompile([shape], progress=False)
+        self.compile_plan.assert_called()
 
     @parameterized.named_parameters(
         ("short_shape", dict(shapes=[(4096, 4096)])),

@@ -305,7 +305,7 @@ def plan_for(
     if arch is None and device is None and p.kernel != planning.KERNEL_XLA:
         reason = (
             f"{jax.default_backend()} backend: the primitive lowers to XLA's dot here (the "
-            "kernels need an SM90 or SM100 GPU)"
+            "kernels need a GPU of compute capability 9.0 or 10.0)"
         )
         return dataclasses.replace(p, kernel=planning.KERNEL_XLA, reason=reason, split_k=1)
     return p

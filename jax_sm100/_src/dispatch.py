@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -51,19 +52,33 @@ def device_target() -> Target | None:
         dev = jax.devices("gpu")[0]
     except RuntimeError:
         return None
-    return _target_of(dev)
+    target = _target_of(dev)
+    if target is None:
+        warnings.warn(
+            f"jax_sm100: this GPU ({getattr(dev, 'device_kind', '?')}, compute capability "
+            f"{getattr(dev, 'compute_capability', '?')}) runs none of the kernels (built for "
+            "9.0, sm_90a, and 10.0, sm_100a): products run on XLA's ops. A plan= or "
+            "JAX_SM100_TARGET_ARCH would embed kernels this GPU cannot load.",
+            stacklevel=2,
+        )
+    return target
 
 
 def _target_of(dev) -> Target | None:
+    """`dev`'s target from its compute capability ("9.0", as JAX gives it), or None."""
     cc = str(getattr(dev, "compute_capability", "") or "")
-    arch = ARCH_OF_CAPABILITY.get(cc)
+    try:
+        major, minor = (int(x) for x in cc.split(".")[:2])
+    except ValueError:
+        return None
+    arch = ARCH_OF_CAPABILITY.get((major, minor))
     if arch is None:
         return None
     return Target(arch, int(getattr(dev, "core_count", 0) or 0), on_device=True)
 
 
 # The compute capabilities whose arch-specific code the kernels are: H100/H200, B200/GB200.
-ARCH_OF_CAPABILITY = {"9.0": "sm_90a", "10.0": "sm_100a"}
+ARCH_OF_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
 
 def lowering_target(plan: planning.GemmPlan | None = None) -> Target | None:

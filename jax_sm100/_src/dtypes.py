@@ -42,7 +42,7 @@ def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") ->
         if _block_scaled_only(n) and caller == "jax_sm100.ragged_dot":
             raise TypeError(
                 f"{caller}: {operand} has dtype {n}, which runs only block-scaled, and no "
-                "grouped product is block-scaled: give the experts in bfloat16 or fp8 "
+                "grouped product is block-scaled: give lhs and rhs in bfloat16 or fp8 "
                 "(float8_e4m3fn), or run each group through jax_sm100.scaled_matmul"
             )
         if _block_scaled_only(n):

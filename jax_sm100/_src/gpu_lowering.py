@@ -8,7 +8,7 @@ Entry point for lowering.py (wrapped with `mlir.lower_fun`):
 It runs at trace time on the operands' shapes (primitive.py's conventions: a [*Ba, m, k] or
 [*Ba, k, m], b [*Bb, k, n] or [*Bb, n, k], bias [*Bbias, n], c [*Bc, m, n], out [*B, m, n]):
 
-1. The target: the device's arch (sm_90a for compute capability 9.x, sm_100a for 10.x) and SM
+1. The target: the device's arch (sm_90a for compute capability 9.0, sm_100a for 10.0) and SM
    count (`dispatch.lowering_target`).
 2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
    K-major, the batch folds into m (free reshape, one large GEMM; `primitive.folds_batch`);

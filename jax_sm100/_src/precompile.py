@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import operator
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -91,10 +92,16 @@ class _Progress:
 def _int_shape(shape) -> tuple[int, ...]:
     """A shape's sizes as ints; a float or bool size (64.0, say) is refused, not truncated."""
     sizes = tuple(shape)
+    out = []
     for d in sizes:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
-            raise ValueError(f"shape {sizes!r}: sizes must be ints, got {type(d).__name__} {d!r}")
-    return tuple(int(d) for d in sizes)
+        try:
+            if isinstance(d, (bool, np.bool_)):
+                raise TypeError
+            out.append(operator.index(d))
+        except TypeError:
+            raise ValueError(f"shape {sizes!r}: sizes must be ints, got {type(d).__name__} "
+                             f"{d!r}") from None  # fmt: skip
+    return tuple(out)
 
 
 def precompile(

@@ -128,7 +128,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
         _after = _noted("fp8 experts transposed to [g, n, k] by XLA (sm_90a reads B K-major)",
                         _after)  # fmt: skip
     activation = params.get("activation")
-    if activation is not None and not fused_activation():
+    fused = fused_activation()  # checked on every lowering: a bad value is refused, not ignored
+    if activation is not None and not fused:
         # The kernel's float32 product (with the bias), then XLA's activation and rounding.
         return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after)
     made = _kernel_problem(name, lhs, rhs, group_sizes, params, _segments)
