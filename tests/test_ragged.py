@@ -840,6 +840,36 @@ class RaggedDotTest(parameterized.TestCase):
             )(w)
             np.testing.assert_array_equal(d_w, np.zeros_like(w))
 
+    def test_shared_experts_second_order(self):
+        # Second derivatives through shared experts' weight gradient (whose transpose sums
+        # over the batch dims): one batch dim, and two (nested vmap), against dense float64.
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(43)
+            m, k, n, g = 7, 3, 4, 3
+            rhs = tu.rand(rng, (g, k, n), "float64")
+
+            def check(batch):
+                lhs = tu.rand(rng, (*batch, m, k), "float64")
+                sizes = jnp.asarray(rng.integers(0, 4, (*batch, g)), jnp.int32)
+
+                def loss(f, x, w):
+                    mapped = f
+                    for _ in batch:
+                        mapped = jax.vmap(mapped, (0, None, 0))
+                    return jnp.sin(mapped(x, w, sizes)).sum()
+
+                for name, fn in (
+                    ("hessian in rhs", lambda f: jax.hessian(lambda w: loss(f, lhs, w))(rhs)),
+                    ("d lhs of d rhs", lambda f: jax.jacrev(
+                        jax.grad(lambda x, w: loss(f, x, w), 1), 0)(lhs, rhs)),
+                ):  # fmt: skip
+                    with self.subTest(batch=batch, derivative=name):
+                        got, want = fn(jax_sm100.ragged_dot), fn(_dense)
+                        tu.assert_close(self, got, want, "float64", k)
+
+            check((2,))
+            check((2, 2))
+
     def test_shared_experts_under_nested_vmap(self):
         # Experts unmapped by an inner vmap stay shared ([g, k, n] beside [*B, m, k] rows);
         # an outer vmap that maps them, or the bias, broadcasts them along the inner batch.

@@ -221,10 +221,57 @@ class StepNumericsTest(parameterized.TestCase):
 
         ga, gb = jax.grad(loss, argnums=(0, 1))(a, b)
         self.assertEqual((ga.dtype, gb.dtype), (a.dtype, b.dtype))
+        # The backward products themselves take bfloat16 operands (not fp8, not float32).
+        eqns = _matmul_eqns(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(a, b).jaxpr)
+        self.assertLen(eqns, 3)
+        for e in eqns[1:]:
+            self.assertEqual({v.aval.dtype for v in e.invars[:2]}, {np.dtype(jnp.bfloat16)})
         a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
         wa, wb = jax.grad(lambda a, b: jnp.sum((a @ b) * ct), argnums=(0, 1))(a32, b32)
         tu.assert_close(self, ga, wa, "float8_e4m3fn", 16)
         tu.assert_close(self, gb, wb, "float8_e4m3fn", 8)
+
+
+class BackwardEpilogueTransposeTest(absltest.TestCase):
+    # The transposes of the backward epilogues themselves, which ordinary higher-order AD does
+    # not reach (their derivatives decompose into plain products): jax.linear_transpose does.
+    def setUp(self):
+        super().setUp()
+        rng = np.random.default_rng(8)
+        self.a, self.b = tu.rand(rng, (6, 5), "float32"), tu.rand(rng, (5, 7), "float32")
+        self.z = tu.rand(rng, (6, 7), "float32")
+        self.ct = tu.rand(rng, (6, 7), "float32")
+        self.act = lambda z: np.asarray(P.activation_grad(jnp.asarray(z, jnp.float64), "gelu"))
+
+    def test_act_grad_product_in_a(self):
+        # act'(z) * (2 a @ b), linear in a: its transpose is 2 (act'(z) * ct) @ b^T.
+        params = dict(
+            transpose_a=False, transpose_b=False, alpha=2.0, beta=1.0, activation=None,
+            out_dtype=np.dtype(jnp.float32), has_bias=False, has_c=True, plan=None,
+            save_preact=False, act_grad="gelu",
+        )  # fmt: skip
+        f = lambda x: P.matmul_p.bind(x, self.b, self.z, **params)[0]  # noqa: E731
+        with jax.enable_x64(True):
+            (got,) = jax.linear_transpose(f, self.a)(self.ct)
+            ct64, b64 = np.asarray(self.ct, np.float64), np.asarray(self.b, np.float64)
+            want = 2.0 * (self.act(self.z) * ct64) @ b64.T
+        tu.assert_close(self, got, want, "float32", 5)
+
+    def test_gated_product_in_b(self):
+        # (act'(z) * a) @ (3 b), linear in b: its transpose is 3 (act'(z) * a)^T @ ct.
+        from jax_sm100._src import autodiff  # noqa: PLC0415
+
+        a = tu.rand(np.random.default_rng(9), (6, 7), "float32")
+        b = tu.rand(np.random.default_rng(10), (7, 5), "float32")
+        ct = tu.rand(np.random.default_rng(11), (6, 5), "float32")
+        params = dict(activation="gelu", transpose_a=False, transpose_b=False, alpha=3.0,
+                      out_dtype=np.dtype(jnp.float32))  # fmt: skip
+        f = lambda y: autodiff.gated_matmul_p.bind(a, self.z, y, **params)  # noqa: E731
+        with jax.enable_x64(True):
+            (got,) = jax.linear_transpose(f, b)(ct)
+            gated = self.act(self.z) * np.asarray(a, np.float64)
+            want = 3.0 * gated.T @ np.asarray(ct, np.float64)
+        tu.assert_close(self, got, want, "float32", 7)
 
 
 def _export_step(arch, t, d, f):
