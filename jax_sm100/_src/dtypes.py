@@ -34,21 +34,20 @@ def _block_scaled_only(n: str) -> bool:
     return n in SCALED_DATA_BITS and n not in DTYPE_BITS
 
 
-def operand_dtype_name(dtype, operand: str, caller: str = "jax_sm100.matmul") -> str:
+_SCALED_MATMUL_FIX = ": use jax_sm100.scaled_matmul with its scales (jax_sm100.quantize makes both)"
+
+
+def operand_dtype_name(
+    dtype, operand: str, caller: str = "jax_sm100.matmul", block_scaled_fix=_SCALED_MATMUL_FIX
+) -> str:
     """Validates an operand array's dtype, returning its name; TypeError (naming `caller`)
-    says what is accepted and how to cast the array."""
+    says what is accepted and how to cast the array, or for data that runs only block-scaled,
+    `block_scaled_fix` (the rest of the sentence after "which runs only block-scaled")."""
     n = name(dtype)
     if n not in DTYPE_BITS:
-        if _block_scaled_only(n) and caller == "jax_sm100.ragged_dot":
-            raise TypeError(
-                f"{caller}: {operand} has dtype {n}, which runs only block-scaled, and no "
-                "grouped product is block-scaled: give lhs and rhs in bfloat16 or fp8 "
-                "(float8_e4m3fn), or run each group through jax_sm100.scaled_matmul"
-            )
         if _block_scaled_only(n):
             raise TypeError(
-                f"{caller}: {operand} has dtype {n}, which runs only block-scaled: use "
-                "jax_sm100.scaled_matmul with its scales (jax_sm100.quantize makes both)"
+                f"{caller}: {operand} has dtype {n}, which runs only block-scaled{block_scaled_fix}"
             )
         raise TypeError(
             f"{caller}: {operand} has {_unsupported(dtype, n)}; it takes floating "

@@ -69,6 +69,13 @@ ragged_outer_p = P.Primitive("jax_sm100_ragged_outer")
 # --- the public function -------------------------------------------------------------------------
 
 
+# What ragged_dot says of data that runs only block-scaled (fp4): no grouped product is.
+_BLOCK_SCALED_FIX = (
+    ", and no grouped product is block-scaled: give lhs and rhs in bfloat16 or fp8 "
+    "(float8_e4m3fn), or run each group through jax_sm100.scaled_matmul"
+)
+
+
 def ragged_dot(
     lhs,
     rhs,
@@ -161,8 +168,8 @@ def ragged_dot(
             )
         return _on_lax(f"{lhs.dtype} x {rhs.dtype} operands", lhs, rhs, sizes, precision,
                        preferred_element_type, out_sharding)  # fmt: skip
-    a_name = D.operand_dtype_name(lhs.dtype, "lhs", "jax_sm100.ragged_dot")
-    b_name = D.operand_dtype_name(rhs.dtype, "rhs", "jax_sm100.ragged_dot")
+    a_name = D.operand_dtype_name(lhs.dtype, "lhs", "jax_sm100.ragged_dot", _BLOCK_SCALED_FIX)
+    b_name = D.operand_dtype_name(rhs.dtype, "rhs", "jax_sm100.ragged_dot", _BLOCK_SCALED_FIX)
     if preferred_element_type is None:
         out_dtype = np.dtype(_default_out_dtype(a_name, b_name))
     else:
