@@ -525,7 +525,7 @@ def time_device(
     # The loops' result slots, donated to each call and taken back from it; by the results'
     # shapes and dtypes, so that products of the same results share one set (the loop never
     # reads them).
-    slots, kinds = {}, []
+    slots, kinds, shapes = {}, [], []  # kinds[i], shapes[i]: product i's results
 
     def one_call(i, compiled) -> tuple[float, float]:
         t = time.perf_counter()
@@ -534,8 +534,8 @@ def time_device(
 
     def calibrate(i, product):
         trips = max(1, min(start_trips, top_trips))
-        shapes = jax.eval_shape(product, a, b)
-        kinds.append(str(jax.tree.structure(shapes)) + str(jax.tree.leaves(shapes)))
+        shapes.append(jax.eval_shape(product, a, b))  # inside the product's context
+        kinds.append(str(jax.tree.structure(shapes[i])) + str(jax.tree.leaves(shapes[i])))
         if kinds[i] not in slots:
             slots[kinds[i]] = jax.block_until_ready(loop_slots(product, a, b, unroll))
         while True:
@@ -577,8 +577,8 @@ def time_device(
             spans[r, i] = settled_call(i)
     times = spans[:, :, 1] - spans[:, :, 0]
     out = []
-    for i, (product, (compiled, reps)) in enumerate(zip(products, loops, strict=True)):
-        leaves = jax.tree.leaves(jax.eval_shape(product, a, b))
+    for i, (compiled, reps) in enumerate(loops):
+        leaves = jax.tree.leaves(shapes[i])
         size = max(math.prod(x.shape) for x in leaves)
         results = sum(math.prod(x.shape) == size for x in leaves)
         check = LoopCheck.from_hlo(compiled.as_text(), reps, unroll, size, results)
