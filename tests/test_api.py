@@ -53,6 +53,15 @@ class VectorTest(parameterized.TestCase):
         self.assertEqual(got.shape, (3, 24))
         tu.assert_close(self, got, want[..., 0], "float32", 4)
 
+    def test_vector_a_with_c(self):
+        # a [k] is the row [1, k]: c [n] adds along n (a batched b, along each batch's n).
+        for b_shape in ((40, 16), (3, 40, 16)):
+            a, b, c = _rand((40,)), _rand(b_shape, seed=1), _rand((16,), seed=2)
+            got = jax_sm100.matmul(a, b, c=c, beta=0.5)
+            want = jnp.matmul(a, b, precision=lax.Precision.HIGHEST) + 0.5 * c
+            self.assertEqual(got.shape, want.shape)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
     def test_vector_b_reads_k_contiguous(self):
         # b [k] is the K-major column [1, k]: no copy, k stays the contiguous dim.
         jaxpr = jax.make_jaxpr(jax_sm100.matmul)(_rand((24, 40)), _rand((40,)))
@@ -104,10 +113,12 @@ class DtypeTest(parameterized.TestCase):
         self.assertEqual(jax.typeof(ours), jax.typeof(ref))
         self.assertEqual(ours_t.dtype, np.dtype(dtype))
         tu.assert_close(self, ours, np.asarray(ref, np.float32), dtype, 2)
-        # The weak operand takes the other's dtype, so both operands of the product match.
+        # The weak operand (b, then a) takes the other's dtype, so both operands match.
         jaxpr = jax.make_jaxpr(f)(a, 0.75)
-        eqn = next(e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul")
-        self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(dtype)})
+        eqns = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"]
+        self.assertLen(eqns, 2)
+        for eqn in eqns:
+            self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(dtype)})
 
     def test_weak_integer_operand_has_no_say(self):
         # A broadcast Python int (weak int32) beside a float takes jnp's promoted float dtype,

@@ -47,6 +47,9 @@ GEMMS = [
     ("batch_not_leading", (8, 3, 40), (3, 40, 16), (((2,), (1,)), ((1,), (0,))), 1),
     ("bshd_scores", (2, 8, 4, 16), (2, 12, 4, 16), (((3,), (3,)), ((0, 2), (0, 2))), 2),
     ("k_pairs_crossed", (3, 4, 10), (10, 4, 16), (((1, 2), (1, 0)), NO_BATCH), 1),
+    ("k_pairs_rhs_order", (3, 4, 10), (10, 4, 16), (((2, 1), (0, 1)), NO_BATCH), 1),
+    ("batch_pairs_crossed", (2, 3, 8, 16), (3, 2, 16, 12), (((3,), (2,)), ((0, 1), (1, 0))), 1),
+    ("batch_descending", (2, 3, 8, 16), (2, 3, 16, 12), (((3,), (2,)), ((1, 0), (1, 0))), 2),
     ("nnx_einsum", (16, 11, 32), (8, 32, 4), (((2,), (1,)), NO_BATCH), 1),
     ("dense_general_axes", (2, 3, 6, 7), (3, 7, 4, 5), (((1, 3), (0, 1)), NO_BATCH), 1),
 ]
@@ -234,6 +237,14 @@ class FallbackTest(parameterized.TestCase):
         self.assertIn("jax_sm100_matmul", _eqn_names(
             lambda a, b: jax_sm100.matmul(a, b, precision=precision), lhs, rhs))  # fmt: skip
 
+    def test_precision_reason_of_mixed_operands(self):
+        # One float32 operand is enough for HIGHEST to go to lax; a preset must name both.
+        for lhs, rhs in (("float32", "bfloat16"), ("bfloat16", "float32")):
+            self.assertIn("HIGHEST", DG.precision_reason(lax.Precision.HIGHEST, lhs, rhs))
+            self.assertIn("BF16_BF16_F32", DG.precision_reason("BF16_BF16_F32", lhs, rhs))
+        self.assertIsNone(DG.precision_reason("BF16_BF16_F32", "bfloat16", "bfloat16"))
+        self.assertIsNone(DG.precision_reason(lax.Precision.HIGHEST, "bfloat16", "float16"))
+
     def test_high_float32_runs_on_the_primitive(self):
         # tf32 meets HIGH (lax.Precision("tensorfloat32") is HIGH).
         lhs, rhs = _operands((24, 40), (40, 16))
@@ -305,7 +316,8 @@ class DtypeTest(parameterized.TestCase):
 class TransformTest(parameterized.TestCase):
     @parameterized.named_parameters(*[g for g in GEMMS if g[0] in (
         "nn", "tt", "dense_3d", "batch_nt", "grouped_k", "vector_rhs", "bshd_scores",
-        "k_pairs_crossed")])  # fmt: skip
+        "k_pairs_crossed", "k_pairs_rhs_order", "batch_pairs_crossed",
+        "batch_descending")])  # fmt: skip
     def test_grad_matches_lax(self, lhs_shape, rhs_shape, dn, copies):
         del copies
         lhs, rhs = _operands(lhs_shape, rhs_shape, seed=2)

@@ -49,6 +49,11 @@ class Mlp(nnx.Module):
         return self.down(h if self.fused else nnx.gelu(h))
 
 
+# Biases drawn at random (Flax's default is zeros), so that a layer dropping one is seen.
+NNX_BIAS = nnx.initializers.normal(1.0)
+LINEN_BIAS = linen.initializers.normal(1.0)
+
+
 def _data(shape, seed=0):
     rng = np.random.default_rng(seed)
     return tu.rand(rng, shape, "float32"), tu.rand(rng, shape, "float32")
@@ -116,14 +121,17 @@ class NnxTest(parameterized.TestCase):
 
     @parameterized.parameters(None, "relu", "gelu", "silu")
     def test_fused_linear_is_linear_then_activation(self, activation):
-        fused = sm100_flax.Linear(48, 40, activation=activation, rngs=nnx.Rngs(3))
-        plain = nnx.Linear(48, 40, rngs=nnx.Rngs(3))
+        fused = sm100_flax.Linear(48, 40, activation=activation, bias_init=NNX_BIAS,
+                                  rngs=nnx.Rngs(3))  # fmt: skip
+        plain = nnx.Linear(48, 40, bias_init=NNX_BIAS, rngs=nnx.Rngs(3))
         # The same parameters, names and initial values: checkpoints carry over.
         self.assertEqual(
             jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(fused, nnx.Param))),
             jax.tree.map(jnp.shape, nnx.to_pure_dict(nnx.state(plain, nnx.Param))),
         )
         np.testing.assert_array_equal(fused.kernel[...], plain.kernel[...])
+        np.testing.assert_array_equal(fused.bias[...], plain.bias[...])
+        self.assertGreater(float(jnp.min(jnp.abs(plain.bias[...]))), 0.0)
         x = _data((3, 5, 48))[0]
         want = plain(x)
         if activation is not None:
@@ -134,19 +142,33 @@ class NnxTest(parameterized.TestCase):
 
     def test_fused_layers_meet_a_highest_precision_on_lax(self):
         x = _data((3, 5, 48))[0]
-        plain = nnx.Linear(48, 40, precision="highest", rngs=nnx.Rngs(3))
+        plain = nnx.Linear(48, 40, precision="highest", bias_init=NNX_BIAS, rngs=nnx.Rngs(3))
         fused = sm100_flax.Linear(48, 40, activation="silu", precision="highest",
-                                  rngs=nnx.Rngs(3))  # fmt: skip
+                                  bias_init=NNX_BIAS, rngs=nnx.Rngs(3))  # fmt: skip
         self.assertEqual(_matmul_count(lambda x: fused(x), x), 0)
         np.testing.assert_allclose(fused(x), nnx.silu(plain(x)), rtol=1e-6, atol=1e-6)
         default = sm100_flax.Linear(48, 40, activation="silu", rngs=nnx.Rngs(3))
         with jax.default_matmul_precision("highest"):
             self.assertEqual(_matmul_count(lambda x: default(x), x), 0)
-        dense = sm100_flax.Dense(40, activation="relu", precision="highest")
+        dense = sm100_flax.Dense(40, activation="relu", precision="highest",
+                                 bias_init=LINEN_BIAS)  # fmt: skip
         params = dense.init(jax.random.key(0), x)
         self.assertEqual(_matmul_count(lambda p: dense.apply(p, x), params), 0)
         want = linen.relu(linen.Dense(40, precision="highest").apply(params, x))
         np.testing.assert_allclose(dense.apply(params, x), want, rtol=1e-6, atol=1e-6)
+
+    def test_fused_linear_keeps_preferred_element_type_and_dtype(self):
+        x = _data((4, 16))[0].astype(jnp.bfloat16)
+        for kwargs in (
+            dict(param_dtype=jnp.bfloat16, preferred_element_type=jnp.float32),
+            dict(dtype=jnp.bfloat16),  # float32 parameters computed in bfloat16
+        ):
+            fused = sm100_flax.Linear(16, 8, bias_init=NNX_BIAS, rngs=nnx.Rngs(1), **kwargs)
+            plain = nnx.Linear(16, 8, bias_init=NNX_BIAS, rngs=nnx.Rngs(1), **kwargs)
+            got, want = fused(x), plain(x)
+            self.assertEqual(got.dtype, want.dtype, kwargs)
+            tu.assert_close(self, got, want.astype(jnp.float32), "bfloat16", 16)
+        self.assertEqual(fused(x.astype(jnp.float32)).dtype, jnp.bfloat16)
 
     def test_fused_linear_rejects_dot_general_and_bad_activation(self):
         with self.assertRaisesRegex(TypeError, "takes no dot_general"):
@@ -200,7 +222,7 @@ class LinenTest(parameterized.TestCase):
 
     def test_fused_dense_keeps_dense_parameters(self):
         x = _data((3, 48))[0]
-        params = linen.Dense(40).init(jax.random.key(0), x)
+        params = linen.Dense(40, bias_init=LINEN_BIAS).init(jax.random.key(0), x)
         fused = sm100_flax.Dense(40, activation="relu")
         self.assertEqual(
             jax.tree.map(jnp.shape, fused.init(jax.random.key(0), x)),
@@ -208,6 +230,14 @@ class LinenTest(parameterized.TestCase):
         )
         want = linen.relu(linen.Dense(40).apply(params, x))
         np.testing.assert_allclose(fused.apply(params, x), want, rtol=F32_TOL, atol=F32_TOL)
+
+    def test_fused_dense_computes_in_its_dtype(self):
+        x = _data((3, 48))[0]
+        params = linen.Dense(40, bias_init=LINEN_BIAS).init(jax.random.key(0), x)
+        got = sm100_flax.Dense(40, dtype=jnp.bfloat16).apply(params, x)
+        want = linen.Dense(40, dtype=jnp.bfloat16).apply(params, x)
+        self.assertEqual(got.dtype, jnp.bfloat16)
+        tu.assert_close(self, got, want.astype(jnp.float32), "bfloat16", 48)
 
 
 def _export_nnx_step(arch, fused, t=2048, d=1024, h=4096):

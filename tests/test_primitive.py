@@ -118,6 +118,26 @@ class TransformationsTest(parameterized.TestCase):
         # relu is not differentiable at 0; random normal data never lands there.
         check_grads(f, (self.a, self.b, self.bias, self.c), order=2, modes=("fwd", "rev"))
 
+    def test_relu_gradient_at_zero_is_jax_nn_relus(self):
+        # A pre-activation of exactly 0 (the bias cancels the product): jax.nn.relu's derivative
+        # there is 0, and so is ours, for the bias, a and b alike.
+        x, w = self.a[0, :1], self.b
+        bias = -(x @ w)[0]
+
+        def loss(act):
+            return lambda x, w, bias: jnp.sum(act(x, w, bias))
+
+        ours = loss(lambda x, w, bias: jax_sm100.matmul(x, w, bias=bias, activation="relu"))
+        theirs = loss(lambda x, w, bias: jax.nn.relu(x @ w + bias))
+        self.assertEqual(float(jnp.max(jnp.abs(jax_sm100.matmul(x, w, bias=bias)))), 0.0)
+        for g, want in zip(
+            jax.grad(ours, (0, 1, 2))(x, w, bias),
+            jax.grad(theirs, (0, 1, 2))(x, w, bias),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(g, want)
+        np.testing.assert_array_equal(jax.grad(ours, 2)(x, w, bias), np.zeros(6))
+
     def test_grad_matches_jnp(self):
         def ours(a, b, bias, c):
             return jnp.sum(jnp.sin(jax_sm100.matmul(a, b, bias=bias, c=c, activation="silu")))
