@@ -227,6 +227,22 @@ class ForwardTest(RaggedCase):
         want = counts(all_reduce=reduces(*reduced)) if reduced else counts()
         self.check(f, (lhs, rhs, sizes), specs, want, reference=ref)
 
+    def test_one_axis_on_rows_experts_and_columns(self):
+        # "data" splits lhs's rows, rhs's columns and the group sizes: the experts take it (the
+        # rows gathered, rhs moved from n to g, the group sizes gathered), and their partials
+        # are scattered onto one result dim only (onto both, the result's spec named "data"
+        # twice: an error under Explicit axes, an abort under GSPMD).
+        lhs, rhs = operands(16)
+        specs = (PS("data"), PS(None, None, "data"), PS("data"))
+        got, _ = self.check(
+            jax_sm100.ragged_dot,
+            (lhs, rhs, groups(17)),
+            specs,
+            counts(all_gather=2, all_to_all=1, reduce_scatter=1),
+            reference=reference_dot,
+        )
+        self.assertEqual(same_spec(got.sharding.spec), ("data",))
+
     def test_n_is_local(self):
         lhs, rhs = operands(12)
         specs = (PS("data"), PS(None, None, "model"), PS())

@@ -342,7 +342,7 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._De
         if got:
             local[factor] = got
     reduced = tuple(a for f in roles.reductions for a in local.get(f, ()))
-    scatter = {}
+    scatter, scattered = {}, set()
     result_axes = sharding._spec_axes(result_sharding, len(roles.result))
     for factor, wanted in zip(roles.result, result_axes, strict=True):
         wanted = wanted or from_operands(factor)
@@ -353,10 +353,13 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._De
         if got:
             local[factor] = got
         extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
-        onto = sharding._even_prefix([a for a in wanted if a in reduced], extent, mesh_shape)
+        # A reduced axis is scattered onto one result dim at most (as in sharding._decide):
+        # lhs's rows and rhs's columns can both name it.
+        free = [a for a in wanted if a in reduced and a not in scattered]
+        onto = sharding._even_prefix(free, extent, mesh_shape)
+        scattered.update(onto)
         if onto:
             scatter[factor] = onto
-    scattered = {a for axes in scatter.values() for a in axes}
     psum = tuple(a for a in reduced if a not in scattered)
     return sharding._Decision(local=local, scatter=scatter, psum=psum)
 
