@@ -284,10 +284,10 @@ class OuterTest(RaggedCase):
     """ragged_outer_p, the weight gradient's product, bound directly."""
 
     @staticmethod
-    def outer(transpose_out=False):
+    def outer(transpose_out=False, out_dtype="float32"):
         def f(lhs, rhs, group_sizes):
             return ragged.ragged_outer_p.bind(
-                lhs, rhs, group_sizes, out_dtype=np.dtype("float32"), transpose_out=transpose_out
+                lhs, rhs, group_sizes, out_dtype=np.dtype(out_dtype), transpose_out=transpose_out
             )
 
         return f
@@ -450,6 +450,20 @@ class GradTest(RaggedCase):
         reduced = [line for line in hlo.splitlines() if re.search(r"\sall-reduce(-start)?\(", line)]
         self.assertFalse([line for line in reduced if whole in line], reduced)
 
+    def test_batched_experts_under_vmap(self):
+        # vmap over batches, each with its own experts (split over "model" too) and group
+        # sizes: the forward and the input gradient reduce over the experts; the weight
+        # gradient is split like them, its batch's group sizes gathered over "model" only.
+        lhs, rhs = operands(42, batch=(2,))
+        sizes = jnp.stack([groups(43), groups(44)])
+        f = jax.vmap(jax_sm100.ragged_dot)
+        specs = (PS("data"), PS("data", "model"), PS("data"))
+        want = counts(all_reduce=reduces("model", "model"), all_gather=reduces("model"))
+        got, _ = self.check(grads(f), (lhs, rhs, sizes), specs, want,
+                            reference=grads(jax.vmap(reference_dot)), grad=True)  # fmt: skip
+        for g, spec in zip(got, specs[:2], strict=True):
+            self.assertEqual(same_spec(g.sharding.spec), same_spec(spec))
+
     @parameterized.named_parameters(
         ("replicated", PS(), ("data",), ()),
         ("split", PS("model"), ("model", "model", "data"), ("model",)),
@@ -543,6 +557,39 @@ class AutoAxesTest(RaggedCase):
             out_spec=PS("model"),
             reference=reference_dot,
         )
+
+    def test_experts_and_k_reduced_one_scattered(self):
+        # Experts over "model", k over "data", the result asked split over "model": one bind
+        # both reduce-scatters (over "model") and all-reduces (over "data").
+        self.require("model")
+        lhs, rhs = operands(56)
+        want = counts(reduce_scatter=1, all_reduce=reduces("data"))
+        self.check(jax_sm100.ragged_dot, (lhs, rhs, groups(57)), (PS(None, "data"),
+                   PS("model", "data"), PS()), want, out_spec=PS("model"),
+                   reference=reference_dot)  # fmt: skip
+
+    def test_outer_rows_over_both_axes_one_scattered(self):
+        # The weight gradient's rows over both axes, its result asked split over "model".
+        self.require("model")
+        rng = np.random.default_rng(58)
+        args = tu.rand(rng, (M, K), "float32"), tu.rand(rng, (M, N), "float32"), groups(58)
+        both = PS(("data", "model"))
+        want = counts(reduce_scatter=1, all_reduce=reduces("data"))
+        self.check(OuterTest.outer(), args, (both, both, PS()), want, out_spec=PS("model"),
+                   reference=reference_outer)  # fmt: skip
+
+    def test_outer_partials_reduce_in_float32(self):
+        # A bfloat16 weight gradient of rows split over both axes: its partials are summed in
+        # float32 and rounded once (each rounded to bfloat16 first moved 18-40 % of them).
+        rng = np.random.default_rng(59)
+        lhs, rhs = tu.rand(rng, (512, K), "bfloat16"), tu.rand(rng, (512, N), "bfloat16")
+        sizes = jnp.asarray([60, 70, 0, 90, 100, 50, 80, 62], jnp.int32)
+        both = PS(("data", "model"))
+        f = OuterTest.outer(out_dtype="bfloat16")
+        got = jax.jit(f)(self.put(lhs, both), self.put(rhs, both), sizes)
+        self.assertEqual(got.dtype, jnp.bfloat16)
+        want = reference_outer(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+        ts.assert_rounded_once(self, got, want)
 
     def test_uneven_experts_are_gathered(self):
         # Six experts do not divide over "model": they are gathered, not split unevenly.
