@@ -92,6 +92,45 @@ class ScaledMatmulTest(parameterized.TestCase):
             s = np.asarray(scales, np.float64)
             np.testing.assert_array_equal(s, np.exp2(np.round(np.log2(s))))
 
+    def test_mxfp8_scales_of_exact_powers_of_two(self):
+        # A block whose largest magnitude is 448 x 2^e takes the scale 2^e (the power of two
+        # at or above amax / 448) and reaches 448; log2 of the quotient gave e + eps for 23
+        # exponents, doubling the scale (its data topped out at 224). Quantizing the
+        # dequantized data again then gives it back.
+        e = np.arange(-126, 120)
+        x = jnp.asarray(448.0 * np.exp2(e.astype(np.float64)), jnp.float32)[None, :, None]
+        x = x * jnp.where(jnp.arange(32) % 2, 0.5, 1.0)[None, None, :]
+        data, scales = jax_sm100.quantize(x, "mxfp8")
+        plain = _unblock64(data, scales)[0, :, 0]
+        np.testing.assert_array_equal(plain, np.exp2(e.astype(np.float64)))
+        np.testing.assert_array_equal(np.asarray(data, np.float32).max(-1)[0], 448.0)
+        again = jax_sm100.quantize(scaled._dequantized(data, scales), "mxfp8")
+        for x1, x2 in zip((data, scales), again, strict=True):
+            np.testing.assert_array_equal(np.asarray(x1, np.float32), np.asarray(x2, np.float32))
+
+    def test_nvfp4_data_is_x_over_its_stored_scale(self):
+        # Each block divided by its scale as stored (rounded to e4m3), then rounded to e2m1:
+        # divided by the unrounded scale, 5 % of the values came out one step off.
+        x = _normal(21, (2, 128, 256)) * jnp.exp2(jnp.arange(128.0) % 9 - 4)[None, :, None]
+        data, blocked = jax_sm100.quantize(x, "nvfp4")
+        plain = np.repeat(_unblock64(data, blocked), 16, axis=-1)
+        want = jnp.asarray(np.clip(np.asarray(x, np.float64) / plain, -6, 6), jnp.float32)
+        np.testing.assert_array_equal(
+            np.asarray(data, np.float32), np.asarray(want.astype(jnp.float4_e2m1fn), np.float32)
+        )
+
+    def test_nvfp4_global_scale_keeps_small_blocks(self):
+        # Rows 2^0 to 2^-15 of one tensor: the global scale puts its largest block at the top
+        # of e2m1 x e4m3 (6 x 448), so the e4m3 scales reach every row's blocks (at 6 alone,
+        # the rows under 2^-9 flushed to zeros).
+        x = _normal(22, (1, 16, 128)) * jnp.exp2(-jnp.arange(16.0))[None, :, None]
+        data, scales, g = jax_sm100.quantize(x, "nvfp4", global_scale=True)
+        back = np.asarray(scaled._dequantized(data, scales), np.float64) * float(g)
+        x64 = np.asarray(x, np.float64)
+        err = np.abs(back - x64).reshape(1, 16, -1, 16).max(-1)
+        amax = np.abs(x64).reshape(1, 16, -1, 16).max(-1)
+        self.assertTrue(np.all(err <= 0.2 * amax), np.max(err / amax))
+
     @parameterized.product(recipe=tuple(scaled.RECIPES), magnitude=(1e-37, 2e-38))
     def test_quantize_tiny_magnitudes(self, recipe, magnitude):
         # Blocks of normal float32 numbers so small that amax / (the format's top) is
@@ -291,6 +330,53 @@ class ScaledMatmulTest(parameterized.TestCase):
             jax_sm100.quantize(jnp.ones((4, 128), jnp.float32), "fp6")
         with self.assertRaisesRegex(ValueError, "multiple of the mxfp8 block"):
             jax_sm100.quantize(jnp.ones((4, 48), jnp.float32), "mxfp8")
+
+    def test_batches_and_blocks_must_match(self):
+        # Operands or scales of another batch count are refused, not broadcast; blocked scales
+        # made for another k (one scale over 48 elements) too.
+        x, y = _normal(23, (2, 8, 256)), _normal(24, (2, 4, 256))
+        for recipe in ("fp8_block128", "mxfp8"):
+            a, sa = jax_sm100.quantize(x, recipe)
+            b, sb = jax_sm100.quantize(y, recipe)
+            with self.assertRaisesRegex(ValueError, "must share B and k"):
+                jax_sm100.scaled_matmul(a, b[:1], sa, sb[:1])
+            for bad in ((a, b, sa[:1], sb), (a, b, sa, sb[:1])):
+                with self.assertRaisesRegex(ValueError, "must be .B, rows, k / block"):
+                    jax_sm100.scaled_matmul(*bad)
+        a, sa = jax_sm100.quantize(jnp.ones((1, 8, 64), jnp.float32), "mxfp8")
+        with self.assertRaisesRegex(ValueError, "block dividing"):
+            jax_sm100.scaled_matmul(a[..., :48], a[..., :48], sa, sa)
+        # Scales of a dtype no recipe has, and float32 scales in the blocked layout.
+        a, sa = jax_sm100.quantize(x, "fp8_block128")
+        with self.assertRaisesRegex(TypeError, "lhs_scales has dtype int32"):
+            jax_sm100.scaled_matmul(a, a, sa.astype(jnp.int32), sa)
+        m, sm = jax_sm100.quantize(x, "mxfp8")
+        with self.assertRaisesRegex(ValueError, "must be .B, rows, k / block"):
+            jax_sm100.scaled_matmul(m, m, sm.astype(jnp.float32), sm.astype(jnp.float32))
+
+    def test_vmap_over_inner_axes(self):
+        with jax.enable_x64(False):
+            lhs, rhs = _normal(25, (1, 8, 64)), _normal(26, (1, 4, 64))
+            ls, rs = jnp.abs(_normal(27, (1, 8, 2))) + 0.5, jnp.abs(_normal(28, (1, 4, 2))) + 0.5
+            f = jax_sm100.scaled_matmul
+            ref = functools.partial(scaled.reference, out_dtype=jnp.float32)
+            stacked = jnp.stack([ls, 2 * ls, 4 * ls], axis=-1)  # mapped on the scales' last axis
+            out = jax.vmap(f, (None, None, 3, None))(lhs, rhs, stacked, rs)
+            want = jnp.stack([ref(lhs, rhs, stacked[..., i], rs) for i in range(3)])
+            tu.assert_close(self, out, want, "float32", 64)
+            data = jnp.stack([rhs, -rhs, 3 * rhs], axis=2)  # rhs mapped on its rows' axis
+            out = jax.vmap(f, (None, 2, None, None))(lhs, data, ls, rs)
+            want = jnp.stack([ref(lhs, data[:, :, i], ls, rs) for i in range(3)])
+            tu.assert_close(self, out, want, "float32", 64)
+
+    def test_jvp_tangent_has_the_result_dtype(self):
+        lhs, ls = jax_sm100.quantize(_normal(29, (1, 8, 128)), "fp8_block128")
+        rhs, rs = jax_sm100.quantize(_normal(30, (1, 4, 128)), "fp8_block128")
+        x = lhs.astype(jnp.float32)
+        f = lambda x: jax_sm100.scaled_matmul(x, rhs, ls, rs, jnp.bfloat16)  # noqa: E731
+        out, tangent = jax.jvp(f, (x,), (x,))
+        self.assertEqual((out.dtype, tangent.dtype), (jnp.bfloat16, jnp.bfloat16))
+        tu.assert_close(self, tangent, np.asarray(out, np.float32), "bfloat16")
 
     def test_output_dtype_is_canonicalized(self):
         lhs, ls = jax_sm100.quantize(_normal(10, (1, 8, 128)), "fp8_block128")

@@ -250,9 +250,13 @@ def _scale(amax, r: Recipe, top: float):
     # is subnormal, which XLA flushes to zero (a zero scale, then inf / NaN data).
     scale = jnp.where(amax > 0, jnp.maximum(amax / top, float(jnp.finfo(jnp.float32).tiny)), 1.0)
     if r.scale_dtype == "float8_e8m0fnu":
-        # The power of two built from its exponent bits: XLA's exp2 gives 0 for 2^-126.
-        e = jnp.clip(jnp.ceil(jnp.log2(scale)), -126, 127).astype(jnp.int32)
-        scale = lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+        # The power of two at or above the scale, read off its float32 bits (a normal number:
+        # the exponent, one more for any mantissa bit) and built from exponent bits. log2 is
+        # not exact at powers of two (XLA's gave e + eps for 23 of them: doubled scales), and
+        # XLA's exp2 gives 0 for 2^-126.
+        bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
+        e = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
+        scale = lax.bitcast_convert_type((jnp.clip(e, -126, 127) + 127) << 23, jnp.float32)
     return scale.astype(r.scale_dtype)
 
 
