@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import sys
 import types
 from unittest import mock
@@ -184,6 +185,26 @@ class PrecompileTest(parameterized.TestCase):
         self.assertEqual((result.plan, result.spec), lowered)
         self.compile_plan.assert_called_once_with(*lowered)
         self.assertEqual(result.note.startswith("compiled; split-K not applicable"), split == 1)
+
+    def test_the_drivers_grid_is_the_one_the_lowering_compiles(self):
+        # On an sm_100a device whose driver keeps fewer clusters resident than the plan's
+        # count, the lowering compiles that grid into the binary: precompile compiles the same
+        # one when given the driver's answer, or when this machine's GPU is the target.
+        m = n = k = 4096
+        with mock.patch.object(dispatch, "driver_max_clusters", lambda size: 70):
+            lowered = _binary_the_lowering_compiles(m, n, k, arch="sm_100a", num_sms=148)
+            self.assertEqual(lowered[0].max_clusters, 70)
+            size = math.prod(lowered[0].cluster_shape_mn)
+            (given,) = precompile([(m, n, k)], arch="sm_100a", num_sms=148, progress=False,
+                                  resident_clusters={size: 70})  # fmt: skip
+            here = dispatch.Target("sm_100a", 148, True)
+            with mock.patch.object(dispatch, "device_target", lambda: here):
+                (local,) = precompile([(m, n, k)], arch="sm_100a", progress=False)
+            (elsewhere,) = precompile([(m, n, k)], arch="sm_100a", num_sms=148, progress=False)
+        for result in (given, local):
+            self.assertEqual((result.plan, result.spec), lowered)
+        self.assertEqual(elsewhere.plan.max_clusters, 0)  # no answer: the plan's own grid
+        self.assertIn("70 clusters", " ".join(given.note.split()), given.note)
 
     def test_xla_dot_plans_compile_nothing(self):
         # k=100 bf16 rows are 200 bytes: not 16-byte aligned, so the planner picks XLA's dot.

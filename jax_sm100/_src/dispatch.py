@@ -33,11 +33,19 @@ from jax_sm100._src import constraints, planning
 class Target:
     """Where a plan runs: `arch` ("sm_90a" or "sm_100a") and the device's SM count (0: the
     arch's usual part, `planning.DEFAULT_NUM_SMS`). `on_device` is True for this process's
-    own GPU, whose driver can be asked how clusters fit it."""
+    own GPU, whose driver can be asked how clusters fit it; `resident_clusters` is that answer
+    given for another machine's GPU ((cluster size, clusters resident) pairs, `precompile`)."""
 
     arch: str
     num_sms: int = 0
     on_device: bool = False
+    resident_clusters: tuple[tuple[int, int], ...] = ()
+
+    def clusters_resident(self, cluster_size: int) -> int | None:
+        """How many clusters of `cluster_size` CTAs the device keeps resident, where known."""
+        if self.on_device:
+            return driver_max_clusters(cluster_size)
+        return dict(self.resident_clusters).get(cluster_size)
 
     def __post_init__(self):
         constraints.check_arch(self.arch)
@@ -168,10 +176,11 @@ def plan_call(
         planning.KERNEL_SM100_BLOCKSCALED,
         planning.KERNEL_SM100_GROUPED,
     )
-    if target.on_device and p.kernel in sm100 and not p.max_clusters:
-        # A device is present: its occupancy query knows how clusters fit its GPCs.
+    if p.kernel in sm100 and not p.max_clusters:
+        # The device's occupancy query (this process's device, or its answer given for
+        # another's) knows how clusters fit its GPCs; the grid is compiled into the binary.
         size = p.cluster_shape_mn[0] * p.cluster_shape_mn[1]
-        fit = driver_max_clusters(size)
+        fit = target.clusters_resident(size)
         if fit and fit < planning.resident_clusters(p):
             p = dataclasses.replace(p, max_clusters=fit)
             notes.append(f"grid: {fit} clusters of {size} (the driver's occupancy)")

@@ -8,7 +8,8 @@ Shapes are given as the CUDA lowering plans them (gpu_lowering.py): `(m, n, k)` 
 and `(batch, m, n, k)` for a batch whose operands are all batched. A batch whose B is shared
 (a weight) folds into m there, so precompile it as `(batch * m, n, k)`. Each shape is planned
 by the lowering's own function (`dispatch.plan_call`, split-K fitted as for a call), so the
-binaries compiled here are the ones calls ask for.
+binaries compiled here are the ones calls ask for. On sm_100a a call's grid also follows its
+driver's occupancy answer: give it as `resident_clusters` when the cache is filled elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import importlib
 import operator
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -117,6 +118,7 @@ def precompile(
     alpha: float = 1.0,
     beta: float = 1.0,
     num_sms: int | None = None,
+    resident_clusters: Mapping[int, int] | None = None,
     progress: bool = True,
     file: TextIO | None = None,
 ) -> list[Precompiled]:
@@ -136,6 +138,12 @@ def precompile(
       num_sms: SM count of the target device, which the plan depends on; None keeps the
         planner's default for `arch` (132 for sm_90a as on H100/H200, 148 for sm_100a as on
         B200).
+      resident_clusters: for sm_100a, the target device's answer to its driver's occupancy
+        query, {cluster size: clusters resident} (`dispatch.driver_max_clusters(size)` run on
+        that machine). The CUDA lowering asks the driver on its own device and compiles the
+        grid into the binary where the answer is below the plan's count, so without it a
+        build machine's binaries can miss those calls. None: the driver's answer when this
+        machine's GPU is the target (`arch`, and `num_sms` if given), else none.
       progress: write a progress bar and a summary to `file`.
       file: the stream for progress; default `sys.stderr`.
 
@@ -174,6 +182,15 @@ def precompile(
                          "(jax_sm100.precompile's fused epilogue)")  # fmt: skip
     shapes = [_int_shape(s) for s in shapes]
     problems = [_split_shape(s) for s in shapes]
+    target = dispatch.Target(arch, num_sms or 0)
+    if resident_clusters is not None:
+        pairs = tuple(sorted((operator.index(c), operator.index(n))
+                             for c, n in dict(resident_clusters).items()))  # fmt: skip
+        target = dataclasses.replace(target, resident_clusters=pairs)
+    else:
+        local = dispatch.device_target()
+        if local is not None and local.arch == arch and num_sms in (None, local.num_sms):
+            target = local  # this machine's GPU: its driver answers, as for a call
 
     bar = _Progress(len(shapes), (file or sys.stderr) if progress else None)
     results: list[Precompiled] = []
@@ -189,7 +206,7 @@ def precompile(
                 m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
                 c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
             )  # fmt: skip
-            decision = dispatch.plan_call(problem, dispatch.Target(arch, num_sms or 0))
+            decision = dispatch.plan_call(problem, target)
             plan, plan_notes = decision.plan, decision.notes
             spec = dataclasses.replace(
                 KernelSpec.for_plan(plan), bias_dtype=bias_name, activation=activation,
