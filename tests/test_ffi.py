@@ -341,6 +341,32 @@ class LoweringDimsTest(parameterized.TestCase):
         self.assertEqual(code, _INVALID_ARGUMENT, message)
         self.assertRegex(message, pattern)
 
+    def test_kernel_modes_are_the_buffers_layouts(self):
+        # The exact (shape, strides) each tensor is passed in: the checks above only bound a
+        # tensor's span, which a transposed or wrongly split layout of the same elements passes
+        # (the kernel would then read the wrong elements).
+        cases = dict((n, m) for n, _, m in _CASES)
+
+        def layouts(name):
+            (call,) = _exported_calls("sm_90a", cases[name])
+            decoded = ffi_checks.decode(call.dims, call.names, len(call.order))
+            return {t.name: (t.shape, t.strides) for t in decoded}
+
+        got = layouts("sm90_128x256x64")  # a [m, k], b [k, n], d [m, n], row-major
+        self.assertEqual(got["a"], ((128, 64, 1), (64, 1, 128 * 64)))
+        self.assertEqual(got["b"], ((256, 64, 1), (1, 256, 256 * 64)))
+        self.assertEqual(got["d"], ((128, 256, 1), (256, 1, 128 * 256)))
+        got = layouts("sm90_transposed")  # a [k, m] = (320, 96), b [n, k] = (256, 320)
+        self.assertEqual(got["a"], ((96, 320, 1), (1, 96, 96 * 320)))
+        self.assertEqual(got["b"], ((256, 320, 1), (320, 1, 256 * 320)))
+        got = layouts("sm90_batched_c")  # c [4, 136, 200]
+        self.assertEqual(got["c"], ((136, 200, 4), (200, 1, 136 * 200)))
+        got = layouts("sm90_64x4096x4096")  # split-K: (rows, k / s, s) views of a and b
+        (n, kc, splits), strides = got["b"]
+        self.assertEqual((n, kc * splits), (4096, 4096))
+        self.assertEqual(strides, (1, n, kc * n))
+        self.assertEqual(got["a"][1], (4096, 1, kc))
+
     def test_checks_cost_under_a_microsecond(self):
         # The execute stage's checks of the call with the most tensors (stream-K: a, b, d, ws,
         # flags), the fastest of 20 rounds so that other processes on the machine do not count.
