@@ -2,6 +2,7 @@
 
 import dataclasses
 import shutil
+import tempfile
 from unittest import mock
 
 import jax
@@ -10,7 +11,7 @@ from absl.testing import absltest
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import dispatch, ffi, planning
+from jax_sm100._src import disk_cache, dispatch, ffi, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
@@ -48,6 +49,27 @@ class CompileTest(absltest.TestCase):
         self.assertEqual(compile_mod.binary_key(p1, KernelSpec.for_plan(p1)),
                          compile_mod.binary_key(p2, KernelSpec.for_plan(p2)))  # fmt: skip
         self.assertIs(compile_mod.compile_plan(p1), compile_mod.compile_plan(p2))
+
+    def test_binaries_follow_their_spec_in_memory_and_on_disk(self):
+        # One plan, two epilogues: two binaries, each handed back for its own spec, from
+        # memory and (a new process: the in-memory cache empty) from the disk cache.
+        p = _plan(2048, 2048, 2048)
+        relu = KernelSpec("bfloat16", "bfloat16", "bfloat16", bias_dtype="float32",
+                          activation="relu")  # fmt: skip
+        plain = KernelSpec.for_plan(p)
+        folder = self.enterContext(tempfile.TemporaryDirectory())
+        self.enterContext(mock.patch.dict(compile_mod._cache, clear=True))
+        with mock.patch.object(disk_cache, "_default_cache", disk_cache.KernelCache(folder)):
+            first = [compile_mod.compile_plan(p, s) for s in (relu, plain)]
+        self.assertEqual([c.spec for c in first], [relu, plain])
+        self.assertNotEqual(first[0].object_bytes, first[1].object_bytes)
+        compile_mod._cache.clear()
+        with mock.patch.object(disk_cache, "_default_cache", disk_cache.KernelCache(folder)):
+            again = [compile_mod.compile_plan(p, s) for s in (relu, plain)]
+            self.assertEqual(disk_cache._default_cache.stats().disk_hits, 2)
+        for c, d in zip(first, again, strict=True):
+            self.assertEqual((d.spec, d.object_bytes, d.tensor_args),
+                             (c.spec, c.object_bytes, c.tensor_args))  # fmt: skip
 
     def test_splitk_compiles_float32_partials(self):
         p = _plan(64, 4096, 4096)

@@ -506,6 +506,35 @@ class TrustTest(absltest.TestCase):
         with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "owned by uid 12345"):
             self._cache().get(self.key)
 
+    def test_trusted_dir_does_not_trust_a_sibling_with_its_prefix(self):
+        evil = self.dir.parent / (self.dir.name + "-evil")
+        evil.mkdir(mode=0o700)
+        self._cache(evil).put(self.key, self.entry)
+        os.chmod(evil, 0o777)
+        os.environ[disk_cache.TRUSTED_DIRS_ENV] = str(self.dir)
+        with self.assertRaises(disk_cache.UntrustedCacheError):
+            self._cache(evil).get(self.key)
+
+    def test_group_writable_ancestor_is_refused(self):
+        inner = self.dir / "shared" / "cache"
+        self._cache(inner).put(self.key, self.entry)
+        os.chmod(self.dir / "shared", 0o775)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "ancestor"):
+            self._cache(inner).get(self.key)
+
+    def test_writable_cached_ffi_library_is_refused(self):
+        # A handler library planted in the cache folder (a file others can write), where the
+        # folder itself is private: not loaded.
+        key = ffi._build_key(ffi.source_path().read_bytes(), jax.ffi.include_dir())
+        planted = self.dir / f"ffi-{key}" / "libjax_sm100_ffi.so"
+        planted.parent.mkdir(mode=0o700)
+        planted.write_bytes(b"not a library")
+        os.chmod(planted, 0o666)
+        os.environ["JAX_SM100_CACHE_DIR"] = str(self.dir)
+        os.environ.pop("JAX_SM100_FFI_LIB", None)
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
+            ffi.build()
+
     def test_new_folder_is_private_under_a_permissive_umask(self):
         new = self.dir / "sub" / "cache"
         old = os.umask(0o002)

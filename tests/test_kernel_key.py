@@ -187,6 +187,7 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
         (root / "planning").mkdir()
         (root / "planning" / "sm100.py").write_text("PLAN = 4\n")
         (root / "api.py").write_text("API = 4\n")
+        (root / "constraints.py").write_text("PAD = 5\n")
         return root
 
     def test_real_sources_hash(self):
@@ -209,6 +210,8 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
         # The kernels run the planner's code while traced (grid clusters, TMEM columns).
         ("planning_edit", lambda r: (r / "planning/sm100.py").write_text("PLAN = 5\n"), True),
         ("api_edit", lambda r: (r / "api.py").write_text("API = 5\n"), False),
+        # The kernels read the constraints' sizes (alignments, limits) as they are traced.
+        ("constraints_edit", lambda r: (r / "constraints.py").write_text("PAD = 6\n"), True),
         # The modules that name and store a binary do not change it.
         ("key_module_added", lambda r: (r / "kernel_key.py").write_text("KEY = 1\n"), False),
         ("cache_module_added", lambda r: (r / "disk_cache.py").write_text("CACHE = 1\n"), False),
