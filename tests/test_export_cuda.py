@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -276,6 +277,86 @@ class LoweringAgreesWithPlanTest(parameterized.TestCase):
         with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
             exp = _export(lambda a, b: jax_sm100.matmul(a, b), a, b)
         self.assertNotIn("custom_call @jax_sm100", exp.mlir_module())
+
+
+_H200 = dispatch.Target("sm_90a", 132, True)
+
+
+def _lowered(fn, *args, target=_H200, real_compile=False):
+    """The lowerings recorded while exporting `fn` for CUDA on `target`; compile_plan stopped
+    where it would start (unless `real_compile`)."""
+    patches = [mock.patch.object(dispatch, "device_target", lambda: target)]
+    if not real_compile:
+        stop = mock.Mock(side_effect=_Compiled)
+        patches += [mock.patch.object(gpu_lowering.compile_mod, "compile_plan", stop),
+                    mock.patch.object(ffi, "register")]  # fmt: skip
+    with jax_sm100.lowerings() as seen, contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        try:
+            jax.export.export(jax.jit(fn), platforms=["cuda"],
+                              disabled_checks=ffi.export_safety_checks())(*args)  # fmt: skip
+        except _Compiled:
+            pass
+    return seen
+
+
+def _bf16(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+class CallersPlanTest(parameterized.TestCase):
+    """A caller's plan (`matmul(plan=...)`) as the CUDA lowering adjusts it for the call."""
+
+    def test_takes_the_devices_sm_count(self):
+        p = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertEqual(p.num_sms, 132)
+        smaller = dispatch.Target("sm_90a", 114, True)
+        (low,) = _lowered(lambda a, b: jax_sm100.matmul(a, b, plan=p), _bf16(4096, 4096),
+                          _bf16(4096, 4096), target=smaller)  # fmt: skip
+        self.assertEqual(low.plan.num_sms, 114)
+
+    def test_split_plan_on_a_batch_runs_unsplit(self):
+        p = jax_sm100.plan(64, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertGreater(p.split_k, 1)
+        f = jax.vmap(lambda a, b: jax_sm100.matmul(a, b, plan=p))
+        (low,) = _lowered(f, _bf16(2, 64, 4096), _bf16(2, 4096, 4096))
+        self.assertEqual((low.plan.batch, low.plan.split_k), (2, 1))
+
+    def test_split_plan_that_cannot_split_stays_on_a_kernel(self):
+        # k / 2 = 2052 is not a multiple of 8: unsplit, on the wgmma kernel (not XLA's dot,
+        # where the planner's own small problem would go).
+        p = jax_sm100.plan(64, 4096, 4104, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        self.assertGreater(p.split_k, 1)
+        (low,) = _lowered(lambda a, b: jax_sm100.matmul(a, b, plan=p), _bf16(64, 4104),
+                          _bf16(4104, 4096))  # fmt: skip
+        self.assertEqual((low.plan.kernel, low.plan.split_k), (planning.KERNEL_SM90, 1))
+
+    def test_under_grad_writes_the_preactivation(self):
+        p = jax_sm100.plan(1024, 1024, 1024, a_dtype="bfloat16", b_dtype="bfloat16",
+                           arch="sm_90a", force_kernel=True)  # fmt: skip
+
+        def loss(x, w):
+            return jnp.sum(jax_sm100.matmul(x, w, activation="gelu", plan=p).astype(jnp.float32))
+
+        seen = _lowered(jax.grad(loss, argnums=(0, 1)), _bf16(1024, 1024), _bf16(1024, 1024))
+        self.assertTrue(seen[0].plan.preact_out, seen[0])
+
+    def test_batched_bias_runs_xla_and_says_so(self):
+        f = jax.vmap(lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias))  # a bias per example
+        seen = _lowered(f, _bf16(2, 1024, 1024), _bf16(2, 1024, 4096),
+                        _bf16(2, 4096, dtype=jnp.float32))  # fmt: skip
+        self.assertEqual([x.note for x in seen], ["bias with batch dims: XLA dot"])
+
+    def test_fp8_bias_compiles_converted(self):
+        # Through the real compile (the fp8 bias test above stops before it).
+        p = jax_sm100.plan(256, 512, 384, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a",
+                           force_kernel=True)  # fmt: skip
+        with mock.patch.object(ffi, "register"):
+            (low,) = _lowered(lambda a, b, bias: jax_sm100.matmul(a, b, bias=bias, plan=p),
+                              _bf16(256, 384), _bf16(384, 512),
+                              _bf16(512, dtype=jnp.float8_e4m3fn), real_compile=True)  # fmt: skip
+        self.assertIn("converted to float32", low.note)
 
 
 class GpuSuitePlansTest(parameterized.TestCase):
