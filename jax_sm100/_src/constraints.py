@@ -88,6 +88,10 @@ TMEM_MAX_COLS = 512
 TMEM_MIN_COLS = 32
 # Bytes kept back from shared memory for mbarriers and the TMEM-pointer slot.
 SMEM_RESERVED_BYTES = 1024
+# The sm_90a kernels' mbarriers at most (A/B stages' two each, a split's two, staged C's two a
+# store stage and group), within SMEM_RESERVED_BYTES: 16 A/B stages of the smallest sm_90a
+# tile (64 x 128 x 64, 16-bit) would not fit its shared memory.
+SM90_BARRIER_BYTES_MAX = 256
 # `GemmPlan.dynamic_tiles`: the work tiles in flight between a grouped CTA's producer warp and
 # its consumers (a ring of int32 indices, each with a full and an empty mbarrier), and its
 # shared memory, counted beside the group table (here, in a kernel source: it shapes binaries).

@@ -340,8 +340,17 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             ]
             red_bars = 2
 
+        # Every mbarrier before A's stages, in the bytes the planner reserves for them
+        # (`constraints.SMEM_RESERVED_BYTES`): after D's (1024-aligned) stages, staged C's
+        # barriers cost a whole 1024 bytes the plan did not count.
         fields = {
             "ab_barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2 + red_bars],
+        }
+        if cutlass.const_expr(self.stage_c):
+            fields["c_barriers"] = cute.struct.MemRange[
+                cutlass.Int64, 2 * self.epi_stages * self.epi_groups
+            ]
+        fields |= {
             "sa": cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
             ],
@@ -353,9 +362,6 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
         if cutlass.const_expr(self.preact and self.split == 1):
             fields["sz"] = out_buf  # Z's staging, beside D's (an in-cluster split stores directly)
         if cutlass.const_expr(self.stage_c):
-            fields["c_barriers"] = cute.struct.MemRange[
-                cutlass.Int64, 2 * self.epi_stages * self.epi_groups
-            ]
             fields["sc"] = cute.struct.Align[
                 cute.struct.MemRange[c.element_type, cute.cosize(c_staged)], _SMEM_ALIGN
             ]

@@ -78,8 +78,12 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
             cpasync.CopyBulkTensorTileS2GOp(), d_view,
             cute.slice_(self.d_smem_staged, (None, None, 0)), self.epi_tile,
         )  # fmt: skip
+        # The barriers, the work ring and the group table share the bytes before A's stages
+        # (which start at the next 1024-byte boundary), as the planner counts them
+        # (`GemmPlan._table_bytes`); after D's stages the ring cost a whole 1024 bytes.
         fields = {
             "ab_barriers": cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2],
+            **self._work_ring_fields(),
             "table": self._table_field(),
             "sa": cute.struct.Align[
                 cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_staged)], _SMEM_ALIGN
@@ -91,7 +95,6 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
             ],
         }
-        fields |= self._work_ring_fields()
         self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.kernel(

@@ -501,7 +501,13 @@ class GemmPlan:
         if self.kernel not in GROUPED_KERNELS:
             return 0
         ring = C.GROUPED_WORK_RING_BYTES if self.dynamic_tiles else 0
-        return group_table_bytes(self.groups) + ring
+        table = group_table_bytes(self.groups) + ring
+        if self.arch == "sm_90a":
+            # The stage barriers, ring and table come first and A's stages start at the next
+            # 1024-byte boundary: beyond the reserve, the whole KiBs they reach into.
+            front = C.SM90_BARRIER_BYTES_MAX + table
+            table = max(table, -(-front // 1024) * 1024 - C.SMEM_RESERVED_BYTES)
+        return table
 
     @property
     def _epi_bytes(self) -> int:
