@@ -162,6 +162,24 @@ class PlannerInvariantsTest(parameterized.TestCase):
         self.assertEqual(odd.kernel, "xla_dot")
         self.assertIn("k=1001", odd.reason)
         self.assertIn("multiple of 8", odd.reason)
+        # 1004 bf16 (2008 bytes): 8-byte aligned, not 16 (k=1001 is neither); forced too.
+        for arch in ("sm_90a", "sm_100a"):
+            even = jax_sm100.plan(64, 64, 1004, a_dtype="bfloat16", b_dtype="bfloat16",
+                                  arch=arch, force_kernel=True)  # fmt: skip
+            self.assertEqual(even.kernel, "xla_dot")
+            self.assertIn("k=1004 (2008 bytes of bfloat16) is not a multiple of 16", even.reason)
+        # C's rows are checked as well: n = 4 bfloat16 beside a float32 D.
+        c_rows = jax_sm100.plan(128, 4, 64, a_dtype="bfloat16", b_dtype="bfloat16",
+                                out_dtype="float32", c_dtype="bfloat16", b_major="k",
+                                arch="sm_90a", force_kernel=True)  # fmt: skip
+        self.assertEqual(c_rows.kernel, "xla_dot")
+        self.assertIn("c's contiguous dim n=4", c_rows.reason)
+        # nvfp4 rows of 48 elements are 24 bytes: no TMA, whatever the block.
+        e2m1 = "float4_e2m1fn"
+        fp4 = jax_sm100.plan(256, 256, 48, a_dtype=e2m1, b_dtype=e2m1, scale_block=16,
+                             scale_dtype="float8_e4m3fn", arch="sm_100a")  # fmt: skip
+        self.assertEqual(fp4.kernel, "xla_dot")
+        self.assertIn("16 bytes of float4_e2m1fn rows", fp4.reason)
         mixed = jax_sm100.plan(64, 64, 64, a_dtype="bfloat16", b_dtype="float16")
         self.assertIn("mixed operand dtypes", mixed.reason)
         fp8 = jax_sm100.plan(
