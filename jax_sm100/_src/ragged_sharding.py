@@ -342,26 +342,8 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._De
         if got:
             local[factor] = got
     reduced = tuple(a for f in roles.reductions for a in local.get(f, ()))
-    scatter, scattered = {}, set()
-    result_axes = sharding._spec_axes(result_sharding, len(roles.result))
-    for factor, wanted in zip(roles.result, result_axes, strict=True):
-        wanted = wanted or from_operands(factor)
-        got = sharding._even_prefix(
-            [a for a in wanted if a not in used], roles.size(factor), mesh_shape
-        )
-        used.update(got)
-        if got:
-            local[factor] = got
-        extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
-        # A reduced axis is scattered onto one result dim at most (as in sharding._decide):
-        # lhs's rows and rhs's columns can both name it.
-        free = [a for a in wanted if a in reduced and a not in scattered]
-        onto = sharding._even_prefix(free, extent, mesh_shape)
-        scattered.update(onto)
-        if onto:
-            scatter[factor] = onto
-    psum = tuple(a for a in reduced if a not in scattered)
-    return sharding._Decision(local=local, scatter=scatter, psum=psum)
+    return sharding._decide_result(roles, mesh_shape, result_sharding, from_operands, local,
+                                   reduced)  # fmt: skip
 
 
 # --- callbacks ---------------------------------------------------------------------------------

@@ -423,8 +423,18 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
 
     # k first: the result's sharding then says whether its partials are reduce-scattered.
     k = _even_prefix(from_operands("k"), roles.size("k"), mesh_shape)
-    used = set(k)
-    local, scatter, scattered = ({"k": k} if k else {}), {}, set()
+    local = {"k": k} if k else {}
+    return _decide_result(roles, mesh_shape, result_sharding, from_operands, local, k)
+
+
+def _decide_result(roles, mesh_shape, result_sharding, from_operands, local, reduced):
+    """The decision, given the reduction factors' axes (`local`; `reduced`, their axes in
+    order): each result dim's axes, as `result_sharding` asks or as the operands have them
+    (`from_operands(factor)`), and the reduced axes reduce-scattered onto the dims that name
+    them, each onto one dim at most (two operands, x over rows and a bias over columns, or
+    lhs's rows and rhs's columns, can both name it); the others are all-reduced. Shared with
+    ragged_sharding."""
+    used, scatter, scattered = set(reduced), {}, set()
     result_axes = _spec_axes(result_sharding, len(roles.result))
     for factor, wanted in zip(roles.result, result_axes, strict=True):
         wanted = wanted or from_operands(factor)
@@ -433,14 +443,13 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
         if got:
             local[factor] = got
         extent = roles.size(factor) // math.prod(mesh_shape[a] for a in got)
-        # A k axis is reduce-scattered onto one result dim at most (two operands, x over rows
-        # and a bias over columns, can both name it).
-        free = [a for a in wanted if a in k and a not in scattered]
+        free = [a for a in wanted if a in reduced and a not in scattered]
         onto = _even_prefix(free, extent, mesh_shape)
         scattered.update(onto)
         if onto:
             scatter[factor] = onto
-    return _Decision(local=local, scatter=scatter, psum=tuple(a for a in k if a not in scattered))
+    psum = tuple(a for a in reduced if a not in scattered)
+    return _Decision(local=local, scatter=scatter, psum=psum)
 
 
 def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
