@@ -185,7 +185,7 @@ def precompile(
     target = dispatch.Target(arch, num_sms or 0)
     if resident_clusters is not None:
         pairs = tuple(sorted((operator.index(c), operator.index(n))
-                             for c, n in dict(resident_clusters).items()))  # fmt: skip
+                             for c, n in resident_clusters.items()))  # fmt: skip
         target = dataclasses.replace(target, resident_clusters=pairs)
     else:
         local = dispatch.device_target()

@@ -624,9 +624,7 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPl
     GROUPED_DYNAMIC_DEFAULT), and the store ring and A/B stages that fit beside the group table
     (GROUPED_EPI_STAGES)."""
     g, num_sms = common["groups"], common["num_sms"]
-    why_not = grouped_support(common) or why_not
-    if schedule not in GROUPED_SCHEDULES:
-        raise C.PlanError(f"JAX_SM100_GROUPED_SCHEDULE={schedule!r}: one of {GROUPED_SCHEDULES}")
+    why_not = grouped_support(common) or why_not  # `schedule` checked by planning.plan
     wants_dynamic = grouped_dynamic(dynamic)
     candidates = []
     if schedule != "pingpong":
