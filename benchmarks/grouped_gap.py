@@ -12,14 +12,13 @@ boundaries) from what the grouped plans lack (clusters, raster). Prints TF/s.
 from __future__ import annotations
 
 import argparse
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
+from grouped_tiles import forced  # benchmarks/: the script's own folder is on sys.path
 
 import jax_sm100
 from jax_sm100._src import planning
-from jax_sm100._src.planning import sm90
 from jax_sm100.bench_ragged import PROBLEMS as BENCH_PROBLEMS
 from jax_sm100.bench_ragged import group_sizes, operands
 from jax_sm100.bench_train import time_steps
@@ -30,33 +29,13 @@ SCHEDULES = ((128, 256, False), (128, 160, True))
 
 def _grouped(lhs, rhs, sizes, tm, tn, pingpong, pair):
     """Seconds per `ragged_dot`, planned on this tile and schedule in `pair` x 1 clusters
-    (forced through the planner's weight for a multicast pair); NaN if another plan ran."""
-    table = ((tm, tn, 1.0),)
-    gain = 1e6 if pair == 2 else 1e-6
-    patches = [
-        mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ()),
-        mock.patch.object(sm90, "GROUPED_MULTICAST_GAIN", gain),
-    ]
-    if pingpong:
-        patches.append(mock.patch.object(sm90, "_SM90_GROUPED_PINGPONG", table))
-        patches.append(mock.patch.dict("os.environ", {"JAX_SM100_GROUPED_SCHEDULE": "pingpong"}))
-    else:
-        patches.append(mock.patch.object(sm90, "_SM90_CANDIDATES", table))
-    for p in patches:
-        p.start()
-    try:
-        planning._plan_cached.cache_clear()
+    (forced through the planner's tables, `grouped_tiles.forced`); NaN if another plan ran."""
+    with forced((tm, tn, pingpong, f"{pair}x1", 0)):
         f = jax.jit(lambda a, b, s: jax_sm100.ragged_dot(a, b, s))
         with jax_sm100.lowerings() as seen:
             t = time_steps(f, lhs, rhs, sizes)
-        ran = {(low.plan.cta_tile_mnk[:2], low.plan.cluster_shape_mn) for low in seen if low.plan}
-        if ran != {((tm, tn), (pair, 1))}:
-            return float("nan")
-        return t
-    finally:
-        for p in reversed(patches):
-            p.stop()
-        planning._plan_cached.cache_clear()
+    ran = {(low.plan.cta_tile_mnk[:2], low.plan.cluster_shape_mn) for low in seen if low.plan}
+    return t if ran == {((tm, tn), (pair, 1))} else float("nan")
 
 
 def _dense(a, b, tm, tn, pingpong, cluster, grouped_raster):
