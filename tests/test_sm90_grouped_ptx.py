@@ -18,6 +18,7 @@ groups, B N- or K-major; "k": the contraction in groups), both schedules and fp8
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from unittest import mock
@@ -185,6 +186,18 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
             ),
         )
         self.assertIn("no bias in ragged mode 'k'", why)
+
+    def test_planner_sends_kernels_only_layouts_they_take(self):
+        # A grouped kernel plan for a layout the kernel refuses would fail at compile time
+        # (`GroupedGemm.why_not`); the planner sends such a problem to XLA's ragged dot.
+        kernels = {"sm_90a": GROUPED, "sm_100a": planning.KERNEL_SM100_GROUPED}
+        for arch, ragged, a_major, b_major in itertools.product(kernels, "mk", "mk", "nk"):
+            plan = jax_sm100.plan(4096, 1024, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                                  arch=arch, groups=8, ragged=ragged, a_major=a_major,
+                                  b_major=b_major)  # fmt: skip
+            why = family.family(kernels[arch]).why_not(plan, KernelSpec.for_plan(plan))
+            self.assertEqual(plan.kernel != planning.KERNEL_XLA, why is None,
+                             (arch, ragged, a_major, b_major, plan.reason, why))  # fmt: skip
 
     def test_no_pingpong_by_default(self):
         # Ping-pong grouped plans ran slower on the H200 (benchmarks/RESULTS.md, ninth session).

@@ -23,7 +23,7 @@ from cutlass import cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from jax_sm100._src import constraints
+from jax_sm100._src import constraints, planning
 from jax_sm100._src.kernels.spec import ACT_GRAD_CLAMP, GELU_K0, GELU_K1, KernelSpec
 
 # numpy dtype names (what GemmPlan and KernelSpec carry) -> CuTe DSL element types.
@@ -162,6 +162,21 @@ def _operand(dtype: str, rows, cols, l, *, major_is_cols: bool, batched: bool) -
     ld = cute.sym_int64(divisibility=elems_per_16b(dtype))
     stride = (ld, 1, 0) if major_is_cols else (1, ld, 0)
     return make_fake_tensor(ctype, (rows, cols, l), stride, assumed_align=TMA_ALIGN_BYTES)
+
+
+def shared_struct(fields: dict, plan) -> cute.struct:
+    """The CTA's shared storage from `fields` (name -> `cute.struct` member type), refused above
+    a CTA's capacity for `plan.arch`: such a kernel compiles, here without a GPU too, but cannot
+    launch, so a plan that undercounts its layout fails at compile time instead."""
+    struct = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    used, capacity = struct.size_in_bytes(), planning.smem_capacity(plan.arch)
+    if used > capacity:
+        raise ValueError(
+            f"the kernel's shared storage takes {used} bytes, above the {capacity} of an "
+            f"{plan.arch} CTA (its plan counts {plan.smem_bytes}: a planner defect, please "
+            "report it)"
+        )
+    return struct
 
 
 def make_fake_operands(plan, spec: KernelSpec) -> FakeOperands:

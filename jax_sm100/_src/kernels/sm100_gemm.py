@@ -173,12 +173,6 @@ class Sm100GemmKernel(family.KernelFamily):
 
         self._setup_operands()
         self.shared_storage = self._make_shared_storage()
-        used, capacity = self.shared_storage.size_in_bytes(), planning.smem_capacity("sm_100a")
-        if used > capacity:
-            raise ValueError(
-                f"the plan's stages take {used} bytes of SMEM, above the {capacity} of an SM100 "
-                f"CTA (the planner estimated {self.plan.smem_bytes=})"
-            )
 
     def _make_tiled_mma(self) -> cute.TiledMma:
         return utils.sm100.make_trivial_tiled_mma(
@@ -196,7 +190,7 @@ class Sm100GemmKernel(family.KernelFamily):
 
     def _make_shared_storage(self):
         """The CTA's SMEM: mbarriers and the TMEM base slot, then 1024-byte aligned tiles."""
-        return cute.struct(type("SharedStorage", (), {"__annotations__": self._smem_fields()}))
+        return common.shared_struct(self._smem_fields(), self.plan)
 
     def _smem_fields(self) -> dict:
         """The shared storage's fields, in order (a subclass appends its own)."""

@@ -367,7 +367,7 @@ class Sm90GemmKernel(Sm90Epilogue, Sm90SplitSchedules, family.KernelFamily):
             ]
         extra, extra_fields = self._stage_extra_host(stage_extra)
         fields.update(extra_fields)
-        self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
+        self.shared = common.shared_struct(fields, self.plan)
         self.kernel(
             tma_a,
             ta,

@@ -95,7 +95,7 @@ class Sm90GroupedGemmKernel(GroupedGemm, Sm90GemmKernel):
                 cute.struct.MemRange[self.d_dtype, cute.cosize(self.d_smem_staged)], _SMEM_ALIGN
             ],
         }
-        self.shared = cute.struct(type("Shared", (), {"__annotations__": fields}))
+        self.shared = common.shared_struct(fields, self.plan)
         grid = cutlass.max(cutlass.min(max_work, self.max_active_clusters), 1) * self.pair
         self.kernel(
             tma_a, ta, tma_b, tb, tma_d, td, gs, bias, counter, extent, a.shape[1], tiles_m,
