@@ -64,7 +64,7 @@ from cutlass import cute
 from jax_sm100._src.constraints import GROUPED_WORK_RING
 from jax_sm100._src.kernels import common, family
 from jax_sm100._src.kernels.spec import KernelSpec
-from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS
+from jax_sm100._src.planning.gemm_plan import GROUPED_CLUSTERS, grouped_layout_support
 
 # The ragged view (module docstring): the ragged mode's extent, and the extra modes' extent.
 _RAGGED_EXTENT = 2**30
@@ -145,10 +145,9 @@ class GroupedGemm:
             return "the grouped epilogue takes alpha, a per-group bias and an activation only"
         if spec.has_bias and not (plan.ragged == "m" and cls.GROUPED_BIAS):
             return f"{plan.kernel}'s epilogue takes no bias in ragged mode {plan.ragged!r}"
-        if plan.ragged == "m" and spec.a_major != "k":
-            return "ragged rows need a K-major A"
-        if plan.ragged == "k" and (spec.a_major != "m" or spec.b_major != "n"):
-            return "a ragged contraction takes A M-major and B N-major (rows outermost)"
+        layout = grouped_layout_support(plan.ragged, spec.a_major, spec.b_major)
+        if layout is not None:
+            return layout
         if spec.b_groups and (plan.ragged != "m" or plan.groups % spec.b_groups):
             return (f"B of {spec.b_groups} matrices for {plan.groups} groups: ragged-rows plans "
                     "whose groups are a multiple of them only")  # fmt: skip

@@ -133,22 +133,28 @@ def grouped_b_k_major_only(arch: str, ab_dtype: str) -> bool:
     return arch == "sm_90a" and C.DTYPE_BITS[ab_dtype] == 8
 
 
+def grouped_layout_support(ragged: str, a_major: str, b_major: str) -> str | None:
+    """Why the grouped kernels do not read operands in these layouts, or None (the one rule
+    the planner and `GroupedGemm.why_not` both apply)."""
+    if ragged == "m" and a_major != "k":
+        return "ragged rows need a K-major A"
+    if ragged == "k" and (a_major, b_major) != ("m", "n"):
+        return "a ragged contraction takes A M-major and B N-major (rows outermost)"
+    return None
+
+
 def grouped_support(common) -> str | None:
     """Why no grouped kernel runs the grouped problem in `common` (GemmPlan's problem fields
     and arch), or None: the group table's and the ragged view's limits, the operand layouts
-    the grouped kernels read (`GroupedGemm.why_not`'s), and on sm_90a the weight gradient's M-
+    the grouped kernels read (`grouped_layout_support`), and on sm_90a the weight gradient's M-
     and N-major operands, which fp8 wgmma does not take."""
     g, ragged = common["groups"], common["ragged"]
     rows = common["m"] if ragged == "m" else common["k"]
     if g > MAX_GROUPS:
         return f"XLA ragged dot: {g} groups (the grouped kernel takes up to {MAX_GROUPS})"
-    if ragged == "m" and common["a_major"] != "k":
-        return "XLA ragged dot: ragged rows need a K-major lhs (the grouped kernels' layout)"
-    if ragged == "k" and (common["a_major"], common["b_major"]) != ("m", "n"):
-        return (
-            "XLA ragged dot: a ragged contraction takes lhs M-major and rhs N-major (rows "
-            "outermost, the grouped kernels' layout)"
-        )
+    layout = grouped_layout_support(ragged, common["a_major"], common["b_major"])
+    if layout is not None:
+        return f"XLA ragged dot: {layout}"
     if rows >= MAX_GROUPED_ROWS:
         return f"XLA ragged dot: {rows} rows (the grouped kernel takes fewer than 2^30)"
     if grouped_b_k_major_only(common["arch"], common["a_dtype"]) and ragged == "k":
