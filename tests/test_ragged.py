@@ -167,6 +167,81 @@ class RaggedDotTest(parameterized.TestCase):
             for got_g, ref in zip(grads, want, strict=True):
                 tu.assert_close(self, got_g, ref, "float64", k)
 
+    @parameterized.product(
+        in_axes=[(0, None, 0), (0, 0, None), (0, None, None), (None, 0, 0), (1, None, 0)],
+        case=["float32_highest", "complex64", "int8", "f32_algorithm"],
+    )
+    def test_vmap_of_what_runs_on_lax_ragged_dot(self, in_axes, case):
+        # float32 at HIGHEST, complex and integer operands and non-kernel algorithms take
+        # lax.ragged_dot's path, whose own batching rule takes only operands all mapped at dim
+        # 0: under vmap with shared experts or sizes, of its gradients and inside them, they
+        # batch as the kernels' path does, at the precision asked, in lax's dtypes.
+        rng = np.random.default_rng(51)
+        b, m, k, n, g = 3, 12, 5, 4, 3
+        dtype = {"float32_highest": "float32", "f32_algorithm": "float32"}.get(case, case)
+        kw = {
+            "float32_highest": {"precision": lax.Precision.HIGHEST},
+            "f32_algorithm": {"precision": "F32_F32_F32"},
+            "int8": {"preferred_element_type": jnp.int32},
+        }.get(case, {})
+
+        def draw(shape):
+            if case == "int8":
+                return jnp.asarray(rng.integers(-4, 5, shape), jnp.int8)
+            x = rng.standard_normal(shape)
+            if case == "complex64":
+                x = x + 1j * rng.standard_normal(shape)
+            return jnp.asarray(x, dtype)
+
+        def batched(shape, axis):
+            return draw(shape) if axis is None else jnp.moveaxis(draw((b, *shape)), 0, axis)
+
+        lhs, rhs = batched((m, k), in_axes[0]), batched((g, k, n), in_axes[1])
+        sizes = jnp.asarray([[4, 0, 5], [1, 7, 6], [12, -1, 3]] if in_axes[2] == 0 else [4, 0, 5],
+                            jnp.int32)  # fmt: skip
+        ours = lambda a, w, s: jax_sm100.ragged_dot(a, w, s, **kw)  # noqa: E731
+        wide = jnp.int32 if case == "int8" else (jnp.complex128 if case == "complex64" else
+                                                jnp.float64)  # fmt: skip
+        with jax.enable_x64(True):
+            theirs = lambda a, w, s: _dense(  # noqa: E731
+                a.astype(wide), w.astype(wide), jnp.clip(s, 0, m)
+            )
+            got = jax.vmap(ours, in_axes)(lhs, rhs, sizes)
+            want = jax.vmap(theirs, in_axes)(lhs, rhs, sizes)
+            one = jnp.zeros((m, k), lhs.dtype), jnp.zeros((g, k, n), rhs.dtype)
+            self.assertEqual(got.dtype, lax.ragged_dot(*one, jnp.zeros(g, jnp.int32), **kw).dtype)
+            if case == "int8":
+                np.testing.assert_array_equal(got, want)
+                return
+
+            def close(x, y, terms):  # real and imaginary parts alike
+                for part in (jnp.real, jnp.imag):
+                    tu.assert_close(self, part(x), part(y), "float32", terms)
+
+            close(got, want, k)
+            # Gradients inside the vmap, of the vmap, and a tangent of it.
+            loss = lambda f: lambda a, w, s: (f(a, w, s) * jnp.conj(f(a, w, s))).real.sum()  # noqa: E731
+            for make in (
+                lambda f: jax.vmap(jax.grad(loss(f), (0, 1)), in_axes),
+                lambda f: jax.grad(lambda a, w, s: loss(jax.vmap(f, in_axes))(a, w, s), (0, 1)),
+            ):
+                for got_g, ref in zip(make(ours)(lhs, rhs, sizes), make(theirs)(lhs, rhs, sizes),
+                                      strict=True):  # fmt: skip
+                    self.assertEqual(got_g.dtype, lhs.dtype)
+                    close(got_g, ref, k * m)
+                if case == "float32_highest":  # every product at the precision asked
+                    text = str(jax.make_jaxpr(make(ours))(lhs, rhs, sizes))
+                    binds = [text.count(f"jax_sm100_ragged_{p}") for p in ("dot", "outer")]
+                    self.assertGreaterEqual(min(binds), 1)
+                    highest = text.count("precision=(Precision.HIGHEST, Precision.HIGHEST)")
+                    self.assertEqual(highest, sum(binds))
+            tangents = (draw(lhs.shape), draw(rhs.shape))
+            _, got_t = jax.jvp(lambda a, w: jax.vmap(ours, in_axes)(a, w, sizes), (lhs, rhs),
+                               tangents)  # fmt: skip
+            _, want_t = jax.jvp(lambda a, w: jax.vmap(theirs, in_axes)(a, w, sizes), (lhs, rhs),
+                                tangents)  # fmt: skip
+            close(got_t, want_t, k)
+
     def test_ragged_outer_is_the_weight_gradient_form(self):
         # out[i] = lhs[rows of i]^T @ rhs[rows of i], in both output orders.
         with jax.enable_x64(True):
@@ -203,9 +278,10 @@ class RaggedDotTest(parameterized.TestCase):
 
         def path(args, **kw):
             with jax_sm100.lowerings() as seen:
-                jaxpr = str(jax.make_jaxpr(lambda a, b: jax_sm100.ragged_dot(a, b, sizes, **kw))(
-                    *args))  # fmt: skip
-            on_kernels = "jax_sm100_ragged_dot" in jaxpr
+                jaxpr = jax.make_jaxpr(lambda a, b: jax_sm100.ragged_dot(a, b, sizes, **kw))(*args)
+            # lax.ragged_dot's path is the primitive with lax's precision (`ragged._on_lax`).
+            (eqn,) = [e for e in jaxpr.eqns if e.primitive is ragged.ragged_dot_p]
+            on_kernels = eqn.params.get("precision") is None
             self.assertEqual(on_kernels, not seen, (kw, seen))
             return seen[-1].note if seen else None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from tests import test_sharding as ts  # isort: split
 
+import functools
 import re
 
 import jax
@@ -211,6 +212,33 @@ class ForwardTest(RaggedCase):
             counts(all_reduce=reduces("model")),
             reference=reference_dot,
         )
+
+    @parameterized.parameters("complex64", "int8")
+    def test_lax_paths_sum_partials_in_their_dtype(self, dtype):
+        # Complex and integer operands take lax.ragged_dot's path (the primitive with lax's
+        # precision): k split over "model", the partial products are summed in the result
+        # dtype (the float32 accumulator would drop the imaginary parts), with their gradients.
+        rng = np.random.default_rng(12)
+        if dtype == "int8":
+            draw = lambda *s: jnp.asarray(rng.integers(-9, 10, s), dtype)  # noqa: E731
+        else:
+            draw = lambda *s: jnp.asarray(  # noqa: E731
+                rng.standard_normal(s) + 1j * rng.standard_normal(s), dtype
+            )
+        lhs, rhs, sizes = draw(M, K), draw(G, K, N), groups(13)
+        a, b = self.put(lhs, PS(None, "model")), self.put(rhs, PS(None, "model"))
+        got = jax.jit(jax_sm100.ragged_dot)(a, b, sizes)
+        want = lax.ragged_dot(lhs, rhs, sizes, precision=HIGHEST)
+        self.assertEqual(got.dtype, want.dtype)
+        if dtype == "int8":
+            np.testing.assert_array_equal(got, want)
+            return
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+        loss = lambda f: lambda x, y: (jnp.abs(f(x, y, sizes)) ** 2).sum()  # noqa: E731
+        grads = jax.jit(jax.grad(loss(jax_sm100.ragged_dot), (0, 1)))(a, b)
+        ref = functools.partial(lax.ragged_dot, precision=HIGHEST)
+        for x, y in zip(grads, jax.grad(loss(ref), (0, 1))(lhs, rhs), strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5 * float(jnp.abs(y).max()))
 
     @parameterized.named_parameters(
         ("k_reduced", (PS(None, "model"), PS(None, "model"), PS()), ("model",)),

@@ -14,8 +14,11 @@
                        accumulator (out [*B[:-s], g, k, n]: the gradient of experts shared by
                        those batches)
 
-Both accumulate in float32 (float64 for float64 operands) and round once to `out_dtype`. They are
-each other's transposes, so a training step differentiates into these two primitives only:
+Both accumulate in float32 (float64 for float64 operands) and round once to `out_dtype`; with a
+`precision` (lax.ragged_dot's path: float32 at HIGHEST, integer and complex operands, other dot
+algorithms; `_on_lax`) they are XLA's ragged dot at that precision in lax's dtypes, on every
+platform, never a kernel. They are each other's transposes, so a training step differentiates
+into these two primitives only (each product keeping the `precision`):
 
     d lhs = ragged_dot(ct, rhs, transpose_rhs=not transpose_rhs)
     d rhs = ragged_outer(lhs, ct)                  ([g, n, k] order under transpose_rhs)
@@ -103,8 +106,10 @@ def ragged_dot(
     otherwise (fp8 results lose too much); group sizes are clamped to [0, m] before use (in
     their own dtype: sizes past int32 do not wrap), negative ones being empty groups, as the
     kernels read them, so the groups never overlap. `precision` is taken as lax takes it (None
-    is `jax.default_matmul_precision`'s value). These run on lax.ragged_dot itself (recorded
-    in `jax_sm100.lowerings()`): float32 operands at `Precision.HIGHEST`, integer and complex
+    is `jax.default_matmul_precision`'s value). These run as lax.ragged_dot computes them, on
+    XLA's ragged dot (recorded in `jax_sm100.lowerings()`; batched under `vmap` with shared
+    experts or sizes, which lax.ragged_dot's own rule refuses, and their gradients at the
+    same precision): float32 operands at `Precision.HIGHEST`, integer and complex
     operands, a `lax.DotAlgorithm`, and a `lax.DotAlgorithmPreset` other than the kernels' own
     (DEFAULT; BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8
     operand beside a bfloat16 or float16 one is converted to that dtype first (exactly), and so
@@ -259,11 +264,40 @@ def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
 
 
 def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_sharding):
-    """lax.ragged_dot itself, recorded as the path taken and why."""
+    """lax.ragged_dot's product, recorded as the path taken and why: ragged_dot_p with lax's
+    canonical `precision` (`_lax_precision`), whose every lowering is XLA's ragged dot at that
+    precision and in lax's result dtype. Bound as our primitive rather than called, so that
+    its batching rule takes experts or sizes that a vmap leaves unmapped (lax.ragged_dot's
+    batches only operands all mapped at dim 0), in its gradients too."""
     dispatch.record(dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({why})"))
-    return lax.ragged_dot(lhs, rhs, _lax_sizes(sizes, lhs.shape[0]), precision=precision,
-                          preferred_element_type=preferred_element_type,
-                          out_sharding=out_sharding)  # fmt: skip
+    out_dtype = _lax_out_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
+    out = ragged_dot_p.bind(
+        lhs, rhs, sizes, transpose_rhs=False, out_dtype=out_dtype, activation=None,
+        precision=_lax_precision(precision),
+    )  # fmt: skip
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+
+
+def _lax_precision(precision):
+    """`precision` as lax canonicalizes it (None read from `jax.default_matmul_precision`
+    now, so that the backward products keep it), DEFAULT where that leaves None: the
+    primitives' `precision` parameter, which is None only on the kernels' path."""
+    from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
+
+    return lax_internal.canonicalize_precision(precision) or (
+        lax.Precision.DEFAULT, lax.Precision.DEFAULT
+    )  # fmt: skip
+
+
+def _lax_out_dtype(a_dtype, b_dtype, preferred_element_type) -> np.dtype:
+    """lax.ragged_dot's result dtype: lax.dot_general's rule, which it shares (asked of
+    dot_general, as `_default_out_dtype` says why)."""
+    out = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())),
+                          preferred_element_type=preferred_element_type),
+        jax.ShapeDtypeStruct((1, 1), a_dtype), jax.ShapeDtypeStruct((1, 1), b_dtype),
+    )  # fmt: skip
+    return np.dtype(out.dtype)
 
 
 def _check_bias(bias, g: int, n: int):
@@ -317,8 +351,8 @@ def _check_groups(group_sizes, batch, g):
 
 
 def _ragged_dot_abstract(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
-                         activation=None, differentiated=False):  # fmt: skip
-    del differentiated  # a lowering choice (`_jvp`)
+                         activation=None, differentiated=False, precision=None):  # fmt: skip
+    del differentiated, precision  # lowering choices (`_jvp`, `_on_lax`)
     *batch, m, k = lhs.shape
     *rbatch, g, r1, r2 = rhs.shape
     kb, n = (r2, r1) if transpose_rhs else (r1, r2)
@@ -331,7 +365,9 @@ def _ragged_dot_abstract(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
     return jax.core.ShapedArray((*batch, m, n), out_dtype)
 
 
-def _ragged_outer_abstract(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
+def _ragged_outer_abstract(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0,
+                           precision=None):  # fmt: skip
+    del precision  # a lowering choice (`_on_lax`)
     *batch, m, k = lhs.shape
     *rbatch, mr, n = rhs.shape
     if tuple(rbatch) != tuple(batch) or mr != m:
@@ -366,7 +402,7 @@ def _operands(x, y, acc):
 
 
 def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, activation=None,
-                    differentiated=False):  # fmt: skip
+                    differentiated=False, precision=None):  # fmt: skip
     del differentiated  # a lowering choice of the CUDA path (`_jvp`)
     nb = lhs.ndim - 2
     if rhs.shape[-3] == 0:
@@ -384,14 +420,25 @@ def _ragged_dot_xla(lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype, acti
         lhs_ragged_dimensions=[1],
         rhs_group_dimensions=[1],
     )
-    l3, r4 = _operands(l3, r4, acc)
-    out = lax.ragged_dot_general(
-        l3, r4, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
-    )
+    out = _xla_ragged(l3, r4, gs, dn, acc, precision, out_dtype)
     out = out.reshape((*lhs.shape[:-1], out.shape[-1]))
     if bias:
         out = out + group_rows(bias[0].astype(acc), group_sizes, lhs.shape[-2])
     return P.apply_activation(out, activation).astype(out_dtype)
+
+
+def _xla_ragged(x, y, gs, dn, acc, precision, out_dtype):
+    """XLA's ragged dot: with `precision` (lax's path, `_on_lax`), as lax.ragged_dot computes
+    it (the operands as given, the result in `out_dtype`); else the primitives' own math (both
+    operands exact in `acc`, HIGHEST: no tf32 or bfloat16 passes), in `acc`."""
+    if precision is not None:
+        return lax.ragged_dot_general(
+            x, y, gs, dn, precision=precision, preferred_element_type=out_dtype
+        )
+    x, y = _operands(x, y, acc)
+    return lax.ragged_dot_general(
+        x, y, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
+    )
 
 
 def shared_experts(lhs, rhs) -> bool:
@@ -409,7 +456,8 @@ def _experts_per_batch(lhs, rhs, bias):
             tuple(jnp.broadcast_to(x, (*batch, *x.shape)) for x in bias))  # fmt: skip
 
 
-def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
+def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0,
+                      precision=None):  # fmt: skip
     nb = lhs.ndim - 2
     kept = lhs.shape[: nb - summed]
     if group_sizes.shape[-1] == 0:
@@ -422,10 +470,7 @@ def _ragged_outer_xla(lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed
         lhs_ragged_dimensions=[1],
         rhs_group_dimensions=[],
     )
-    l3, r3 = _operands(l3, r3, acc)
-    out = lax.ragged_dot_general(
-        l3, r3, gs, dn, precision=lax.Precision.HIGHEST, preferred_element_type=acc
-    )
+    out = _xla_ragged(l3, r3, gs, dn, acc, precision, out_dtype)
     out = jnp.moveaxis(out, 0, 1)  # (g, B, k, n) -> (B, g, k, n)
     if transpose_out:
         out = jnp.swapaxes(out, -1, -2)
@@ -513,7 +558,7 @@ batching.primitive_batchers[ragged_outer_p] = lambda a, d, **p: _batch(ragged_ou
 
 
 def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_dtype,
-                          activation=None, differentiated=False):  # fmt: skip
+                          activation=None, differentiated=False, precision=None):  # fmt: skip
     # Only the linear product is transposed: the JVP of an activated or biased one binds the
     # tangent's products without either.
     assert activation is None and not bias, (activation, len(bias))
@@ -524,25 +569,29 @@ def _ragged_dot_transpose(ct, lhs, rhs, group_sizes, *bias, transpose_rhs, out_d
     if ad.is_undefined_primal(lhs):
         d_lhs = _cotangent(lhs, ragged_dot_p, ct.astype(cd), rhs.astype(cd), group_sizes,
                            transpose_rhs=not transpose_rhs, activation=None,
-                           differentiated=differentiated)  # fmt: skip
+                           differentiated=differentiated, precision=precision)  # fmt: skip
     if ad.is_undefined_primal(rhs):
         # Experts shared by lhs's batches: their gradient summed over those batches.
         summed = lhs.ndim + 1 - rhs.aval.ndim
         d_rhs = _cotangent(rhs, ragged_outer_p, lhs.astype(cd), ct.astype(cd),
                            ragged_sharding.group_sizes_like(group_sizes, rhs),
-                           transpose_out=transpose_rhs, summed=summed)  # fmt: skip
+                           transpose_out=transpose_rhs, summed=summed,
+                           precision=precision)  # fmt: skip
     return [d_lhs, d_rhs, None]
 
 
 def _cotangent(target, prim, *operands, **params):
     """`prim` bound as the cotangent of the operand `target`, in its dtype: written in it, or
-    (an fp8 operand's) in bfloat16 and converted after (`autodiff.cotangent_product_dtype`)."""
+    (an fp8 operand's on the kernels' path) in bfloat16 and converted after
+    (`autodiff.cotangent_product_dtype`)."""
     want = np.dtype(target.aval.dtype)
-    out = prim.bind(*operands, out_dtype=autodiff.cotangent_product_dtype(want), **params)
+    written = want if params["precision"] is not None else autodiff.cotangent_product_dtype(want)
+    out = prim.bind(*operands, out_dtype=written, **params)
     return P.cotangent_like(out.astype(want), target)
 
 
-def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0):
+def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_out, summed=0,
+                            precision=None):  # fmt: skip
     # out[i] = lhs_i^T rhs_i: d lhs_i = rhs_i ct[i]^T, d rhs_i = lhs_i ct[i] (per group's rows).
     if type(ct) is ad.Zero:
         return [_zero(lhs), _zero(rhs), None]
@@ -559,11 +608,11 @@ def _ragged_outer_transpose(ct, lhs, rhs, group_sizes, *, out_dtype, transpose_o
     if ad.is_undefined_primal(lhs):
         d_lhs = _cotangent(lhs, ragged_dot_p, rhs.astype(cd), ct.astype(cd), group_sizes,
                            transpose_rhs=not transpose_out, activation=None,
-                           differentiated=True)  # fmt: skip
+                           differentiated=True, precision=precision)  # fmt: skip
     if ad.is_undefined_primal(rhs):
         d_rhs = _cotangent(rhs, ragged_dot_p, lhs.astype(cd), ct.astype(cd), group_sizes,
                            transpose_rhs=transpose_out, activation=None,
-                           differentiated=True)  # fmt: skip
+                           differentiated=True, precision=precision)  # fmt: skip
     return [d_lhs, d_rhs, None]
 
 

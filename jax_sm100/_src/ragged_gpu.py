@@ -110,6 +110,11 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
     ragged_dot's `differentiated` (set by its JVP and transpose) only steers `_folded`'s
     choice."""
     differentiated = params.pop("differentiated", name == "ragged_outer")
+    if params.get("precision") is not None:
+        # lax.ragged_dot's path (`ragged._on_lax`), its gradients' products included.
+        why = f"{name}: XLA's ragged dot at precision={params['precision']} (lax.ragged_dot's)"
+        dispatch.record(dispatch.Lowered(None, _noted(why, _after)))
+        return xla_fn(lhs, rhs, group_sizes, *bias, **params)
     target = dispatch.lowering_target()
     if target is None:
         dispatch.record(

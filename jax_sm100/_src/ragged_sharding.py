@@ -391,7 +391,9 @@ def _local(prim, roles, decision, params, mesh_shape, lhs, rhs, group_sizes, *bi
     # Partial sums over k or rows are added in the accumulator dtype and rounded once; a sum
     # over experts adds zeros to each row's one result, exact in the output dtype.
     partial = any(f in decision.local for f in roles.reductions if f != "g")
-    local_dtype = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype) if partial else out_dtype
+    # (Integer and complex results, of lax.ragged_dot's path, are summed in their own dtype.)
+    real = jnp.issubdtype(out_dtype, jnp.floating)
+    local_dtype = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype) if partial and real else out_dtype
     local_params = dict(params, out_dtype=local_dtype)
     # ragged_dot's activation applies to the whole sum: with partial sums over k it comes
     # after their reduction (the accumulator-dtype partials summed, then the activation, one
