@@ -114,6 +114,8 @@ def main(argv=None):
     ap.add_argument("--groups", nargs="+", type=int, default=[64],
                     help="which of bench --ragged's problems, by group count")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--d-lhs", action="store_true",
+                    help="the shapes of the problems' d lhs products (k and n swapped)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
     args = ap.parse_args(argv)
@@ -121,6 +123,8 @@ def main(argv=None):
     for i, (g, m, k, n) in enumerate(SMALL if args.small else BENCH_PROBLEMS):
         if not args.small and g not in args.groups:
             continue
+        if args.d_lhs:  # ct [m, n] @ rhs[i]^T: a ragged-rows product of k columns over n
+            k, n = n, k
         lhs, rhs, _, _ = operands(i, g, m, k, n)  # bench --ragged's seed: the same data
         dense = (jax.jit(jax_sm100.matmul), (lhs, rhs[0]))
         for kind in args.kind:
