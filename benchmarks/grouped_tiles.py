@@ -114,8 +114,9 @@ def main(argv=None):
     ap.add_argument("--groups", nargs="+", type=int, default=[64],
                     help="which of bench --ragged's problems, by group count")  # fmt: skip
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    ap.add_argument("--d-lhs", action="store_true",
-                    help="the shapes of the problems' d lhs products (k and n swapped)")  # fmt: skip
+    ap.add_argument(
+        "--d-lhs", action="store_true", help="the problems' d lhs shapes (k and n swapped)"
+    )
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
     args = ap.parse_args(argv)

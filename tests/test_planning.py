@@ -103,6 +103,10 @@ class PlannerInvariantsTest(parameterized.TestCase):
             self.assertEqual(cta[0] * (2 if p.use_2cta else 1), p.mma_tiler_mnk[0])
             if p.use_2cta:
                 self.assertEqual(p.cluster_shape_mn[0] % 2, 0)
+            elif p.kernel != planning.KERNEL_XLA:
+                # A 1-CTA plan pairs CTAs along M only where there are two m tiles to pair: over
+                # one, the pair's second CTA would hold nothing but padding (half the SMs idle).
+                self.assertEqual(p.cluster_shape_mn[0] == 2, math.ceil(p.m / cta[0]) >= 2, p)
         else:
             self.assertFalse(p.use_2cta)
             self.assertEqual(p.tmem_alloc_cols, 0)
@@ -137,6 +141,20 @@ class PlannerInvariantsTest(parameterized.TestCase):
             tiles = math.ceil(p.n / cta[1]) if p.raster_along_m else math.ceil(p.m / cta[0])
             along = p.cluster_shape_mn[1] if p.raster_along_m else p.cluster_shape_mn[0]
             self.assertEqual(math.ceil(tiles / along) % p.swizzle_size, 0, p)
+
+    def test_preact_plans_fill_shared_memory(self):
+        # The pre-activation Z is staged beside D: the planner counts it (a float32 Z of a 128-row
+        # epilogue ring is 32 KiB, an A/B stage of a 256x256 tile), then fills the rest.
+        for shape, out in itertools.product(
+            ((8192, 8192, 8192), (256, 8192, 8192), (64, 4096, 4096), (1000, 1000, 1000)),
+            ("bfloat16", "float32"),
+        ):  # fmt: skip
+            p = jax_sm100.plan(*shape, a_dtype="bfloat16", b_dtype="bfloat16", out_dtype=out,
+                               preact_out=True)  # fmt: skip
+            with self.subTest(shape=shape, out=out):
+                self.assertEqual(p.kernel, planning.KERNEL_SM100, p.reason)
+                self.assertTrue(p.preact_out)
+                self._check(p)
 
     def test_kernel_choice(self):
         bf = {"a_dtype": "bfloat16", "b_dtype": "bfloat16"}
@@ -296,10 +314,56 @@ class PlanEditsTest(parameterized.TestCase):
         ("unaligned_k", {"k": 8191}, "16 bytes"),
         ("bad_arch", {"arch": "sm_80"}, "not supported"),
         ("pingpong_on_sm100", {"pingpong": True}, "sm_90a"),
+        ("no_acc_stage", {"num_acc_stages": 0}, "must be >= 1"),
+        ("epi_n_on_sm100", {"epi_n": 64}, "epi_n=64 is an sm_90a choice"),
+        ("stage_c_on_sm100", {"stage_c": True}, "stage_c=True is an sm_90a choice"),
+        # cta_group::2 MMAs are 128 or 256 rows (64 rows per CTA do not exist).
+        ("two_cta_m64", {"mma_tiler_mnk": (64, 256, 64)}, r"2-CTA MMA needs M in \(128, 256\)"),
     )
     def test_illegal_edit_raises(self, change, pattern):
         with self.assertRaisesRegex(C.PlanError, pattern):
             dataclasses.replace(self.p, **change)
+
+    @parameterized.parameters(
+        # (MMA tile, use_2cta, cluster, accumulator stages, TMEM columns): 1-CTA M=64 takes N in
+        # steps of 8; accumulators narrower than TMEM's smallest allocation take its 32 columns.
+        ((64, 8, 64), False, (1, 1), 2, 32),
+        ((64, 24, 64), False, (1, 1), 2, 64),
+        ((128, 16, 64), False, (1, 1), 1, 32),
+        ((256, 16, 64), True, (2, 1), 1, 32),
+    )
+    def test_narrow_tiles(self, tile, use_2cta, cluster, acc_stages, cols):
+        q = planning.replace_fitting(
+            self.p, mma_tiler_mnk=tile, use_2cta=use_2cta, cluster_shape_mn=cluster,
+            num_acc_stages=acc_stages,
+        )  # fmt: skip
+        self.assertEqual((q.mma_tiler_mnk, q.tmem_alloc_cols), (tile, cols))
+        self.assertEqual(q.acc_tmem_cols_per_stage, tile[1])
+        if tile == (64, 8, 64):
+            # The narrowest tile builds (the kernel refuses shared storage past a CTA's).
+            compile_mod._compile(q, KernelSpec.for_plan(q))
+
+    def test_largest_clusters(self):
+        # sm_100a takes non-portable clusters of 16 CTAs (the DSL allows them on every kernel);
+        # sm_90a portable ones of 8. 32 is refused (huge_cluster above).
+        for shape in ((4, 4), (2, 8), (16, 1)):
+            self.assertEqual(dataclasses.replace(self.p, cluster_shape_mn=shape).cluster_shape_mn,
+                             shape)  # fmt: skip
+        h = jax_sm100.plan(4096, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16",
+                           arch="sm_90a")  # fmt: skip
+        with self.assertRaisesRegex(C.PlanError, "at most 8"):
+            dataclasses.replace(h, cluster_shape_mn=(4, 4))
+
+    def test_resident_ctas_count_the_system_reserve(self):
+        # 228 KB of shared memory per SM, 1 KB of it kept by the system for each resident CTA:
+        # two CTAs of up to 113 KB (115712 bytes) each share an SM, one of a byte more does not.
+        threads = C.sm100_threads_per_cta(False)
+        self.assertEqual(C.max_resident_ctas(115712, threads), 2)
+        self.assertEqual(C.max_resident_ctas(115713, threads), 1)
+        # 512 TMEM columns each: two would wait on each other (issue 21), one is legal.
+        C.check_tmem_residency(512, 115713, threads)
+        with self.assertRaisesRegex(C.PlanError, "2 CTAs of this plan fit"):
+            C.check_tmem_residency(512, 115712, threads)
 
     def test_fp8_n_major_b_steps(self):
         # The DSL's tcgen05 rule: an 8-bit N-major B takes N in steps of 32 (2-CTA) or 16 (1-CTA).

@@ -1256,6 +1256,294 @@ class RaggedDotTest(parameterized.TestCase):
         for got, ref in zip(ours, want, strict=True):
             tu.assert_close(self, got, ref, "float32", max(k, m))
 
+    @parameterized.named_parameters(
+        # (operand dtype, precision, preferred_element_type): each runs on lax.ragged_dot
+        ("f32_highest", "float32", lax.Precision.HIGHEST, None),
+        ("f32_highest_to_bf16", "float32", lax.Precision.HIGHEST, jnp.bfloat16),
+        ("bf16_f32_preset", "bfloat16", "F32_F32_F32", None),
+    )
+    def test_precision_fallback_keeps_bias_and_activation(self, dtype, precision, preferred):
+        # A precision the kernels do not compute runs on lax.ragged_dot; a bias and an
+        # activation still apply, to the float32 product, rounded once. The last column of lhs
+        # is ones and each expert's last row 256, cancelled by the bias -256: a product rounded
+        # to the result dtype before the bias (ulp 2 at 256 in bfloat16) would show.
+        rng = np.random.default_rng(31)
+        m, k, n, g = 40, 16, 12, 3
+        lhs = np.concatenate([rng.standard_normal((m, k)), np.ones((m, 1))], axis=1)
+        rhs = np.concatenate([rng.standard_normal((g, k, n)), np.full((g, 1, n), 256.0)], 1)
+        lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+        bias = jnp.asarray(rng.standard_normal((g, n)) - 256.0, jnp.float32)
+        sizes = jnp.asarray([13, 0, 20], jnp.int32)  # 7 rows in no group
+        out_dtype = jnp.dtype(preferred or dtype)
+        member = np.zeros((m, g))
+        member[np.arange(33), np.repeat(np.arange(g), np.asarray(sizes))] = 1
+        z = _reference(lhs, rhs, sizes) + member @ np.asarray(bias, np.float64)
+        for activation in (None, "silu"):
+            with jax_sm100.lowerings() as seen:
+                out = jax_sm100.ragged_dot(lhs, rhs, sizes, precision=precision,
+                                           preferred_element_type=preferred, bias=bias,
+                                           activation=activation)  # fmt: skip
+            self.assertIn("lax.ragged_dot", seen[-1].note)
+            self.assertEqual(out.dtype, out_dtype)
+            want = tu.activation64(z, activation)
+            tu.assert_close(self, out, want, out_dtype, k)
+            self.assertEqual(float(jnp.max(jnp.abs(out[33:].astype(jnp.float32)))), 0.0)
+
+    def test_bias_of_the_wrong_width_is_refused(self):
+        # A bias [g, 1] or [g, n + 1] is refused by name, on the kernels' path and on the
+        # lax.ragged_dot fallback (which would broadcast a [g, 1] bias across the columns).
+        lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
+        sizes = jnp.asarray([4, 4], jnp.int32)
+        for shape in ((2, 1), (2, 4), (1, 3)):
+            for precision in (None, lax.Precision.HIGHEST):
+                with self.subTest(shape=shape, precision=precision):
+                    with self.assertRaisesRegex(
+                        ValueError, rf"bias.shape={re.escape(str(shape))}, expected \(g, n\)"
+                    ):
+                        jax_sm100.ragged_dot(lhs, rhs, sizes, bias=jnp.ones(shape),
+                                             precision=precision)  # fmt: skip
+
+    @parameterized.parameters("float8_e4m3fn", "float8_e5m2")
+    def test_fp8_gradients_keep_the_operand_dtype(self, dtype):
+        # Two operands of one fp8 format reach the primitive as they are; their gradients
+        # (computed in bfloat16, autodiff.cotangent_product_dtype) come back in that format.
+        rng = np.random.default_rng(37)
+        sizes = jnp.array([5, 0, 9], jnp.int32)  # two rows in no group
+        lhs, rhs = tu.rand(rng, (16, 32), dtype), tu.rand(rng, (3, 32, 8), dtype)
+        ct = tu.rand(rng, (16, 8), "bfloat16")
+        out, vjp = jax.vjp(lambda a, b: jax_sm100.ragged_dot(a, b, sizes), lhs, rhs)
+        self.assertEqual(out.dtype, jnp.bfloat16)
+        d_lhs, d_rhs = vjp(ct)
+        self.assertEqual((d_lhs.dtype, d_rhs.dtype), (jnp.dtype(dtype), jnp.dtype(dtype)))
+        a, b, c = (np.asarray(x, np.float64) for x in (lhs, rhs, ct))
+        want_lhs, want_rhs = np.zeros_like(a), np.zeros_like(b)
+        start = 0
+        for i, size in enumerate(np.asarray(sizes)):
+            rows = slice(start, start + size)
+            want_lhs[rows] = c[rows] @ b[i].T
+            want_rhs[i] = a[rows].T @ c[rows]
+            start += size
+        tu.assert_close(self, d_lhs, want_lhs, dtype, 8)
+        tu.assert_close(self, d_rhs, want_rhs, dtype, 9)
+
+    def test_lax_sizes_at_the_int32_bound(self):
+        # g m = 2^31 exactly: sizes clipped to [0, m] could sum to 2^31, past int32, so XLA's
+        # path takes the saturated sizes there (the clip alone only while g m < 2^31).
+        m = 2**30
+        for sizes, want in (([m, m], [m, 0]), ([m - 1, 5], [m - 1, 1])):
+            got = ragged._lax_sizes(jnp.asarray(sizes, jnp.int32), m)
+            np.testing.assert_array_equal(np.asarray(got, np.int64), want)
+        got = ragged._lax_sizes(jnp.asarray([m - 1, m - 1], jnp.int32), m - 1)  # g m < 2^31
+        np.testing.assert_array_equal(np.asarray(got, np.int64), [m - 1, m - 1])
+
+    @parameterized.parameters("sm_90a", "sm_100a")
+    def test_weight_gradient_of_the_input_gradient_exports(self, arch):
+        # Reverse over reverse (a gradient penalty on d lhs, differentiated in the experts):
+        # ragged_outer with transpose_out, whose operands swap roles in the CUDA lowering. Every
+        # product is a grouped kernel; the exported module verifies.
+        lhs = jax.ShapeDtypeStruct((1000, 64), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((8, 64, 48), jnp.bfloat16)
+        sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+        def f(a, b, s):
+            sq = lambda y: jnp.sum(y.astype(jnp.float32) ** 2)  # noqa: E731
+            loss = lambda a, b: sq(jax_sm100.ragged_dot(a, b, s))  # noqa: E731
+            penalty = lambda a, b: sq(jax.grad(loss)(a, b))  # noqa: E731
+            return jax.grad(penalty, 1)(a, b)
+
+        self.assertIn("transpose_out=True", str(jax.make_jaxpr(f)(
+            *(jnp.zeros(x.shape, x.dtype) for x in (lhs, rhs, sizes)))))  # fmt: skip
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+            with jax_sm100.lowerings() as seen:
+                text = _export(jax.jit(f), lhs, rhs, sizes).mlir_module()
+        self.assertFalse(re.search(r"(chlo|stablehlo|mhlo)\.ragged_dot", text))
+        self.assertEqual(sorted(x.plan.ragged for x in seen if x.plan), ["k", "k", "m", "m"])
+
+    @parameterized.product(transpose=(False, True), merge=(False, True))
+    def test_cuda_batched_paths_with_xla_in_the_kernels_place(self, transpose, merge):
+        # ragged_gpu._folded end to end, as the CUDA lowering runs batched operands (the fold
+        # or, for shared experts, the merge; the unfold or the rows put back in place; the
+        # summed segments of the weight gradient), with no target arch so that XLA's product
+        # stands in for the grouped kernel: equal to XLA's math of the batched operands.
+        from jax_sm100._src import ragged_gpu  # noqa: PLC0415
+
+        sizes, lhs, rhs, bias, ct = _batched_case(43, transpose)
+        w, c = rhs[0, 0], bias[0, 0]  # experts (and bias) shared by every batch
+        dot = dict(transpose_rhs=transpose, out_dtype=np.dtype(np.float32), activation="gelu")
+        outer = dict(out_dtype=np.dtype(np.float32), transpose_out=transpose)
+        cases = [
+            ("dot, batched experts", lhs, rhs, sizes, (bias,), dot),
+            ("dot, shared experts", lhs, w, sizes, (c,), dot),
+            *((f"outer, {s} summed", lhs, ct, sizes, (), dict(outer, summed=s)) for s in range(3)),
+        ]
+        # bfloat16 whose two batches' weight gradients nearly cancel: summed in float32 and
+        # rounded once (a sum of rounded segments is off by their rounding, ~ulp(|segment|)).
+        rng = np.random.default_rng(44)
+        a = jnp.asarray(np.broadcast_to(rng.standard_normal((13, 8)), (2, 13, 8)), jnp.bfloat16)
+        c0 = rng.standard_normal((13, 5))
+        d = jnp.asarray(np.stack([c0, -c0 + 0.01 * rng.standard_normal((13, 5))]), jnp.bfloat16)
+        same = jnp.asarray([[3, 4, 0, 5]] * 2, jnp.int32)
+        bf16 = dict(out_dtype=np.dtype(jnp.bfloat16), transpose_out=transpose, summed=1)
+        cases.append(("outer, bfloat16 cancelling", a, d, same, (), bf16))
+        env = {key: v for key, v in os.environ.items() if key != "JAX_SM100_TARGET_ARCH"}
+        limit = 1 << 20 if merge else 0
+        for what, x, y, s, b, params in cases:
+            name = "ragged_dot" if what.startswith("dot") else "ragged_outer"
+            fn = ragged._ragged_dot_xla if name == "ragged_dot" else ragged._ragged_outer_xla
+            want = fn(x.astype(jnp.float32), y.astype(jnp.float32), s, *b,
+                      **dict(params, out_dtype=np.dtype(np.float32)))  # fmt: skip
+            with (
+                self.subTest(what),
+                mock.patch.dict(os.environ, env, clear=True),
+                mock.patch.dict(ragged_gpu.MERGE_BELOW_ROWS, forward=limit, differentiated=limit),
+                jax_sm100.lowerings() as seen,
+            ):
+                got = ragged_gpu._folded(name, fn, x, y, s, b, params, "", True)
+                self.assertEqual(got.dtype, params["out_dtype"])
+                shared = y.ndim == 3 if name == "ragged_dot" else params["summed"] == x.ndim - 2
+                how = "rows merged by expert" if merge and shared else "folded into one"
+                self.assertIn(how, seen[-1].note)
+                tu.assert_close(self, got, want, params["out_dtype"], 6 * 13)
+
+    @parameterized.parameters("sm_90a", "sm_100a")
+    def test_kernel_calls_describe_the_product(self, arch):
+        # What the CUDA lowering hands each grouped kernel (modes and strides of every tensor,
+        # which buffer is which, KernelSpec's b_groups and k_segments) checked on this machine:
+        # each call captured at export is replayed by a NumPy model of the kernels' mode
+        # contract (kernels/spec.py) over random buffers, and compared with the primitive's
+        # math on the same buffers. A training step with a bias (forward, d lhs against the
+        # experts transposed, d rhs), the fused bias and activation, shared experts folded (read
+        # in place; their gradient summed in the kernel) and merged, fp8 experts (transposed
+        # for sm_90a), and the weight gradient of an input gradient (transpose_out).
+        from jax_sm100._src import gpu_lowering, ragged_gpu  # noqa: PLC0415
+
+        problems, calls = [], []
+        real_problem, real_ffi = ragged_gpu._kernel_problem, gpu_lowering._ffi
+
+        def spy_problem(name, lhs, rhs, group_sizes, params, segments=1):
+            problems.append((name, lhs, rhs, group_sizes.shape, dict(params)))
+            return real_problem(name, lhs, rhs, group_sizes, params, segments)
+
+        def spy_ffi(compiled, out_type, operands, layouts, order, aliases=None):
+            out = out_type[0] if isinstance(out_type, tuple) else out_type
+            calls.append((*problems[-1], compiled.spec, layouts, order, operands, out.shape))
+            return real_ffi(compiled, out_type, operands, layouts, order, aliases)
+
+        bf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+        sq = lambda y: jnp.sum(y.astype(jnp.float32) ** 2)  # noqa: E731
+
+        def step(a, b, c, s):
+            def loss(a, b, c):
+                return sq(jax_sm100.ragged_dot(a, b, s, bias=c, activation="gelu"))
+
+            return jax.grad(loss, (0, 1, 2))(a, b, c)
+
+        def shared(a, b, s):
+            return jax.grad(lambda a, b: sq(jax.vmap(jax_sm100.ragged_dot, (0, None, 0))(a, b, s)),
+                            (0, 1))(a, b)  # fmt: skip
+
+        def fp8(a, b, s):
+            return jax_sm100.ragged_dot(a.astype(jnp.float8_e4m3fn), b.astype(jnp.float8_e4m3fn), s)
+
+        def second(a, b, s):
+            loss = lambda a, b: sq(jax_sm100.ragged_dot(a, b, s))  # noqa: E731
+            return jax.grad(lambda a, b: sq(jax.grad(loss)(a, b)), 1)(a, b)
+
+        exports = [
+            (step, (bf(1000, 64), bf(8, 64, 48), f32(8, 48), i32(8)), 0),
+            (lambda a, b, c, s: jax_sm100.ragged_dot(a, b, s, bias=c, activation="silu"),
+             (bf(1000, 64), bf(8, 64, 48), f32(8, 48), i32(8)), 0),
+            (shared, (bf(4, 512, 256), bf(8, 256, 384), i32(4, 8)), 0),
+            (shared, (bf(4, 512, 256), bf(8, 256, 384), i32(4, 8)), 1 << 20),
+            (fp8, (bf(1000, 64), bf(8, 64, 48), i32(8)), 0),
+            (second, (bf(1000, 64), bf(8, 64, 48), i32(8)), 0),
+        ]  # fmt: skip
+        for f, args, merge in exports:
+            with (
+                mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                mock.patch.dict(ragged_gpu.MERGE_BELOW_ROWS, forward=merge, differentiated=merge),
+                mock.patch.object(ragged_gpu, "_kernel_problem", spy_problem),
+                mock.patch.object(gpu_lowering, "_ffi", spy_ffi),
+            ):
+                _export(jax.jit(lambda *x, f=f: f(*x)), *args)  # a fresh trace for each
+        kinds = {(c[0], c[5].b_groups > 0, c[5].k_segments > 1, bool(c[4].get("transpose_rhs")
+                  or c[4].get("transpose_out"))) for c in calls}  # fmt: skip
+        self.assertLen(calls, 15)
+        self.assertContainsSubset({("ragged_dot", True, False, False),
+                                   ("ragged_outer", False, True, False),
+                                   ("ragged_dot", False, False, True),
+                                   ("ragged_outer", False, False, True)}, kinds)  # fmt: skip
+        rng = np.random.default_rng(47)
+        for name, lhs, rhs, g_shape, params, spec, layouts, order, operands, out_shape in calls:
+            # Random buffers for the call's inputs: sizes past the rows, negative, empty.
+            rows, (g,) = lhs.shape[0], g_shape
+            bufs, sizes, bias = [], None, None
+            for x in operands:
+                if x.dtype != jnp.int32:
+                    bufs.append(rng.standard_normal(x.shape))
+                    if x is not lhs and x is not rhs:
+                        bias = bufs[-1]
+                elif x.shape == g_shape and sizes is None:
+                    sizes = rng.integers(-2, 2 * rows // g + 2, x.shape)
+                    bufs.append(sizes)
+                else:
+                    bufs.append(np.zeros(x.shape, np.int64))  # the dynamic tiles' counter
+            by_id = {id(x): buf for x, buf in zip(operands, bufs, strict=True)}
+            ends = np.minimum(np.cumsum(np.clip(sizes, 0, rows)), rows)
+            starts = np.concatenate([[0], ends[:-1]])
+            views = {}
+            for t, which in zip(layouts, order, strict=True):
+                if which >= 0:
+                    flat = np.ascontiguousarray(bufs[which]).reshape(-1)
+                    strides = [s * flat.itemsize for s in t.strides]
+                    views[t.name] = np.lib.stride_tricks.as_strided(flat, t.shape, strides)
+                else:
+                    d_layout = t
+            # The kernel's contract in its modes: ragged rows ("m": D (M, N) row r of group j
+            # = A (M, K) row r . B (N, K, E)[:, :, j or j mod b_groups] + bias (N, G)[:, j],
+            # then the activation) or ragged contraction ("k": D (M, N, G / S)[:, :, j mod
+            # G / S] += A (M, R)[:, rows of j] . B (N, R)[:, rows of j]).
+            a, b = views["a"], views["b"]
+            if name == "ragged_dot":
+                model = np.zeros((a.shape[0], b.shape[0]))
+                for j in range(g):
+                    e = j % spec.b_groups if spec.b_groups else j
+                    r = slice(starts[j], ends[j])
+                    model[r] = a[r] @ b[:, :, e].T
+                    if "bias" in views:
+                        model[r] += views["bias"][:, j]
+                model = tu.activation64(model, spec.activation)
+            else:
+                model = np.zeros((a.shape[0], b.shape[0], g // spec.k_segments))
+                for j in range(g):
+                    r = slice(starts[j], ends[j])
+                    model[:, :, j % (g // spec.k_segments)] += a[:, r] @ b[:, r].T
+            out = np.zeros(out_shape).reshape(-1)
+            np.lib.stride_tricks.as_strided(
+                out, d_layout.shape, [s * out.itemsize for s in d_layout.strides]
+            )[...] = model.reshape(d_layout.shape)  # fmt: skip
+            # The primitive's math on the same buffers.
+            x, y = by_id[id(lhs)], by_id[id(rhs)]
+            if name == "ragged_dot":
+                w = np.swapaxes(y, -1, -2) if params["transpose_rhs"] else y
+                want = np.zeros((x.shape[0], w.shape[-1]))
+                for j in range(g):
+                    r = slice(starts[j], ends[j])
+                    want[r] = x[r] @ w[j % w.shape[0]] + (0 if bias is None else bias[j])
+                want = tu.activation64(want, params.get("activation"))
+            else:
+                groups = g // spec.k_segments
+                want = np.zeros((groups, x.shape[1], y.shape[1]))
+                for j in range(g):
+                    r = slice(starts[j], ends[j])
+                    want[j % groups] += x[r].T @ y[r]
+                if params["transpose_out"]:
+                    want = np.swapaxes(want, -1, -2)
+            with self.subTest(name=name, params=params, spec=spec):
+                np.testing.assert_allclose(out.reshape(out_shape), want, rtol=1e-9, atol=1e-9)
+
 
 _SHARDED = """
 import jax

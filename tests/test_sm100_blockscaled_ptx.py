@@ -219,6 +219,23 @@ class Sm100BlockScaledPtxTest(parameterized.TestCase):
         # The family is registered under the plan's kernel name.
         self.assertIs(family.family(planning.KERNEL_SM100_BLOCKSCALED), Sm100BlockScaledGemmKernel)
 
+    def test_planned_tiles_and_accumulator_stages(self):
+        # Two accumulator stages where they fit beside the scale factors' TMEM columns (N=128:
+        # 2 x 128 + 8 or 32 columns of a 512-column allocation), one at N=256 (2 x 256 alone
+        # fill TMEM); and no CTA pair over 128 rows (its second CTA would hold only padding).
+        tiles = set()
+        for recipe, data in (("mxfp8", E4M3), ("nvfp4", E2M1)):
+            for shape in ((4096, 4096, 4096), (2048, 2048, 2048), (128, 4096, 4096)):
+                p = jax_sm100.plan(*shape, a_dtype=data, b_dtype=data, arch="sm_100a",
+                                   **_RECIPES[recipe])  # fmt: skip
+                mn = p.mma_tiler_mnk[1]
+                tiles.add(mn)
+                self.assertEqual(p.num_acc_stages, 2 if mn == 128 else 1, str(p))
+                self.assertEqual(p.tmem_alloc_cols, 512)
+                if shape[0] <= 128:
+                    self.assertFalse(p.use_2cta, str(p))
+        self.assertEqual(tiles, {128, 256})
+
     def test_what_runs_on_xla(self):
         # Formats and shapes the kernel does not take plan onto XLA's ops, with the reason.
         cases = [
@@ -242,6 +259,7 @@ class Sm100BlockScaledPtxTest(parameterized.TestCase):
             (dict(mma_tiler_mnk=(128, 64, 128), use_2cta=False, cluster_shape_mn=(1, 1)),
              "N=128 or 256"),
             (dict(kernel=planning.KERNEL_SM100), "applies no scales|unscaled kernel"),
+            (dict(preact_out=True), "writes D only"),
         ):  # fmt: skip
             with self.assertRaisesRegex(constraints.PlanError, rule):
                 dataclasses.replace(p, **bad)

@@ -316,6 +316,28 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
         )  # fmt: skip
         self.assertIn("grouped tcgen05 1-CTA", p.reason)
 
+    @parameterized.parameters(
+        # (groups, A/B stages) of a 128x256 bf16 plan in 1x1 clusters with dynamic tiles: beside
+        # the 1 KiB reserve and the epilogue ring, 215040 bytes hold 49152-byte stages, the group
+        # table (8 * (groups + 2)) and the work ring (80). 2292 groups fill shared memory to the
+        # byte with 4 stages; 8 bytes more of table (2293 groups) or of ring (2300) leave 3.
+        (2292, 4),
+        (2293, 3),
+        (2300, 3),
+    )
+    def test_group_table_at_the_stage_boundary(self, groups, stages):
+        p = _plan(dict(m=65536, n=4096, k=4096, groups=groups, ragged="m"))
+        self.assertEqual(p.kernel, GROUPED, p.reason)
+        self.assertEqual((p.mma_tiler_mnk, p.cluster_shape_mn, p.dynamic_tiles),
+                         ((128, 256, 64), (1, 1), True))  # fmt: skip
+        self.assertEqual(p.num_ab_stages, stages)
+        cap = planning.smem_capacity("sm_100a")
+        self.assertLessEqual(p.smem_bytes, cap)
+        self.assertGreater(p.smem_bytes + p.ab_stage_bytes, cap)
+        # The kernel's shared storage, table and ring included, fits a CTA (common.shared_struct
+        # refuses it at compile time otherwise).
+        compile_plan(p)
+
     def test_dynamic_tiles_switch(self):
         # JAX_SM100_GROUPED_DYNAMIC, read by both grouped planners: 0 turns the dynamic tiles of
         # a 1x1 plan off (and gives back the ring's shared memory), 1 or unset keeps them, any
@@ -369,6 +391,13 @@ class Sm100GroupedPlanTest(parameterized.TestCase):
         args = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn", groups=8, ragged="k")
         sm90 = planning.plan(4096, 4096, 32768, arch="sm_90a", a_major="m", **args)
         self.assertEqual(sm90.kernel, planning.KERNEL_XLA)
+        # A few groups in a layout the kernel does not take (an M-major lhs in ragged-rows mode):
+        # XLA's plan in a 1x1 cluster, where the kernel's plan of the same sizes pairs CTAs.
+        args = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_100a", groups=8, ragged="m")
+        self.assertEqual(planning.plan(8192, 4096, 4096, **args).cluster_shape_mn, (2, 1))
+        xla = planning.plan(8192, 4096, 4096, a_major="m", **args)
+        self.assertEqual((xla.kernel, xla.cluster_shape_mn, xla.dynamic_tiles),
+                         (planning.KERNEL_XLA, (1, 1), False))  # fmt: skip
 
     def test_grouped_kernels_per_arch(self):
         p = _plan(CASES[0]["problem"])

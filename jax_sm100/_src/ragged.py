@@ -199,7 +199,7 @@ def ragged_dot(
     else:
         out = ragged_dot_p.bind(
             lhs, rhs, sizes, *biases, transpose_rhs=False, out_dtype=out_dtype,
-            activation=activation,
+            activation=activation, precision=None,
         )  # fmt: skip
     return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
 
