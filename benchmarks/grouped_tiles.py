@@ -13,9 +13,10 @@ the card's clocks fall on every side alike. Prints TF/s and the ratio to the den
 A variant is `TMxTN[:pp][:1x1|:2x1][:eN]`: a cooperative tile (or ping-pong with `:pp`) in the
 cluster given, or in the one the planner pairs with it, with a store ring N deep where the
 A/B stages leave room (`:eN`; 256x176 takes 3 A/B stages beside the planner's 4, 4 beside 2).
-16-bit grouped plans take only 128- and 64-row cooperative tiles unforced (ping-pong 128x160 /
-128x192 when asked); the others here (256x176, 256x128, 128x176) compile without spills for
-sm_90a (checked on a CPU) and are here to be measured.
+16-bit grouped plans take 128- and 64-row cooperative tiles unforced, and ping-pong 128x160 /
+128x192 for groups of `GROUPED_PINGPONG_MIN_ROWS` rows on average where they save waves; the
+others here (256x176, 256x128, 128x176) compile without spills for sm_90a (checked on a CPU)
+and are here to be measured.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ def forced(variant):
         if variant is not None:
             tm, tn, pingpong, cluster, depth = variant
             table = ((tm, tn, 1.0),)
+            schedule = "pingpong" if pingpong else "cooperative"
+            stack.enter_context(mock.patch.dict("os.environ", JAX_SM100_GROUPED_SCHEDULE=schedule))
             if pingpong:
                 stack.enter_context(mock.patch.object(sm90, "_SM90_GROUPED_PINGPONG", table))
-                env = {"JAX_SM100_GROUPED_SCHEDULE": "pingpong"}
-                stack.enter_context(mock.patch.dict("os.environ", env))
             else:
                 stack.enter_context(mock.patch.object(sm90, "_SM90_CANDIDATES", table))
                 stack.enter_context(mock.patch.object(sm90, "_SM90_GROUPED_EXTRA", ()))

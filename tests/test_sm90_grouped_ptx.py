@@ -48,6 +48,16 @@ CASES = [
         cluster="1x1",
     ),  # fmt: skip
     dict(testcase_name="m_bf16_Bmajor_k", m=8192, n=4096, k=4096, ragged="m", b_major="k"),
+    # Unforced: 1024-row groups and 1408 columns take ping-pong 128x160 tiles.
+    dict(
+        testcase_name="m_bf16_planner",
+        m=16384,
+        n=1408,
+        k=2048,
+        ragged="m",
+        b_major="n",
+        schedule="",
+    ),  # fmt: skip
     dict(
         testcase_name="k_bf16_2x1", m=4096, n=4096, k=32768, ragged="k", b_major="n", cluster="2x1"
     ),  # fmt: skip
@@ -86,8 +96,10 @@ CASES = [
 
 class Sm90GroupedPtxTest(parameterized.TestCase):
     @parameterized.named_parameters(*CASES)
-    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule="", cluster=""):
-        # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny).
+    def test_ptx(self, m, n, k, ragged, b_major, dtype="bfloat16", schedule="cooperative",
+                 cluster=""):  # fmt: skip
+        # `cluster` forces the planner's choice (its weight for a multicast pair, huge or tiny),
+        # `schedule` its schedule ("" for its own choice).
         env = {"JAX_SM100_GROUPED_SCHEDULE": schedule, planning.GROUPED_DYNAMIC_ENV: ""}
         with mock.patch.dict(os.environ, env), tu.grouped_cluster(cluster):
             planning._plan_cached.cache_clear()
@@ -98,7 +110,7 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
             )  # fmt: skip
         planning._plan_cached.cache_clear()
         self.assertEqual(plan.kernel, GROUPED, plan.reason)
-        self.assertEqual(plan.pingpong, schedule == "pingpong")
+        self.assertEqual(plan.pingpong, schedule != "cooperative")
         pair = plan.cluster_shape_mn[0]
         if cluster:
             self.assertEqual(plan.cluster_shape_mn, (int(cluster[0]), 1))
@@ -137,7 +149,7 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertRegex(ptx, r"shfl\.sync\.up")  # the group table's running sums
         # Dynamic work tiles (cooperative plans in 1x1 clusters): one atomic claim of the next
         # tile per tile (the producer warp's lane 0), and the counter a kernel operand.
-        dynamic = pair == 1 and schedule != "pingpong"
+        dynamic = pair == 1 and not plan.pingpong
         self.assertEqual(plan.dynamic_tiles, dynamic)
         self.assertEqual(len(re.findall(r"atom\.global\.add", ptx)), int(dynamic))
         names = [t.name for t in compile_plan(plan).tensor_args]
@@ -146,7 +158,7 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         # until the tenth session; tests/test_sm100_ptx.py `wgmma_serialized`).
         self.assertIn(wgmma_serialized(ptx), ([], None))
 
-    @parameterized.product(schedule=("", "pingpong"), activation=("gelu", "silu"))
+    @parameterized.product(schedule=("cooperative", "pingpong"), activation=("gelu", "silu"))
     def test_activation_in_the_epilogue(self, schedule, activation):
         # ragged_dot's fused activation (the default): the epilogue's
         # tanh (gelu) or exp2 (silu's sigmoid) before the store; wgmma not serialized.
@@ -159,7 +171,7 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertNotIn("tanh.approx.f32", compile_plan(plan).ptx)
         self.assertIn(wgmma_serialized(ptx), ([], None))
 
-    @parameterized.parameters("", "pingpong")
+    @parameterized.parameters("cooperative", "pingpong")
     def test_bias_in_the_epilogue(self, schedule):
         # ragged_dot's per-group bias: the (N, G) bias an operand, read per accumulator from
         # global memory in the epilogue (32-bit loads beyond the one of the group sizes);
@@ -199,13 +211,34 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
             self.assertEqual(plan.kernel != planning.KERNEL_XLA, why is None,
                              (arch, ragged, a_major, b_major, plan.reason, why))  # fmt: skip
 
-    def test_no_pingpong_by_default(self):
-        # Ping-pong grouped plans ran slower on the H200 (benchmarks/RESULTS.md, ninth session).
-        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
-            plan = jax_sm100.plan(16384, 768, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
-                                  arch="sm_90a", groups=128, ragged="m")  # fmt: skip
-        self.assertFalse(plan.pingpong)
-        self.assertEqual(plan.cta_tile_mnk[:2], (128, 256))
+    def test_pingpong_where_it_saves_waves(self):
+        # Ping-pong 128x160 for 16-bit ragged rows in groups of 512 rows or more on average,
+        # where it saves 5 % of the waves (64 groups of 1024 x 2048 x 1408: 1.17x the cooperative
+        # plan on the H200, forty-sixth session); cooperative tiles for short groups, equal
+        # waves, fp8, weight gradients, or when asked.
+        def plan(m, n, k, g, ragged="m", dtype="bfloat16", schedule=""):
+            with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": schedule}):
+                planning._plan_cached.cache_clear()
+                try:
+                    p = jax_sm100.plan(m, n, k, a_dtype=dtype, b_dtype=dtype, out_dtype="bfloat16",
+                                       arch="sm_90a", groups=g, ragged=ragged,
+                                       a_major="k" if ragged == "m" else "m",
+                                       b_major="k" if "float8" in dtype else "n")  # fmt: skip
+                finally:
+                    planning._plan_cached.cache_clear()
+                self.assertEqual(p.kernel, GROUPED, p.reason)
+                return (*p.cta_tile_mnk[:2], p.pingpong)
+
+        self.assertEqual(plan(65536, 1408, 2048, 64), (128, 160, True))
+        self.assertEqual(plan(64 * 512, 1408, 2048, 64), (128, 160, True))
+        self.assertEqual(plan(64 * 512 - 64, 1408, 2048, 64), (128, 256, False))  # short groups
+        self.assertEqual(plan(16384, 768, 2048, 128), (128, 256, False))
+        self.assertEqual(plan(65536, 2048, 1408, 64), (128, 256, False))  # d lhs: waves tie
+        self.assertEqual(plan(32768, 4096, 4096, 8), (128, 256, False))
+        self.assertFalse(plan(65536, 1408, 2048, 64, dtype="float8_e4m3fn")[2])
+        self.assertFalse(plan(2048, 1408, 65536, 64, ragged="k")[2])
+        self.assertFalse(plan(65536, 1408, 2048, 64, schedule="cooperative")[2])
+        self.assertIn("ping-pong", _planned(65536, 1408, 2048, 64, "m").reason)
 
     def test_clusters_planned(self):
         # 2x1 clusters where groups hold an even number of m tiles (64 groups of 1024 rows),

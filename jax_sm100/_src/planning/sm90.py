@@ -540,11 +540,22 @@ _SM90_GROUPED_EXTRA = ()
 # Ping-pong tiles for grouped problems (one warp group's epilogue under the other's main loop):
 # on the H200 they ran 0.63-0.96x the cooperative plans' speed at issue 18's shapes in 1x1
 # clusters (ninth session); in 2x1 clusters (eleventh) ahead with equal groups (0.940 against
-# 0.907 of dense at 64 groups) but behind with skewed ones at every g (benchmarks/RESULTS.md),
-# so the planner takes them only when asked.
+# 0.907 of dense at 64 groups) but behind with skewed ones at every g. Forty-sixth session
+# (benchmarks/grouped_tiles.py, after the skewed forward lost its padded rows): 128x160 in 2x1
+# clusters 1.17x the cooperative 128x256 plan at 64 equal groups of 1024 x 2048 x 1408 (1.042
+# against 0.893 of dense) and 1.04x at skewed ones (0.835 against 0.801). Cooperative tiles skip
+# the products of a warp group whose rows lie past its group (`_past_group`), which ping-pong
+# tiles cannot, so short groups keep them: ping-pong competes for 16-bit ragged-rows problems
+# whose groups average GROUPED_PINGPONG_MIN_ROWS rows, weighed by GROUPED_PINGPONG_GAIN below 1:
+# taken where its tile saves 5 % of the weighted waves or more, as at the one shape measured
+# (1408 columns are 8.8 tiles of 160, 5.5 of 256: 9 % fewer). Where the waves are about equal
+# (8 groups of 4096 x 4096, the d lhs products' 2048 columns: 0.4 % fewer) the cooperative
+# tile stays, as the eleventh session measured it with skewed groups; unmeasured since.
 _SM90_GROUPED_PINGPONG = ((128, 192, 1.0), (128, 160, 1.0))
+GROUPED_PINGPONG_GAIN = 0.95
+GROUPED_PINGPONG_MIN_ROWS = 512
 # JAX_SM100_GROUPED_SCHEDULE: "pingpong" or "cooperative" restricts the grouped planner to that
-# schedule (tests and tuning); unset, it plans cooperative tiles.
+# schedule (tests and tuning); unset, the planner's choice between them.
 GROUPED_SCHEDULES = ("", "pingpong", "cooperative")
 
 
@@ -614,6 +625,17 @@ def grouped_dynamic(dynamic: str) -> bool:
     return dynamic == "1" or (dynamic == "" and GROUPED_DYNAMIC_DEFAULT)
 
 
+def grouped_pingpong_ok(common, ktile: int) -> bool:
+    """Whether the grouped planner weighs ping-pong tiles unasked: 16-bit operands (64-element
+    k-tiles; 8-bit ones unmeasured), ragged rows, and groups of GROUPED_PINGPONG_MIN_ROWS rows
+    on average (the comment above it)."""
+    return (
+        ktile == 64
+        and common["ragged"] == "m"
+        and common["m"] >= GROUPED_PINGPONG_MIN_ROWS * common["groups"]
+    )
+
+
 def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
     cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
@@ -630,8 +652,9 @@ def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPl
     if schedule != "pingpong":
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_CANDIDATES]
         candidates += [(tm, tn, False, eff) for tm, tn, eff in _SM90_GROUPED_EXTRA]
-    else:
-        candidates += [(tm, tn, True, eff) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
+    if schedule == "pingpong" or (schedule == "" and grouped_pingpong_ok(common, ktile)):
+        gain = 1.0 if schedule else GROUPED_PINGPONG_GAIN
+        candidates += [(tm, tn, True, eff * gain) for tm, tn, eff in _SM90_GROUPED_PINGPONG]
     best = None
     for tm, tn, pingpong, eff in candidates:
         cost, pair = grouped_cluster_cost(common, tm, tn, eff, wants_dynamic and not pingpong)
