@@ -246,6 +246,62 @@ class RaggedDotTest(parameterized.TestCase):
                                 tangents)  # fmt: skip
             close(got_t, want_t, k)
 
+    @parameterized.parameters(
+        ("bfloat16", "complex64"),
+        ("complex64", "bfloat16"),
+        ("float16", "complex64"),
+        ("complex64", "float16"),
+    )
+    def test_gradients_of_a_real_operand_beside_a_complex_one(self, a_dtype, b_dtype):
+        # lax.ragged_dot's path (complex operands): a 16-bit real operand's cotangent comes
+        # from a complex product, whose real part it is, as lax's transpose gives it; XLA's
+        # ragged dot takes no real result narrower than its complex operands.
+        rng = np.random.default_rng(0)
+        m, k, n, g = 32, 16, 8, 3
+        draw = lambda shape, dt: jnp.asarray(  # noqa: E731
+            rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if "complex" in dt else 0)
+        ).astype(dt)
+        lhs, rhs = draw((m, k), a_dtype), draw((g, k, n), b_dtype)
+        sizes = jnp.array([10, -1, 12], jnp.int32)
+        ours = lambda x, w: jax_sm100.ragged_dot(x, w, sizes)  # noqa: E731
+        ref = lambda x, w: lax.ragged_dot(x, w, jnp.clip(sizes, 0, m))  # noqa: E731
+        out, vjp = jax.vjp(ours, lhs, rhs)
+        want, vjp_ref = jax.vjp(ref, lhs, rhs)
+        self.assertEqual(out.dtype, want.dtype)
+        ct = draw(want.shape, "complex64")
+        for got, exp in zip(vjp(ct), vjp_ref(ct), strict=True):
+            self.assertEqual(got.dtype, exp.dtype)
+            np.testing.assert_allclose(
+                np.asarray(got, np.complex64),
+                np.asarray(exp, np.complex64),
+                rtol=2e-2,
+                atol=2e-2 * float(jnp.abs(exp.astype(jnp.complex64)).max()),
+            )
+
+    @parameterized.parameters(
+        ("float64", "complex64"), ("complex64", "float64"), ("complex128", "float32")
+    )
+    def test_gradients_of_mixed_width_complex_products_under_x64(self, a_dtype, b_dtype):
+        # float64 beside complex64 (or complex128 beside float32): the backward products'
+        # operands are complex128, the cotangent of the narrower operand is written in
+        # complex128 and converted after, as lax.ragged_dot's own transpose does.
+        with jax.enable_x64(True):
+            rng = np.random.default_rng(1)
+            m, k, n, g = 16, 8, 4, 2
+            draw = lambda shape, dt: jnp.asarray(  # noqa: E731
+                rng.standard_normal(shape)
+                + (1j * rng.standard_normal(shape) if "complex" in dt else 0)
+            ).astype(dt)
+            lhs, rhs = draw((m, k), a_dtype), draw((g, k, n), b_dtype)
+            sizes = jnp.array([7, 6], jnp.int32)
+            out, vjp = jax.vjp(lambda x, w: jax_sm100.ragged_dot(x, w, sizes), lhs, rhs)
+            want, vjp_ref = jax.vjp(lambda x, w: lax.ragged_dot(x, w, sizes), lhs, rhs)
+            self.assertEqual(out.dtype, want.dtype)
+            ct = draw(want.shape, str(want.dtype))
+            for got, exp in zip(vjp(ct), vjp_ref(ct), strict=True):
+                self.assertEqual(got.dtype, exp.dtype)
+                np.testing.assert_allclose(got, exp, rtol=1e-5, atol=1e-5)
+
     def test_ragged_outer_is_the_weight_gradient_form(self):
         # out[i] = lhs[rows of i]^T @ rhs[rows of i], in both output orders.
         with jax.enable_x64(True):

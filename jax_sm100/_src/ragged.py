@@ -586,7 +586,15 @@ def _cotangent(target, prim, *operands, **params):
     (`autodiff.cotangent_product_dtype`)."""
     want = np.dtype(target.aval.dtype)
     written = want if params["precision"] is not None else autodiff.cotangent_product_dtype(want)
+    cd = np.dtype(operands[0].dtype)  # both operands are in the compute dtype
+    if params["precision"] is not None and jnp.issubdtype(cd, jnp.complexfloating):
+        # XLA takes no result narrower than complex operands (a real operand's cotangent, or
+        # complex64 of complex128): written in their dtype, its real part kept, as lax's
+        # transpose converts after.
+        written = cd
     out = prim.bind(*operands, out_dtype=written, **params)
+    if jnp.iscomplexobj(out) and not jnp.issubdtype(want, jnp.complexfloating):
+        out = jnp.real(out)
     return P.cotangent_like(out.astype(want), target)
 
 
