@@ -109,8 +109,10 @@ def ragged_dot(
     is `jax.default_matmul_precision`'s value). These run as lax.ragged_dot computes them, on
     XLA's ragged dot (recorded in `jax_sm100.lowerings()`; batched under `vmap` with shared
     experts or sizes, which lax.ragged_dot's own rule refuses, and their gradients at the
-    same precision): float32 operands at `Precision.HIGHEST`, integer and complex
-    operands, a `lax.DotAlgorithm`, and a `lax.DotAlgorithmPreset` other than the kernels' own
+    same precision, each written in its operand's dtype: with a narrower
+    `preferred_element_type` more exact than lax's, which rounds them to it): float32
+    operands at `Precision.HIGHEST`, integer and complex operands, a `lax.DotAlgorithm`, and a
+    `lax.DotAlgorithmPreset` other than the kernels' own
     (DEFAULT; BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8
     operand beside a bfloat16 or float16 one is converted to that dtype first (exactly), and so
     are e4m3 beside e5m2 to bfloat16, so the pair runs on the 16-bit kernel. Two operands of one fp8
