@@ -239,14 +239,7 @@ def _default_out_dtype(a_name: str, b_name: str) -> str:
     bfloat16 for fp8 operands (`dtypes.default_out_dtype`)."""
     if a_name in D.FP8_DTYPES or b_name in D.FP8_DTYPES:
         return D.default_out_dtype(a_name, b_name)
-    # lax.dot_general's rule, which lax.ragged_dot shares: asked of ragged_dot itself under a
-    # mesh of Explicit axes, JAX 0.12 raises (it infers no result sharding for ragged_dot), and
-    # this cache fills in whichever context a process first asks.
-    out = jax.eval_shape(
-        functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ()))),
-        jax.ShapeDtypeStruct((1, 1), a_name), jax.ShapeDtypeStruct((1, 1), b_name),
-    )  # fmt: skip
-    return np.dtype(out.dtype).name
+    return _lax_out_dtype(a_name, b_name, None).name
 
 
 def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
@@ -292,8 +285,9 @@ def _lax_precision(precision):
 
 
 def _lax_out_dtype(a_dtype, b_dtype, preferred_element_type) -> np.dtype:
-    """lax.ragged_dot's result dtype: lax.dot_general's rule, which it shares (asked of
-    dot_general, as `_default_out_dtype` says why)."""
+    """lax.ragged_dot's result dtype: lax.dot_general's rule, which it shares. Asked of
+    dot_general because, asked of ragged_dot itself under a mesh of Explicit axes, JAX 0.12
+    raises (it infers no result sharding for ragged_dot)."""
     out = jax.eval_shape(
         functools.partial(lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())),
                           preferred_element_type=preferred_element_type),
@@ -587,13 +581,16 @@ def _cotangent(target, prim, *operands, **params):
     (an fp8 operand's on the kernels' path) in bfloat16 and converted after
     (`autodiff.cotangent_product_dtype`)."""
     want = np.dtype(target.aval.dtype)
-    written = want if params["precision"] is not None else autodiff.cotangent_product_dtype(want)
     cd = np.dtype(operands[0].dtype)  # both operands are in the compute dtype
-    if params["precision"] is not None and jnp.issubdtype(cd, jnp.complexfloating):
+    if params["precision"] is None:
+        written = autodiff.cotangent_product_dtype(want)
+    elif jnp.issubdtype(cd, jnp.complexfloating):
         # XLA takes no result narrower than complex operands (a real operand's cotangent, or
         # complex64 of complex128): written in their dtype, its real part kept, as lax's
         # transpose converts after.
         written = cd
+    else:
+        written = want
     out = prim.bind(*operands, out_dtype=written, **params)
     if jnp.iscomplexobj(out) and not jnp.issubdtype(want, jnp.complexfloating):
         out = jnp.real(out)
