@@ -240,6 +240,50 @@ class Sm90GroupedPtxTest(parameterized.TestCase):
         self.assertFalse(plan(65536, 1408, 2048, 64, schedule="cooperative")[2])
         self.assertIn("ping-pong", _planned(65536, 1408, 2048, 64, "m").reason)
 
+    def test_pingpong_rule_bounds(self):
+        # The unasked ping-pong rule's edges (planning/sm90.py `grouped_pingpong_ok`,
+        # GROUPED_PINGPONG_GAIN): never for a weight gradient (ragged "k"), even where its m
+        # (the forward's k) holds GROUPED_PINGPONG_MIN_ROWS per group and a ping-pong tile
+        # would save waves; and only where its tile saves 5 % of the weighted waves (8 groups
+        # of 512 x 2048 x 6656: 128x192 is 3.6 % fewer, so 128x256 cooperative stays).
+        from jax_sm100._src.planning import sm90  # noqa: PLC0415
+
+        common = dict(m=2048, n=768, k=65536, groups=4, ragged="k", num_sms=132)
+        self.assertFalse(sm90.grouped_pingpong_ok(common, 64))
+        self.assertTrue(sm90.grouped_pingpong_ok(dict(common, ragged="m"), 64))
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
+            planning._plan_cached.cache_clear()
+            try:
+                weight_grad = _planned(2048, 768, 65536, 4, "k")
+                near_tie = _planned(4096, 6656, 2048, 8, "m")
+            finally:
+                planning._plan_cached.cache_clear()
+        self.assertEqual(weight_grad.kernel, GROUPED, weight_grad.reason)
+        self.assertFalse(weight_grad.pingpong)
+        self.assertTrue(weight_grad.dynamic_tiles)
+        self.assertEqual((*near_tie.cta_tile_mnk[:2], near_tie.pingpong), (128, 256, False))
+
+    @parameterized.parameters(
+        (65536, 1408, 2048, 64, "bfloat16", "n"),  # 128x160 ping-pong, 2x1
+        (32768, 960, 4096, 32, "float32", "k"),  # 128x192 ping-pong, float32 D, B K-major
+    )
+    def test_unasked_pingpong_epilogues_fit(self, m, n, k, g, out, b_major):
+        # The plans the planner now takes unasked, with ragged_dot's heaviest epilogue (bias
+        # and gelu): within shared memory (compile_plan checks), no register spills and no
+        # serialized wgmma where a ptxas runs.
+        from tests.test_sm100_ptx import ptxas_spill_bytes  # noqa: PLC0415
+
+        with mock.patch.dict(os.environ, {"JAX_SM100_GROUPED_SCHEDULE": ""}):
+            plan = jax_sm100.plan(m, n, k, a_dtype="bfloat16", b_dtype="bfloat16",
+                                  out_dtype=out, arch="sm_90a", groups=g, ragged="m",
+                                  b_major=b_major)  # fmt: skip
+        self.assertTrue(plan.pingpong, plan.reason)
+        spec = KernelSpec("bfloat16", "bfloat16", out, b_major=b_major, activation="gelu",
+                          bias_dtype="float32")  # fmt: skip
+        ptx = compile_plan(plan, spec).ptx
+        self.assertIn(ptxas_spill_bytes(ptx, "sm_90a"), ((0, 0), None))
+        self.assertIn(wgmma_serialized(ptx), ([], None))
+
     def test_clusters_planned(self):
         # 2x1 clusters where groups hold an even number of m tiles (64 groups of 1024 rows),
         # 1x1 for 128-row groups (a pair would idle one CTA).

@@ -264,7 +264,9 @@ def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_shardin
     precision and in lax's result dtype. Bound as our primitive rather than called, so that
     its batching rule takes experts or sizes that a vmap leaves unmapped (lax.ragged_dot's
     batches only operands all mapped at dim 0), in its gradients too."""
-    dispatch.record(dispatch.Lowered(None, f"jax_sm100.ragged_dot: lax.ragged_dot ({why})"))
+    dispatch.record(
+        dispatch.Lowered(None, f"jax_sm100.ragged_dot: XLA's ragged dot, as lax.ragged_dot ({why})")
+    )
     out_dtype = _lax_out_dtype(lhs.dtype, rhs.dtype, preferred_element_type)
     out = ragged_dot_p.bind(
         lhs, rhs, sizes, transpose_rhs=False, out_dtype=out_dtype, activation=None,

@@ -28,9 +28,10 @@ onto XLA's dot, which the H200 measurements put ahead there; `force_kernel=True`
 
 Grouped problems (`groups`, `ragged`: ragged_dot) score the same wave model over the work tiles
 of groups of equal size (`gemm_plan.grouped_work_tiles`; the sizes are known only on the
-device): sm_90a's cooperative tiles in 1x1 or 2x1 clusters (a pair of CTAs inside one group,
-`plan_sm90_grouped`), sm_100a's 1-CTA 128x256 and 128x128 MMAs in 1x1 clusters
-(`plan_sm100_grouped`), each beside its group table in SMEM.
+device): sm_90a's cooperative tiles in 1x1 or 2x1 clusters (a pair of CTAs inside one group),
+and ping-pong ones where groups are long and they save waves (`plan_sm90_grouped`); sm_100a's
+1-CTA 128x256 and 128x128 MMAs in 1x1 clusters (`plan_sm100_grouped`); each beside its group
+table in SMEM.
 """
 
 from __future__ import annotations

@@ -544,7 +544,7 @@ _SM90_GROUPED_EXTRA = ()
 # (benchmarks/grouped_tiles.py, after the skewed forward lost its padded rows): 128x160 in 2x1
 # clusters 1.17x the cooperative 128x256 plan at 64 equal groups of 1024 x 2048 x 1408 (1.042
 # against 0.893 of dense) and 1.04x at skewed ones (0.835 against 0.801). Cooperative tiles skip
-# the products of a warp group whose rows lie past its group (`_past_group`), which ping-pong
+# the products of a warp group whose rows lie past its group (`_rows_past_group`), which ping-pong
 # tiles cannot, so short groups keep them: ping-pong competes for 16-bit ragged-rows problems
 # whose groups average GROUPED_PINGPONG_MIN_ROWS rows, weighed by GROUPED_PINGPONG_GAIN below 1:
 # taken where its tile saves 5 % of the weighted waves or more, as at the one shape measured
@@ -628,7 +628,9 @@ def grouped_dynamic(dynamic: str) -> bool:
 def grouped_pingpong_ok(common, ktile: int) -> bool:
     """Whether the grouped planner weighs ping-pong tiles unasked: 16-bit operands (64-element
     k-tiles; 8-bit ones unmeasured), ragged rows, and groups of GROUPED_PINGPONG_MIN_ROWS rows
-    on average (the comment above it)."""
+    on average (the comment above it). The average is the bind's m over its groups: a device's
+    bind under expert parallelism holds every row against its g / E experts, so it reads E
+    times the rows its groups average (ping-pong there is unmeasured)."""
     return (
         ktile == 64
         and common["ragged"] == "m"
@@ -638,8 +640,9 @@ def grouped_pingpong_ok(common, ktile: int) -> bool:
 
 def plan_sm90_grouped(common, why_not, ktile, schedule="", dynamic="") -> GemmPlan:
     """The sm_90a plan of a grouped problem (`common["groups"]`, `common["ragged"]`): the
-    cooperative tile and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast) with
-    the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
+    tile (cooperative, or ping-pong where `grouped_pingpong_ok` lets it compete, weighed by
+    GROUPED_PINGPONG_GAIN) and cluster (1x1, or 2x1: CTA pairs inside one group, B multicast)
+    with the fewest weighted waves for groups of equal size (in ragged-rows mode each group's last m
     tile, or pair of tiles, is partial; a weight gradient's 1x1 clusters weighed by their
     dynamic tiles' gain on skewed sizes, `grouped_cluster_cost`), dynamic work tiles for
     cooperative plans in 1x1 clusters (`dynamic`: GROUPED_DYNAMIC_ENV's value, "" for
