@@ -109,6 +109,8 @@ def main(argv=None) -> None:
         grouped, dense = jax_sm100.ragged_dot, jax_sm100.matmul
     if args.steps < 1:
         ap.error(f"--steps {args.steps} must be at least 1")
+    if not 1 <= args.top_k <= args.experts:
+        ap.error(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
     if args.tokens % args.seq or args.d_model % args.heads:
         ap.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}, and "
                  f"--d-model {args.d_model} of --heads {args.heads}")  # fmt: skip

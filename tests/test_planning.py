@@ -453,6 +453,12 @@ class PlanEditsTest(parameterized.TestCase):
                 )
         with self.assertRaisesRegex(C.PlanError, "a grouped problem has batch=1.*pass batch=1"):
             jax_sm100.plan(4096, 4096, 4096, **bf16, groups=4, ragged="m", batch=2)
+        # The grouped kernels read no C and write no pre-activation: said up front on both
+        # archs (sm_100a's planner then refused its own stages, over shared memory).
+        unread = ({"c_dtype": "bfloat16"}, {"preact_out": True})
+        for arch, extra in itertools.product(("sm_90a", "sm_100a"), unread):
+            with self.assertRaisesRegex(C.PlanError, "grouped kernels read no C.*drop c_dtype"):
+                jax_sm100.plan(4096, 2048, 1024, **bf16, groups=8, ragged="m", arch=arch, **extra)
         with self.assertRaisesRegex(TypeError, r"precompile: the out dtype is .*int32"):
             jax_sm100.precompile([(128, 128, 128)], dtypes=("bfloat16", "bfloat16", "int32"))
 

@@ -738,7 +738,7 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual(sorted(p.ragged for p in plans), ["k", "m", "m"])
 
     @parameterized.named_parameters(
-        ("rank", (8, 4, 2), (2, 4, 3), (2,), ValueError, "lhs must be"),
+        ("rank", (8, 4, 2), (2, 4, 3), (2,), ValueError, "lhs must be.*jax.vmap"),
         ("k", (8, 4), (2, 5, 3), (2,), ValueError, "k and g must agree"),
         ("g", (8, 4), (2, 4, 3), (3,), ValueError, "k and g must agree"),
         ("sizes_dtype", (8, 4), (2, 4, 3), (2,), TypeError, "group_sizes must be integers"),
@@ -1282,6 +1282,50 @@ class RaggedDotTest(parameterized.TestCase):
         for x, y in zip(exported.call(*args), jax.jit(grad)(*args), strict=True):
             tu.assert_close(self, x, y, "float32", 6)
 
+    @parameterized.parameters("sm_90a", "sm_100a")
+    def test_cuda_export_with_symbolic_rows(self, arch):
+        # jax.export for CUDA with m symbolic: the kernels are planned for static shapes, so
+        # every product (the forward and both gradient products, 16-bit and float32) runs on
+        # XLA's ragged dot and says so, as matmul runs on XLA's dot (PlanError escaped before).
+        (m,) = jax.export.symbolic_shape("m")
+        for dtype in (jnp.bfloat16, jnp.float32):
+            lhs = jax.ShapeDtypeStruct((m, 512), dtype)
+            rhs = jax.ShapeDtypeStruct((8, 512, 256), dtype)
+            sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+            def step(a, b, s):
+                loss = lambda a, b: jax_sm100.ragged_dot(a, b, s).astype(jnp.float32).sum()  # noqa: E731
+                return jax.value_and_grad(loss, (0, 1))(a, b)
+
+            with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+                with jax_sm100.lowerings() as seen:
+                    text = _export(jax.jit(step), lhs, rhs, sizes).mlir_module()
+            self.assertNotIn("custom_call @jax_sm100_gemm", text)
+            self.assertLen(seen, 3)
+            for low in seen:
+                self.assertIsNone(low.plan)
+                self.assertIn("symbolic dims", low.note)
+
+    def test_bias_gradient_under_rank_promotion_raise(self):
+        # jax_numpy_rank_promotion="raise" (a user's strict setting) holds for the library's
+        # own arithmetic: the bias gradient's one-hot product compared ranks 2 and 1 before.
+        m, k, n, g = 40, 8, 6, 3
+        rng = np.random.default_rng(31)
+        lhs, rhs = tu.rand(rng, (m, k), "float32"), tu.rand(rng, (g, k, n), "float32")
+        bias = tu.rand(rng, (g, n), "float32")
+        sizes = jnp.asarray([13, 0, 20], jnp.int32)
+
+        def grads(a, c, s):
+            loss = lambda c: jnp.sum(jnp.sin(jax_sm100.ragged_dot(a, rhs, s, bias=c)))  # noqa: E731
+            return jax.grad(loss)(c)
+
+        want = grads(lhs, bias, sizes)
+        batched = jax.vmap(grads, (0, None, 0))(lhs[None], bias, sizes[None])
+        with jax.numpy_rank_promotion("raise"):
+            tu.assert_close(self, jax.jit(grads)(lhs, bias, sizes), want, "float32", 6)
+            got = jax.jit(jax.vmap(grads, (0, None, 0)))(lhs[None], bias, sizes[None])
+            tu.assert_close(self, got, batched, "float32", 6)
+
     def test_out_sharding_as_lax(self):
         lhs, rhs = jnp.ones((8, 4), jnp.float32), jnp.ones((2, 4, 3), jnp.float32)
         sizes = jnp.array([3, 5], jnp.int32)
@@ -1665,6 +1709,15 @@ class MoeExampleTest(absltest.TestCase):
         ours, reference = run(), run("--reference")
         self.assertLess(ours[-1], 0.9 * ours[0])
         np.testing.assert_allclose(ours, reference, rtol=1e-4)
+
+    def test_refuses_a_top_k_it_cannot_route(self):
+        for top_k in ("0", "9"):  # 8 experts by default
+            proc = subprocess.run(
+                [sys.executable, str(tu.REPO_ROOT / "examples" / "train_moe.py"), "--top-k", top_k],
+                env=tu.subprocess_env(), capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+            self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
+            self.assertIn(f"--top-k {top_k} must be between 1 and --experts 8", proc.stderr)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,9 @@ def ragged_dot(
         raise ValueError(
             f"jax_sm100.ragged_dot: lhs must be [m, k], rhs [g, k, n] and group_sizes [g]; got "
             f"lhs.shape={lhs.shape}, rhs.shape={rhs.shape}, group_sizes.shape={group_sizes.shape}"
-        )
+            + ("; batches of tokens: jax.vmap(jax_sm100.ragged_dot) over their leading dims"
+               if lhs.ndim > 2 else "")
+        )  # fmt: skip
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(
             f"jax_sm100.ragged_dot: group_sizes must be integers, got {group_sizes.dtype}; "
@@ -729,7 +731,9 @@ def _one_hot_product(d_bias, group_sizes, *, m: int, one_hot_type, out_type, pre
     *batch, g, _ = d_bias.shape
     nb = len(batch)
     ids = jax.vmap(lambda s: _row_groups(s, m))(group_sizes.reshape((-1, g)))
-    one_hot = ids.reshape((*batch, m))[..., None] == jnp.arange(g, dtype=ids.dtype)
+    # (Of equal ranks: a program under jax_numpy_rank_promotion='raise' differentiates too.)
+    groups = jnp.arange(g, dtype=ids.dtype).reshape((*[1] * nb, 1, g))
+    one_hot = ids.reshape((*batch, m, 1)) == groups
     one_hot = one_hot.astype(d_bias.dtype)
     if one_hot_type is not None:
         one_hot = jax.sharding.reshard(one_hot, one_hot_type)

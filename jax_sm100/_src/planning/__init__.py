@@ -274,6 +274,10 @@ def make_problem(
     if not isinstance(groups, (int, np.integer)) or groups < 0 or (groups > 0) != bool(ragged):
         raise C.PlanError(f"{groups=}, {ragged=}: a grouped problem has groups > 0 and ragged "
                           "'m' or 'k'; a dense one 0 and ''")  # fmt: skip
+    if groups and (c_name is not None or preact_out):
+        raise C.PlanError(f"c_dtype={c_name!r}, {preact_out=} with {groups=}: the grouped kernels "
+                          "read no C and write one result (`ragged_dot` takes a per-group "
+                          "bias instead); drop c_dtype and preact_out")  # fmt: skip
     if groups and batch != 1:
         raise C.PlanError(f"{batch=} with {groups=}: a grouped problem has batch=1 (`ragged_dot` "
                           "under vmap folds the batch into the groups); pass batch=1")  # fmt: skip
