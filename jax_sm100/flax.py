@@ -121,6 +121,8 @@ class Dense(linen.Dense):
             # As in Linear: linen.Dense's math on jax_sm100.dot_general (lax.dot_general here).
             dims = (((inputs.ndim - 1,), (0,)), ((), ()))
             y = dot_general(inputs, kernel, dims, precision=self.precision)
-            return apply_activation(y if bias is None else y + bias, self.activation)
+            if bias is not None:  # as linen.Dense adds it (of y's rank: rank promotion may raise)
+                y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+            return apply_activation(y, self.activation)
         return matmul(inputs, kernel, bias=bias, activation=self.activation,
                       precision=self.precision)  # fmt: skip

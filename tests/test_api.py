@@ -6,7 +6,9 @@ preferred_element_type, out_sharding); and each deliberate difference the README
 
 from __future__ import annotations
 
+import os
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -298,6 +300,33 @@ class ExportTest(parameterized.TestCase):
             got, want = exported.call(*args), jax.jit(value_and_grads)(*args)
             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                 tu.assert_close(self, x, y, "float32", 8)
+
+    @parameterized.product(arch=("sm_90a", "sm_100a"), batch=("b", 4))
+    def test_cuda_export_with_symbolic_dims(self, arch, batch):
+        # jax.export for CUDA with a symbolic batch or row count: the kernels are planned for
+        # static shapes, so each product (forward, gradients) runs on XLA's dot and says so
+        # (folding a symbolic batch compared its size with 1 and raised before).
+        b, s = jax.export.symbolic_shape("b, s")
+        batch = b if batch == "b" else batch
+
+        def f(x, w, bias):
+            y = jax_sm100.matmul(x, w, bias=bias, activation="gelu")
+            return jax.grad(lambda x, w: jax_sm100.matmul(x, w).astype(jnp.float32).sum(),
+                            (0, 1))(x, w), y  # fmt: skip
+
+        specs = [jax.ShapeDtypeStruct(sh, jnp.bfloat16)
+                 for sh in [(batch, s, 1024), (1024, 2048), (2048,)]]  # fmt: skip
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+            with jax_sm100.lowerings() as seen:
+                text = jax.export.export(
+                    jax.jit(f), platforms=["cuda"],
+                    disabled_checks=jax_sm100.export_disabled_checks(),
+                )(*specs).mlir_module()  # fmt: skip
+        self.assertNotIn("custom_call @jax_sm100_gemm", text)
+        self.assertLen(seen, 4)
+        for low in seen:
+            self.assertIsNone(low.plan)
+            self.assertIn("symbolic dims", low.note)
 
 
 class CheckpointPolicyTest(absltest.TestCase):

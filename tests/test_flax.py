@@ -156,6 +156,10 @@ class NnxTest(parameterized.TestCase):
         self.assertEqual(_matmul_count(lambda p: dense.apply(p, x), params), 0)
         want = linen.relu(linen.Dense(40, precision="highest").apply(params, x))
         np.testing.assert_allclose(dense.apply(params, x), want, rtol=1e-6, atol=1e-6)
+        # Under a strict rank promotion too (the bias added as linen.Dense adds it).
+        with jax.numpy_rank_promotion("raise"):
+            np.testing.assert_allclose(dense.apply(params, x), want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(fused(x), nnx.silu(plain(x)), rtol=1e-6, atol=1e-6)
 
     def test_fused_linear_keeps_preferred_element_type_and_dtype(self):
         x = _data((4, 16))[0].astype(jnp.bfloat16)
