@@ -732,6 +732,34 @@ class Sm90ScheduleTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "d_major"):
             dataclasses.replace(spec, d_major="k")
 
+    def test_cooperative_keeps_the_problem(self):
+        # tuning.cooperative of a block-scaled or grouped plan is a plan of that same problem
+        # (it dropped the scales and groups: an unscaled product, or a KeyError for nvfp4).
+        f8 = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn")
+        scaled = [
+            planning.plan(4096, 4096, 4096, **f8, scale_dtype="float32", scale_block=128,
+                          arch="sm_90a"),
+            planning.plan(4096, 4096, 4096, **f8, scale_dtype="float32", scale_block=128,
+                          b_scale_rows=128, arch="sm_90a"),
+            planning.plan(4096, 4096, 4096, a_dtype="float4_e2m1fn", b_dtype="float4_e2m1fn",
+                          scale_dtype="float8_e4m3fn", scale_block=16, arch="sm_100a"),
+        ]  # fmt: skip
+        for p in scaled:
+            self.assertEqual(planning.cooperative(p), p)
+        grouped = planning.plan(65536, 1408, 2048, a_dtype="bfloat16", b_dtype="bfloat16",
+                                groups=64, ragged="m", arch="sm_90a")  # fmt: skip
+        self.assertTrue(grouped.pingpong)
+        q = planning.cooperative(grouped)
+        self.assertEqual((q.kernel, q.groups, q.ragged, q.pingpong),
+                         (grouped.kernel, 64, "m", False))  # fmt: skip
+        # And edits the block-scaled and grouped kernels cannot run are refused up front.
+        for p in (*scaled, grouped):
+            for edit in ({"c_dtype": "bfloat16"}, {"preact_out": True}):
+                with self.assertRaisesRegex(C.PlanError, "read no C and write one|writes D only"):
+                    dataclasses.replace(p, **edit)
+            with self.assertRaisesRegex(C.PlanError, "read no C and write one|writes D only"):
+                planning.with_preact(p)
+
     def _coop_stream_k(self):
         """16384x4096x4096 (bf16 output) on the planner's cooperative plan: stream-K."""
         p = planning.plan(16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")

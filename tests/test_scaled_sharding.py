@@ -409,6 +409,20 @@ class ExplicitAxesTest(ScaledCase):
             assert_close(got, want)
             self.assertEqual(same_spec(jax.typeof(got).sharding.spec), out_spec)
 
+    def test_vmap_of_blocked_quantize_over_a_split_dim(self):
+        # vmap(quantize) of mxfp8 and nvfp4 over a dim split by Explicit axes: the blocked
+        # layout's reshape splits one dim at a time (two at once raised ShardingTypeError once
+        # the scales held more than one atom), its data and scales equal to the unsharded ones.
+        x = jnp.asarray(np.random.default_rng(5).standard_normal((4, 256, 512)), jnp.float32)
+        for recipe in ("mxfp8", "nvfp4"):
+            q = jax.jit(jax.vmap(lambda t, r=recipe: jax_sm100.quantize(t, r)[:2]))
+            (a, sa), (want_a, want_sa) = q(x), q(x)
+            with jax.sharding.set_mesh(self.mesh):
+                a, sa = q(jax.device_put(x, PS("data")))
+                self.assertEqual(same_spec(jax.typeof(sa).sharding.spec), ("data",))
+            np.testing.assert_array_equal(a.astype(jnp.float32), want_a.astype(jnp.float32))
+            np.testing.assert_array_equal(sa.astype(jnp.float32), want_sa.astype(jnp.float32))
+
     def test_batch_split_differently_raises(self):
         self.require("model")
         x = jnp.ones((4, 128, 128), jnp.float32)

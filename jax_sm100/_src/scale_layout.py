@@ -61,6 +61,9 @@ def to_blocked(plain):
     plain = _atom_split(plain, (rows, rm, ATOM_ROWS), (blocks, rk, ATOM_BLOCKS))
     pad = [(0, 0)] * len(lead) + [(0, rm * ATOM_ROWS - rows), (0, rk * ATOM_BLOCKS - blocks)]
     x = jnp.pad(plain, pad, constant_values=jnp.asarray(1, plain.dtype))
+    # One dim split at a time: under vmap over a dim split by Explicit axes, JAX's reshape rule
+    # types a split of one dim, not of two in one reshape.
+    x = P.typed_reshape(x, (*lead, rm, GROUPS, LANES, rk * ATOM_BLOCKS))
     x = P.typed_reshape(x, (*lead, rm, GROUPS, LANES, rk, ATOM_BLOCKS))
     n = len(lead)
     return x.transpose((*range(n), n, n + 3, n + 2, n + 1, n + 4))

@@ -292,11 +292,23 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
     """The planner's plan for `plan`'s problem with the ping-pong schedule ruled out: the
     cooperative tile, cluster and raster it picks for fewer waves, 32-bit outputs or fp8 at
     long k, with
-    stream-K where the last wave is partial (16- and 32-bit operands). For tests and tuning."""
+    stream-K where the last wave is partial (16- and 32-bit operands). A grouped problem's is
+    the grouped planner's with JAX_SM100_GROUPED_SCHEDULE=cooperative; a block-scaled problem's
+    is the planner's own (its kernels have no ping-pong schedule). For tests and tuning."""
+    if plan.scale_dtype is not None:
+        return globals()["plan"](
+            plan.m, plan.n, plan.k, a_dtype=plan.a_dtype, b_dtype=plan.b_dtype,
+            out_dtype=plan.out_dtype, c_dtype=plan.c_dtype, batch=plan.batch, arch=plan.arch,
+            a_major=plan.a_major, b_major=plan.b_major, scale_dtype=plan.scale_dtype,
+            scale_block=plan.scale_block, b_scale_rows=plan.b_scale_rows, num_sms=plan.num_sms,
+        )  # fmt: skip
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
         plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
         allow_pingpong=False, preact_out=plan.preact_out, num_sms=plan.num_sms,
+        groups=plan.groups, ragged=plan.ragged,
+        grouped_schedule="cooperative" if plan.groups else "",
+        grouped_dynamic=os.environ.get(GROUPED_DYNAMIC_ENV, "") if plan.groups else "",
     )  # fmt: skip
 
 

@@ -396,6 +396,14 @@ class GemmPlan:
                              self.kernel == KERNEL_SM90_SCALED, self.mma_tiler_mnk[1])  # fmt: skip
         C.check_scaled_overlap(self.kernel == KERNEL_SM90_SCALED, self.scaled_overlap,
                                self.mma_tiler_mnk[1], self.mma_tiler_mnk[0])  # fmt: skip
+        if (self.scale_dtype is not None or self.groups) and (
+            self.c_dtype is not None or self.preact_out
+        ):
+            raise C.PlanError(
+                f"c_dtype={self.c_dtype!r}, preact_out={self.preact_out}: the block-scaled and "
+                "grouped kernels read no C and write one result; keep c_dtype=None and "
+                "preact_out=False"
+            )
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
             raise C.PlanError(
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
