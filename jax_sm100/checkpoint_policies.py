@@ -34,8 +34,8 @@ checkpoint_dots = dots_saveable
 def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
     """Saves the output of dots without batch dims: `lax.dot_general` with no batch dimension
     numbers, and this library's matmul where one operand is a matrix shared by every batch
-    (activations [..., m, k] against weights [k, n], as a dense layer's), and ragged_dot
-    with its experts shared."""
+    (activations [..., m, k] against weights [k, n], as a dense layer's), ragged_dot
+    with its experts shared, and scaled_matmul of one product (B = 1)."""
     if prim is lax.dot_general_p:
         (_, _), (lhs_batch, _) = params["dimension_numbers"]
         return not lhs_batch
@@ -43,6 +43,8 @@ def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
         return any(all(d == 1 for d in aval.shape[:-2]) for aval in avals[:2])
     if prim is ragged.ragged_dot_p:
         return len(avals[1].shape) == 3  # experts [g, k, n] (or [g, n, k]) shared
+    if prim is scaled.scaled_matmul_p:  # lhs [B, m, k], rhs [B, n, k]
+        return avals[0].shape[0] == 1
     return False
 
 

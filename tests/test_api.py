@@ -330,6 +330,33 @@ class ExportTest(parameterized.TestCase):
 
 
 class CheckpointPolicyTest(absltest.TestCase):
+    def test_no_batch_dims_policy_saves_one_scaled_product(self):
+        # scaled_matmul's operands always carry B: with B = 1 the product has no batch dims,
+        # and dots_with_no_batch_dims_saveable saves it (it saved none before).
+        from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415
+
+        rng = np.random.default_rng(13)
+        x = jnp.asarray(rng.standard_normal((1, 128, 256)), jnp.float32)
+        (a, sa), (b, sb) = (
+            jax_sm100.quantize(x, "fp8_block128"),
+            jax_sm100.quantize(x, "fp8_block128"),
+        )
+
+        def f(sa, sb):
+            y = jax_sm100.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+            return jnp.sum(jnp.sin(y))
+
+        policy = jax_sm100.checkpoint_policies.dots_with_no_batch_dims_saveable
+        got = saved_residuals(jax.checkpoint(f, policy=policy), sa, sb)
+        self.assertIn("output of jax_sm100_scaled_matmul",
+                      [n.split(" from ")[0] for _, n in got])  # fmt: skip
+        a2, b2, sa2, sb2 = (jnp.concatenate([v, v]) for v in (a, b, sa, sb))
+        self.assertFalse(
+            policy(
+                jax_sm100._src.scaled.scaled_matmul_p, *(jax.typeof(v) for v in (a2, b2, sa2, sb2))
+            )
+        )
+
     def test_policies_save_our_products(self):
         # jax.checkpoint with jax_sm100.checkpoint_policies saves the outputs of our products
         # as JAX's dot policies save lax.dot_general's (JAX's own save none of ours: every

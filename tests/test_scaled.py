@@ -315,7 +315,7 @@ class ScaledMatmulTest(parameterized.TestCase):
         self.assertIn("not float8_e8m0fnu per 32", seen[-1].note)
 
     @parameterized.named_parameters(
-        ("rank", (64, 32), (16, 32), (64, 1), (16, 1), ValueError, "3-D"),
+        ("rank", (64, 32), (16, 32), (64, 1), (16, 1), ValueError, "3-D.*add the batch dim"),
         ("k", (1, 8, 32), (1, 4, 64), (1, 8, 1), (1, 4, 1), ValueError, "share B and k"),
         ("block", (1, 8, 32), (1, 4, 32), (1, 8, 3), (1, 4, 1), ValueError, "block dividing"),
         ("dtype", (1, 8, 32), (1, 4, 32), (1, 8, 1), (1, 4, 1), TypeError, "int32"),
@@ -328,8 +328,10 @@ class ScaledMatmulTest(parameterized.TestCase):
             jax_sm100.scaled_matmul(*args)
         with self.assertRaisesRegex(ValueError, "not one of"):
             jax_sm100.quantize(jnp.ones((4, 128), jnp.float32), "fp6")
-        with self.assertRaisesRegex(ValueError, "multiple of the mxfp8 block"):
+        with self.assertRaisesRegex(ValueError, "multiple of the mxfp8 block.*pad it"):
             jax_sm100.quantize(jnp.ones((4, 48), jnp.float32), "mxfp8")
+        with self.assertRaisesRegex(TypeError, "complex64.*real and imaginary parts apart"):
+            jax_sm100.quantize(jnp.ones((4, 128), jnp.complex64), "fp8_block128")
 
     def test_batches_and_blocks_must_match(self):
         # Operands or scales of another batch count are refused, not broadcast; blocked scales

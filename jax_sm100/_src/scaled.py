@@ -183,7 +183,13 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             f"jax_sm100.quantize: global_scale is for nvfp4, whose float8_e4m3fn scales span "
             f"2^-9 to 448; {recipe}'s {r.scale_dtype} scales cover x's range without one"
         )
-    x = jnp.moveaxis(P.as_array(x, "quantize", "x").astype(jnp.float32), axis, -1)
+    x = P.as_array(x, "quantize", "x")
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):  # (its imaginary part was dropped)
+        raise TypeError(
+            f"jax_sm100.quantize: x is {x.dtype}; it quantizes real values: quantize the real "
+            "and imaginary parts apart"
+        )
+    x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     g = None
     if global_scale:
         amax_all = jnp.max(jnp.abs(x))
@@ -195,7 +201,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     if x.shape[-1] % r.block:
         raise ValueError(
             f"jax_sm100.quantize: the axis has {x.shape[-1]} elements, not a multiple of the "
-            f"{recipe} block of {r.block}"
+            f"{recipe} block of {r.block}; pad it with zeros to a multiple (zeros add nothing "
+            "to the product) in both operands"
         )
     x_type = P.explicit_type(x)
     if (x.shape[-1] // r.block) % P.shards(x, -1):
@@ -270,7 +277,8 @@ def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
         raise ValueError(
             "jax_sm100.scaled_matmul: lhs [B, m, k], rhs [B, n, k] and their scales [B, m, k/b] "
             f"and [B, n, k/b] are 3-D (scales in the blocked layout 6-D); got {shapes}"
-        )
+            + ("; for one product add the batch dim: x[None]" if len(shapes[0]) == 2 else "")
+        )  # fmt: skip
     lhs_shape, rhs_shape = shapes[:2]
     if lhs_shape[0] != rhs_shape[0] or lhs_shape[2] != rhs_shape[2]:
         raise ValueError(
