@@ -240,6 +240,9 @@ def plan(
     )  # fmt: skip
 
 
+_plan_of_problem = plan  # (`cooperative`'s argument is named plan)
+
+
 def make_problem(
     m, n, k, *, a_dtype, b_dtype, out_dtype=None, c_dtype=None, batch=1, a_major="k",
     b_major="n", preact_out=False, groups=0, ragged="",
@@ -296,7 +299,7 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
     the grouped planner's with JAX_SM100_GROUPED_SCHEDULE=cooperative; a block-scaled problem's
     is the planner's own (its kernels have no ping-pong schedule). For tests and tuning."""
     if plan.scale_dtype is not None:
-        return globals()["plan"](
+        return _plan_of_problem(
             plan.m, plan.n, plan.k, a_dtype=plan.a_dtype, b_dtype=plan.b_dtype,
             out_dtype=plan.out_dtype, c_dtype=plan.c_dtype, batch=plan.batch, arch=plan.arch,
             a_major=plan.a_major, b_major=plan.b_major, scale_dtype=plan.scale_dtype,
