@@ -423,6 +423,17 @@ class ExplicitAxesTest(ScaledCase):
             np.testing.assert_array_equal(a.astype(jnp.float32), want_a.astype(jnp.float32))
             np.testing.assert_array_equal(sa.astype(jnp.float32), want_sa.astype(jnp.float32))
 
+            # And a vmapped gradient through them (from_blocked's merge, one run at a time).
+            def loss(a, sa):
+                one = (a[None], a[None], sa[None], sa[None])
+                return jnp.sum(jax_sm100.scaled_matmul(*one, preferred_element_type=jnp.float32))
+
+            grad = jax.jit(jax.vmap(jax.grad(loss)))
+            want = grad(want_a, want_sa)
+            with jax.sharding.set_mesh(self.mesh):
+                got = grad(a, sa)
+            np.testing.assert_array_equal(got.astype(jnp.float32), want.astype(jnp.float32))
+
     def test_batch_split_differently_raises(self):
         self.require("model")
         x = jnp.ones((4, 128, 128), jnp.float32)

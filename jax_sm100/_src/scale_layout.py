@@ -101,6 +101,8 @@ def from_blocked(blocked, rows: int, blocks: int):
     gather += [n] if rm * ATOM_ROWS != rows else []
     gather += [n + 3] if rk * ATOM_BLOCKS != blocks else []
     x = P.unsplit(x, *gather)
+    # One merge at a time, as to_blocked splits (JAX's rule types a vmapped merge of one run).
+    x = P.typed_reshape(x, (*lead, rm, GROUPS, LANES, rk * ATOM_BLOCKS))
     x = P.typed_reshape(x, (*lead, rm * ATOM_ROWS, rk * ATOM_BLOCKS))
     return x[..., :rows, :blocks]
 
