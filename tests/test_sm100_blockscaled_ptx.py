@@ -259,7 +259,7 @@ class Sm100BlockScaledPtxTest(parameterized.TestCase):
             (dict(mma_tiler_mnk=(128, 64, 128), use_2cta=False, cluster_shape_mn=(1, 1)),
              "N=128 or 256"),
             (dict(kernel=planning.KERNEL_SM100), "applies no scales|unscaled kernel"),
-            (dict(preact_out=True), "writes D only"),
+            (dict(preact_out=True), "read no C and write D only"),
         ):  # fmt: skip
             with self.assertRaisesRegex(constraints.PlanError, rule):
                 dataclasses.replace(p, **bad)

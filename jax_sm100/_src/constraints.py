@@ -176,12 +176,12 @@ def check_mma_tiler(
 
 def check_sm100_blockscaled(
     mma_tiler_mnk: tuple, use_2cta: bool, a_dtype: str, b_dtype: str, scale_dtype, scale_block,
-    a_major: str, b_major: str, c_dtype, preact_out: bool,
+    a_major: str, b_major: str,
 ) -> None:  # fmt: skip
     """What sm_100a's block-scaled GEMM (kernels/sm100_blockscaled.py) takes beyond a dense plan:
     a format of `SM100_BLOCKSCALED_KINDS` for both operands, both K-major (the scales run along
     k), M of 128 rows per CTA (one scale atom's rows: 128 1-CTA, 256 2-CTA) and N of 128 or 256
-    (whole scale atoms of B), and a plain epilogue (no C, no pre-activation)."""
+    (whole scale atoms of B). Its plain epilogue is `check_plain_epilogue`'s rule."""
     for name, dtype in (("a", a_dtype), ("b", b_dtype)):
         if (dtype, scale_dtype, scale_block) not in SM100_BLOCKSCALED_KINDS:
             raise PlanError(
@@ -200,8 +200,16 @@ def check_sm100_blockscaled(
             f"block-scaled sm_100a MMA tiles are 128 rows per CTA (M=128 1-CTA, 256 2-CTA) by "
             f"N=128 or 256; got {mma_tiler_mnk=}, {use_2cta=}"
         )
+
+
+def check_plain_epilogue(
+    kernels: str, c_dtype, preact_out: bool, fix: str = "keep c_dtype=None and preact_out=False"
+) -> None:
+    """The block-scaled and grouped kernels' epilogue is plain: it reads no C and writes D only
+    (no pre-activation). `kernels` names them in the error, `fix` says what to do instead."""
     if c_dtype is not None or preact_out:
-        raise PlanError(f"the block-scaled GEMM writes D only: {c_dtype=}, {preact_out=}")
+        raise PlanError(f"c_dtype={c_dtype!r}, preact_out={bool(preact_out)}: the {kernels} read "
+                        f"no C and write D only; {fix}")  # fmt: skip
 
 
 # A ping-pong SM90 consumer warp group (128 threads) holds a whole tile's float32 accumulators.

@@ -312,7 +312,7 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
         try:
             constraints.check_sm100_blockscaled(
                 plan.mma_tiler_mnk, plan.use_2cta, plan.a_dtype, plan.b_dtype, plan.scale_dtype,
-                plan.scale_block, spec.a_major, spec.b_major, spec.c_dtype, spec.preact_out,
+                plan.scale_block, spec.a_major, spec.b_major,
             )  # fmt: skip
             constraints.check_cluster("sm_100a", plan.cluster_shape_mn, plan.use_2cta)
             constraints.check_tmem(plan.tmem_alloc_cols)

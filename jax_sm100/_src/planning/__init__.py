@@ -61,6 +61,7 @@ from jax_sm100._src.planning.gemm_plan import (
     grid_clusters,
     grouped_b_k_major_only,
     mma_operand_dtype,
+    plain_epilogue_kernels,
     resident_clusters,
     smem_capacity,
 )
@@ -197,7 +198,9 @@ def plan(
 
     Raises:
       PlanError: for an unknown arch or non-positive sizes; for a block-scaled problem, a
-        block that does not divide k or a block without a scale dtype.
+        block that does not divide k or a block without a scale dtype; for a block-scaled or
+        grouped problem, `c_dtype` or `preact_out` (their kernels read no C and write D only)
+        or groups with scales; for a grouped one, `batch` other than 1.
       TypeError: for dtypes the primitive does not take.
     """
     if b_scale_rows not in C.B_SCALE_ROWS:
@@ -251,7 +254,8 @@ def make_problem(
     `plan` says), sizes checked positive.
 
     Raises:
-      PlanError: non-positive sizes or unknown layouts.
+      PlanError: non-positive sizes or unknown layouts; `groups` without `ragged` (or the
+        reverse); a grouped problem with `c_dtype`, `preact_out` or `batch` other than 1.
       TypeError: dtypes the primitive does not take.
     """
     from jax_sm100._src import dtypes as D  # noqa: PLC0415
@@ -277,10 +281,10 @@ def make_problem(
     if not isinstance(groups, (int, np.integer)) or groups < 0 or (groups > 0) != bool(ragged):
         raise C.PlanError(f"{groups=}, {ragged=}: a grouped problem has groups > 0 and ragged "
                           "'m' or 'k'; a dense one 0 and ''")  # fmt: skip
-    if groups and (c_name is not None or preact_out):
-        raise C.PlanError(f"c_dtype={c_name!r}, {preact_out=} with {groups=}: the grouped kernels "
-                          "read no C and write one result (`ragged_dot` takes a per-group "
-                          "bias instead); drop c_dtype and preact_out")  # fmt: skip
+    if groups:
+        C.check_plain_epilogue("grouped kernels", c_name, preact_out,
+                               "drop c_dtype and preact_out (`ragged_dot` takes a per-group bias "
+                               "instead)")  # fmt: skip
     if groups and batch != 1:
         raise C.PlanError(f"{batch=} with {groups=}: a grouped problem has batch=1 (`ragged_dot` "
                           "under vmap folds the batch into the groups); pass batch=1")  # fmt: skip
@@ -322,6 +326,8 @@ def with_preact(plan: GemmPlan) -> GemmPlan:
     `preact_out` and choose their stages for it.)"""
     if plan.preact_out:
         return plan
+    if kernels := plain_epilogue_kernels(plan):
+        C.check_plain_epilogue(kernels, plan.c_dtype, preact_out=True)
     return replace_fitting(plan, preact_out=True)
 
 

@@ -396,14 +396,8 @@ class GemmPlan:
                              self.kernel == KERNEL_SM90_SCALED, self.mma_tiler_mnk[1])  # fmt: skip
         C.check_scaled_overlap(self.kernel == KERNEL_SM90_SCALED, self.scaled_overlap,
                                self.mma_tiler_mnk[1], self.mma_tiler_mnk[0])  # fmt: skip
-        if (self.scale_dtype is not None or self.groups) and (
-            self.c_dtype is not None or self.preact_out
-        ):
-            raise C.PlanError(
-                f"c_dtype={self.c_dtype!r}, preact_out={self.preact_out}: the block-scaled and "
-                "grouped kernels read no C and write one result; keep c_dtype=None and "
-                "preact_out=False"
-            )
+        if kernels := plain_epilogue_kernels(self):
+            C.check_plain_epilogue(kernels, self.c_dtype, self.preact_out)
         if self.split_k < 1 or (self.split_k > 1) != (self.kernel == KERNEL_SM90_SPLITK):
             raise C.PlanError(
                 f"split_k={self.split_k} needs kernel={KERNEL_SM90_SPLITK!r} (and 1 otherwise)"
@@ -651,8 +645,16 @@ def _check_sm100_blockscaled(plan: GemmPlan) -> None:
         raise C.PlanError(f"kernel={plan.kernel!r} needs a block-scaled problem (scale_dtype)")
     C.check_sm100_blockscaled(
         plan.mma_tiler_mnk, plan.use_2cta, plan.a_dtype, plan.b_dtype, plan.scale_dtype,
-        plan.scale_block, plan.a_major, plan.b_major, plan.c_dtype, plan.preact_out,
+        plan.scale_block, plan.a_major, plan.b_major,
     )  # fmt: skip
+
+
+def plain_epilogue_kernels(plan: GemmPlan) -> str:
+    """The kernels (block-scaled or grouped) whose epilogue is plain (`C.check_plain_epilogue`)
+    that `plan` runs, or "" for a dense plan."""
+    if plan.scale_dtype is not None:
+        return "block-scaled kernels"
+    return "grouped kernels" if plan.groups else ""
 
 
 def scale_tmem_cols(plan: GemmPlan) -> int:

@@ -80,8 +80,8 @@ def scaled_problem(
     if a_major != "k" or b_major not in ("k", "n"):
         raise C.PlanError(f"{a_major=}, {b_major=}: a block-scaled A is [m, k], K-major, and "
                           "B [n, k] (b_major='k') or [k, n] ('n')")  # fmt: skip
-    if c_dtype is not None or preact_out:
-        raise C.PlanError("a block-scaled problem is a plain product: no C and no preact_out")
+    C.check_plain_epilogue("block-scaled kernels", c_dtype, preact_out,
+                           "a block-scaled product has no fused epilogue: drop both")  # fmt: skip
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
     return GemmProblem(
