@@ -314,6 +314,26 @@ class ScaledMatmulTest(parameterized.TestCase):
         self.assertEqual(seen[-1].plan.kernel, "xla_dot")
         self.assertIn("not float8_e8m0fnu per 32", seen[-1].note)
 
+    def test_cuda_export_with_symbolic_dims(self):
+        # A symbolic batch or row count runs on XLA's ops (the planner sizes from ints), and
+        # the note says that, not "no plan: m=m must be a positive int".
+        b, s = jax.export.symbolic_shape("b, s")
+        e4m3, e8m0 = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
+        for batch, rows in ((b, 128), (1, s)):
+            args = [jax.ShapeDtypeStruct(sh, dt) for sh, dt in (
+                ((batch, rows, 256), e4m3), ((batch, 64, 256), e4m3),
+                ((batch, rows, 8), e8m0), ((batch, 64, 8), e8m0))]  # fmt: skip
+            for arch in ("sm_90a", "sm_100a"):
+                with (
+                    mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                    jax_sm100.lowerings() as seen,
+                ):
+                    fn = jax.jit(lambda *a: jax_sm100.scaled_matmul(*a))
+                    text = jax.export.export(fn, platforms=["cuda"])(*args).mlir_module()
+                self.assertNotIn("custom_call @jax_sm100", text)
+                self.assertIsNone(seen[-1].plan)
+                self.assertIn("symbolic dims", seen[-1].note)
+
     @parameterized.named_parameters(
         ("rank", (64, 32), (16, 32), (64, 1), (16, 1), ValueError, "3-D.*add the batch dim"),
         ("k", (1, 8, 32), (1, 4, 64), (1, 8, 1), (1, 4, 1), ValueError, "share B and k"),

@@ -253,6 +253,12 @@ def _usable_split(p: planning.GemmPlan) -> int:
 # ---------------------------------------------------------------- what lowerings chose
 
 
+def symbolic_dims(*arrays) -> bool:
+    """Whether any of `arrays` (avals or arrays) has a symbolic dim (`jax.export`'s): the
+    planner sizes tiles, stages and the grid from ints, so such products run on XLA's ops."""
+    return any(jax.export.is_symbolic_dim(d) for x in arrays for d in x.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class Lowered:
     """How one product was lowered (a CUDA lowering of `matmul`, `ragged_dot` or

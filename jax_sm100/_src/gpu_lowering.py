@@ -68,9 +68,8 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         a.shape, b.shape, None if bias is None else bias.shape, None if c is None else c.shape,
         transpose_a=transpose_a, transpose_b=transpose_b,
     )  # fmt: skip
-    if not all(isinstance(d, int) for d in (*a.shape, *b.shape)):
-        # jax.export's symbolic dims: the planner sizes tiles, stages and the grid from ints,
-        # and folding the batch compares its size with 1.
+    if dispatch.symbolic_dims(a, b):
+        # Folding the batch compares its size with 1, too.
         dispatch.record(dispatch.Lowered(None, f"symbolic dims ({a.shape} x {b.shape}): XLA dot"))
         return _reference(a, b, bias, c, **kw)
     batch_shape, (m, n) = tuple(out_shape[:-2]), out_shape[-2:]

@@ -121,8 +121,7 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
             dispatch.Lowered(None, _noted(f"{name}: no sm_90a/sm_100a device: XLA", _after))
         )
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)
-    if not all(isinstance(d, int) for x in (lhs, rhs, group_sizes) for d in x.shape):
-        # jax.export's symbolic dims: the planner sizes tiles, stages and the grid from ints.
+    if dispatch.symbolic_dims(lhs, rhs, group_sizes):
         why = f"{name}: symbolic dims ({lhs.shape} x {rhs.shape}) run on XLA's ragged dot"
         dispatch.record(dispatch.Lowered(None, _noted(why, _after)))
         return xla_fn(lhs, rhs, group_sizes, *bias, **params)

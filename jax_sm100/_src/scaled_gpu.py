@@ -81,6 +81,8 @@ def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     target = dispatch.lowering_target()
     if target is None:
         return _xla("no sm_90a/sm_100a device", None, args, out_dtype)
+    if dispatch.symbolic_dims(*args):
+        return _xla(f"symbolic dims {lhs.shape} x {rhs.shape}", None, args, out_dtype)
     try:
         problem = scaled_problem(*args, out_dtype)
         plan = dispatch.plan_call(problem, target).plan
