@@ -9,6 +9,13 @@ those products counted too:
 >>> f = jax.checkpoint(block, policy=jax_sm100.checkpoint_policies.dots_saveable)
 
 or `nnx.remat(..., policy=...)` / `linen.remat(..., policy=...)`.
+
+A policy saves all of a product's results. A `matmul` with a fused activation under `grad`
+has two: the activation's output and its input (the pre-activation, which the backward of the
+activation reads). Both are saved, where `jnp.dot(x, w) + b` followed by `jax.nn.gelu` saves
+the dot's output alone and recomputes the rest in the backward pass: more memory, less
+recomputation. To save the dot's output alone, call `matmul` without the activation and apply
+it after.
 """
 
 from __future__ import annotations
