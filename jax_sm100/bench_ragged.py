@@ -172,6 +172,9 @@ def run(problems, dtype=jnp.bfloat16, kinds=("equal", "skewed"), on_row=None, bi
                 sides["bias_xla"] = (_biased_composed, (lhs, rhs, sizes, group_bias))
                 sides["bias_vjp"] = (_BIASED_VJP, (lhs, rhs, sizes, group_bias, ct))
             # The row's path is the plain product's and its gradients' (lowered here, first).
+            # JAX's caches would keep an earlier row's lowerings of the same shapes (the equal
+            # sizes' row before the skewed one): the row would name only what it re-lowered.
+            jax.clear_caches()
             with jax_sm100.lowerings() as seen:
                 for key in ("ours", "ours_vjp", "d_lhs", "d_rhs"):
                     step, args = sides[key]

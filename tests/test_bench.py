@@ -487,6 +487,22 @@ class RaggedBenchTest(absltest.TestCase):
             rows = bench_ragged.run(bench_ragged.SMALL[:1], kinds=("equal",), bias=True)
         self.assertEqual(rows[0][-1], "XLA (no CUDA lowering)")
 
+    def test_every_row_names_its_path(self):
+        # The skewed row of a problem names the path too, not only what JAX's caches left to
+        # lower after the equal row of the same shapes (the forward's went missing on the H200).
+        from jax_sm100 import bench_ragged  # noqa: PLC0415
+        from jax_sm100._src import dispatch  # noqa: PLC0415
+
+        plain = bench_ragged._D_LHS
+
+        def d_lhs(a, w, s, t):
+            dispatch.record(dispatch.Lowered(None, "the d lhs plan"))
+            return plain(a, w, s, t)
+
+        with mock.patch.object(bench_ragged, "_D_LHS", jax.jit(d_lhs)):
+            rows = bench_ragged.run(bench_ragged.SMALL[:1], kinds=("equal", "skewed"))
+        self.assertEqual([row[-1] for row in rows], ["the d lhs plan"] * 2)
+
 
 class ScaledBenchTest(absltest.TestCase):
     def test_small_problems_print_a_row_each(self):
