@@ -376,41 +376,6 @@ class ScaledMatmulTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "must be .B, rows, k / block"):
             jax_sm100.scaled_matmul(m, m, sm.astype(jnp.float32), sm.astype(jnp.float32))
 
-    @parameterized.product(recipe=tuple(scaled.RECIPES), rows=(128, 40), side=(0, 1))
-    def test_vmap_with_a_shared_operand_folds_into_rows(self, recipe, rows, side):
-        # vmap over one operand (data and scales) with the other shared: the mapped dim folds
-        # into the mapped side's rows, so the shared one is bound once per batch, not copied
-        # per mapped index, where the scales fold with the rows (per row, or rows on whole
-        # 128-row tiles / blocked atoms); else it is copied. Values equal a loop either way.
-        v, b = 3, 2
-        x = _normal(40 + side, (v, b, rows, 256))
-        shared = _normal(42, (b, 96, 256))
-        qx, sx = jax.vmap(lambda a: jax_sm100.quantize(a, recipe))(x)
-        qs, ss = jax_sm100.quantize(shared, recipe)
-        ref = functools.partial(scaled.reference, out_dtype=jnp.float32)
-        if side == 0:
-            f = jax.vmap(jax_sm100.scaled_matmul, (0, None, 0, None))
-            args, want = (qx, qs, sx, ss), [ref(qx[i], qs, sx[i], ss) for i in range(v)]
-        else:
-            f = jax.vmap(jax_sm100.scaled_matmul, (None, 0, None, 0))
-            args, want = (qs, qx, ss, sx), [ref(qs, qx[i], ss, sx[i]) for i in range(v)]
-        tu.assert_close(self, f(*args), jnp.stack(want), "float32", 256)
-        (eqn,) = [e for e in jax.make_jaxpr(f)(*args).eqns
-                  if e.primitive is scaled.scaled_matmul_p]  # fmt: skip
-        folds = (
-            rows == 128
-            or scaled.RECIPES[recipe].layout == "plain"
-            and recipe != ("fp8_block128x128")
-        )
-        bound = [tuple(var.aval.shape) for var in eqn.invars[:2]]
-        folded = (b, v * rows, 256)
-        self.assertEqual(bound[side], folded if folds else (v * b, rows, 256))
-        self.assertEqual(bound[1 - side], (b, 96, 256) if folds else (v * b, 96, 256))
-        # And under a second vmap (the folded result's mapped dim is not the leading one).
-        twice = jax.vmap(f, (0, None, 0, None) if side == 0 else (None, 0, None, 0))
-        stacked = [jnp.stack([a, a]) if i % 2 == side else a for i, a in enumerate(args)]
-        tu.assert_close(self, twice(*stacked)[1], jnp.stack(want), "float32", 256)
-
     def test_vmap_over_inner_axes(self):
         with jax.enable_x64(False):
             lhs, rhs = _normal(25, (1, 8, 64)), _normal(26, (1, 4, 64))

@@ -398,9 +398,6 @@ mlir.register_lowering(scaled_matmul_p, scaled_sharding.lowering(scaled_matmul_p
 
 def _batch(args, dims, *, out_dtype):
     size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    for side in (0, 1):
-        if _folds_into_rows(args, dims, side):
-            return _folded_into_rows(args, dims, side, size, out_dtype)
     moved = [
         jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(args, dims, strict=True)
@@ -427,49 +424,6 @@ def _batch(args, dims, *, out_dtype):
     lead = moved[0].shape[:2]
     out = out.reshape((*lead, *out.shape[1:]))
     return (jnp.swapaxes(out, 0, 1) if b_major else out), 0
-
-
-def _folds_into_rows(args, dims, side: int) -> bool:
-    """Whether a vmap whose other operand (data and scales) is shared folds into `side`'s rows
-    (0: lhs, 1: rhs) rather than copying the shared one per mapped index: outside Explicit
-    axes, where the side's scales fold with its rows (per row; or on whole 128-row tiles or
-    blocked atoms)."""
-    other = (1 - side, 3 - side)
-    if any(dims[i] is not None for i in other) or all(dims[i] is None for i in (side, 2 + side)):
-        return False
-    if any(P.explicit_axes(x) is not None for x in args):
-        return False
-    data, scales = args[side], args[2 + side]
-    data_shape = tuple(np.delete(data.shape, dims[side])) if dims[side] is not None else data.shape
-    scales_shape = (
-        tuple(np.delete(scales.shape, dims[2 + side]))
-        if dims[2 + side] is not None
-        else scales.shape
-    )
-    rows = data_shape[-2]
-    per_row = not scale_layout.is_blocked(len(data_shape), len(scales_shape)) and (
-        scale_layout.row_block(data_shape, scales_shape) == 1
-    )
-    return per_row or rows % scale_layout.ATOM_ROWS == 0
-
-
-def _folded_into_rows(args, dims, side: int, size: int, out_dtype):
-    """The vmap of `_folds_into_rows` as one product: the mapped dim goes next to `side`'s rows
-    (its data's and scales') and merges into them, [B, size * rows, ...], so that the shared
-    operand is read once per batch; the result's rows (lhs) or columns (rhs) split back."""
-    moved = list(args)
-    for i in (side, 2 + side):
-        x = args[i]
-        if dims[i] is None:
-            x = jnp.broadcast_to(x[None], (size, *x.shape))
-        x = jnp.moveaxis(x, 0 if dims[i] is None else dims[i], 1)  # [B, size, rows, ...]
-        moved[i] = x.reshape((x.shape[0], size * x.shape[2], *x.shape[3:]))
-        if i == side:
-            b, rows = x.shape[0], x.shape[2]
-    out = scaled_matmul_p.bind(*moved, out_dtype=out_dtype)  # [B, m', n']
-    if side == 0:
-        return out.reshape((b, size, rows, out.shape[2])), 1
-    return out.reshape((b, out.shape[1], size, rows)), 2
 
 
 batching.primitive_batchers[scaled_matmul_p] = _batch
