@@ -124,8 +124,8 @@ class ScaledPlanTest(parameterized.TestCase):
         dense = dataclasses.replace(p, kernel=planning.KERNEL_SM90, scale_dtype=None, scale_block=0)
         with self.assertRaisesRegex(planning.C.PlanError, "block-scaled problems"):
             dataclasses.replace(dense, kernel=planning.KERNEL_SM90_SCALED)
-        with self.assertRaisesRegex(planning.C.PlanError, "no fused epilogue"):
-            _plan(256, 256, 256, c_dtype="bfloat16")
+        with self.assertRaisesRegex(planning.C.PlanError, "c_dtype='bfloat16'.*no fused epilogue"):
+            _plan(256, 256, 256, c_dtype=jnp.bfloat16)
         wide = planning.sm90_variant(p, tile_mn=(128, 160))
         self.assertEqual(wide.kernel, planning.KERNEL_SM90_SCALED)
         self.assertEqual(wide.ab_stage_bytes, (128 + 160) * 128 + (128 + 160) * 4)

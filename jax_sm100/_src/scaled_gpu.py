@@ -15,8 +15,8 @@ the blocked layout that kernel reads.
 
 Where no kernel takes the call (no sm_90a or sm_100a device or target, a recipe the arch's
 kernel does not take, different blocks for lhs and rhs, misaligned n, dtypes the kernels do not
-write), the documented math runs in XLA ops (`scaled.reference`), and the reason is recorded
-(`jax_sm100.last_lowering()`).
+write, `jax.export`'s symbolic dims), the documented math runs in XLA ops (`scaled.reference`),
+and the reason is recorded (`jax_sm100.last_lowering()`).
 """
 
 from __future__ import annotations

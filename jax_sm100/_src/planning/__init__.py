@@ -323,11 +323,18 @@ def with_preact(plan: GemmPlan) -> GemmPlan:
     """`plan` (a caller's) with the pre-activation output (`preact_out=True`) added to its
     epilogue: the same tiles, schedule and store stages, A/B stages reduced where the Z staging
     leaves fewer in SMEM. (The planner's own plans for the forward under `grad` are made with
-    `preact_out` and choose their stages for it.)"""
+    `preact_out` and choose their stages for it.)
+
+    Raises:
+      PlanError: a block-scaled or grouped plan (their kernels write D only), or a plan whose
+        epilogue does not fit with the pre-activation at any A/B stage count.
+    """
     if plan.preact_out:
         return plan
     if kernels := plain_epilogue_kernels(plan):
-        C.check_plain_epilogue(kernels, plan.c_dtype, preact_out=True)
+        C.check_plain_epilogue(kernels, plan.c_dtype, preact_out=True,
+                               fix="they have no pre-activation output: apply the activation "
+                               "after the product")  # fmt: skip
     return replace_fitting(plan, preact_out=True)
 
 

@@ -80,8 +80,10 @@ def scaled_problem(
     if a_major != "k" or b_major not in ("k", "n"):
         raise C.PlanError(f"{a_major=}, {b_major=}: a block-scaled A is [m, k], K-major, and "
                           "B [n, k] (b_major='k') or [k, n] ('n')")  # fmt: skip
-    C.check_plain_epilogue("block-scaled kernels", c_dtype, preact_out,
-                           "a block-scaled product has no fused epilogue: drop both")  # fmt: skip
+    C.check_plain_epilogue(
+        "block-scaled kernels", None if c_dtype is None else D.name(c_dtype), preact_out,
+        "a block-scaled product has no fused epilogue: drop c_dtype and preact_out",
+    )  # fmt: skip
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
     return GemmProblem(
