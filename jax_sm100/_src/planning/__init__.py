@@ -217,9 +217,7 @@ def plan(
             scale_dtype=scale_dtype, scale_block=scale_block, num_sms=num_sms,
             b_scale_rows=b_scale_rows,
         )  # fmt: skip
-        if arch == "sm_100a":
-            return sm100_blockscaled.plan_sm100_scaled(p, num_sms=num_sms)
-        return sm90_scaled.plan_scaled(p, arch, num_sms=num_sms)
+        return _plan_scaled(p, arch, num_sms)
     if b_scale_rows != 1:
         raise C.PlanError(f"{b_scale_rows=} needs a block-scaled problem (scale_dtype)")
     b_major = b_major or "n"
@@ -243,7 +241,11 @@ def plan(
     )  # fmt: skip
 
 
-_plan_of_problem = plan  # (`cooperative`'s argument is named plan)
+def _plan_scaled(problem: GemmProblem, arch: str, num_sms) -> GemmPlan:
+    """The plan of a checked block-scaled `problem` (`sm100_blockscaled.scaled_problem`)."""
+    if arch == "sm_100a":
+        return sm100_blockscaled.plan_sm100_scaled(problem, num_sms=num_sms)
+    return sm90_scaled.plan_scaled(problem, arch, num_sms=num_sms)
 
 
 def make_problem(
@@ -303,12 +305,7 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
     the grouped planner's with JAX_SM100_GROUPED_SCHEDULE=cooperative; a block-scaled problem's
     is the planner's own (its kernels have no ping-pong schedule). For tests and tuning."""
     if plan.scale_dtype is not None:
-        return _plan_of_problem(
-            plan.m, plan.n, plan.k, a_dtype=plan.a_dtype, b_dtype=plan.b_dtype,
-            out_dtype=plan.out_dtype, c_dtype=plan.c_dtype, batch=plan.batch, arch=plan.arch,
-            a_major=plan.a_major, b_major=plan.b_major, scale_dtype=plan.scale_dtype,
-            scale_block=plan.scale_block, b_scale_rows=plan.b_scale_rows, num_sms=plan.num_sms,
-        )  # fmt: skip
+        return _plan_scaled(plan.problem, plan.arch, plan.num_sms)
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
         plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
