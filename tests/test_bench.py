@@ -471,36 +471,33 @@ class RaggedBenchTest(absltest.TestCase):
         self.assertIn("the bytes at copy speed", text)
         self.assertEqual(text.count("with a per-group bias and gelu: forward"), 4, text)
 
-    def test_path_is_the_plain_products(self):
-        # The row's path names what the plain product and its gradients ran on, not the bias
-        # side's plan (whose lowering is recorded here as a GPU's would be).
+    def _rows_with_a_noted_step(self, step: str, note: str, **run_kwargs):
+        """`bench_ragged.run` of the first small problem with its jitted `step` recording
+        `note` when it is lowered, as a GPU lowering would."""
         from jax_sm100 import bench_ragged  # noqa: PLC0415
         from jax_sm100._src import dispatch  # noqa: PLC0415
 
-        plain = bench_ragged._BIASED
+        plain = getattr(bench_ragged, step)
 
-        def biased(a, w, s, c):
-            dispatch.record(dispatch.Lowered(None, "the bias plan; bias in the epilogue"))
-            return plain(a, w, s, c)
+        def noted(*args):
+            dispatch.record(dispatch.Lowered(None, note))
+            return plain(*args)
 
-        with mock.patch.object(bench_ragged, "_BIASED", jax.jit(biased)):
-            rows = bench_ragged.run(bench_ragged.SMALL[:1], kinds=("equal",), bias=True)
+        with mock.patch.object(bench_ragged, step, jax.jit(noted)):
+            return bench_ragged.run(bench_ragged.SMALL[:1], **run_kwargs)
+
+    def test_path_is_the_plain_products(self):
+        # The row's path names what the plain product and its gradients ran on, not the bias
+        # side's plan (whose lowering is recorded here as a GPU's would be).
+        rows = self._rows_with_a_noted_step(
+            "_BIASED", "the bias plan; bias in the epilogue", kinds=("equal",), bias=True
+        )
         self.assertEqual(rows[0][-1], "XLA (no CUDA lowering)")
 
     def test_every_row_names_its_path(self):
         # The skewed row of a problem names the path too, not only what JAX's caches left to
         # lower after the equal row of the same shapes (the forward's went missing on the H200).
-        from jax_sm100 import bench_ragged  # noqa: PLC0415
-        from jax_sm100._src import dispatch  # noqa: PLC0415
-
-        plain = bench_ragged._D_LHS
-
-        def d_lhs(a, w, s, t):
-            dispatch.record(dispatch.Lowered(None, "the d lhs plan"))
-            return plain(a, w, s, t)
-
-        with mock.patch.object(bench_ragged, "_D_LHS", jax.jit(d_lhs)):
-            rows = bench_ragged.run(bench_ragged.SMALL[:1], kinds=("equal", "skewed"))
+        rows = self._rows_with_a_noted_step("_D_LHS", "the d lhs plan", kinds=("equal", "skewed"))
         self.assertEqual([row[-1] for row in rows], ["the d lhs plan"] * 2)
 
 
