@@ -1,10 +1,11 @@
 """`jax.checkpoint` policies that treat this library's products as dots.
 
 JAX's own dot policies (`jax.checkpoint_policies.checkpoint_dots`, `dots_saveable`,
-`dots_with_no_batch_dims_saveable`) recognise `lax.dot_general` alone, so under them every
-product of `jax_sm100` (matmul, dot_general, einsum and the Flax layers that use them,
-ragged_dot, scaled_matmul) is recomputed in the backward pass. These are the same policies with
-those products counted too:
+`dots_with_no_batch_dims_saveable`) recognise JAX's products alone (`lax.dot_general`,
+convolutions, cuDNN's scaled matmul), so under them every product of `jax_sm100` (matmul,
+dot_general, einsum and the Flax layers that use them, ragged_dot, scaled_matmul) is recomputed
+in the backward pass. These are the same policies, each asked first, with those products
+counted too:
 
 >>> f = jax.checkpoint(block, policy=jax_sm100.checkpoint_policies.dots_saveable)
 
@@ -20,7 +21,7 @@ it after.
 
 from __future__ import annotations
 
-from jax import lax
+import jax
 
 from jax_sm100._src import primitive as P
 from jax_sm100._src import ragged, scaled
@@ -30,22 +31,22 @@ _PRODUCTS = (P.matmul_p, ragged.ragged_dot_p, scaled.scaled_matmul_p)
 
 
 def dots_saveable(prim, *avals, **params) -> bool:
-    """Saves the output of every dot: `lax.dot_general` and this library's products."""
-    del avals, params
-    return prim is lax.dot_general_p or prim in _PRODUCTS
+    """Saves the output of every dot: what `jax.checkpoint_policies.dots_saveable` saves
+    (`lax.dot_general`, convolutions) and this library's products."""
+    return prim in _PRODUCTS or jax.checkpoint_policies.dots_saveable(prim, *avals, **params)
 
 
 checkpoint_dots = dots_saveable
 
 
 def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
-    """Saves the output of dots without batch dims: `lax.dot_general` with no batch dimension
-    numbers, and this library's matmul where one operand is a matrix shared by every batch
-    (activations [..., m, k] against weights [k, n], as a dense layer's), ragged_dot
-    with its experts shared, and scaled_matmul of one product (B = 1)."""
-    if prim is lax.dot_general_p:
-        (_, _), (lhs_batch, _) = params["dimension_numbers"]
-        return not lhs_batch
+    """Saves the output of dots without batch dims: what
+    `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` saves (`lax.dot_general` with no
+    batch dimension numbers, convolutions), and this library's matmul where one operand is a
+    matrix shared by every batch (activations [..., m, k] against weights [k, n], as a dense
+    layer's), ragged_dot with its experts shared, and scaled_matmul of one product (B = 1)."""
+    if jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params):
+        return True
     if prim is P.matmul_p:  # a shared operand comes with unit batch dims
         return any(all(d == 1 for d in aval.shape[:-2]) for aval in avals[:2])
     if prim is ragged.ragged_dot_p:

@@ -357,6 +357,32 @@ class CheckpointPolicyTest(absltest.TestCase):
             )
         )
 
+    def test_policies_save_what_jax_policies_save(self):
+        # Ours are JAX's policies with our products added: a convolution, a batched
+        # lax.dot_general and an unbatched one are saved as JAX's own policies save them (ours
+        # knew lax.dot_general alone, so dots_saveable recomputed a convolution in the backward).
+        from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415
+
+        rng = np.random.default_rng(14)
+        img, ker = (jnp.asarray(rng.standard_normal(sh), jnp.float32)
+                    for sh in [(1, 3, 8, 8), (3, 3, 3, 3)])  # fmt: skip
+        w, wb = (jnp.asarray(rng.standard_normal(sh), jnp.float32) for sh in [(8, 5), (3, 8, 4)])
+
+        def f(img, ker, w, wb):
+            y = jnp.sin(lax.conv(img, ker, (1, 1), "SAME"))[0]  # [3, 8, 8]
+            z = jnp.sin(jnp.einsum("bij,bjk->bik", y, wb))  # batched
+            return jnp.sum(jnp.sin(y @ w)) + jnp.sum(z)
+
+        def saved(policy):
+            got = saved_residuals(jax.checkpoint(f, policy=policy), img, ker, w, wb)
+            return sorted(n.split(" from ")[0] for _, n in got if n.startswith("output of"))
+
+        for name, with_conv in (("dots_saveable", True), ("checkpoint_dots", True),
+                                ("dots_with_no_batch_dims_saveable", False)):  # fmt: skip
+            want = saved(getattr(jax.checkpoint_policies, name))
+            self.assertEqual("output of conv_general_dilated" in want, with_conv)
+            self.assertEqual(saved(getattr(jax_sm100.checkpoint_policies, name)), want, name)
+
     def test_policies_save_our_products(self):
         # jax.checkpoint with jax_sm100.checkpoint_policies saves the outputs of our products
         # as JAX's dot policies save lax.dot_general's (JAX's own save none of ours: every
