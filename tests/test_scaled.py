@@ -451,8 +451,16 @@ class ScaledMatmulTest(parameterized.TestCase):
     def test_no_derivative_with_respect_to_e8m0_scales(self):
         lhs, ls = jax_sm100.quantize(_normal(15, (1, 8, 64)), "mxfp8")
         rhs, rs = jax_sm100.quantize(_normal(16, (1, 4, 64)), "mxfp8")
-        with self.assertRaisesRegex(TypeError, "stop_gradient"):
+        with self.assertRaisesRegex(TypeError, r"stop_gradient.*plain layout \[B, rows, k / "):
             jax.grad(lambda s: jax_sm100.scaled_matmul(lhs, rhs, s, rs).sum())(ls)
+        # The other fix the message names: the same scales as float32 in the plain layout.
+        plain = scale_layout.plain(lhs.shape, ls).astype(jnp.float32)
+        self.assertEqual(plain.shape, (1, 8, 2))
+        got = jax.grad(lambda s: jax_sm100.scaled_matmul(lhs, rhs, s, rs).sum())(plain)
+        want = jax.grad(
+            lambda s: scaled.reference(lhs, rhs, s, rs, out_dtype=jnp.float32).sum()
+        )(plain)  # fmt: skip
+        tu.assert_close(self, got, want, "float32", 64)
         stopped = jax.grad(
             lambda x: jax_sm100.scaled_matmul(x, rhs, jax.lax.stop_gradient(ls), rs).sum()
         )(lhs)  # fmt: skip

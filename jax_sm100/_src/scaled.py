@@ -473,7 +473,9 @@ def _jvp(primals, tangents, *, out_dtype):
             raise TypeError(
                 f"jax_sm100.scaled_matmul: a derivative with respect to {_OPERANDS[i]} "
                 "(float8_e8m0fnu, unsigned powers of two) has no representation; wrap them in "
-                "jax.lax.stop_gradient, or differentiate with respect to float32 scales"
+                "jax.lax.stop_gradient, or differentiate with respect to float32 scales in "
+                "jax.nn.scaled_matmul's plain layout [B, rows, k / block] (the blocked layout "
+                "that quantize returns reads its block off the e8m0 dtype)"
             )
         args = list(primals)
         if i >= 2:
