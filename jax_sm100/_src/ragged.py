@@ -124,7 +124,8 @@ def ragged_dot(
       ValueError: ranks or sizes that do not match (named in the message), a bias not [g, n],
         or an unknown activation.
       TypeError: boolean operands, a bias or activation with integer operands, a non-floating
-        bias, or group sizes that are not integers.
+        bias, group sizes that are not integers, or with floating operands a
+        `preferred_element_type` the kernels do not write (integer, complex, boolean).
       NotImplementedError: a `group_offset`.
     """
     lhs, rhs, group_sizes = (
