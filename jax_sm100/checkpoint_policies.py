@@ -43,9 +43,9 @@ def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
     """Saves the output of dots without batch dims: what
     `jax.checkpoint_policies.dots_with_no_batch_dims_saveable` saves (`lax.dot_general` with no
     batch dimension numbers, cuDNN's scaled matmul of one batch; no convolution), and this
-    library's matmul where one operand is a
-    matrix shared by every batch (activations [..., m, k] against weights [k, n], as a dense
-    layer's), ragged_dot with its experts shared, and scaled_matmul of one product (B = 1)."""
+    library's matmul where one operand is a matrix shared by every batch (activations
+    [..., m, k] against weights [k, n], as a dense layer's), ragged_dot with its experts shared,
+    and scaled_matmul of one product (B = 1)."""
     if jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params):
         return True
     if prim is P.matmul_p:  # a shared operand comes with unit batch dims
