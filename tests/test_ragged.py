@@ -682,6 +682,29 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertIn("bias and gelu by XLA after the float32 product", low.note)
         self.assertNotIn("in the epilogue", low.note)
 
+    def test_composed_product_keeps_the_bias(self):
+        # ragged_gpu._composed (the activation by XLA: JAX_SM100_RAGGED_FUSED_ACTIVATION=0, or a
+        # family whose epilogue takes no bias), with no target arch so that XLA's product stands
+        # in for the kernel: the bias in the float32 product, or (with a reason) XLA's bias rows
+        # added after it, then the activation and one rounding; rows past the groups stay zero.
+        from jax_sm100._src import ragged_gpu  # noqa: PLC0415
+
+        rng = np.random.default_rng(53)
+        m, k, n, g = 24, 16, 8, 3
+        lhs, rhs = tu.rand(rng, (m, k), "bfloat16"), tu.rand(rng, (g, k, n), "bfloat16")
+        bias = tu.rand(rng, (g, n), "float32")
+        sizes = jnp.asarray([7, 0, 12], jnp.int32)  # 5 rows in no group
+        params = dict(transpose_rhs=False, out_dtype=np.dtype(jnp.bfloat16), activation="gelu")
+        want = ragged._ragged_dot_xla(lhs, rhs, sizes, bias, **params)
+        env = {key: v for key, v in os.environ.items() if key != "JAX_SM100_TARGET_ARCH"}
+        for why in (None, "no bias in this family's epilogue"):
+            with self.subTest(why=why), mock.patch.dict(os.environ, env, clear=True):
+                got = ragged_gpu._composed("ragged_dot", ragged._ragged_dot_xla, lhs, rhs, sizes,
+                                           (bias,), params, "", why)  # fmt: skip
+                self.assertEqual(got.dtype, jnp.bfloat16)
+                tu.assert_close(self, got, want, "bfloat16", k)
+                self.assertEqual(float(jnp.max(jnp.abs(got[19:].astype(jnp.float32)))), 0.0)
+
     def test_bad_switch_values_are_refused(self):
         # The two grouped switches take only their documented values, on every arch (a typo
         # such as "off" would otherwise silently keep the default).
@@ -1127,6 +1150,36 @@ class RaggedDotTest(parameterized.TestCase):
                 _export(jax.jit(lambda a, b: jax_sm100.ragged_dot(a, b, sizes)), lhs, rhs)
         self.assertEqual([(x.plan.a_dtype, x.plan.b_dtype) for x in seen if x.plan],
                          [("bfloat16", "bfloat16")], seen)  # fmt: skip
+
+    def test_any_f8_preset_of_two_fp8_formats_stays_on_the_kernels(self):
+        # e5m2 x e4m3 at ANY_F8_ANY_F8_F32: the preset names the operands as given, so the pair
+        # (widened to bfloat16) stays on the primitive's kernel path, not lax.ragged_dot's. (The
+        # lax path binds the primitive too, so "jax_sm100_ragged_dot" in the jaxpr is no proof.)
+        sizes = jnp.array([5, 0, 9], jnp.int32)
+        rng = np.random.default_rng(29)
+        lhs = jnp.asarray(rng.standard_normal((16, 32)), jnp.float8_e5m2)
+        rhs = jnp.asarray(rng.standard_normal((3, 32, 8)), jnp.float8_e4m3fn)
+        f = lambda a, b: jax_sm100.ragged_dot(  # noqa: E731
+            a, b, sizes, precision=lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+        )
+        with jax_sm100.lowerings() as seen:
+            jaxpr = str(jax.make_jaxpr(f)(lhs, rhs))
+        self.assertEqual(seen, [])
+        self.assertIn("precision=None", jaxpr)
+
+    @parameterized.parameters(False, True)
+    def test_fp8_beside_float16_runs_on_the_float16_kernel(self, fp8_rhs):
+        # An fp8 operand beside a float16 one is widened to float16 (not bfloat16, which
+        # would leave a mixed pair for XLA's ragged dot): one float16 grouped kernel on sm_90a.
+        sizes = jax.ShapeDtypeStruct((3,), jnp.int32)
+        f16, f8 = jnp.float16, jnp.float8_e4m3fn
+        lhs = jax.ShapeDtypeStruct((16, 32), f16 if fp8_rhs else f8)
+        rhs = jax.ShapeDtypeStruct((3, 32, 8), f8 if fp8_rhs else f16)
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            with jax_sm100.lowerings() as seen:
+                _export(jax.jit(jax_sm100.ragged_dot), lhs, rhs, sizes)
+        self.assertEqual([x.plan and (x.plan.a_dtype, x.plan.b_dtype) for x in seen],
+                         [("float16", "float16")], seen)  # fmt: skip
 
     def test_group_sizes_clamp_in_their_own_dtype(self):
         # Sizes past int32 saturate at m instead of wrapping; negative sizes are empty groups
