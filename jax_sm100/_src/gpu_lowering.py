@@ -239,43 +239,59 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
         index["z"] = -1 - len(out_types)
         out_types.append(jax.ShapeDtypeStruct(d_buf, out_dtype))
         results = 2
-    aliases = {}
-    # A stream-K kernel's workspace: "ws" an extra result it writes before it reads; "flags"
-    # zeros passed in and aliased to a result, so every launch (CUDA graph replays included)
-    # starts from zeroed flags that XLA owns.
-    for name, (shape, dtype) in compile_mod.workspace_shapes(compiled.plan).items():
-        modes[name] = (shape, (1,))
-        if name == "flags":
-            index[name] = len(operands)
-            aliases[len(operands)] = len(out_types)
-            operands.append(jnp.zeros(shape, dtype))
-        else:
-            index[name] = -1 - len(out_types)
-        out_types.append(jax.ShapeDtypeStruct(shape, dtype))
-    layouts = _layouts(compiled, modes)
-    order = [index[arg.name] for arg in compiled.tensor_args]
-    if len(out_types) == 1:
-        return [_ffi(compiled, out_types[0], operands, layouts, order)]
-    return list(_ffi(compiled, tuple(out_types), operands, layouts, order, aliases)[:results])
-
-
-def _layouts(compiled, modes):
-    """Each tensor argument of `compiled`, in its order, as the handler checks it: the dtype
-    its binary reads or writes, and `modes[name]` (every mode's extent and stride)."""
-    from jax_sm100._src import ffi_checks  # noqa: PLC0415
-
     spec = compiled.spec
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "z": spec.out_dtype,
               "c": spec.c_dtype, "bias": spec.bias_dtype}  # fmt: skip
-    for name, (_, dtype) in compile_mod.workspace_shapes(compiled.plan).items():
-        dtypes[name] = dtype
-    return [
+    return launch(compiled, operands, index, out_types, modes, dtypes)[:results]
+
+
+def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
+    """One `jax_sm100_gemm` call of `compiled`: every lowering's way to its kernel.
+
+    Args:
+      compiled: the `CompiledKernel` to run.
+      operands: the inputs, in the order the call takes them.
+      index: each tensor argument's name (`compiled.tensor_args`) -> its input's position in
+        `operands` (>= 0), or -1 - its result's position in `out_types`.
+      out_types: the results' `jax.ShapeDtypeStruct`s, D's first.
+      modes: name -> (extents, strides) of each tensor argument in the kernel's modes.
+      dtypes: name -> the dtype its binary reads or writes.
+      zeroed: name -> (shape, dtype) of more buffers the kernel takes zeroed at each launch
+        (the dynamic schedule's tile counter), passed as the stream-K flags are.
+
+    The plan's stream-K workspace (`compile.workspace_shapes`) is added here: "ws" an extra
+    result the kernel writes before it reads, "flags" zeros passed in and aliased to a result,
+    so that every launch (CUDA graph replays included) starts from zeroed buffers XLA owns.
+
+    Returns:
+      The results as a list, the added buffers' last.
+    """
+    from jax_sm100._src import ffi_checks  # noqa: PLC0415
+
+    operands, index, out_types = list(operands), dict(index), list(out_types)
+    modes, dtypes, aliases = dict(modes), dict(dtypes), {}
+    for name, (shape, dtype) in (
+        compile_mod.workspace_shapes(compiled.plan) | (zeroed or {})
+    ).items():
+        modes[name], dtypes[name] = (shape, (1,)), dtype
+        if name == "ws":  # a result alone
+            index[name] = -1 - len(out_types)
+        else:  # zeros passed in, aliased to a result
+            index[name] = len(operands)
+            aliases[len(operands)] = len(out_types)
+            operands.append(jnp.zeros(shape, dtype))
+        out_types.append(jax.ShapeDtypeStruct(shape, dtype))
+    layouts = [
         ffi_checks.TensorLayout(
             arg.name,
             dtypes[arg.name],
             *modes[arg.name],
             arg.dynamic_shape_modes,
             arg.dynamic_stride_modes,
-        )
+        )  # fmt: skip
         for arg in compiled.tensor_args
     ]
+    order = [index[arg.name] for arg in compiled.tensor_args]
+    if len(out_types) == 1:
+        return [_ffi(compiled, out_types[0], operands, layouts, order)]
+    return list(_ffi(compiled, tuple(out_types), operands, layouts, order, aliases or None))

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import constraints, dispatch, ffi_checks, planning, ragged_sharding
+from jax_sm100._src import constraints, dispatch, planning, ragged_sharding
 from jax_sm100._src import primitive as P
 from jax_sm100._src.kernels.spec import KernelSpec
 
@@ -171,35 +171,13 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
         return _composed(name, xla_fn, lhs, rhs, group_sizes, bias, params, _after, why)
     compiled = compile_plan(plan, spec)
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "group_sizes": "int32",
-              "bias": spec.bias_dtype, "counter": "int32"}  # fmt: skip
-    modes["counter"] = ((1,), (1,))
-    layouts = [
-        ffi_checks.TensorLayout(
-            arg.name,
-            dtypes[arg.name],
-            *modes[arg.name],
-            arg.dynamic_shape_modes,
-            arg.dynamic_stride_modes,
-        )  # fmt: skip
-        for arg in compiled.tensor_args
-    ]
-    gs = group_sizes.astype(np.int32)
-    operands = [*operands, gs, *bias]
+              "bias": spec.bias_dtype}  # fmt: skip
     index = {"a": 0, "b": 1, "group_sizes": 2, "bias": 3, "d": -1}
-    out_types = [jax.ShapeDtypeStruct(out_shape, params["out_dtype"])]
-    aliases = None
-    if plan.dynamic_tiles:
-        # The dynamic schedule's tile counter: zeros passed in and aliased to a second result,
-        # so every launch (CUDA graph replays included) starts from a zero that XLA owns.
-        index["counter"] = len(operands)
-        aliases = {len(operands): len(out_types)}
-        operands.append(jnp.zeros((1,), jnp.int32))
-        out_types.append(jax.ShapeDtypeStruct((1,), jnp.int32))
-    order = [index[arg.name] for arg in compiled.tensor_args]
-    out_type = out_types[0] if len(out_types) == 1 else tuple(out_types)
-    out = gpu_lowering._ffi(compiled, out_type, operands, layouts, order, aliases)
-    if aliases:
-        out = out[0]
+    # The dynamic schedule's tile counter, zeroed at every launch.
+    counter = {"counter": ((1,), "int32")} if plan.dynamic_tiles else None
+    out_type = jax.ShapeDtypeStruct(out_shape, params["out_dtype"])
+    operands = [*operands, group_sizes.astype(np.int32), *bias]
+    out = gpu_lowering.launch(compiled, operands, index, [out_type], modes, dtypes, counter)[0]
     fused = [f for f, on in (("bias", bias), (activation, activation)) if on]
     notes = decision.notes
     if fused:

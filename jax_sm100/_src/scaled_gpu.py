@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning, scale_layout
+from jax_sm100._src import constraints, dispatch, ffi, planning, scale_layout
 
 
 def _xla(why: str, plan, args, out_dtype):
@@ -132,30 +132,8 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
               "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
     index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}
-    operands = [lhs, rhs, sfa, sfb]
-    out_types = [jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))]
-    aliases = {}
-    # A stream-K plan's workspace, as the matmul lowering passes it (gpu_lowering._call): "ws"
-    # an extra result, "flags" zeros passed in and aliased to a result.
-    for name, (shape, dtype) in compile_mod.workspace_shapes(plan).items():
-        modes[name], dtypes[name] = (shape, (1,)), dtype
-        if name == "flags":
-            index[name] = len(operands)
-            aliases[len(operands)] = len(out_types)
-            operands.append(jnp.zeros(shape, dtype))
-        else:
-            index[name] = -1 - len(out_types)
-        out_types.append(jax.ShapeDtypeStruct(shape, dtype))
-    layouts = [
-        ffi_checks.TensorLayout(
-            t.name, dtypes[t.name], *modes[t.name], t.dynamic_shape_modes, t.dynamic_stride_modes
-        )  # fmt: skip
-        for t in compiled.tensor_args
-    ]
-    order = [index[t.name] for t in compiled.tensor_args]
-    if len(out_types) == 1:
-        return gpu_lowering._ffi(compiled, out_types[0], operands, layouts, order)
-    return gpu_lowering._ffi(compiled, tuple(out_types), operands, layouts, order, aliases)[0]
+    out_type = jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))
+    return gpu_lowering.launch(compiled, [lhs, rhs, sfa, sfb], index, [out_type], modes, dtypes)[0]
 
 
 def _transposed(scales, dtype):

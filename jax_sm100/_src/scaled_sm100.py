@@ -18,7 +18,7 @@ import math
 import jax
 import numpy as np
 
-from jax_sm100._src import ffi_checks, scale_layout
+from jax_sm100._src import scale_layout
 
 
 def call(plan, lhs, rhs, lhs_scales, rhs_scales):
@@ -39,15 +39,8 @@ def call(plan, lhs, rhs, lhs_scales, rhs_scales):
     dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
               "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
     index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}
-    layouts = [
-        ffi_checks.TensorLayout(
-            t.name, dtypes[t.name], *modes[t.name], t.dynamic_shape_modes, t.dynamic_stride_modes
-        )  # fmt: skip
-        for t in compiled.tensor_args
-    ]
-    order = [index[t.name] for t in compiled.tensor_args]
     out_type = jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))
-    return gpu_lowering._ffi(compiled, out_type, [lhs, rhs, sfa, sfb], layouts, order)
+    return gpu_lowering.launch(compiled, [lhs, rhs, sfa, sfb], index, [out_type], modes, dtypes)[0]
 
 
 def blocked_flat(data, scales):
