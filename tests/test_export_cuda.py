@@ -86,6 +86,49 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertIn("output_tuple_indices = [2], operand_index = 2", call)
         self.assertIn("order = dense<[0, 1, -1, -2, 2]>", call)
 
+    def test_every_extra_buffer_in_its_place(self):
+        # `gpu_lowering.launch` puts every lowering's extra buffers after the call's own: a
+        # stream-K forward under grad takes a, b, bias, then its zeroed flags (aliased to the
+        # last result), and returns D, the pre-activation, the workspace and the flags; a
+        # grouped forward with dynamic tiles takes a, b, group sizes, bias, then its zeroed
+        # tile counter (aliased to its second result).
+        p = planning.with_preact(planning.cooperative(jax_sm100.plan(
+            16384, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")))  # fmt: skip
+        self.assertTrue(p.stream_k and p.preact_out)
+        x = jax.ShapeDtypeStruct((16384, 4096), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        bias = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
+
+        def loss(x, w, bias):
+            y = jax_sm100.matmul(x, w, bias=bias, activation="gelu", plan=p)
+            return jnp.sum(y.astype(jnp.float32))
+
+        text = _export(jax.grad(loss), x, w, bias).mlir_module()
+        (call,) = [ln for ln in text.splitlines() if 'names = "a,b,d,bias,z,' in ln]
+        ws, flags = f"tensor<{p.num_sms * 128 * 256}xf32>", f"tensor<{p.num_sms}xi32>"
+        self.assertIn('names = "a,b,d,bias,z,ws,flags"', call)
+        self.assertIn("order = dense<[0, 1, -1, 2, -2, -3, 3]>", call)
+        self.assertIn("output_tuple_indices = [3], operand_index = 3,", call)
+        self.assertIn(f"{flags}) -> (tensor<1x16384x4096xbf16>, tensor<1x16384x4096xbf16>, "
+                      f"{ws}, {flags})", call)  # fmt: skip
+
+        def grouped(x, w, sizes, bias):
+            return jax_sm100.ragged_dot(x, w, sizes, bias=bias, activation="gelu")
+
+        args = (jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16),
+                jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
+                jax.ShapeDtypeStruct((128,), jnp.int32),
+                jax.ShapeDtypeStruct((128, 768), jnp.bfloat16))  # fmt: skip
+        for arch in ("sm_90a", "sm_100a"):
+            with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+                text = _export(grouped, *args).mlir_module()
+            self.assertTrue(jax_sm100.last_lowering().plan.dynamic_tiles, arch)
+            (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
+            self.assertIn('names = "a,b,d,group_sizes,bias,counter"', call)
+            self.assertIn("order = dense<[0, 1, -1, 2, 3, 4]>", call)
+            self.assertIn("output_tuple_indices = [1], operand_index = 4,", call)
+            self.assertIn("-> (tensor<16384x768xbf16>, tensor<1xi32>)", call)
+
     def test_swapped_product_in_exported_module(self):
         # A very tall fp8 product runs swapped: the custom call takes B (the kernel's A) first,
         # A second, and writes the caller's [m, n] as the kernel's M-major (n, m) D.

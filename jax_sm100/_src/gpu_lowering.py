@@ -172,6 +172,11 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
 
 
 def _ffi(compiled, out_type, operands, layouts, order, aliases=None):
+    """The `jax_sm100_gemm` custom call of `compiled` (`launch`'s last step): `layouts` (one
+    `ffi_checks.TensorLayout` per tensor argument, in the kernel's order) encoded as the
+    handler's attributes and checked against the buffers first, `order[i]` the input (>= 0) or
+    result (-1 - j) that tensor argument i is, `aliases` input -> result as `jax.ffi.ffi_call`
+    takes them."""
     from jax_sm100._src import ffi_checks  # noqa: PLC0415
 
     # The attributes the handler reads (ffi/gemm_ffi.cc; ffi_checks.py states the format).
@@ -270,16 +275,19 @@ def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
 
     operands, index, out_types = list(operands), dict(index), list(out_types)
     modes, dtypes, aliases = dict(modes), dict(dtypes), {}
-    for name, (shape, dtype) in (
-        compile_mod.workspace_shapes(compiled.plan) | (zeroed or {})
-    ).items():
+    work, zeroed = compile_mod.workspace_shapes(compiled.plan), zeroed or {}
+    assert set(work) <= {"ws", "flags"} and not set(work) & set(zeroed), (work, zeroed)
+    results = {name: work[name] for name in ("ws",) if name in work}
+    zeroed = {name: work[name] for name in ("flags",) if name in work} | zeroed
+    for name, (shape, dtype) in results.items():  # results alone
         modes[name], dtypes[name] = (shape, (1,)), dtype
-        if name == "ws":  # a result alone
-            index[name] = -1 - len(out_types)
-        else:  # zeros passed in, aliased to a result
-            index[name] = len(operands)
-            aliases[len(operands)] = len(out_types)
-            operands.append(jnp.zeros(shape, dtype))
+        index[name] = -1 - len(out_types)
+        out_types.append(jax.ShapeDtypeStruct(shape, dtype))
+    for name, (shape, dtype) in zeroed.items():  # zeros passed in, aliased to a result
+        modes[name], dtypes[name] = (shape, (1,)), dtype
+        index[name] = len(operands)
+        aliases[len(operands)] = len(out_types)
+        operands.append(jnp.zeros(shape, dtype))
         out_types.append(jax.ShapeDtypeStruct(shape, dtype))
     layouts = [
         ffi_checks.TensorLayout(

@@ -9,7 +9,7 @@ of a tile's rows as one box, which needs the rows contiguous; an XLA transpose o
 against the product's m n k); rhs scales per 128 x 128 tile as tiles, [B, k / 128,
 ceil(n / 128)]. The plan is `dispatch.plan_call`'s for the problem with its
 `scale_dtype` and `scale_block` (planning/sm90_scaled.py); one `jax_sm100_gemm` custom call
-runs it, through the FFI handler and checks the matmul lowering uses (gpu_lowering.py). On
+runs it, through the FFI handler and checks every lowering uses (`gpu_lowering.launch`). On
 sm_100a, mxfp8 and nvfp4 go to the block-scaled tcgen05 kernel (`_call_sm100`), their scales in
 the blocked layout that kernel reads.
 
