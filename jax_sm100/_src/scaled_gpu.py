@@ -101,7 +101,6 @@ def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
 def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     """One `jax_sm100_gemm` call of the sm_90a block-scaled kernel (kernels/sm90_scaled.py)."""
     from jax_sm100._src import compile as compile_mod  # noqa: PLC0415
-    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
 
     rows = scale_layout.row_block(rhs.shape, rhs_scales.shape)
     if plan.b_scale_rows not in (1, rows):
@@ -112,7 +111,7 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
             f"per {rows} ({tuple(rhs_scales.shape)} for rhs {tuple(rhs.shape)})"
         )
     compiled = compile_mod.compile_plan(plan)
-    batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
+    batch, m, k = plan.batch, plan.m, plan.k
     # A's scales of 128-row tiles go repeated per row (one XLA fusion with the transpose). B's
     # per 128 x 128 tile (the plan's b_scale_rows) go as they are, one per tile and k-block:
     # the kernel reads one B scale per k-tile.
@@ -122,13 +121,25 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     b_rows = rhs_scales.shape[1]  # n, or B's tiles
     sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
     blocks = k // plan.scale_block
+    return launch(plan, compiled, lhs, rhs, sfa, sfb, {
+        "sfa": ((m, blocks, batch), (1, ld_a, blocks * ld_a)),
+        "sfb": ((b_rows, blocks, batch), (1, ld_b, blocks * ld_b)),
+    })  # fmt: skip
+
+
+def launch(plan, compiled, lhs, rhs, sfa, sfb, scale_modes):
+    """The custom call of `plan`'s block-scaled kernel (`compiled`, either arch's), through
+    `gpu_lowering.launch`: lhs [B, m, k] and rhs [B, n, k] as a (m, k, B) and b (n, k, B),
+    K-major; the result [B, m, n] as d (m, n, B); the scales as the arch's kernel reads them
+    (`scale_modes`: the modes of "sfa" and "sfb")."""
+    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
+
+    batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
     modes = {
         "a": ((m, k, batch), (k, 1, m * k)),
         "b": ((n, k, batch), (k, 1, n * k)),
         "d": ((m, n, batch), (n, 1, m * n)),
-        "sfa": ((m, blocks, batch), (1, ld_a, blocks * ld_a)),
-        "sfb": ((b_rows, blocks, batch), (1, ld_b, blocks * ld_b)),
-    }
+    } | scale_modes
     dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
               "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
     index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}

@@ -15,32 +15,17 @@ from __future__ import annotations
 
 import math
 
-import jax
-import numpy as np
-
 from jax_sm100._src import scale_layout
 
 
 def call(plan, lhs, rhs, lhs_scales, rhs_scales):
     """The product of the block-scaled kernel compiled for `plan` (the module docstring)."""
-    from jax_sm100._src import gpu_lowering  # noqa: PLC0415
+    from jax_sm100._src import scaled_gpu  # noqa: PLC0415
     from jax_sm100._src.compile import compile_plan  # noqa: PLC0415
 
-    compiled = compile_plan(plan)
-    batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
     sfa, sfb = (blocked_flat(x, s) for x, s in ((lhs, lhs_scales), (rhs, rhs_scales)))
-    modes = {
-        "a": ((m, k, batch), (k, 1, m * k)),
-        "b": ((n, k, batch), (k, 1, n * k)),
-        "sfa": ((sfa.shape[0],), (1,)),
-        "sfb": ((sfb.shape[0],), (1,)),
-        "d": ((m, n, batch), (n, 1, m * n)),
-    }
-    dtypes = {"a": plan.a_dtype, "b": plan.b_dtype, "d": plan.out_dtype,
-              "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
-    index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}
-    out_type = jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))
-    return gpu_lowering.launch(compiled, [lhs, rhs, sfa, sfb], index, [out_type], modes, dtypes)[0]
+    scale_modes = {"sfa": ((sfa.shape[0],), (1,)), "sfb": ((sfb.shape[0],), (1,))}
+    return scaled_gpu.launch(plan, compile_plan(plan), lhs, rhs, sfa, sfb, scale_modes)
 
 
 def blocked_flat(data, scales):
