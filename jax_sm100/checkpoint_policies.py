@@ -45,15 +45,16 @@ def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
     batch dimension numbers, cuDNN's scaled matmul of one batch; no convolution), and this
     library's matmul where one operand is a matrix shared by every batch (activations
     [..., m, k] against weights [k, n], as a dense layer's), ragged_dot with its experts shared,
-    and scaled_matmul of one product (B = 1)."""
+    and scaled_matmul of one product or against one rhs shared by every batch (B = 1, as the
+    weights a `vmap` leaves unmapped)."""
     if jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *avals, **params):
         return True
     if prim is P.matmul_p:  # a shared operand comes with unit batch dims
         return any(all(d == 1 for d in aval.shape[:-2]) for aval in avals[:2])
     if prim is ragged.ragged_dot_p:
         return len(avals[1].shape) == 3  # experts [g, k, n] (or [g, n, k]) shared
-    if prim is scaled.scaled_matmul_p:  # lhs [B, m, k], rhs [B, n, k]
-        return avals[0].shape[0] == 1
+    if prim is scaled.scaled_matmul_p:  # lhs [B, m, k], rhs [B, n, k] (or [1, n, k], shared)
+        return avals[0].shape[0] == 1 or avals[1].shape[0] == 1
     return False
 
 

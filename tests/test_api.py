@@ -351,11 +351,14 @@ class CheckpointPolicyTest(absltest.TestCase):
         self.assertIn("output of jax_sm100_scaled_matmul",
                       [n.split(" from ")[0] for _, n in got])  # fmt: skip
         a2, b2, sa2, sb2 = (jnp.concatenate([v, v]) for v in (a, b, sa, sb))
-        self.assertFalse(
-            policy(
-                jax_sm100._src.scaled.scaled_matmul_p, *(jax.typeof(v) for v in (a2, b2, sa2, sb2))
-            )
-        )
+        prim = jax_sm100._src.scaled.scaled_matmul_p
+        self.assertFalse(policy(prim, *(jax.typeof(v) for v in (a2, b2, sa2, sb2))))
+        # Per-example activations against one weight a vmap leaves unmapped: the bind's rhs has
+        # B = 1 (shared), a dense layer's product, saved.
+        per_example = jax.vmap(f, (0, None))
+        got = saved_residuals(jax.checkpoint(per_example, policy=policy), sa2[:, None], sb)
+        self.assertIn("output of jax_sm100_scaled_matmul",
+                      [n.split(" from ")[0] for _, n in got])  # fmt: skip
 
     def test_policies_save_what_jax_policies_save(self):
         # Ours are JAX's policies with our products added: a convolution, a batched

@@ -20,6 +20,7 @@ with and without a whole trip of its two-k-block loop; stream-K's uneven shares)
 
 from __future__ import annotations
 
+import functools
 import os
 from unittest import mock
 
@@ -394,6 +395,25 @@ class GpuScaledTest(parameterized.TestCase):
         self.assert_on_kernel(seen)
         theirs = jax.jit(lambda *a: jax.nn.scaled_matmul(*a, preferred_element_type=jnp.bfloat16))
         tu.assert_close(self, out, theirs(lhs, rhs, ls, rs), "bfloat16", k)
+
+    def test_vmap_with_shared_weights(self):
+        # Per-example activations against one weight that the vmap leaves unmapped: one
+        # product on the kernel with the examples as rows, against the per-example float64
+        # products; weights per 128 x 128 tile and per row.
+        v, m, n, k = 3, 200, 392, 512
+        ka, kb = jax.random.split(jax.random.key(12))
+        lhs, ls = jax_sm100.quantize(_operand(ka, v, m, k)[:, None], "fp8_block128")
+        for recipe in ("fp8_block128x128", "fp8_block128"):
+            rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), recipe)
+            fn = jax.jit(jax.vmap(functools.partial(jax_sm100.scaled_matmul,
+                                                    preferred_element_type=jnp.float32),
+                                  (0, None, 0, None)))  # fmt: skip
+            with jax_sm100.lowerings() as seen:
+                out = fn(lhs, rhs, ls, rs)
+            self.assert_on_kernel(seen)
+            self.assertEqual((seen[0].plan.m, seen[0].plan.batch), (v * m, 1))
+            want = np.stack([_reference64(lhs[i], rhs, ls[i], rs) for i in range(v)])
+            _assert_close(self, out, want, jnp.float32, k)
 
     def test_gradient_of_the_scales(self):
         # The forward on the kernel, the tangents through the documented math in XLA ops.

@@ -268,6 +268,56 @@ class ScaledMatmulTest(parameterized.TestCase):
                               for x in batched])  # fmt: skip
             tu.assert_close(self, out, want, "float32", 64)
 
+    @parameterized.parameters(
+        ("fp8_block128", "fp8_block128"), ("fp8_block128", "fp8_block128x128"),
+        ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
+    )  # fmt: skip
+    def test_vmap_reads_a_shared_rhs_once(self, lhs_recipe, rhs_recipe):
+        # Weights a vmap leaves unmapped (per-example activations against one weight): the
+        # bind takes the one rhs [1, n, k] beside lhs's merged batches, not a copy per index;
+        # the product, and each gradient (the shared one summed over the indices), are the
+        # per-index ones. A vmap mapping that shared rhs again copies it to lhs's batches.
+        x, w = _normal(20, (3, 1, 96, 256)), _normal(21, (1, 160, 256))
+        lq, ls = jax_sm100.quantize(x, lhs_recipe)
+        rq, rs = jax_sm100.quantize(w, rhs_recipe)
+        f = jax.vmap(jax_sm100.scaled_matmul, (0, None, 0, None))
+        binds = [e for e in jax.make_jaxpr(f)(lq, rq, ls, rs).eqns
+                 if e.primitive is scaled.scaled_matmul_p]  # fmt: skip
+        (bind,) = binds
+        self.assertEqual(bind.invars[0].aval.shape, (3, 96, 256))
+        self.assertEqual(bind.invars[1].aval.shape, (1, 160, 256))
+        self.assertEqual(bind.invars[3].aval.shape, rs.shape)
+        got = f(lq, rq, ls, rs)
+        want = np.stack([_reference64(lq[i], rq, ls[i], rs) for i in range(3)])
+        tu.assert_close(self, got, want, "float32", 256)
+        if rhs_recipe in ("mxfp8", "nvfp4"):
+            return  # their scales have no derivative (e8m0), or fp4 data none worth checking
+        x32, w32 = lq.astype(jnp.float32), rq.astype(jnp.float32)
+
+        def loss(fn):
+            return lambda a, b, sb: jnp.sin(fn(a, b, ls, sb)).sum()
+
+        def per_index(a, b, sa, sb):
+            return jnp.stack([jax_sm100.scaled_matmul(a[i], b, sa[i], sb) for i in range(3)])
+
+        got = jax.grad(loss(f), (0, 1, 2))(x32, w32, rs)
+        want = jax.grad(loss(per_index), (0, 1, 2))(x32, w32, rs)
+        for g, w_ in zip(got, want, strict=True):
+            self.assertEqual(g.shape, w_.shape)
+            tu.assert_close(self, g, w_, "float32", 256)
+        # Nested: the inner vmap shares rhs, the outer maps it (each index its own weights).
+        stacked = jnp.stack([rq, rq])
+        nested = jax.vmap(f, (None, 0, None, None))(lq, stacked, ls, rs)
+        tu.assert_close(self, nested, np.stack([got_ := f(lq, rq, ls, rs), got_]), "float32", 1)
+
+    def test_public_call_takes_equal_batches(self):
+        # The shared rhs is the vmap rule's: scaled_matmul itself takes equal Bs, as
+        # jax.nn.scaled_matmul does.
+        lq, ls = jax_sm100.quantize(_normal(22, (2, 8, 128)), "fp8_block128")
+        rq, rs = jax_sm100.quantize(_normal(23, (1, 4, 128)), "fp8_block128")
+        with self.assertRaisesRegex(ValueError, r"must share B and k"):
+            jax_sm100.scaled_matmul(lq, rq, ls, rs)
+
     @parameterized.parameters(*scaled.RECIPES)
     def test_no_contraction(self, recipe):
         # k = 0, quantize's own output included: zeros, as jax.nn.scaled_matmul and the jnp

@@ -137,6 +137,32 @@ class AutoAxesTest(ScaledCase):
         self.assertEqual(found["all-reduce"] + found["reduce-scatter"], 0, found)
         assert_close(jax.jit(product)(*sharded), jax.jit(product)(*args))
 
+    @parameterized.product(recipes=RECIPES, shardy=(True, False))
+    def test_vmap_over_examples_with_shared_weights(self, recipes, shardy):
+        # Per-example activations [V, 1, m, k] against one weight [1, n, k] that the vmap leaves
+        # unmapped (read once, not copied per example): the examples split over "data" or
+        # their rows over "model", the weight whole or its rows over "model". Under Shardy
+        # each device computes its local product with no collective. GSPMD's propagation
+        # (deprecated) moves lhs's "model" onto k beside the weight's split rows (an all-to-all
+        # and a reduce-scatter); the values are the same.
+        lq, ls = jax_sm100.quantize(data(0)[:, None], recipes[0])
+        rq, rs = jax_sm100.quantize(data(1)[:1], recipes[1])
+        f = jax.jit(jax.vmap(product, (0, None, 0, None)))
+        want = f(lq, rq, ls, rs)
+        layouts = ((PS("data"), PS()), (PS(None, None, "model"), PS()),
+                   (PS("data"), PS(None, "model")))  # fmt: skip
+        for lhs_spec, rhs_spec in layouts:
+            args = ((lq, lhs_spec), (rq, rhs_spec), (ls, lhs_spec), (rs, rhs_spec))
+            sharded = [self.put(x, spec) for x, spec in args]
+
+            def run(sharded=sharded, layout=f"{lhs_spec}, {rhs_spec}"):
+                if shardy:
+                    hlo = f.lower(*sharded).compile().as_text()
+                    self.assertEqual(ts.collectives(hlo), counts(), layout)
+                assert_close(f(*sharded), want)
+
+            self.run_with(shardy, run)
+
     @parameterized.parameters(*RECIPES)
     def test_k_not_in_whole_blocks_is_gathered(self, *recipes):
         # k = 256: two fp8 blocks of 128, two mxfp8 atoms, four nvfp4 atoms; over 4 devices
@@ -405,6 +431,19 @@ class ExplicitAxesTest(ScaledCase):
             with jax.sharding.set_mesh(self.mesh):
                 lhs = [jax.device_put(v, lhs_spec) for v in (a, sa)]
                 rhs = [jax.device_put(v, PS("data")) for v in (a[0], sa[0])]
+                got = g(lhs[0], rhs[0], lhs[1], rhs[1])
+            assert_close(got, want)
+            self.assertEqual(same_spec(jax.typeof(got).sharding.spec), out_spec)
+        # One weight for every example (rhs a B of 1, unmapped: read in place, not copied),
+        # the examples split over "data", and their rows over "model" too.
+        lhs1, rhs1 = [v[:, :1] for v in (a, sa)], [v[0, :1] for v in (a, sa)]
+        want = g(lhs1[0], rhs1[0], lhs1[1], rhs1[1])
+        split = (("data",), ("data", None, "model"))
+        for out_spec in split:
+            lhs_spec = PS(*out_spec)
+            with jax.sharding.set_mesh(self.mesh):
+                lhs = [jax.device_put(v, lhs_spec) for v in lhs1]
+                rhs = [jax.device_put(v, PS()) for v in rhs1]
                 got = g(lhs[0], rhs[0], lhs[1], rhs[1])
             assert_close(got, want)
             self.assertEqual(same_spec(jax.typeof(got).sharding.spec), out_spec)

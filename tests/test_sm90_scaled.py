@@ -696,6 +696,44 @@ class ScaledLoweringTest(parameterized.TestCase):
         self.assertEqual(exp.out_avals[0].shape, (2, 1, 256, 256))
         self.assertEqual(np.dtype(exp.out_avals[0].dtype), np.dtype(jnp.bfloat16))
 
+    def test_vmap_with_shared_weights_reads_them_once(self):
+        # Per-example activations against one weight the vmap leaves unmapped: on both arches
+        # the lowering folds the examples into lhs's rows (a reshape) and runs one product
+        # whose custom call takes the weight [1, n, k] as it is, and says so.
+        cases = (
+            ("sm_90a", "fp8_block128", "fp8_block128x128", "1x4x512xf32", "1x4x4xf32"),
+            ("sm_100a", "mxfp8", "mxfp8", "8192xf8E8M0FNU", "8192xf8E8M0FNU"),
+        )
+        for arch, lhs_recipe, rhs_recipe, sfa, sfb in cases:
+            x = jax.ShapeDtypeStruct((4, 1, 128, 512), jnp.float32)
+            w = jax.ShapeDtypeStruct((1, 512, 512), jnp.float32)
+            lq, ls = jax.eval_shape(functools.partial(jax_sm100.quantize, recipe=lhs_recipe), x)
+            rq, rs = jax.eval_shape(functools.partial(jax_sm100.quantize, recipe=rhs_recipe), w)
+            fn = jax.jit(jax.vmap(functools.partial(jax_sm100.scaled_matmul,
+                                                    preferred_element_type=jnp.bfloat16),
+                                  (0, None, 0, None)))  # fmt: skip
+            with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+                with jax_sm100.lowerings() as seen:
+                    exp = jax.export.export(fn, platforms=["cuda"],
+                                            disabled_checks=ffi.export_safety_checks())(
+                        lq, rq, ls, rs)  # fmt: skip
+            self.assertEqual(exp.out_avals[0].shape, (4, 1, 128, 512))
+            low = seen[-1]
+            self.assertEqual((low.plan.m, low.plan.batch), (512, 1), arch)
+            self.assertIn("lhs's 4 batches as rows against the one shared rhs", low.note)
+            (call,) = [ln for ln in exp.mlir_module().splitlines()
+                       if "custom_call @jax_sm100_gemm" in ln]  # fmt: skip
+            signature = call[call.rindex(" : (") :]
+            self.assertIn(f"(tensor<1x512x512xf8E4M3FN>, tensor<1x512x512xf8E4M3FN>, "
+                          f"tensor<{sfa}>, tensor<{sfb}>)", signature)  # fmt: skip
+        # No example at all: no rows, XLA's ops (the fold's reshapes infer nothing from 0).
+        empty = [jax.ShapeDtypeStruct((0, *a.shape[1:]), a.dtype) for a in (lq, ls)]
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            exp = jax.export.export(fn, platforms=["cuda"],
+                                    disabled_checks=ffi.export_safety_checks())(
+                empty[0], rq, empty[1], rs)  # fmt: skip
+        self.assertEqual(exp.out_avals[0].shape, (0, 1, 128, 512))
+
 
 if __name__ == "__main__":
     absltest.main()

@@ -3,6 +3,10 @@
     scaled_matmul_p   lhs [B, m, k], rhs [B, n, k], lhs_scales [B, m, k / block_a],
                       rhs_scales [B, n, k / block_b]                  -> out [B, m, n]
 
+(the primitive also takes rhs and its scales with a B of 1 beside a larger B of lhs: one rhs
+shared by every batch, as `vmap` binds it for weights it leaves unmapped, read once, not
+copied per batch; `scaled_matmul` itself takes equal Bs, as `jax.nn.scaled_matmul` does)
+
 with `jax.nn.scaled_matmul`'s meaning (both operands K-major; the block of each operand inferred
 from its scales). Either operand's scales may instead cover tiles of 128 rows,
 [B, ceil(rows / 128), k / block] (DeepSeek-V3's weights: `quantize(w, "fp8_block128x128")`),
@@ -270,8 +274,9 @@ def _scale(amax, r: Recipe, top: float):
 # --- shapes and math ----------------------------------------------------------------------------
 
 
-def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
-    """Raises ValueError unless the operands (arrays or avals) fit the module docstring."""
+def _check_shapes(lhs, rhs, lhs_scales, rhs_scales, shared_rhs=False):
+    """Raises ValueError unless the operands (arrays or avals) fit the module docstring; with
+    `shared_rhs` (the primitive's own check) rhs may have a B of 1 beside lhs's."""
     shapes = [tuple(x.shape) for x in (lhs, rhs, lhs_scales, rhs_scales)]
     if not (len(shapes[0]) == len(shapes[1]) == 3 and all(len(s) in (3, 6) for s in shapes[2:])):
         raise ValueError(
@@ -280,7 +285,8 @@ def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
             + ("; for one product add the batch dim: x[None]" if len(shapes[0]) == 2 else "")
         )  # fmt: skip
     lhs_shape, rhs_shape = shapes[:2]
-    if lhs_shape[0] != rhs_shape[0] or lhs_shape[2] != rhs_shape[2]:
+    b_ok = lhs_shape[0] == rhs_shape[0] or (shared_rhs and rhs_shape[0] == 1)
+    if not b_ok or lhs_shape[2] != rhs_shape[2]:
         raise ValueError(
             f"jax_sm100.scaled_matmul: lhs {lhs_shape} and rhs {rhs_shape} must share B and k"
         )
@@ -296,8 +302,13 @@ def _check_shapes(lhs, rhs, lhs_scales, rhs_scales):
             ) from None
 
 
+def shared_rhs(lhs, rhs) -> bool:
+    """Whether one rhs (a B of 1) serves every batch of a larger lhs (the module docstring)."""
+    return rhs.shape[0] == 1 and lhs.shape[0] != 1
+
+
 def _abstract(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
-    _check_shapes(lhs, rhs, lhs_scales, rhs_scales)
+    _check_shapes(lhs, rhs, lhs_scales, rhs_scales, shared_rhs=True)
     shape = (lhs.shape[0], lhs.shape[1], rhs.shape[1])
     spec = out_spec(lhs, rhs)
     if spec is None:
@@ -371,9 +382,15 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
         # A NamedSharding on the operands' mesh: a bare spec needs a mesh in context, and a
         # jit of the gradient (or an eager call) outside `set_mesh` has none.
         out_sharding = NamedSharding(mesh, spec)
-    out = jnp.einsum(
-        "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding
-    )
+    if shared_rhs(a, b):
+        # One rhs for every batch: a product with its [n, k] alone (never broadcast to B).
+        out = jnp.einsum(
+            "bmk,nk->bmn", a, b[0], precision=lax.Precision.HIGHEST, out_sharding=out_sharding
+        )
+    else:
+        out = jnp.einsum(
+            "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding
+        )
     return out.astype(out_dtype)
 
 
@@ -398,28 +415,44 @@ mlir.register_lowering(scaled_matmul_p, scaled_sharding.lowering(scaled_matmul_p
 
 def _batch(args, dims, *, out_dtype):
     size = next(x.shape[d] for x, d in zip(args, dims, strict=True) if d is not None)
-    moved = [
-        jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-        for x, d in zip(args, dims, strict=True)
-    ]
+    # rhs and its scales unmapped and one product's worth (weights shared by every index): the
+    # one rhs serves every merged batch, read in place rather than copied per index (the
+    # primitive's shared rhs). Otherwise every operand is mapped or copied per index.
+    shared = dims[1] is None and dims[3] is None and args[1].shape[0] == 1
+    batched = (0, 2) if shared else (0, 1, 2, 3)
+    moved = list(args)
+    for i in batched:
+        x, d = args[i], dims[i]
+        moved[i] = (
+            jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        )
+    if not shared and moved[1].shape[1] != moved[0].shape[1]:
+        # A shared rhs (a B of 1 beside lhs's) that this vmap maps: copied to lhs's B first.
+        moved[1], moved[3] = (
+            jnp.broadcast_to(x, (size, moved[0].shape[1], *x.shape[2:])) for x in moved[1::2]
+        )
     # Under Explicit axes a merge whose minor dim is split and major dim whole cannot be typed.
     # The mapped dim goes major, unless B alone is split (no operand splits the mapped dim):
     # then B goes major. Otherwise a B split under a whole mapped dim is gathered, as are all
     # B splits where the merged dims would then be split differently across operands.
-    axes = [P.explicit_axes(x) for x in moved]
+    axes = [P.explicit_axes(moved[i]) for i in batched]
     mapped_split = any(a is not None and a[0] for a in axes)
     b_major = not mapped_split and any(a is not None and a[1] for a in axes)
     if b_major:
-        moved = [jnp.swapaxes(x, 0, 1) for x in moved]
+        for i in batched:
+            moved[i] = jnp.swapaxes(moved[i], 0, 1)
     elif mapped_split:
-        moved = [
-            P.unsplit(x, 1) if a is not None and a[1] and not a[0] else x
-            for x, a in zip(moved, axes, strict=True)
-        ]
-        merged_axes = {tuple(a[0]) + tuple(a[1]) for x in moved if (a := P.explicit_axes(x))}
+        for i, a in zip(batched, axes, strict=True):
+            if a is not None and a[1] and not a[0]:
+                moved[i] = P.unsplit(moved[i], 1)
+        merged_axes = {tuple(a[0]) + tuple(a[1]) for i in batched
+                       if (a := P.explicit_axes(moved[i]))}  # fmt: skip
         if len(merged_axes) > 1:
-            moved = [P.unsplit(x, 1) for x in moved]
-    merged = [x.reshape((x.shape[0] * x.shape[1], *x.shape[2:])) for x in moved]
+            for i in batched:
+                moved[i] = P.unsplit(moved[i], 1)
+    merged = list(moved)
+    for i in batched:
+        merged[i] = moved[i].reshape((moved[i].shape[0] * moved[i].shape[1], *moved[i].shape[2:]))
     out = scaled_matmul_p.bind(*merged, out_dtype=out_dtype)
     lead = moved[0].shape[:2]
     out = out.reshape((*lead, *out.shape[1:]))

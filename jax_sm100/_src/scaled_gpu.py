@@ -13,6 +13,10 @@ runs it, through the FFI handler and checks every lowering uses (`gpu_lowering.l
 sm_100a, mxfp8 and nvfp4 go to the block-scaled tcgen05 kernel (`_call_sm100`), their scales in
 the blocked layout that kernel reads.
 
+A shared rhs (B of 1 beside lhs's B, as `vmap` binds weights it leaves unmapped) runs as one
+product with lhs's batches as rows (reshapes of lhs and the result; lhs's scales made
+plain per row first).
+
 Where no kernel takes the call (no sm_90a or sm_100a device or target, a recipe the arch's
 kernel does not take, different blocks for lhs and rhs, misaligned n, dtypes the kernels do not
 write, `jax.export`'s symbolic dims), the documented math runs in XLA ops (`scaled.reference`),
@@ -77,23 +81,42 @@ def scaled_problem(lhs, rhs, lhs_scales, rhs_scales, out_dtype) -> planning.Gemm
 
 def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
     """`scaled_matmul_p` on a CUDA device (see the module docstring)."""
+    from jax_sm100._src import scaled  # noqa: PLC0415
+
     args = (lhs, rhs, lhs_scales, rhs_scales)
     target = dispatch.lowering_target()
     if target is None:
         return _xla("no sm_90a/sm_100a device", None, args, out_dtype)
     if dispatch.symbolic_dims(*args):
         return _xla(f"symbolic dims {lhs.shape} x {rhs.shape}", None, args, out_dtype)
+    if scaled.shared_rhs(lhs, rhs):
+        # One rhs for every batch (weights a vmap left unmapped): lhs's batches are its rows,
+        # a free reshape, so that one product reads the weights once.
+        b, m, k = lhs.shape
+        rows = scale_layout.plain(lhs.shape, lhs_scales)
+        rows = rows.reshape(1, b * m, rows.shape[-1])
+        out = _lowered(lhs.reshape(1, b * m, k), rhs, rows, rhs_scales, out_dtype,
+                       f"; lhs's {b} batches as rows against the one shared rhs")  # fmt: skip
+        return out.reshape(b, m, out.shape[-1])
+    return _lowered(*args, out_dtype, "")
+
+
+def _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, note):
+    """`cuda_scaled_matmul` past its checks, `note` added to the recorded path."""
+    args = (lhs, rhs, lhs_scales, rhs_scales)
+    target = dispatch.lowering_target()
     try:
         problem = scaled_problem(*args, out_dtype)
         plan = dispatch.plan_call(problem, target).plan
     except (TypeError, ValueError) as e:
-        return _xla(f"no plan: {e}", None, args, out_dtype)
+        return _xla(f"no plan: {e}{note}", None, args, out_dtype)
     if plan.kernel == planning.KERNEL_XLA:
-        return _xla(plan.reason, plan, args, out_dtype)
+        return _xla(plan.reason + note, plan, args, out_dtype)
     call = _KERNEL_CALLS.get(plan.kernel)
     if call is None:
-        return _xla(f"no scaled_matmul lowering for kernel {plan.kernel!r}", plan, args, out_dtype)
-    dispatch.record(dispatch.Lowered(plan, "scaled_matmul: block-scaled kernel"))
+        why = f"no scaled_matmul lowering for kernel {plan.kernel!r}{note}"
+        return _xla(why, plan, args, out_dtype)
+    dispatch.record(dispatch.Lowered(plan, "scaled_matmul: block-scaled kernel" + note))
     ffi.register()
     return call(plan, *args)
 

@@ -48,7 +48,9 @@ automatic, the product runs unpartitioned over those. Under Auto axes:
     along that dim.
   * under `vmap` the mapped dim is merged into B as its major part: a split of the mapped dim
     stays local, a split of B inside the vmap is gathered. (Under Explicit axes the types
-    say which is split and B goes major where it alone is.)
+    say which is split and B goes major where it alone is.) A shared rhs (B of 1 beside lhs's
+    B: weights the vmap left unmapped) has a B factor of its own, whole: every device reads
+    its block of the one rhs.
 """
 
 from __future__ import annotations
@@ -161,10 +163,16 @@ class _Roles:
                     minor[f"{f}_in"] = q
                     whole.append(f"{f}_in")
 
-        def scale_dims(tag, rows_factor, k_quantum, in_blocks):
-            # b; the rows' factor (its quanta are the scales' rows, tiles or atoms); k's factor
+        # A shared rhs (a B of 1 beside lhs's B: scaled.shared_rhs) has a B of its own, whole.
+        rhs_b = ("b",)
+        if rhs.shape[0] != batch:
+            rhs_b = ("rhs_b",)
+            whole.append("rhs_b")
+
+        def scale_dims(tag, rows_factor, k_quantum, in_blocks, b_dims):
+            # B; the rows' factor (its quanta are the scales' rows, tiles or atoms); k's factor
             # times the scales per k quantum; the blocked layout's atom dims, whole.
-            dims = [("b",)]
+            dims = [b_dims]
             if rows_factor in whole:
                 dims.append((f"{tag}_r",))
                 whole.append(f"{tag}_r")
@@ -188,9 +196,9 @@ class _Roles:
 
         mappings = (
             (data_dims["b"], data_dims["m"], data_dims["k"]),
-            (data_dims["b"], data_dims["n"], data_dims["k"]),
-            scale_dims("sa", "m", k_quanta[0], blocked[0]),
-            scale_dims("sb", "n", k_quanta[1], blocked[1]),
+            (rhs_b, data_dims["n"], data_dims["k"]),
+            scale_dims("sa", "m", k_quanta[0], blocked[0], ("b",)),
+            scale_dims("sb", "n", k_quanta[1], blocked[1], rhs_b),
         )
         result = (data_dims["b"], data_dims["m"], data_dims["n"])
         return cls(
