@@ -399,12 +399,15 @@ class GpuScaledTest(parameterized.TestCase):
     def test_vmap_with_shared_weights(self):
         # Per-example activations against one weight that the vmap leaves unmapped: one
         # product on the kernel with the examples as rows, against the per-example float64
-        # products; weights per 128 x 128 tile and per row.
-        v, m, n, k = 3, 200, 392, 512
-        ka, kb = jax.random.split(jax.random.key(12))
-        lhs, ls = jax_sm100.quantize(_operand(ka, v, m, k)[:, None], "fp8_block128")
-        for recipe in ("fp8_block128x128", "fp8_block128"):
-            rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), recipe)
+        # products. lhs scaled per row (200 rows an example) and per 128-row tile (256 rows:
+        # whole tiles, reshaped as they are); weights per 128 x 128 tile and per row.
+        v, n, k = 3, 392, 512
+        cases = ((200, "fp8_block128", "fp8_block128x128"),
+                 (256, "fp8_block128x128", "fp8_block128"))  # fmt: skip
+        for m, lhs_recipe, rhs_recipe in cases:
+            ka, kb = jax.random.split(jax.random.key(m))
+            lhs, ls = jax_sm100.quantize(_operand(ka, v, m, k)[:, None], lhs_recipe)
+            rhs, rs = jax_sm100.quantize(_operand(kb, 1, n, k), rhs_recipe)
             fn = jax.jit(jax.vmap(functools.partial(jax_sm100.scaled_matmul,
                                                     preferred_element_type=jnp.float32),
                                   (0, None, 0, None)))  # fmt: skip

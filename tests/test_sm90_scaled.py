@@ -18,7 +18,7 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import dispatch, ffi, kernel_key, planning
+from jax_sm100._src import dispatch, ffi, kernel_key, planning, scale_layout, scaled_gpu
 from jax_sm100._src.kernels import sm90_scaled
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
@@ -594,8 +594,6 @@ class WeightTilesTest(parameterized.TestCase):
         self.assertEqual(per_row.plan.b_scale_rows, 1)
         # A plan for tile scales called with per-row ones is refused before the kernel is built
         # (it would read row t's scales as tile t's).
-        from jax_sm100._src import scaled_gpu  # noqa: PLC0415
-
         with self.assertRaisesRegex(ValueError, "per 128 rows .* these are per 1"):
             jax.eval_shape(functools.partial(scaled_gpu._call_sm90, how.plan),
                            *_avals(1, 4096, 1160, 1024))  # fmt: skip
@@ -726,13 +724,31 @@ class ScaledLoweringTest(parameterized.TestCase):
             signature = call[call.rindex(" : (") :]
             self.assertIn(f"(tensor<1x512x512xf8E4M3FN>, tensor<1x512x512xf8E4M3FN>, "
                           f"tensor<{sfa}>, tensor<{sfb}>)", signature)  # fmt: skip
-        # No example at all: no rows, XLA's ops (the fold's reshapes infer nothing from 0).
-        empty = [jax.ShapeDtypeStruct((0, *a.shape[1:]), a.dtype) for a in (lq, ls)]
-        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
-            exp = jax.export.export(fn, platforms=["cuda"],
-                                    disabled_checks=ffi.export_safety_checks())(
-                empty[0], rq, empty[1], rs)  # fmt: skip
-        self.assertEqual(exp.out_avals[0].shape, (0, 1, 128, 512))
+            # No example at all: no rows to fold; XLA's ops.
+            empty = [jax.ShapeDtypeStruct((0, *a.shape[1:]), a.dtype) for a in (lq, ls)]
+            with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
+                with jax_sm100.lowerings() as seen:
+                    exp = jax.export.export(fn, platforms=["cuda"],
+                                            disabled_checks=ffi.export_safety_checks())(
+                        empty[0], rq, empty[1], rs)  # fmt: skip
+            self.assertEqual(exp.out_avals[0].shape, (0, 1, 128, 512))
+            self.assertNotIn("as rows", seen[-1].note)
+
+    def test_folded_rows_keep_their_scales(self):
+        # The shared-rhs fold takes lhs [B, m, k] as [1, B m, k]: its scales, in every layout
+        # (per row, 128-row tiles, mxfp8's and nvfp4's blocked atoms), mean for each folded row
+        # what they meant for it before; reshaped as they are where every batch holds whole
+        # tiles or atoms.
+        for recipe in ("fp8_block128", "fp8_block128x128", "mxfp8", "nvfp4"):
+            for m in (1, 96, 128, 200, 256):
+                x = jnp.asarray(np.random.default_rng(m).standard_normal((3, m, 512)), jnp.float32)
+                data, scales = jax_sm100.quantize(x, recipe)
+                rows = scaled_gpu._rows(data.shape, scales)
+                got = scale_layout.plain((1, 3 * m, 512), rows).astype(jnp.float32)
+                want = scale_layout.plain(data.shape, scales).astype(jnp.float32)
+                np.testing.assert_array_equal(got, want.reshape(1, 3 * m, -1), f"{recipe} {m}")
+                if m % 128 == 0:
+                    self.assertEqual(rows.ndim, scales.ndim, f"{recipe} {m}")  # as they are
 
 
 if __name__ == "__main__":

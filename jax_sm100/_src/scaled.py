@@ -274,9 +274,9 @@ def _scale(amax, r: Recipe, top: float):
 # --- shapes and math ----------------------------------------------------------------------------
 
 
-def _check_shapes(lhs, rhs, lhs_scales, rhs_scales, shared_rhs=False):
+def _check_shapes(lhs, rhs, lhs_scales, rhs_scales, allow_shared=False):
     """Raises ValueError unless the operands (arrays or avals) fit the module docstring; with
-    `shared_rhs` (the primitive's own check) rhs may have a B of 1 beside lhs's."""
+    `allow_shared` (the primitive's own check) rhs may have a B of 1 beside lhs's."""
     shapes = [tuple(x.shape) for x in (lhs, rhs, lhs_scales, rhs_scales)]
     if not (len(shapes[0]) == len(shapes[1]) == 3 and all(len(s) in (3, 6) for s in shapes[2:])):
         raise ValueError(
@@ -285,7 +285,7 @@ def _check_shapes(lhs, rhs, lhs_scales, rhs_scales, shared_rhs=False):
             + ("; for one product add the batch dim: x[None]" if len(shapes[0]) == 2 else "")
         )  # fmt: skip
     lhs_shape, rhs_shape = shapes[:2]
-    b_ok = lhs_shape[0] == rhs_shape[0] or (shared_rhs and rhs_shape[0] == 1)
+    b_ok = lhs_shape[0] == rhs_shape[0] or (allow_shared and rhs_shape[0] == 1)
     if not b_ok or lhs_shape[2] != rhs_shape[2]:
         raise ValueError(
             f"jax_sm100.scaled_matmul: lhs {lhs_shape} and rhs {rhs_shape} must share B and k"
@@ -308,7 +308,7 @@ def shared_rhs(lhs, rhs) -> bool:
 
 
 def _abstract(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
-    _check_shapes(lhs, rhs, lhs_scales, rhs_scales, shared_rhs=True)
+    _check_shapes(lhs, rhs, lhs_scales, rhs_scales, allow_shared=True)
     shape = (lhs.shape[0], lhs.shape[1], rhs.shape[1])
     spec = out_spec(lhs, rhs)
     if spec is None:

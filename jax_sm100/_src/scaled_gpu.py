@@ -89,22 +89,32 @@ def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
         return _xla("no sm_90a/sm_100a device", None, args, out_dtype)
     if dispatch.symbolic_dims(*args):
         return _xla(f"symbolic dims {lhs.shape} x {rhs.shape}", None, args, out_dtype)
-    if scaled.shared_rhs(lhs, rhs):
+    if scaled.shared_rhs(lhs, rhs) and lhs.shape[0] > 0:
         # One rhs for every batch (weights a vmap left unmapped): lhs's batches are its rows,
-        # a free reshape, so that one product reads the weights once.
+        # so that one product reads the weights once.
         b, m, k = lhs.shape
-        rows = scale_layout.plain(lhs.shape, lhs_scales)
-        rows = rows.reshape(1, b * m, rows.shape[-1])
-        out = _lowered(lhs.reshape(1, b * m, k), rhs, rows, rhs_scales, out_dtype,
-                       f"; lhs's {b} batches as rows against the one shared rhs")  # fmt: skip
+        out = _lowered(lhs.reshape(1, b * m, k), rhs, _rows(lhs.shape, lhs_scales), rhs_scales,
+                       out_dtype, target, f"; lhs's {b} batches as rows against the one shared "
+                       "rhs")  # fmt: skip
         return out.reshape(b, m, out.shape[-1])
-    return _lowered(*args, out_dtype, "")
+    return _lowered(*args, out_dtype, target, "")
 
 
-def _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, note):
-    """`cuda_scaled_matmul` past its checks, `note` added to the recorded path."""
+def _rows(data_shape, scales):
+    """lhs's `scales` for its [B, m, k] data taken as [1, B m, k]: a reshape where each batch
+    holds whole 128-row tiles or atoms (plain scales, or m a multiple of 128), else the plain
+    layout's."""
+    b, m, _ = data_shape
+    per_row = scales.ndim == 3 and scales.shape[1] == m
+    if m % scale_layout.ROW_BLOCK and not per_row:
+        scales = scale_layout.plain(data_shape, scales)
+    return scales.reshape(1, b * scales.shape[1], *scales.shape[2:])
+
+
+def _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, target, note):
+    """`cuda_scaled_matmul` past its checks, for `target`, `note` added to the recorded
+    path."""
     args = (lhs, rhs, lhs_scales, rhs_scales)
-    target = dispatch.lowering_target()
     try:
         problem = scaled_problem(*args, out_dtype)
         plan = dispatch.plan_call(problem, target).plan
