@@ -14,8 +14,8 @@ sm_100a, mxfp8 and nvfp4 go to the block-scaled tcgen05 kernel (`_call_sm100`), 
 the blocked layout that kernel reads.
 
 A shared rhs (B of 1 beside lhs's B, as `vmap` binds weights it leaves unmapped) runs as one
-product with lhs's batches as rows (reshapes of lhs and the result; lhs's scales made
-plain per row first).
+product with lhs's batches as rows: reshapes of lhs, the result and lhs's scales (made plain per
+row first where a batch does not hold whole 128-row tiles or atoms: `_rows`).
 
 Where no kernel takes the call (no sm_90a or sm_100a device or target, a recipe the arch's
 kernel does not take, different blocks for lhs and rhs, misaligned n, dtypes the kernels do not
