@@ -382,15 +382,9 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
         # A NamedSharding on the operands' mesh: a bare spec needs a mesh in context, and a
         # jit of the gradient (or an eager call) outside `set_mesh` has none.
         out_sharding = NamedSharding(mesh, spec)
-    if shared_rhs(a, b):
-        # One rhs for every batch: a product with its [n, k] alone (never broadcast to B).
-        out = jnp.einsum(
-            "bmk,nk->bmn", a, b[0], precision=lax.Precision.HIGHEST, out_sharding=out_sharding
-        )
-    else:
-        out = jnp.einsum(
-            "bmk,bnk->bmn", a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding
-        )
+    # A shared rhs (one for every batch): a product with its [n, k] alone, never broadcast.
+    eq, b = ("bmk,nk->bmn", b[0]) if shared_rhs(a, b) else ("bmk,bnk->bmn", b)
+    out = jnp.einsum(eq, a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding)
     return out.astype(out_dtype)
 
 
