@@ -213,6 +213,20 @@ class ForwardTest(RaggedCase):
             reference=reference_dot,
         )
 
+    def test_fsdp_gathers_the_weights_when_that_moves_less(self):
+        # FSDP's layout: the tokens' rows and the experts' k over "data". With 512 rows and 2
+        # small experts, gathering the weights moves less than reduce-scattering every
+        # device's float32 partial product of all rows (sharding._gathers_less): nothing is
+        # reduced. With 64 rows and 8 experts the partials are the smaller: k stays split.
+        self.require("data")
+        rng = np.random.default_rng(12)
+        specs = (PS("data"), PS(None, "data"), PS())
+        for m, g, want in ((512, 2, counts(all_gather=1)),
+                           (M, G, counts(reduce_scatter=1, all_to_all=1))):  # fmt: skip
+            lhs, rhs = tu.rand(rng, (m, K), "float32"), tu.rand(rng, (g, K, N), "float32")
+            self.check(jax_sm100.ragged_dot, (lhs, rhs, groups(13, g=g, m=m)), specs, want,
+                       reference=reference_dot)  # fmt: skip
+
     @parameterized.parameters("complex64", "int8")
     def test_lax_paths_sum_partials_in_their_dtype(self, dtype):
         # Complex and integer operands take lax.ragged_dot's path (the primitive with lax's

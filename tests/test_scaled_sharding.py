@@ -163,6 +163,29 @@ class AutoAxesTest(ScaledCase):
 
             self.run_with(shardy, run)
 
+    @parameterized.product(recipes=RECIPES, shardy=(True, False))
+    def test_vmap_with_fsdp_weights_gathers_them(self, recipes, shardy):
+        # FSDP's layout under the same vmap: the examples and the shared weight's k (its
+        # scales' too) over "data". Gathering the weight (and its scales) moves less than
+        # moving the activations to a split of k and reduce-scattering float32 partials of
+        # every example (sharding._gathers_less), so nothing is reduced.
+        self.require("data")
+        lq, ls = jax_sm100.quantize(data(0)[:, None], recipes[0])
+        rq, rs = jax_sm100.quantize(data(1)[:1], recipes[1])
+        f = jax.jit(jax.vmap(product, (0, None, 0, None)))
+        want = f(lq, rq, ls, rs)
+        specs = (PS("data"), PS(None, None, "data"), PS("data"), PS(None, None, "data"))
+        sharded = [self.put(x, sp) for x, sp in zip((lq, rq, ls, rs), specs, strict=True)]
+
+        def run():
+            found = ts.collectives(f.lower(*sharded).compile().as_text())
+            self.assertEqual(found["all-reduce"] + found["reduce-scatter"] + found["all-to-all"],
+                             0, found)  # fmt: skip
+            self.assertGreaterEqual(found["all-gather"], 1, found)
+            assert_close(f(*sharded), want)
+
+        self.run_with(shardy, run)
+
     @parameterized.parameters(*RECIPES)
     def test_k_not_in_whole_blocks_is_gathered(self, *recipes):
         # k = 256: two fp8 blocks of 128, two mxfp8 atoms, four nvfp4 atoms; over 4 devices

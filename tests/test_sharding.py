@@ -2,7 +2,8 @@
 
 Every case runs one jitted function on sharded operands and compares it with the same function
 on one device, then counts the collectives in the compiled HLO: each count is what the math
-needs and no more (in particular, no weight is ever all-gathered).
+needs and no more (a weight is all-gathered only where that moves fewer bytes than
+reducing partial products: FSDP's layout).
 
 Where the mesh lives (read at import, before JAX starts a backend):
 
@@ -739,6 +740,30 @@ class PartitionerTest(ShardedTestCase):
                 want = jax.jit(f)(*[jax.device_put(v, self.devices[0]) for v in (x, w, b)])
                 for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
                     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+
+    @parameterized.named_parameters(("shardy", True), ("gspmd", False))
+    def test_fsdp_gathers_the_weight_when_that_moves_less(self, shardy):
+        # FSDP's layout: x's rows and w's k over "data". With 256 rows, gathering w (48 x 64)
+        # moves less than reduce-scattering every device's float32 partial product of all 256
+        # rows, so w is gathered and each device computes its rows, with no reduction (k-split
+        # first moved x and reduce-scattered 64 KiB). With 8 rows the partials are the smaller
+        # and k stays split. Under grad, as for jnp.matmul: w gathered once, its gradient
+        # all-reduced (no output sharding asks for w's split).
+        self.require("data")
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            w = rand(1, 48, 64)
+            specs = (PS("data"), PS("data"))
+            self.check(jax_sm100.matmul, (rand(0, 256, 48), w), specs, counts(all_gather=1))
+            _, hlo = self.check(jax_sm100.matmul, (rand(0, 8, 48), w), specs,
+                                [counts(reduce_scatter=1, all_to_all=1),
+                                 counts(reduce_scatter=1, all_gather=1)])  # fmt: skip
+            loss = grad_of(jax_sm100.matmul, (0, 1))
+            self.check(loss, (rand(0, 256, 48), w), specs,
+                       counts(all_gather=1, all_reduce=1), grad=True)  # fmt: skip
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 

@@ -41,7 +41,9 @@ nothing when they are replicated, as router outputs computed from replicated tok
     activation is applied to the reduced sum, before that rounding (over experts, each device
     applies it to its rows: act(0) = 0 for every activation ragged_dot takes). ragged_dot's
     bias [*b, g, n] is split as rhs's g and n are; under partial sums over k the device holding
-    the first k block adds it and the others add zeros.
+    the first k block adds it and the others add zeros. Beside rows split over the same axes
+    (FSDP), the weights are gathered along k instead where that moves fewer bytes
+    (`sharding._gathers_less`).
   * a mesh axis serves one factor at most; a sharding that does not divide its dim evenly is
     dropped, and whatever is not named above is gathered: replicated rather than wrong.
 
@@ -317,10 +319,10 @@ class _Roles:
         )
 
 
-def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._Decision:
+def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> sharding._Decision:
     """The axes of every factor (module docstring): reductions first, from the operands; then
     the result's dims, as requested or as the operands have them, and which reduction axes are
-    scattered onto them."""
+    scattered onto them. `nbytes`: as for `sharding._decide`."""
     mesh_shape = dict(mesh.shape)
     operand_axes = [
         sharding._spec_axes(s, len(dims))
@@ -342,21 +344,42 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> sharding._De
         if got:
             local[factor] = got
     reduced = tuple(a for f in roles.reductions for a in local.get(f, ()))
-    return sharding._decide_result(roles, mesh_shape, result_sharding, from_operands, local,
-                                   reduced)  # fmt: skip
+    keep = sharding._decide_result(roles, mesh_shape, result_sharding, from_operands,
+                                   dict(local), reduced)  # fmt: skip
+    if "k" not in roles.reductions or "k" not in local:
+        return keep
+    # ragged_dot's k split, or the weights gathered along k where that moves fewer bytes
+    # (FSDP's layout: sharding._gathers_less); a split of g stays either way.
+    del local["k"]
+    gather = sharding._decide_result(
+        roles, mesh_shape, result_sharding, lambda f: () if f == "k" else from_operands(f),
+        local, tuple(a for f in roles.reductions for a in local.get(f, ())),
+    )  # fmt: skip
+    if sharding._gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather):
+        return gather
+    return keep
 
 
 # --- callbacks ---------------------------------------------------------------------------------
 
 
+def _nbytes(roles: _Roles, arg_shapes):
+    return sharding.nbytes(arg_shapes, math.prod(roles.size(f) for f in roles.result))
+
+
 def _infer(roles: _Roles, mesh, arg_shapes):
     """GSPMD: the result sharding implied by the operands'."""
-    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], None)
+    decision = _decide(
+        roles, mesh, [s.sharding for s in arg_shapes], None, _nbytes(roles, arg_shapes)
+    )
     return NamedSharding(mesh, decision.spec(roles.result, final=True))
 
 
 def _partition(prim, roles: _Roles, params, mesh, arg_shapes, result_shape):
-    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding)
+    decision = _decide(
+        roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding,
+        _nbytes(roles, arg_shapes),
+    )  # fmt: skip
     lhs_dims, rhs_dims, gs_dims, *bias_dims = roles.operands
     # The group sizes are whole along g on every device: the local sizes are cut from them.
     gs_spec = decision.spec(gs_dims[:-1], final=False)

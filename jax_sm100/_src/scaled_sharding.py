@@ -27,8 +27,10 @@ cut in quanta, the compound factor (f, f_in) with f_in the quantum, and its scal
 Per device: b, m and n splits are kept (each device one local product, no communication). A
 split k gives partial products, each in float32 over whole scale blocks, reduced by a
 `psum_scatter` onto each result dim that the requested result sharding splits over k's axes and
-one `psum` over the rest, then rounded once to the output dtype, as the whole product is. A
-mesh axis serves one factor at most; one that does not divide its factor's quanta evenly is
+one `psum` over the rest, then rounded once to the output dtype, as the whole product is
+(beside lhs's rows or examples split over the same axes, FSDP's layout, rhs is gathered along
+k instead where that moves fewer bytes: `sharding._gathers_less`). A mesh axis serves one
+factor at most; one that does not divide its factor's quanta evenly is
 dropped (gathered): replicated rather than wrong (sharding._decide, shared with matmul). The
 quanta bound the result's dims too (a reduce-scatter onto n needs whole quanta of n, though the
 result holds no scales; otherwise an all-reduce and a slice).
@@ -241,14 +243,21 @@ def _data_shardings(arg_shapes):
     return [s.sharding for s in arg_shapes[:2]] + [None, None]
 
 
+def _nbytes(arg_shapes):
+    lhs, rhs = arg_shapes[:2]
+    return sharding.nbytes(arg_shapes, lhs.shape[0] * lhs.shape[1] * rhs.shape[1])
+
+
 def _infer(roles: _Roles, mesh, arg_shapes):
     """GSPMD: the result sharding implied by the operands'."""
-    decision = sharding._decide(roles, mesh, _data_shardings(arg_shapes), None)
+    decision = sharding._decide(roles, mesh, _data_shardings(arg_shapes), None, _nbytes(arg_shapes))
     return NamedSharding(mesh, decision.spec(roles.result, final=True))
 
 
 def _partition(prim, roles: _Roles, out_dtype, mesh, arg_shapes, result_shape):
-    decision = sharding._decide(roles, mesh, _data_shardings(arg_shapes), result_shape.sharding)
+    decision = sharding._decide(
+        roles, mesh, _data_shardings(arg_shapes), result_shape.sharding, _nbytes(arg_shapes)
+    )
     arg_shardings = tuple(
         NamedSharding(mesh, decision.spec(dims, final=False)) for dims in roles.operands
     )

@@ -18,6 +18,10 @@ given into per-device work:
     one `psum` over the rest; then the epilogue (`primitive.epilogue_xla`: alpha,
     `beta * c + bias` and the activation, the saved pre-activation, or a backward epilogue's
     act'(c)) runs once, on the reduced block.
+  * k sharded beside another operand's split of a result dim over the same axes (FSDP: the
+    activations' rows and the weight's k over one axis): the k-split operand is gathered
+    instead, and every device computes its block of the result, where that moves fewer bytes
+    than the reduction (`_gathers_less`).
   * a mesh axis is used by one factor at most; a sharding that does not divide its dim evenly
     is dropped (XLA would pad the block, and padding inside k would corrupt the sum).
 
@@ -408,8 +412,9 @@ class _Decision:
         return PS(*(P.spec_entry(pick(f)) for f in dims))
 
 
-def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
-    """Chooses the axes of every factor from the given shardings (see the module docstring)."""
+def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> _Decision:
+    """Chooses the axes of every factor from the given shardings (see the module docstring);
+    `nbytes`: the operands' bytes and the whole result's in the accumulator dtype."""
     mesh_shape = dict(mesh.shape)
     operand_axes = [
         _spec_axes(s, len(dims)) for s, dims in zip(arg_shardings, roles.operands, strict=True)
@@ -424,7 +429,63 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding) -> _Decision:
     # k first: the result's sharding then says whether its partials are reduce-scattered.
     k = _even_prefix(from_operands("k"), roles.size("k"), mesh_shape)
     local = {"k": k} if k else {}
-    return _decide_result(roles, mesh_shape, result_sharding, from_operands, local, k)
+    keep = _decide_result(roles, mesh_shape, result_sharding, from_operands, local, k)
+    if not k:
+        return keep
+    gather = _decide_result(
+        roles, mesh_shape, result_sharding,
+        lambda f: () if f == "k" else from_operands(f), {}, (),
+    )  # fmt: skip
+    return gather if _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) else keep
+
+
+def _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) -> bool:
+    """Whether gathering k's split (`gather`) moves fewer bytes than reducing partial products
+    over it (`keep`), with the work still divided as finely.
+
+    FSDP's layout splits the activations' rows and the weights' k over one axis. Keeping k
+    split moves the activations to a k split (an all-to-all) and reduce-scatters every
+    device's partial product of all the rows, in the accumulator dtype; gathering the weights
+    moves only them, and each device computes its rows. Tensor parallelism's row-parallel
+    product (both operands split along k, no other dim on that axis) keeps k: gathering would
+    make every device compute the whole product.
+
+    Per device and per mesh axis of k's split, up to a common factor (1 - 1/d), the bytes
+    that arrive are: for `keep`, its partial product and each operand that splits another dim
+    over k's axes (the all-to-all to a split of k); for `gather`, each operand whose k is split
+    (an all-gather of its k)."""
+    operand_bytes, partial_bytes = nbytes
+    k_axes = set(keep.local["k"])
+
+    def split(axes):
+        return math.prod(mesh_shape[a] for a in axes)
+
+    def local_work(decision):
+        return split(a for f in roles.result for a in decision.local.get(f, ()))
+
+    # Only where an operand splits another of the result's dims over k's axes (FSDP's rows),
+    # and the work stays as divided: a split the result asks for alone keeps k (tensor
+    # parallelism's reduce-scatter onto the rows that sequence parallelism wants).
+    claimed = {
+        a
+        for dims, axes in zip(roles.operands, operand_axes, strict=True)
+        for f, f_axes in zip(dims, axes, strict=True)
+        if f in roles.result
+        for a in f_axes
+    }
+    if not k_axes <= claimed or local_work(gather) < local_work(keep) * split(k_axes):
+        return False
+    moved = {"keep": partial_bytes / local_work(keep), "gather": 0.0}
+    for dims, axes, size in zip(roles.operands, operand_axes, operand_bytes, strict=True):
+        if "k" not in dims:
+            continue
+        k_split = set(axes[dims.index("k")]) & k_axes
+        held = size / split(a for a_dims in axes for a in a_dims)
+        if k_split:
+            moved["gather"] += held * split(k_split)
+        elif k_axes & {a for a_dims in axes for a in a_dims}:
+            moved["keep"] += held
+    return moved["gather"] < moved["keep"]
 
 
 def _decide_result(roles, mesh_shape, result_sharding, from_operands, local, reduced):
@@ -465,9 +526,23 @@ def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
 # --- callbacks ---------------------------------------------------------------------------------
 
 
+def nbytes(arg_shapes, result_elements: int) -> tuple[list[int], int]:
+    """The operands' bytes and a partial result's (`_decide`'s `nbytes`): float32, or float64
+    beside a float64 operand."""
+    operand_bytes = [math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in arg_shapes]
+    acc = P.acc_dtype(*(s.dtype for s in arg_shapes))
+    return operand_bytes, result_elements * acc.itemsize
+
+
 def _infer(roles: _Roles, mesh, arg_shapes):
     """GSPMD: the result shardings implied by the operands'."""
-    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], None)
+    decision = _decide(
+        roles,
+        mesh,
+        [s.sharding for s in arg_shapes],
+        None,
+        nbytes(arg_shapes, math.prod(roles.result_shape)),
+    )
     return [NamedSharding(mesh, decision.spec(roles.result, final=True))] * roles.num_results
 
 
@@ -475,7 +550,10 @@ def _partition(roles: _Roles, params, mesh, arg_shapes, result_shapes):
     # Every result (out, and the pre-activation z) has the same dims: the first one's requested
     # sharding decides.
     result_shape = result_shapes[0]
-    decision = _decide(roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding)
+    decision = _decide(
+        roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding,
+        nbytes(arg_shapes, math.prod(roles.result_shape)),
+    )  # fmt: skip
     deferred = "k" in decision.local
     arg_shardings = []
     for i, dims in enumerate(roles.operands):
