@@ -767,6 +767,30 @@ class PartitionerTest(ShardedTestCase):
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 
+    @parameterized.named_parameters(("shardy", True), ("gspmd", False))
+    def test_layouts_that_keep_k_split(self, shardy):
+        # Sequence parallelism's row-parallel product: x and w split along k over "model", the
+        # residual c and the result along rows over it. Gathering x and w would move fewer
+        # bytes than the float32 partials, but c's rows claim nothing: k stays split and the
+        # partials are reduce-scattered onto the rows (review helper-103: they were gathered).
+        # Then x's rows over both axes, w's k over "data" and n over "model": gathering w
+        # would undo its n split too, more bytes than keeping k (it was gathered).
+        self.require("model")
+        self.require("data")
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            args = (rand(0, 512, 16), rand(1, 16, 64), rand(2, 512, 64))
+            self.check(lambda x, w, c: jax_sm100.matmul(x, w, c=c), args,
+                       (PS(None, "model"), PS("model"), PS("model")), counts(reduce_scatter=1),
+                       out_spec=PS("model"))  # fmt: skip
+            _, hlo = self.check(jax_sm100.matmul, (rand(0, 256, 256), rand(1, 256, 256)),
+                                (PS(("data", "model")), PS("data", "model")),
+                                [counts(reduce_scatter=1, all_gather=1, all_to_all=1,
+                                        collective_permute=cp) for cp in (1, 2)])  # fmt: skip
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+
     def test_decoded_shardings(self):
         # The callbacks' GSPMD shardings read back as the NamedShardings they came from, over
         # meshes in and out of device order, one dim over two axes in either order; a dim over

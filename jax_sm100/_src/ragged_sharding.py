@@ -343,18 +343,18 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> shar
         used.update(got)
         if got:
             local[factor] = got
-    reduced = tuple(a for f in roles.reductions for a in local.get(f, ()))
-    keep = sharding._decide_result(roles, mesh_shape, result_sharding, from_operands,
-                                   dict(local), reduced)  # fmt: skip
-    if "k" not in roles.reductions or "k" not in local:
+
+    def decided(local):
+        reduced = tuple(a for f in roles.reductions for a in local.get(f, ()))
+        return sharding._decide_result(roles, mesh_shape, result_sharding, from_operands,
+                                       dict(local), reduced)  # fmt: skip
+
+    keep = decided(local)
+    if "k" not in local:
         return keep
     # ragged_dot's k split, or the weights gathered along k where that moves fewer bytes
     # (FSDP's layout: sharding._gathers_less); a split of g stays either way.
-    del local["k"]
-    gather = sharding._decide_result(
-        roles, mesh_shape, result_sharding, lambda f: () if f == "k" else from_operands(f),
-        local, tuple(a for f in roles.reductions for a in local.get(f, ())),
-    )  # fmt: skip
+    gather = decided({f: axes for f, axes in local.items() if f != "k"})
     if sharding._gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather):
         return gather
     return keep

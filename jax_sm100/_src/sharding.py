@@ -432,10 +432,7 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> _Dec
     keep = _decide_result(roles, mesh_shape, result_sharding, from_operands, local, k)
     if not k:
         return keep
-    gather = _decide_result(
-        roles, mesh_shape, result_sharding,
-        lambda f: () if f == "k" else from_operands(f), {}, (),
-    )  # fmt: skip
+    gather = _decide_result(roles, mesh_shape, result_sharding, from_operands, {}, ())
     return gather if _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) else keep
 
 
@@ -446,46 +443,55 @@ def _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) -> bool
     FSDP's layout splits the activations' rows and the weights' k over one axis. Keeping k
     split moves the activations to a k split (an all-to-all) and reduce-scatters every
     device's partial product of all the rows, in the accumulator dtype; gathering the weights
-    moves only them, and each device computes its rows. Tensor parallelism's row-parallel
-    product (both operands split along k, no other dim on that axis) keeps k: gathering would
-    make every device compute the whole product.
+    moves only them, and each device computes its rows. Only a split of the two factors' other
+    dims counts: tensor parallelism's row-parallel product (both split along k) keeps k though
+    a residual c or the requested result splits its rows over that axis (sequence
+    parallelism's reduce-scatter), and gathering must not leave devices computing alike.
 
-    Per device and per mesh axis of k's split, up to a common factor (1 - 1/d), the bytes
-    that arrive are: for `keep`, its partial product and each operand that splits another dim
-    over k's axes (the all-to-all to a split of k); for `gather`, each operand whose k is split
-    (an all-gather of its k)."""
-    operand_bytes, partial_bytes = nbytes
+    Bytes arriving per device: for each decision, the two factors' moves from the blocks they
+    hold to the decision's (`_arriving`); for `keep`, also the reduction of its partial product
+    (a reduce-scatter, then an all-reduce, twice the bytes, over the axes left)."""
+    operand_bytes, result_bytes = nbytes
     k_axes = set(keep.local["k"])
-
-    def split(axes):
-        return math.prod(mesh_shape[a] for a in axes)
-
-    def local_work(decision):
-        return split(a for f in roles.result for a in decision.local.get(f, ()))
-
-    # Only where an operand splits another of the result's dims over k's axes (FSDP's rows),
-    # and the work stays as divided: a split the result asks for alone keeps k (tensor
-    # parallelism's reduce-scatter onto the rows that sequence parallelism wants).
+    factors = list(zip(roles.operands[:2], operand_axes[:2], operand_bytes[:2], strict=True))
     claimed = {
         a
-        for dims, axes in zip(roles.operands, operand_axes, strict=True)
+        for dims, axes, _ in factors
         for f, f_axes in zip(dims, axes, strict=True)
         if f in roles.result
         for a in f_axes
     }
-    if not k_axes <= claimed or local_work(gather) < local_work(keep) * split(k_axes):
+
+    def local_work(decision):
+        return _split(mesh_shape, (a for f in roles.result for a in decision.local.get(f, ())))
+
+    if not k_axes <= claimed or local_work(gather) < local_work(keep) * _split(mesh_shape, k_axes):
         return False
-    moved = {"keep": partial_bytes / local_work(keep), "gather": 0.0}
-    for dims, axes, size in zip(roles.operands, operand_axes, operand_bytes, strict=True):
-        if "k" not in dims:
-            continue
-        k_split = set(axes[dims.index("k")]) & k_axes
-        held = size / split(a for a_dims in axes for a in a_dims)
-        if k_split:
-            moved["gather"] += held * split(k_split)
-        elif k_axes & {a for a_dims in axes for a in a_dims}:
-            moved["keep"] += held
-    return moved["gather"] < moved["keep"]
+    partial = result_bytes / local_work(keep)
+    scattered = _split(mesh_shape, (a for axes in keep.scatter.values() for a in axes))
+    reduction = partial * (1 - 1 / scattered) + 2 * partial / scattered * (
+        1 - 1 / _split(mesh_shape, keep.psum)
+    )
+    keeping = _arriving(factors, keep, mesh_shape) + reduction
+    return _arriving(factors, gather, mesh_shape) < keeping
+
+
+def _arriving(factors, decision, mesh_shape) -> float:
+    """Bytes arriving at a device for operands (dims, held axes, bytes) to take `decision`'s
+    local blocks: of each wanted block, the device holds the fraction that no held axis cuts
+    (an axis held on a dim that the wanted block does not split over it: gathered, or moved to
+    another dim); the rest arrives."""
+    total = 0.0
+    for dims, axes, size in factors:
+        wanted = [decision.local.get(f, ()) for f in dims]
+        block = size / _split(mesh_shape, (a for w in wanted for a in w))
+        cut = [a for have, want in zip(axes, wanted, strict=True) for a in have if a not in want]
+        total += block * (1 - 1 / _split(mesh_shape, cut))
+    return total
+
+
+def _split(mesh_shape, axes) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
 
 
 def _decide_result(roles, mesh_shape, result_sharding, from_operands, local, reduced):
@@ -526,10 +532,16 @@ def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
 # --- callbacks ---------------------------------------------------------------------------------
 
 
-def nbytes(arg_shapes, result_elements: int) -> tuple[list[int], int]:
-    """The operands' bytes and a partial result's (`_decide`'s `nbytes`): float32, or float64
-    beside a float64 operand."""
-    operand_bytes = [math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in arg_shapes]
+def nbytes(arg_shapes, result_elements: int) -> tuple[list[float], int]:
+    """`_decide`'s `nbytes`: the operands' bytes (nvfp4's half a byte an element, as packed on
+    the GPU) and the whole result's in the accumulator dtype (float32, or float64 beside a
+    float64 operand)."""
+    operand_bytes = [
+        math.prod(s.shape)
+        * C.OPERAND_BITS.get(np.dtype(s.dtype).name, 8 * np.dtype(s.dtype).itemsize)
+        / 8
+        for s in arg_shapes
+    ]
     acc = P.acc_dtype(*(s.dtype for s in arg_shapes))
     return operand_bytes, result_elements * acc.itemsize
 
