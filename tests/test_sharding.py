@@ -767,6 +767,27 @@ class PartitionerTest(ShardedTestCase):
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 
+    def test_fsdp_training_step(self):
+        # A two-layer MLP's step with FSDP's layout (x's rows, w1's and w2's first dim and the
+        # updated weights over "data"): each weight is gathered once, each gradient
+        # reduce-scattered to its split, as FSDP does by hand. Before, layer 1's forward kept k
+        # split: two all-to-alls and four reduce-scatters, one of every device's partials of
+        # the whole hidden activation; jnp.dot's step all-reduces both gradients.
+        self.require("data")
+        x, w1, w2 = rand(0, 512, 32), rand(1, 32, 128), rand(2, 128, 32)
+
+        def step(w1, w2, x):
+            def loss(w1, w2):
+                h = jax.nn.gelu(jax_sm100.matmul(x, w1))
+                return jnp.mean(jax_sm100.matmul(h, w2) ** 2)
+
+            g1, g2 = jax.grad(loss, (0, 1))(w1, w2)
+            return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+        self.check(step, (w1, w2, x), (PS("data"),) * 3,
+                   counts(all_gather=2, reduce_scatter=2),
+                   out_spec=PS("data"), grad=True)  # fmt: skip
+
     @parameterized.named_parameters(("shardy", True), ("gspmd", False))
     def test_layouts_that_keep_k_split(self, shardy):
         # Sequence parallelism's row-parallel product: x and w split along k over "model", the
