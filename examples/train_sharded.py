@@ -2,6 +2,7 @@
 
     python examples/train_sharded.py [--steps 40] [--tp 4] [--dtype float32] [--axes auto]
     python examples/train_sharded.py --reference   # the same training on jnp.matmul
+    python examples/train_sharded.py --fsdp        # every weight also split over "data"
 
 The mesh is ("data", "model"): the batch is split over "data"; the attention heads and the MLP's
 hidden units over "model" (Megatron-style: q/k/v and the MLP's up-projection column-parallel,
@@ -13,6 +14,9 @@ all of them. The student learns to match a fixed random teacher with the same ar
 the loss falls towards zero; the loss and the time per step are printed, and the collectives of
 the compiled step are counted once: on the default 2 x 4 mesh, 9 all-reduces per step (two per
 layer forward, two per layer backward, one for the data-parallel gradients) and nothing else.
+With --fsdp every weight (and its optimizer state) is also split over "data" along its other
+dim, as fully sharded data parallelism keeps it: each weight is gathered where it is used,
+once a step, and under Auto axes its gradient reduce-scattered back to its split.
 """
 
 from __future__ import annotations
@@ -68,14 +72,16 @@ COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute
 # --- the model ---------------------------------------------------------------------------------
 
 
-def param_specs(layers):
-    """Where each parameter lives: column-parallel and row-parallel weights split on "model"."""
+def param_specs(layers, fsdp=False):
+    """Where each parameter lives: column-parallel and row-parallel weights split on "model";
+    with `fsdp`, each weight's other dim over "data" too (gathered where it is used)."""
+    f = "data" if fsdp else None
     block = {
         "ln1": PS(), "ln2": PS(),
-        "wq": PS(None, "model"), "wk": PS(None, "model"), "wv": PS(None, "model"),
-        "wo": PS("model", None), "bo": PS(),
-        "w1": PS(None, "model"), "b1": PS("model"),
-        "w2": PS("model", None), "b2": PS(),
+        "wq": PS(f, "model"), "wk": PS(f, "model"), "wv": PS(f, "model"),
+        "wo": PS("model", f), "bo": PS(),
+        "w1": PS(f, "model"), "b1": PS("model"),
+        "w2": PS("model", f), "b2": PS(),
     }  # fmt: skip
     return [dict(block) for _ in range(layers)]
 
@@ -183,6 +189,11 @@ def main():
         help="every product on jnp.matmul (XLA's dot) instead of jax_sm100.matmul, Auto axes",
     )
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="also split every weight (and its optimizer state) over 'data' (FSDP)",
+    )
+    parser.add_argument(
         "--show-collectives",
         action="store_true",
         help="print each collective of the compiled training step (operand shapes, groups)",
@@ -219,7 +230,7 @@ def main():
     def place(tree, specs):
         return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 
-    specs = param_specs(args.layers)
+    specs = param_specs(args.layers, args.fsdp)
     k_teacher, k_student, k_data = jax.random.split(jax.random.key(0), 3)
     teacher = place(init(k_teacher, args, dtype), specs)
     params = place(init(k_student, args, dtype), specs)
