@@ -229,6 +229,23 @@ class ForwardTest(RaggedCase):
             self.check(jax_sm100.ragged_dot, (lhs, rhs, groups(13, g=g, m=m)), specs, want,
                        reference=reference_dot)  # fmt: skip
 
+    def test_fsdp_beside_experts_keeps_k(self):
+        # Experts over "model" and their k over "data", tokens' rows over "data": the result's
+        # all-reduce over the experts is the same either way, so it weighs on neither side;
+        # keeping k moves fewer bytes (review helper-104: counted for keep only, the experts
+        # were gathered along k, 42 % more bytes).
+        self.require("data")
+        self.require("model")
+        rng = np.random.default_rng(14)
+        lhs, rhs = tu.rand(rng, (256, 64), "float32"), tu.rand(rng, (44, 64, 64), "float32")
+        sizes = np.zeros(44, np.int32)
+        sizes[:32] = 8
+        keep = [counts(all_reduce=1, reduce_scatter=1, all_to_all=1),
+                counts(all_reduce=1, reduce_scatter=1, all_gather=1)]  # fmt: skip
+        specs = (PS("data"), PS("model", "data"), PS())
+        self.check(jax_sm100.ragged_dot, (lhs, rhs, jnp.asarray(sizes)), specs, keep,
+                   reference=reference_dot)  # fmt: skip
+
     @parameterized.parameters("complex64", "int8")
     def test_lax_paths_sum_partials_in_their_dtype(self, dtype):
         # Complex and integer operands take lax.ragged_dot's path (the primitive with lax's

@@ -812,6 +812,17 @@ class PartitionerTest(ShardedTestCase):
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
 
+    def test_fsdp_counts_the_results_reordering(self):
+        # FSDP's layout with the result asked over ("data", "model"): keeping k reduce-scatters
+        # onto rows already split over "model", so the rows come out over ("model", "data") and
+        # XLA permutes them back (two collective-permutes); gathering w moves less (review
+        # helper-104: the permutes were not counted and k stayed split).
+        self.require("data")
+        self.require("model")
+        f = lambda x, w: jax_sm100.matmul(x, w)
+        self.check(f, (rand(0, 128, 48), rand(1, 48, 64)), (PS("data"), PS("data")),
+                   counts(all_gather=1), out_spec=PS(("data", "model")))  # fmt: skip
+
     def test_decoded_shardings(self):
         # The callbacks' GSPMD shardings read back as the NamedShardings they came from, over
         # meshes in and out of device order, one dim over two axes in either order; a dim over

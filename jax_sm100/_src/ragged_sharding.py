@@ -355,7 +355,8 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> shar
     # ragged_dot's k split, or the weights gathered along k where that moves fewer bytes
     # (FSDP's layout: sharding._gathers_less); a split of g stays either way.
     gather = decided({f: axes for f, axes in local.items() if f != "k"})
-    if sharding._gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather):
+    if sharding._gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep,
+                              gather):  # fmt: skip
         return gather
     return keep
 

@@ -433,24 +433,26 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> _Dec
     if not k:
         return keep
     gather = _decide_result(roles, mesh_shape, result_sharding, from_operands, {}, ())
-    return gather if _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) else keep
+    cheaper = _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep, gather)
+    return gather if cheaper else keep
 
 
-def _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) -> bool:
+def _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep, gather):
     """Whether gathering k's split (`gather`) moves fewer bytes than reducing partial products
     over it (`keep`), with the work still divided as finely.
 
     FSDP's layout splits the activations' rows and the weights' k over one axis. Keeping k
-    split moves the activations to a k split (an all-to-all) and reduce-scatters every
-    device's partial product of all the rows, in the accumulator dtype; gathering the weights
-    moves only them, and each device computes its rows. Only a split of the two factors' other
-    dims counts: tensor parallelism's row-parallel product (both split along k) keeps k though
-    a residual c or the requested result splits its rows over that axis (sequence
-    parallelism's reduce-scatter), and gathering must not leave devices computing alike.
+    split moves the activations to a split of k and reduce-scatters every device's partial
+    product of all the rows, in the accumulator dtype; gathering the weights moves only them,
+    and each device computes its rows. Only a split of the two factors' other dims counts:
+    tensor parallelism's row-parallel product (both split along k) keeps k though a residual
+    c or the requested result splits its rows over that axis (sequence parallelism's
+    reduce-scatter), and gathering must not leave devices computing alike.
 
-    Bytes arriving per device: for each decision, the two factors' moves from the blocks they
-    hold to the decision's (`_arriving`); for `keep`, also the reduction of its partial product
-    (a reduce-scatter, then an all-reduce, twice the bytes, over the axes left)."""
+    Bytes arriving per device, for each decision: the two factors' moves from the blocks they
+    hold to the decision's (`_arriving`), and the result's reduction and reordering
+    (`_reducing`). A model: XLA reshards as it chooses (JAX 0.12 moves an operand from a split
+    of rows to a split of k by an all-gather and a slice, where 0.10 runs an all-to-all)."""
     operand_bytes, result_bytes = nbytes
     k_axes = set(keep.local["k"])
     factors = list(zip(roles.operands[:2], operand_axes[:2], operand_bytes[:2], strict=True))
@@ -467,27 +469,54 @@ def _gathers_less(roles, mesh_shape, operand_axes, nbytes, keep, gather) -> bool
 
     if not k_axes <= claimed or local_work(gather) < local_work(keep) * _split(mesh_shape, k_axes):
         return False
-    partial = result_bytes / local_work(keep)
-    scattered = _split(mesh_shape, (a for axes in keep.scatter.values() for a in axes))
-    reduction = partial * (1 - 1 / scattered) + 2 * partial / scattered * (
-        1 - 1 / _split(mesh_shape, keep.psum)
-    )
-    keeping = _arriving(factors, keep, mesh_shape) + reduction
-    return _arriving(factors, gather, mesh_shape) < keeping
+    requested = dict(zip(roles.result, _spec_axes(result_sharding, len(roles.result)), strict=True))
+
+    def moved(decision):
+        block = result_bytes / local_work(decision)
+        return _arriving(factors, decision, mesh_shape) + _reducing(
+            roles, decision, block, requested, mesh_shape
+        )
+
+    return moved(gather) < moved(keep)
 
 
 def _arriving(factors, decision, mesh_shape) -> float:
     """Bytes arriving at a device for operands (dims, held axes, bytes) to take `decision`'s
-    local blocks: of each wanted block, the device holds the fraction that no held axis cuts
-    (an axis held on a dim that the wanted block does not split over it: gathered, or moved to
-    another dim); the rest arrives."""
+    local blocks. Per dim, a wanted split that extends the held one is a slice (nothing
+    arrives); a held split that extends the wanted one is gathered over its extra axes (and an
+    axis held on one dim and wanted on another is gathered there: an all-to-all); splits in
+    another order hold none of the wanted block."""
     total = 0.0
     for dims, axes, size in factors:
         wanted = [decision.local.get(f, ()) for f in dims]
         block = size / _split(mesh_shape, (a for w in wanted for a in w))
-        cut = [a for have, want in zip(axes, wanted, strict=True) for a in have if a not in want]
-        total += block * (1 - 1 / _split(mesh_shape, cut))
+        held = 1.0
+        for have, want in zip(axes, wanted, strict=True):
+            have, want = tuple(have), tuple(want)
+            if want[: len(have)] == have:
+                continue
+            if have[: len(want)] == want:
+                held /= _split(mesh_shape, have[len(want) :])
+            else:
+                held = 0.0
+        total += block * (1 - held)
     return total
+
+
+def _reducing(roles, decision, block, requested, mesh_shape) -> float:
+    """Bytes arriving at a device to reduce its partial result `block` (bytes) as `decision`
+    says (a reduce-scatter, then an all-reduce, twice the bytes, over the axes left), and to
+    reorder the reduced block where its dims' axes come in another order than `requested`
+    (a scatter's axes follow the local ones; XLA then permutes the block)."""
+    scattered = _split(mesh_shape, (a for axes in decision.scatter.values() for a in axes))
+    cost = block * (1 - 1 / scattered)
+    cost += 2 * block / scattered * (1 - 1 / _split(mesh_shape, decision.psum))
+    for f in roles.result:
+        final, wanted = decision.final(f), tuple(requested.get(f, ()))
+        if wanted and final != wanted and set(final) == set(wanted):
+            cost += block / scattered
+            break
+    return cost
 
 
 def _split(mesh_shape, axes) -> int:
