@@ -231,6 +231,8 @@ def main():
         return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
 
     specs = param_specs(args.layers, args.fsdp)
+    if args.fsdp and dp == 1:
+        print("--fsdp: the 'data' axis has one device, so no weight is split further")
     k_teacher, k_student, k_data = jax.random.split(jax.random.key(0), 3)
     teacher = place(init(k_teacher, args, dtype), specs)
     params = place(init(k_student, args, dtype), specs)

@@ -28,7 +28,7 @@ Per device: b, m and n splits are kept (each device one local product, no commun
 split k gives partial products, each in float32 over whole scale blocks, reduced by a
 `psum_scatter` onto each result dim that the requested result sharding splits over k's axes and
 one `psum` over the rest, then rounded once to the output dtype, as the whole product is
-(beside lhs's rows or examples split over the same axes, FSDP's layout, rhs is gathered along
+(beside lhs's rows or batch split over the same axes, FSDP's layout, rhs is gathered along
 k instead where that moves fewer bytes: `sharding._gathers_less`). A mesh axis serves one
 factor at most; one that does not divide its factor's quanta evenly is
 dropped (gathered): replicated rather than wrong (sharding._decide, shared with matmul). The

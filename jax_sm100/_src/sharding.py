@@ -371,6 +371,10 @@ class _Roles:
             num_results=P.num_results(params),
         )
 
+    def nbytes(self, arg_shapes):
+        """`_decide`'s `nbytes` for these operands."""
+        return nbytes(arg_shapes, math.prod(self.result_shape))
+
     def sharding_rule(self) -> SdyShardingRule:
         return SdyShardingRule(
             operand_mappings=tuple(ArrayMapping(*dims) for dims in self.operands),
@@ -578,11 +582,7 @@ def nbytes(arg_shapes, result_elements: int) -> tuple[list[float], int]:
 def _infer(roles: _Roles, mesh, arg_shapes):
     """GSPMD: the result shardings implied by the operands'."""
     decision = _decide(
-        roles,
-        mesh,
-        [s.sharding for s in arg_shapes],
-        None,
-        nbytes(arg_shapes, math.prod(roles.result_shape)),
+        roles, mesh, [s.sharding for s in arg_shapes], None, roles.nbytes(arg_shapes)
     )
     return [NamedSharding(mesh, decision.spec(roles.result, final=True))] * roles.num_results
 
@@ -593,7 +593,7 @@ def _partition(roles: _Roles, params, mesh, arg_shapes, result_shapes):
     result_shape = result_shapes[0]
     decision = _decide(
         roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding,
-        nbytes(arg_shapes, math.prod(roles.result_shape)),
+        roles.nbytes(arg_shapes),
     )  # fmt: skip
     deferred = "k" in decision.local
     arg_shardings = []
