@@ -1,7 +1,7 @@
 // XLA FFI handler that runs GEMM kernels compiled by CuTe DSL.
 //
 // The kernel travels inside the HLO: the custom call carries the object file that
-// `JitCompiledFunction.dump_to_object` produced (an x86-64 ELF holding the cubin and the host
+// `JitCompiledFunction.dump_to_object` produced (a host ELF holding the cubin and the host
 // launch wrapper) as a u8 array attribute. That wrapper is native host code: loading the object
 // runs it in this process, so a module carrying it is code, not data (README "Trust").
 //
@@ -60,7 +60,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kDimsFormat = 2;
-constexpr size_t kMaxTensors = 8;  // a, b, d, c, bias, z, ws, flags
+constexpr size_t kMaxTensors = 8;  // the most of any family (dense: a, b, d, c, bias, z, ws, flags)
 constexpr int64_t kMaxRank = 4;
 // void* + int32 extents + padding + int64 strides, for kMaxRank modes each.
 constexpr size_t kMaxArgBytes = 64;
@@ -743,7 +743,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSm100GemmExecute, Execute,
                                   .Ctx<ffi::State<GemmState>>()       // from Instantiate
                                   .Arg<ffi::AnyBuffer>()              // a
                                   .Arg<ffi::AnyBuffer>()              // b
-                                  .RemainingArgs()                    // [c], [bias], [flags]
+                                  .RemainingArgs()                    // c, bias, scales, group sizes...
                                   .Ret<ffi::AnyBuffer>()              // d
-                                  .RemainingRets(),                   // [z], [ws], [flags]
+                                  .RemainingRets(),                   // z, ws, flags, counter...
                               {ffi::Traits::kCmdBufferCompatible});

@@ -53,7 +53,6 @@ SMALL = ((256, 256, 512), (64, 384, 256))
 # The side on DeepSeek-V3's weight recipe (`quantize(w, "fp8_block128x128")`): the same lhs, the
 # same weights quantized per 128 x 128 tile.
 TILES = "ours w128x128"
-SIDES = ("ours", "jax.nn", "cublas fp8", "ours fp8", TILES)
 # `--overlap`: the JAX_SM100_SCALED_OVERLAP value ours is lowered under, for each of ours' rows
 # (None: the environment's).
 OVERLAP = {"off": ("0",), "on": ("1",), "both": ("0", "1")}

@@ -260,7 +260,10 @@ def matmul(
         return DG.with_result_type(out.reshape(out_shape), weak, out_sharding)
     if plan is not None:
         if not isinstance(plan, planning.GemmPlan):
-            raise TypeError(f"plan must be a jax_sm100.GemmPlan, got {type(plan).__name__}")
+            raise TypeError(
+                f"jax_sm100.matmul: plan must be a jax_sm100.GemmPlan (from jax_sm100.plan), "
+                f"got {type(plan).__name__}"
+            )
         problem = P.problem_for_operands(*split, **params)
         planning.check_plan_fits(plan, problem, plan.arch)
     (out,) = P.matmul_p.bind(*operands, plan=plan, **params)

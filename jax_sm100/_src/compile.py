@@ -39,12 +39,6 @@ class TensorArg:
     dynamic_shape_modes: tuple[int, ...]
     dynamic_stride_modes: tuple[int, ...]
 
-    def dims(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> list[int]:
-        """The handler's description of this tensor: `S, T, shapes..., strides...`."""
-        s = [int(shape[i]) for i in self.dynamic_shape_modes]
-        t = [int(strides[i]) for i in self.dynamic_stride_modes]
-        return [len(s), len(t), *s, *t]
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CompiledGemm:
@@ -54,7 +48,8 @@ class CompiledGemm:
       plan, spec: what it was compiled for (the first plan of its binary-equivalence class).
       arch: "sm_90a" or "sm_100a".
       function_prefix: the name the runtime looks the host function up by.
-      object_bytes: the x86-64 object file holding the cubin and the launch wrapper.
+      object_bytes: the host (x86-64 or aarch64) object file holding the cubin and the launch
+        wrapper.
       ptx: the kernel's PTX; cubin: its cubin (both kept for tests and inspection).
       tensor_args: the kernel's tensor arguments, in order (absent c/bias are left out).
       split_k: the plan's split factor (A and B are then passed as (M, K/split, split) views;

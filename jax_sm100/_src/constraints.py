@@ -179,27 +179,37 @@ def check_sm100_blockscaled(
     a_major: str, b_major: str,
 ) -> None:  # fmt: skip
     """What sm_100a's block-scaled GEMM (kernels/sm100_blockscaled.py) takes beyond a dense plan:
-    a format of `SM100_BLOCKSCALED_KINDS` for both operands, both K-major (the scales run along
-    k), M of 128 rows per CTA (one scale atom's rows: 128 1-CTA, 256 2-CTA) and N of 128 or 256
-    (whole scale atoms of B). Its plain epilogue is `check_plain_epilogue`'s rule."""
-    for name, dtype in (("a", a_dtype), ("b", b_dtype)):
-        if (dtype, scale_dtype, scale_block) not in SM100_BLOCKSCALED_KINDS:
-            raise PlanError(
-                f"{name}_dtype={dtype!r} with {scale_dtype=} per {scale_block=} is not an sm_100a "
-                f"block-scaled format; one of {tuple(SM100_BLOCKSCALED_KINDS)}"
-            )
-    kinds = {SM100_BLOCKSCALED_KINDS[(t, scale_dtype, scale_block)] for t in (a_dtype, b_dtype)}
-    if len(kinds) != 1 or (a_dtype != b_dtype and "mxf4nvf4" in kinds):
-        raise PlanError(f"{a_dtype=} and {b_dtype=} need one block-scaled MMA kind")
-    if a_major != "k" or b_major != "k":
-        raise PlanError(f"block-scaled operands are K-major (scales run along k): {a_major=}, "
-                        f"{b_major=}")  # fmt: skip
+    `blockscaled_operands`' formats and layouts, M of 128 rows per CTA (one scale atom's rows:
+    128 1-CTA, 256 2-CTA) and N of 128 or 256 (whole scale atoms of B). Its plain epilogue is
+    `check_plain_epilogue`'s rule."""
+    why = blockscaled_operands(a_dtype, b_dtype, scale_dtype, scale_block, a_major, b_major)
+    if why is not None:
+        raise PlanError(why)
     m, n, _ = mma_tiler_mnk
     if m != (256 if use_2cta else 128) or n not in (128, 256):
         raise PlanError(
             f"block-scaled sm_100a MMA tiles are 128 rows per CTA (M=128 1-CTA, 256 2-CTA) by "
             f"N=128 or 256; got {mma_tiler_mnk=}, {use_2cta=}"
         )
+
+
+def blockscaled_operands(a_dtype, b_dtype, scale_dtype, scale_block, a_major, b_major):
+    """Why operands cannot feed sm_100a's block-scaled MMA, or None: each a format of
+    `SM100_BLOCKSCALED_KINDS` under the one scale dtype and block (the MMA kind follows the
+    scales, so both then share one, and fp4 never meets fp8), both K-major (the scales run
+    along k)."""
+    for name, dtype in (("a", a_dtype), ("b", b_dtype)):
+        if (dtype, scale_dtype, scale_block) not in SM100_BLOCKSCALED_KINDS:
+            return (
+                f"{name}_dtype={dtype!r} with {scale_dtype=} per {scale_block=} is not an sm_100a "
+                f"block-scaled format; one of {tuple(SM100_BLOCKSCALED_KINDS)}"
+            )
+    if a_major != "k" or b_major != "k":
+        return (
+            f"block-scaled operands are K-major ([m, k] and [n, k]; the scales run along k): "
+            f"{a_major=}, {b_major=}"
+        )
+    return None
 
 
 def check_plain_epilogue(
@@ -406,7 +416,13 @@ def contiguous_extent(m: int, n: int, k: int, major: str) -> int:
 
 def tma_quantum(dtype: str) -> int:
     """Elements of `dtype` in one 16-byte TMA unit: what a contiguous dim must be a multiple of."""
-    return TMA_ALIGN_BYTES * 8 // DTYPE_BITS[dtype]
+    return tma_quantum_bits(OPERAND_BITS[dtype])
+
+
+def wgmma_k_major_only(arch: str, dtype: str) -> bool:
+    """Whether `arch`'s MMA reads `dtype` operands K-major only: sm_90a's fp8 wgmma (PTX ISA:
+    only 16-bit wgmma operands may be transposed in shared memory)."""
+    return arch == "sm_90a" and dtype in FP8_DTYPES
 
 
 def extent_support(m: int, n: int, k: int, batch: int = 1) -> str | None:
@@ -434,7 +450,8 @@ KERNEL_SCALE_BLOCK = 128
 def scaled_support(arch, k, a_dtype, b_dtype, scale_dtype, scale_block) -> str | None:
     """Why no kernel runs a block-scaled problem (beyond `kernel_support`'s reasons), or None."""
     if arch not in KERNEL_SCALE_DTYPES:
-        return f"XLA ops: no {arch} block-scaled kernel yet (issue 19)"
+        # sm_100a's block-scaled formats are `blockscaled_support`'s.
+        return f"XLA ops: no {arch} kernel for {scale_dtype} scales per {scale_block}"
     if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES:
         return f"XLA ops: the {arch} block-scaled kernel takes fp8 data, not {a_dtype} x {b_dtype}"
     if scale_dtype not in KERNEL_SCALE_DTYPES[arch] or scale_block != KERNEL_SCALE_BLOCK:
@@ -591,11 +608,13 @@ def kernel_support(
         return f"XLA dot: the epilogue writes {KERNEL_OUT_DTYPES}, not {out_dtype}"
     if c_dtype is not None and c_dtype not in KERNEL_OUT_DTYPES:
         return f"XLA dot: the epilogue reads C as {KERNEL_OUT_DTYPES}, not {c_dtype}"
-    if arch == "sm_90a" and a_dtype in FP8_DTYPES and (a_major != "k" or b_major != "k"):
-        return (
-            "XLA dot: sm_90a fp8 wgmma needs K-major A and B; B is "
-            f"{b_major}-major here (pass b transposed, [n, k], to use the kernel)"
-        )
+    if wgmma_k_major_only(arch, a_dtype) and (a_major != "k" or b_major != "k"):
+        wrong = [
+            f"{name} is {major}-major (pass {fix} to use the kernel)"
+            for name, major, fix in (("A", a_major, "a as [m, k]"), ("B", b_major, "b as [n, k]"))
+            if major != "k"
+        ]
+        return "XLA dot: sm_90a fp8 wgmma needs K-major A and B; here " + " and ".join(wrong)
     checks = [
         ("a", a_major, a_dtype),
         ("b", b_major, b_dtype),
@@ -606,8 +625,8 @@ def kernel_support(
     for name, major, dtype in checks:
         extent = contiguous_extent(m, n, k, major)
         nbytes = extent * DTYPE_BITS[dtype] // 8
-        if (extent * DTYPE_BITS[dtype]) % (TMA_ALIGN_BYTES * 8):
-            quantum = tma_quantum(dtype)
+        quantum = tma_quantum(dtype)
+        if extent % quantum:
             return (
                 f"XLA dot: {name}'s contiguous dim {major}={extent} ({nbytes} bytes of {dtype}) "
                 f"is not a multiple of {TMA_ALIGN_BYTES} bytes, which TMA needs; "
@@ -624,18 +643,11 @@ def blockscaled_support(
     scale blocks and 16-byte rows along k, a 16-byte aligned N-major output."""
     if arch != "sm_100a":
         return f"XLA ops: no {arch} block-scaled kernel for {scale_dtype} scales"
-    for dtype in (a_dtype, b_dtype):
-        if (dtype, scale_dtype, scale_block) not in SM100_BLOCKSCALED_KINDS:
-            return (
-                f"XLA ops: {dtype} data with {scale_dtype} scales per {scale_block} is not an "
-                f"sm_100a block-scaled format ({tuple(SM100_BLOCKSCALED_KINDS)})"
-            )
-    if a_dtype != b_dtype and "float4_e2m1fn" in (a_dtype, b_dtype):
-        return f"XLA ops: {a_dtype} x {b_dtype} mixes fp4 with another format"
+    why = blockscaled_operands(a_dtype, b_dtype, scale_dtype, scale_block, a_major, b_major)
+    if why is not None:
+        return f"XLA ops: {why}"
     if out_dtype not in KERNEL_OUT_DTYPES or c_dtype is not None:
         return f"XLA ops: the block-scaled epilogue writes {KERNEL_OUT_DTYPES} and reads no C"
-    if a_major != "k" or b_major != "k":
-        return "XLA ops: block-scaled operands must be K-major ([m, k] and [n, k])"
     quantum = max(tma_quantum_bits(OPERAND_BITS[a_dtype]), tma_quantum_bits(OPERAND_BITS[b_dtype]))
     if k % scale_block or k % quantum:
         return (

@@ -35,15 +35,16 @@ deleted and reported as a miss; it is never returned.
 
 Trust
 -----
-An entry's payload is a kernel object whose host launch wrapper is native x86-64 code that runs
-in the loading process (ffi/gemm_ffi.cc), so whoever can write the directory can run code as
-every user of it. Like ssh with its keys, the cache refuses (`UntrustedCacheError`) to read an
-entry from a directory that another user owns or that is writable by group or others, from any
-ancestor directory writable by others (a world-writable sticky one such as /tmp is fine), or
-from an entry file owned by another user or writable by group or others. It creates its
-directory 0700. A cache shared on purpose (one folder for a team's jobs) is listed in
-`$JAX_SM100_TRUSTED_CACHE_DIRS` (os.pathsep-separated): those folders and everything below them
-are trusted as they are. The checks need POSIX permissions; elsewhere they are skipped.
+An entry's payload is a kernel object whose host launch wrapper is native code (x86-64 or
+aarch64) that runs in the loading process (ffi/gemm_ffi.cc), so whoever can write the directory
+can run code as every user of it. Like ssh with its keys, the cache refuses
+(`UntrustedCacheError`) to read an entry from a directory that another user owns or that is
+writable by group or others, from any ancestor directory writable by others (a world-writable
+sticky one such as /tmp is fine), or from an entry file owned by another user or writable by
+group or others. It creates its directory 0700. A cache shared on purpose (one folder for a
+team's jobs) is listed in `$JAX_SM100_TRUSTED_CACHE_DIRS` (os.pathsep-separated): those folders
+and everything below them are trusted as they are. The checks need POSIX permissions; elsewhere
+they are skipped.
 
 Concurrency
 -----------

@@ -7,8 +7,9 @@ the lowering folds it, `primitive.problem_for_operands`); `target` is the arch a
 run on (`Target`; `device_target()` for this process's GPU). The result is the plan the kernel
 is compiled for: the planner's for that target (or the caller's, checked against the problem
 and the target), the driver's cluster occupancy put in on a present SM100 device, and the
-split-K factor fitted to k. The CUDA lowering, `jax_sm100.plan_for`, `jax_sm100.precompile`
-and the benchmark call it; nothing else plans a call.
+split-K factor fitted to k. The CUDA lowerings (matmul's, ragged_dot's and scaled_matmul's),
+`jax_sm100.plan_for`, `jax_sm100.precompile` and the benchmark call it; nothing else plans a
+call.
 
 Lowerings record what they chose (`record`); `last_lowering()` and the `lowerings()` context
 manager read those records back (bounded: the last `HISTORY` only).

@@ -76,8 +76,9 @@ def dtype_argument_name(
 
 def requested(dtype, argument: str, caller: str, stacklevel: int = 3) -> np.dtype:
     """A result dtype a caller asks for (`argument` of `caller`), as jnp takes it: a 64-bit one
-    without `jax_enable_x64` is truncated to 32 bits with jnp's UserWarning; a dtype the
-    kernels do not write raises TypeError (`dtype_argument_name`), before any truncation.
+    without `jax_enable_x64` is truncated to 32 bits with jnp's UserWarning; a dtype outside
+    `SUPPORTED` raises TypeError (`dtype_argument_name`), before any truncation (those the
+    kernels do not write run on XLA, the plan's reason says so).
     `stacklevel` is the warning's, counted from here (3: the caller's caller)."""
     want = np.dtype(dtype_argument_name(dtype, argument, caller))
     got = np.dtype(jax.dtypes.canonicalize_dtype(want))

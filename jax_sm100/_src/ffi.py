@@ -104,7 +104,7 @@ def build() -> pathlib.Path:
         disk_cache.check_private_file(target, os.stat(target))
         return target
     no_compiler = (
-        "jax_sm100: building the FFI handler needs a C++17 compiler (g++ or clang++) on PATH, or "
+        "jax_sm100: building the FFI handler needs a C++17 compiler on PATH (g++ or c++), or "
         "CXX set; or set JAX_SM100_FFI_LIB to a library built elsewhere (BUILD.md)"
     )
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")

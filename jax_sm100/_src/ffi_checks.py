@@ -71,7 +71,8 @@ class TensorLayout:
     """One tensor argument of a kernel call.
 
     Attributes:
-      name: "a", "b", "d", "c", "bias", "z", "ws" or "flags".
+      name: the kernel's name for it ("a", "b", "d", "c", "bias", "z", "ws", "flags", "sfa",
+        "sfb", "group_sizes" or "counter").
       dtype: the element type the kernel reads or writes, by numpy name.
       shape, strides: every mode's extent and stride in elements.
       dynamic_shape_modes, dynamic_stride_modes: the modes that are runtime values of the

@@ -12,7 +12,7 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
    count (`dispatch.lowering_target`).
 2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
    K-major, the batch folds into m (free reshape, one large GEMM; `primitive.folds_batch`);
-   other broadcasts are materialised (a copy, noted in the plan's reason).
+   other broadcasts are materialised (a copy, noted in the recorded `Lowered.note`).
 3. The plan that runs that problem on the target (`dispatch.plan_call`: the planner's or the
    caller's, split-K fitted to k).
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
@@ -254,7 +254,7 @@ def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
     """One `jax_sm100_gemm` call of `compiled`: every lowering's way to its kernel.
 
     Args:
-      compiled: the `CompiledKernel` to run.
+      compiled: the `compile.CompiledGemm` to run.
       operands: the inputs, in the order the call takes them.
       index: each tensor argument's name (`compiled.tensor_args`) -> its input's position in
         `operands` (>= 0), or -1 - its result's position in `out_types`.

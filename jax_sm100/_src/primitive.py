@@ -99,7 +99,7 @@ def preact_dtype(out_dtype) -> np.dtype:
 
 
 def problem_dims(a_shape, b_shape, transpose_a, transpose_b):
-    """(m, n, k) of the logical product, before any validation."""
+    """(m, n, ka, kb) of the logical product, before any validation: k as each operand has it."""
     m, ka = (a_shape[-1], a_shape[-2]) if transpose_a else (a_shape[-2], a_shape[-1])
     kb, n = (b_shape[-1], b_shape[-2]) if transpose_b else (b_shape[-2], b_shape[-1])
     return m, n, ka, kb
@@ -110,8 +110,8 @@ def shape_rule(a_shape, b_shape, bias_shape, c_shape, *, transpose_a, transpose_
     if len(a_shape) < 2 or len(b_shape) < 2:
         raise ValueError(
             f"jax_sm100.matmul needs operands of rank >= 2 ([..., m, k] and [..., k, n]); got "
-            f"a.shape={tuple(a_shape)} and b.shape={tuple(b_shape)}. Add a unit dim, "
-            "e.g. x[None, :], for a vector."
+            f"a.shape={tuple(a_shape)} and b.shape={tuple(b_shape)}; jax_sm100.matmul takes "
+            "1-D operands and adds their unit dims itself."
         )
     if len(a_shape) != len(b_shape):
         raise ValueError(
@@ -569,7 +569,6 @@ def problem_for_operands(a, b, bias, c, *, transpose_a, transpose_b, out_dtype,
                          save_preact=False, **_):  # fmt: skip
     """The GEMM the kernels run for one bind of the primitive (operands given as avals or
     arrays): the batch folded into m where `folds_batch` says so."""
-    from jax_sm100._src import dtypes as D  # noqa: PLC0415
     from jax_sm100._src import planning  # noqa: PLC0415
 
     out_shape = shape_rule(

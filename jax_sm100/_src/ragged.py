@@ -41,9 +41,10 @@ partial sums over k take it after their reduction (ragged_sharding.py).
 
 The batch dims `B` come from `vmap` (the batching rules move every mapped dim to the front and
 broadcast the unmapped operands). On CUDA each primitive lowers through `ragged_gpu.py` to the
-grouped GEMM kernel its plan names (SM90: `kernels/sm90_grouped.py`), or to XLA's
-`ragged_dot_general` where none takes it (batched operands, mixed dtypes, an arch without a
-grouped kernel); on CPU to `ragged_dot_general`. Every CUDA lowering records which in
+grouped GEMM kernel its plan names (`kernels/sm90_grouped.py`, `kernels/sm100_grouped.py`;
+batched operands fold into one grouped product), or to XLA's `ragged_dot_general` where none
+takes it (mixed dtypes, an arch without a grouped kernel, whatever the plan's reason names); on
+CPU to `ragged_dot_general`. Every CUDA lowering records which in
 `jax_sm100.lowerings()`.
 """
 

@@ -185,7 +185,7 @@ def _transposed(scales, dtype):
     of 16 bytes (TMA's stride rule; the padding is never read: rows past `rows` are out of the
     tensor's bounds, which TMA fills with zeros)."""
     rows = scales.shape[1]
-    quantum = constraints.TMA_ALIGN_BYTES * 8 // constraints.SCALE_DTYPE_BITS[dtype]
+    quantum = constraints.tma_quantum_bits(constraints.SCALE_DTYPE_BITS[dtype])
     ld = -(-rows // quantum) * quantum
     t = jnp.swapaxes(scales, 1, 2)
     if ld != rows:

@@ -30,8 +30,8 @@ Grouped problems (`groups`, `ragged`: ragged_dot) score the same wave model over
 of groups of equal size (`gemm_plan.grouped_work_tiles`; the sizes are known only on the
 device): sm_90a's cooperative tiles in 1x1 or 2x1 clusters (a pair of CTAs inside one group),
 and ping-pong ones where groups are long and they save waves (`plan_sm90_grouped`); sm_100a's
-1-CTA 128x256 and 128x128 MMAs in 1x1 clusters (`plan_sm100_grouped`); each beside its group
-table in SMEM.
+1-CTA 128x256 and 128x128 MMAs in 1x1 or 2x1 clusters, weighed as on sm_90a
+(`plan_sm100_grouped`); each beside its group table in SMEM.
 """
 
 from __future__ import annotations
@@ -383,6 +383,7 @@ def check_plan_fits(plan: GemmPlan, problem: GemmProblem, arch: str, sizes: bool
     for f in ("a_major", "b_major"):
         if getattr(plan, f) != getattr(problem, f):
             raise C.PlanError(
-                f"the plan has {f}={getattr(plan, f)!r} but the operand is "
-                f"{getattr(problem, f)}-major here"
+                f"the plan passed to matmul(plan=...) has {f}={getattr(plan, f)!r}, but the "
+                f"operand is {getattr(problem, f)}-major here; make the plan with "
+                f"jax_sm100.plan(..., {f}={getattr(problem, f)!r}) or leave plan=None"
             )

@@ -130,7 +130,7 @@ def grouped_b_k_major_only(arch: str, ab_dtype: str) -> bool:
     """Whether the grouped kernel on `arch` reads `ab_dtype` experts only K-major ([g, n, k]):
     sm_90a's fp8 wgmma takes K-major operands only. ragged_dot's CUDA lowering then gives the
     kernel its [g, k, n] experts transposed by XLA (ragged_gpu.lower)."""
-    return arch == "sm_90a" and C.DTYPE_BITS[ab_dtype] == 8
+    return C.wgmma_k_major_only(arch, ab_dtype)
 
 
 def grouped_layout_support(ragged: str, a_major: str, b_major: str) -> str | None:
