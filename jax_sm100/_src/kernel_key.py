@@ -35,7 +35,6 @@ import re
 import sys
 from collections.abc import Collection, Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 DSL_DISTRIBUTION = "nvidia-cutlass-dsl"
@@ -232,7 +231,6 @@ def cache_key(
     spec: Any,
     *,
     arch: str,
-    extra: Mapping[str, str] = MappingProxyType({}),
     ignore_plan_fields: Collection[str] = (),
 ) -> str:
     """The name of a compiled kernel: sha256 over everything that changes its binary.
@@ -240,15 +238,13 @@ def cache_key(
     Serializes every field of `plan` and `spec` canonically (stable across processes and
     Python's hash salting), the target arch, the host's OS and CPU (the object file holds the
     host-side launch code), the nvidia-cutlass-dsl version, compiler fingerprint and compile
-    settings (`dsl_compile_settings`), the hash of the kernel sources (`kernel_sources_hash`)
-    and `extra`.
+    settings (`dsl_compile_settings`) and the hash of the kernel sources (`kernel_sources_hash`).
 
     Args:
       plan: a frozen dataclass (a `GemmPlan`) whose fields are None, bool, int, float, str,
         tuples of those, or nested dataclasses.
       spec: a frozen dataclass (a `KernelSpec`), likewise.
       arch: the target the kernel is compiled for, e.g. "sm_100a".
-      extra: anything else that changes the binary (e.g. DSL compile options), as strings.
       ignore_plan_fields: plan fields the binary does not depend on (e.g. the problem sizes,
         when the kernel is compiled for symbolic shapes), left out so that plans differing
         only in them share an entry.
@@ -257,14 +253,11 @@ def cache_key(
       64 lowercase hex digits.
 
     Raises:
-      TypeError: for a field of a type with no canonical form, or non-string `arch`/`extra`.
+      TypeError: for a field of a type with no canonical form, or a non-string `arch`.
       ValueError: when `ignore_plan_fields` names a field `plan` does not have.
     """
     if not isinstance(arch, str) or not arch:
         raise TypeError(f"{arch=} must be a non-empty str such as 'sm_100a'")
-    for k, v in extra.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"extra must map str to str; got {k!r}: {v!r}")
     document = {
         "key_format": _KEY_FORMAT,
         "plan": _canonical(plan, ignore=tuple(ignore_plan_fields)),
@@ -276,7 +269,6 @@ def cache_key(
         "dsl_build": dsl_build_fingerprint(),
         "dsl_settings": dsl_compile_settings(),
         "sources": kernel_sources_hash(),
-        "extra": sorted(extra.items()),
     }
     text = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
