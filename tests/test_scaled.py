@@ -131,6 +131,29 @@ class ScaledMatmulTest(parameterized.TestCase):
         amax = np.abs(x64).reshape(1, 16, -1, 16).max(-1)
         self.assertTrue(np.all(err <= 0.2 * amax), np.max(err / amax))
 
+    @parameterized.product(recipe=tuple(scaled.RECIPES), bad=(np.nan, np.inf, -np.inf))
+    def test_quantize_keeps_non_finite_blocks_non_finite(self, recipe, bad):
+        # One NaN or infinity among large finite values: its block (its tile, for 128 x 128)
+        # dequantizes to NaN and so do the products that read it; every other block is
+        # quantized as before. Scaled as a finite block, nvfp4 wrote the NaN as 0 (e2m1 has no
+        # NaN) and the block's 100 as 6, and the product came out finite.
+        x = _normal(31, (1, 256, 256)).at[0, 3, 5].set(bad).at[0, 3, 6].set(100.0)
+        data, scales = jax_sm100.quantize(x, recipe)
+        back = np.asarray(scaled._dequantized(data, scales))
+        r = scaled.RECIPES[recipe]
+        rows = slice(0, 128) if r.row_block > 1 else slice(3, 4)
+        cols = slice(0, r.block)
+        self.assertTrue(np.all(np.isnan(back[0, rows, cols])), recipe)
+        clean, clean_scales = jax_sm100.quantize(x.at[0, 3, 5].set(0.0), recipe)
+        want = np.asarray(scaled._dequantized(clean, clean_scales))
+        keep = np.ones(back.shape, bool)
+        keep[0, rows, cols] = False
+        np.testing.assert_array_equal(back[keep], want[keep])
+        w, w_scales = jax_sm100.quantize(_normal(32, (1, 64, 256)), recipe)
+        out = np.asarray(jax_sm100.scaled_matmul(data, w, scales, w_scales))
+        self.assertTrue(np.all(np.isnan(out[0, rows])), recipe)
+        self.assertTrue(np.all(np.isfinite(np.delete(out[0], np.arange(256)[rows], 0))))
+
     @parameterized.product(recipe=tuple(scaled.RECIPES), magnitude=(1e-37, 2e-38))
     def test_quantize_tiny_magnitudes(self, recipe, magnitude):
         # Blocks of normal float32 numbers so small that amax / (the format's top) is
@@ -362,6 +385,7 @@ class ScaledMatmulTest(parameterized.TestCase):
                 export(lhs, rhs, ls, rs)
         self.assertEqual(seen[-1].plan.kernel, "xla_dot")
         self.assertIn("not float8_e8m0fnu per 32", seen[-1].note)
+        self.assertEqual(seen[-1].note.count("XLA ops"), 1, seen[-1].note)  # said once
 
     def test_cuda_export_with_symbolic_dims(self):
         # A symbolic batch or row count runs on XLA's ops (the planner sizes from ints), and

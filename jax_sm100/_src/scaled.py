@@ -149,6 +149,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     contracting dim: the last, as `scaled_matmul` reads it), so that `data * repeat(scales)`
     approximates x. Each block's scale maps its largest magnitude onto the data format's largest
     finite value (mxfp8: the power of two at or above that, as e8m0 holds only powers of two).
+    A block holding a NaN or an infinity gets a NaN scale and zero data: it dequantizes to NaN,
+    and so does every product that reads it.
 
     `data_dtype` picks the fp8 format of the fp8 recipes (fp8_block128, fp8_block128x128,
     mxfp8): float8_e4m3fn (the default) or float8_e5m2 (wider range, for gradients); nvfp4's
@@ -215,7 +217,7 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         x = P.unsplit(x, -1)
     blocks = x.reshape((*x.shape[:-1], x.shape[-1] // r.block, r.block))
     top = float(jnp.finfo(r.data_dtype).max)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    amax = _max_keeping_nan(jnp.abs(blocks), -1)
     if r.row_block > 1:
         if x.ndim < 2:
             raise ValueError(f"jax_sm100.quantize: {recipe} scales tiles of a matrix; x is 1-D")
@@ -252,7 +254,13 @@ def _tile_max(amax, row_block):
         amax = jnp.pad(
             P.unsplit(amax, -2), [(0, 0)] * len(lead) + [(0, tiles * row_block - rows), (0, 0)]
         )
-    return jnp.max(amax.reshape((*lead, tiles, row_block, c)), axis=-2)
+    return _max_keeping_nan(amax.reshape((*lead, tiles, row_block, c)), -2)
+
+
+def _max_keeping_nan(x, axis):
+    """The largest of `x` along `axis`, NaN where any is NaN (XLA's max reduction on CPU
+    passes over NaNs)."""
+    return jnp.where(jnp.isnan(x).any(axis), jnp.nan, jnp.max(x, axis=axis))
 
 
 def _scale(amax, r: Recipe, top: float):
@@ -268,6 +276,10 @@ def _scale(amax, r: Recipe, top: float):
         bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
         e = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
         scale = lax.bitcast_convert_type((jnp.clip(e, -126, 127) + 127) << 23, jnp.float32)
+    # A block holding a NaN or an infinity gets a NaN scale (every scale dtype has one), so its
+    # data, zeros, dequantize to NaN: a diverged step shows in the product. Scaled as a finite
+    # block, its other values were clipped and, in e2m1 (which has no NaN), the NaN became 0.
+    scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
     return scale.astype(r.scale_dtype)
 
 

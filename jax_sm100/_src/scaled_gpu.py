@@ -37,6 +37,8 @@ from jax_sm100._src import constraints, dispatch, ffi, planning, scale_layout
 def _xla(why: str, plan, args, out_dtype):
     from jax_sm100._src import scaled  # noqa: PLC0415
 
+    # A plan's reason names its path already ("XLA ops: ...", "XLA dot: ..."): said once.
+    why = why.removeprefix("XLA ops: ").removeprefix("XLA dot: ")
     dispatch.record(dispatch.Lowered(plan, f"scaled_matmul: XLA ops ({why})"))
     return scaled.reference(*args, out_dtype=out_dtype)
 
