@@ -258,8 +258,8 @@ def _tile_max(amax, row_block):
 
 
 def _max_keeping_nan(x, axis):
-    """The largest of `x` along `axis`, NaN where any is NaN (XLA's max reduction on CPU
-    passes over NaNs)."""
+    """The largest of `x` along `axis`, NaN where any is NaN (XLA's vectorized max reduction
+    on CPU passes over NaNs: 128 ones and a NaN gave 1)."""
     return jnp.where(jnp.isnan(x).any(axis), jnp.nan, jnp.max(x, axis=axis))
 
 
