@@ -226,6 +226,37 @@ class GradientTest(parameterized.TestCase):
         text = jax.jit(step).lower(params, x).compile().as_text()
         self.assertNotIn("tanh", text.replace("jax_sm100", ""))
 
+    @parameterized.parameters("relu", "gelu", "silu")
+    def test_non_finite_rows_stay_non_finite(self, act):
+        # A NaN row and an infinite one in x: the forward's fused activation and the backward's
+        # fused derivative keep NaN where jnp's math does (the fused relu wrote 0, and a NaN
+        # pre-activation gave gelu's and silu's derivative 0), and the other rows are as
+        # before. The loss is linear in y, so the cotangents reaching the kernels are finite.
+        params, x, target = self._mlp()
+        x = x.at[3].set(jnp.nan).at[5].set(jnp.inf)
+
+        def loss(params, x, impl):
+            w1, b1, w2 = params
+            if impl == "ours":
+                y = jax_sm100.matmul(jax_sm100.matmul(x, w1, bias=b1, activation=act), w2)
+            else:
+                y = P.apply_activation(x @ w1 + b1, act) @ w2
+            return jnp.sum(y.astype(jnp.float32) * target.astype(jnp.float32)), y
+
+        step = jax.grad(lambda p, x: loss(p, x, "ours"), argnums=(0, 1), has_aux=True)
+        grads, y = jax.jit(step)(params, x)
+        ref = jax.grad(lambda p, x: loss(p, x, "ref"), argnums=(0, 1), has_aux=True)
+        want_grads, want_y = ref(*_f32((params, x)))
+        self.assertEqual(_products(step, params, x), (6, 0))
+        self.assertTrue(np.all(np.isnan(np.asarray(want_y)[[3, 5]])))
+        got, want = jax.tree.leaves((y, grads)), jax.tree.leaves((want_y, want_grads))
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(w), f"output {i} ({act})")
+            finite = np.isfinite(w)
+            if finite.any():
+                self.assertLess(_rel_err(g[finite], w[finite]), 2e-2, f"output {i} ({act})")
+
     def test_hessian_vector_product(self):
         # Forward over reverse: runs the backward epilogues' derivatives (slower paths).
         params, x, target = self._mlp(t=128, d=64, f=256)

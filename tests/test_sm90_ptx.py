@@ -69,6 +69,9 @@ class Sm90PtxTest(parameterized.TestCase):
         self.assertEqual(len(re.findall(r"prefetch\.tensormap\b", ptx)), 3 + bwd.stage_c)
         self.assertEqual("ld.global.b32" in ptx, not bwd.stage_c)
         self.assertIn("tanh.approx.f32", ptx)
+        # The pre-activation's clamp keeps NaN (common._clamp), as jnp.clip does.
+        self.assertRegex(ptx, r"max\.NaN\.f32")
+        self.assertRegex(ptx, r"min\.NaN\.f32")
         with self.assertRaisesRegex(ValueError, "preact_out"):
             sm90_gemm.Sm90GemmKernel(planning.sm90_variant(bwd, stage_c=False), dataclasses.replace(
                 spec, act_grad=None, c_dtype=None, activation="relu", preact_out=True))  # fmt: skip

@@ -269,7 +269,8 @@ def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=No
 def _activate(x, activation):
     f32 = cutlass.Float32
     if activation == "relu":
-        x = cute.where(x > f32(0.0), x, cute.full_like(x, 0.0))
+        # Zero below zero, x elsewhere: a NaN stays NaN, as jnp.maximum(x, 0) keeps it.
+        x = cute.where(x < f32(0.0), cute.full_like(x, 0.0), x)
     elif activation == "gelu":
         # 0.5 x (1 + tanh(k0 (x + k1 x^3))), as x (0.5 + 0.5 t). Scalar constants: a
         # `full_like` constant is a register vector the size of the fragment.
@@ -285,11 +286,12 @@ def _activate(x, activation):
 
 def _clamp(x, bound):
     """x clamped to [-bound, bound] by two min/max instructions per element (a TensorSSA
-    clamp lowers to NaN-aware compares and selects)."""
+    clamp lowers to NaN-aware compares and selects), NaN kept as jnp.clip keeps it (the plain
+    instructions return the bound: a NaN pre-activation gave gelu's and silu's derivative 0)."""
     r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
     r.store(x)
     for i in range(cute.size(r)):  # plain Python: unrolled at trace time
-        r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -bound), bound)
+        r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -bound, nan=True), bound, nan=True)
     return r.load()
 
 
