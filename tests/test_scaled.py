@@ -154,6 +154,21 @@ class ScaledMatmulTest(parameterized.TestCase):
         self.assertTrue(np.all(np.isnan(out[0, rows])), recipe)
         self.assertTrue(np.all(np.isfinite(np.delete(out[0], np.arange(256)[rows], 0))))
 
+    @parameterized.parameters(np.nan, np.inf)
+    def test_nvfp4_global_scale_leaves_non_finite_values_out(self, bad):
+        # The global scale is the finite values' (14.5 x 6 x 448 here): the bad block dequantizes
+        # to NaN, every other block as without it (the NaN gave a global scale of 1; the
+        # infinity, an infinite one, and every block NaN).
+        x = _normal(33, (1, 8, 64)) * 1e4
+        data, scales, g = jax_sm100.quantize(x.at[0, 2, 3].set(bad), "nvfp4", global_scale=True)
+        clean = jax_sm100.quantize(x.at[0, 2, 3].set(0.0), "nvfp4", global_scale=True)
+        self.assertEqual(float(g), float(clean[2]))
+        back = np.array(scaled._dequantized(data, scales))
+        want = np.array(scaled._dequantized(*clean[:2]))
+        self.assertTrue(np.all(np.isnan(back[0, 2, :16])))
+        back[0, 2, :16] = want[0, 2, :16] = 0.0
+        np.testing.assert_array_equal(back, want)
+
     @parameterized.product(recipe=tuple(scaled.RECIPES), magnitude=(1e-37, 2e-38))
     def test_quantize_tiny_magnitudes(self, recipe, magnitude):
         # Blocks of normal float32 numbers so small that amax / (the format's top) is

@@ -264,6 +264,12 @@ class Sm100PtxTest(parameterized.TestCase):
         # spec has them (each prefetched once by the warp that uses it).
         descriptors = len(re.findall(r"prefetch\.tensormap\b", ptx))
         self.assertEqual(descriptors, 3 + spec.has_c + spec.preact_out)
+        # The epilogue keeps NaN: relu's max and the saved pre-activation's clamp are max.NaN /
+        # min.NaN (kernels/common.py), as jnp.maximum and jnp.clip keep it.
+        if spec.activation == "relu" or spec.act_grad is not None:
+            self.assertIn("max.NaN.f32", ptx)
+        if spec.act_grad is not None:
+            self.assertIn("min.NaN.f32", ptx)
 
         # Transaction bytes per stage, from the plan alone: with cta_group::2 the leader's barrier
         # receives both halves, so either way a stage is the whole MMA tile's A and B.

@@ -624,7 +624,7 @@ def kernel_support(
         checks.append(("c", "n", c_dtype))
     for name, major, dtype in checks:
         extent = contiguous_extent(m, n, k, major)
-        nbytes = extent * DTYPE_BITS[dtype] // 8
+        nbytes = extent * OPERAND_BITS[dtype] // 8
         quantum = tma_quantum(dtype)
         if extent % quantum:
             return (

@@ -198,7 +198,9 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     g = None
     if global_scale:
-        amax_all = jnp.max(jnp.abs(x))
+        # Over the finite values: a non-finite block gets its NaN scale from its own maximum
+        # (`_scale`) and leaves the other blocks' global scale as it would be without it.
+        amax_all = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))
         top_all = float(jnp.finfo(r.data_dtype).max) * float(jnp.finfo(r.scale_dtype).max)
         g = jnp.where(amax_all > 0, amax_all / top_all, 1.0).astype(jnp.float32)
         x = x / g
@@ -217,7 +219,9 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         x = P.unsplit(x, -1)
     blocks = x.reshape((*x.shape[:-1], x.shape[-1] // r.block, r.block))
     top = float(jnp.finfo(r.data_dtype).max)
-    amax = _max_keeping_nan(jnp.abs(blocks), -1)
+    # NaN read as infinite (XLA's vectorized max reduction on CPU passes over NaNs: 128 ones
+    # and a NaN gave 1): a non-finite block's largest magnitude is inf (`_scale`).
+    amax = jnp.max(jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks)), axis=-1)
     if r.row_block > 1:
         if x.ndim < 2:
             raise ValueError(f"jax_sm100.quantize: {recipe} scales tiles of a matrix; x is 1-D")
@@ -254,13 +258,7 @@ def _tile_max(amax, row_block):
         amax = jnp.pad(
             P.unsplit(amax, -2), [(0, 0)] * len(lead) + [(0, tiles * row_block - rows), (0, 0)]
         )
-    return _max_keeping_nan(amax.reshape((*lead, tiles, row_block, c)), -2)
-
-
-def _max_keeping_nan(x, axis):
-    """The largest of `x` along `axis`, NaN where any is NaN (XLA's vectorized max reduction
-    on CPU passes over NaNs: 128 ones and a NaN gave 1)."""
-    return jnp.where(jnp.isnan(x).any(axis), jnp.nan, jnp.max(x, axis=axis))
+    return jnp.max(amax.reshape((*lead, tiles, row_block, c)), axis=-2)
 
 
 def _scale(amax, r: Recipe, top: float):
@@ -276,10 +274,10 @@ def _scale(amax, r: Recipe, top: float):
         bits = lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
         e = (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).astype(jnp.int32)
         scale = lax.bitcast_convert_type((jnp.clip(e, -126, 127) + 127) << 23, jnp.float32)
-    # A block holding a NaN or an infinity gets a NaN scale (every scale dtype has one), so its
-    # data, zeros, dequantize to NaN: a diverged step shows in the product. Scaled as a finite
-    # block, its other values were clipped and, in e2m1 (which has no NaN), the NaN became 0.
-    scale = jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+    # A block holding a NaN or an infinity (amax inf) gets a NaN scale (every scale dtype has
+    # one), so its data, zeros, dequantize to NaN: a diverged step shows in the product. Scaled
+    # as a finite block, its other values were clipped and, in e2m1 (no NaN), a NaN became 0.
+    scale = jnp.where(amax < jnp.inf, scale, jnp.nan)
     return scale.astype(r.scale_dtype)
 
 

@@ -107,7 +107,7 @@ def dtype_bits(name: str) -> int:
 
 def elems_per_16b(name: str) -> int:
     """Elements of dtype `name` in one 16-byte TMA unit (the contiguous-dim divisibility)."""
-    return TMA_ALIGN_BYTES * 8 // dtype_bits(name)
+    return constraints.tma_quantum_bits(dtype_bits(name))
 
 
 @contextlib.contextmanager
@@ -269,8 +269,9 @@ def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=No
 def _activate(x, activation):
     f32 = cutlass.Float32
     if activation == "relu":
-        # Zero below zero, x elsewhere: a NaN stays NaN, as jnp.maximum(x, 0) keeps it.
-        x = cute.where(x < f32(0.0), cute.full_like(x, 0.0), x)
+        # One max.NaN an element: a NaN stays NaN, as jnp.maximum(x, 0) keeps it (a select on
+        # x > 0 writes 0 for NaN).
+        x = _elementwise(x, lambda v: cute.arch.fmax(v, f32(0.0), nan=True))
     elif activation == "gelu":
         # 0.5 x (1 + tanh(k0 (x + k1 x^3))), as x (0.5 + 0.5 t). Scalar constants: a
         # `full_like` constant is a register vector the size of the fragment.
@@ -284,15 +285,21 @@ def _activate(x, activation):
     return x
 
 
+def _elementwise(x, fn):
+    """`fn` (of one Float32) applied to each element of the Float32 TensorSSA x."""
+    r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
+    r.store(x)
+    for i in range(cute.size(r)):  # plain Python: unrolled at trace time
+        r[i] = fn(r[i])
+    return r.load()
+
+
 def _clamp(x, bound):
     """x clamped to [-bound, bound] by two min/max instructions per element (a TensorSSA
     clamp lowers to NaN-aware compares and selects), NaN kept as jnp.clip keeps it (the plain
     instructions return the bound: a NaN pre-activation gave gelu's and silu's derivative 0)."""
-    r = cute.make_rmem_tensor(x.shape, cutlass.Float32)
-    r.store(x)
-    for i in range(cute.size(r)):  # plain Python: unrolled at trace time
-        r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -bound, nan=True), bound, nan=True)
-    return r.load()
+    nan = dict(nan=True)
+    return _elementwise(x, lambda v: cute.arch.fmin(cute.arch.fmax(v, -bound, **nan), bound, **nan))
 
 
 def activation_derivative(z, activation):

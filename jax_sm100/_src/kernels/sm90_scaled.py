@@ -156,7 +156,7 @@ class Sm90ScaledGemmKernel(Sm90GemmKernel):
         m, n, l = a.shape[0], b.shape[0], a.shape[2]
         blocks = cute.sym_int()
         scale_type = common.cutlass_dtype(plan.scale_dtype)
-        per_16b = common.TMA_ALIGN_BYTES * 8 // scale_type.width
+        per_16b = common.elems_per_16b(plan.scale_dtype)
 
         def scales(rows):
             ld, batch = cute.sym_int64(divisibility=per_16b), cute.sym_int64(divisibility=per_16b)
