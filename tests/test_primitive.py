@@ -76,6 +76,17 @@ class NumericsTest(parameterized.TestCase):
         self.assertEqual(out.shape, jnp.matmul(a, b).shape)
         tu.assert_close(self, out, tu.reference(a, b, bias=bias), "float32", a_shape[-1])
 
+    def test_beta_zero_reads_no_c(self):
+        # As the kernels' epilogue (and BLAS): beta = 0 leaves c out, NaN and infinities too
+        # (the XLA path added 0 * c, NaN where c was not finite), and c's gradient is zero.
+        rng = np.random.default_rng(3)
+        a, b = tu.rand(rng, (8, 16), "float32"), tu.rand(rng, (16, 24), "float32")
+        c = jnp.full((8, 24), jnp.nan).at[0].set(jnp.inf)
+        out = jax.jit(lambda a, b, c: jax_sm100.matmul(a, b, c=c, beta=0.0))(a, b, c)
+        tu.assert_close(self, out, tu.reference(a, b), "float32", 16)
+        dc = jax.grad(lambda c: jax_sm100.matmul(a, b, c=c, beta=0.0).sum())(c)
+        np.testing.assert_array_equal(np.asarray(dc), 0.0)
+
     def test_c_broadcasts(self):
         rng = np.random.default_rng(2)
         a, b = tu.rand(rng, (2, 8, 16), "float32"), tu.rand(rng, (2, 16, 12), "float32")

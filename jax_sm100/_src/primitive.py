@@ -472,7 +472,7 @@ def epilogue_xla(acc, c, bias, *, alpha, beta, activation, out_dtype, save_preac
     z = acc if alpha == 1.0 else alpha * acc
     if act_grad is not None:
         return [(z * activation_grad(c.astype(t), act_grad)).astype(out_dtype)]
-    if c is not None:
+    if c is not None and beta != 0.0:  # beta = 0 reads no c, as the kernels (and BLAS) do
         z = z + (c.astype(t) if beta == 1.0 else beta * c.astype(t))
     if bias is not None:
         z = z + jnp.expand_dims(bias.astype(t), -2)
