@@ -60,7 +60,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kDimsFormat = 2;
-constexpr size_t kMaxTensors = 8;  // the most of any family (dense: a, b, d, c, bias, z, ws, flags)
+constexpr size_t kMaxTensors = 8;  // most of any family (dense: a, b, d, c, bias, z, ws, flags)
 constexpr int64_t kMaxRank = 4;
 // void* + int32 extents + padding + int64 strides, for kMaxRank modes each.
 constexpr size_t kMaxArgBytes = 64;
@@ -743,7 +743,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSm100GemmExecute, Execute,
                                   .Ctx<ffi::State<GemmState>>()       // from Instantiate
                                   .Arg<ffi::AnyBuffer>()              // a
                                   .Arg<ffi::AnyBuffer>()              // b
-                                  .RemainingArgs()                    // c, bias, scales, group sizes...
+                                  .RemainingArgs()                    // c, bias, scales, sizes...
                                   .Ret<ffi::AnyBuffer>()              // d
                                   .RemainingRets(),                   // z, ws, flags, counter...
                               {ffi::Traits::kCmdBufferCompatible});
