@@ -148,6 +148,17 @@ class Sm90PtxTest(parameterized.TestCase):
         if activation == "relu":  # one max.NaN an element: NaN stays NaN (common._activate)
             self.assertIn("max.NaN.f32", ptx)
 
+    def test_relu_derivative_is_a_select(self):
+        # act'(C) * acc for relu selects acc or 0 on C > 0 (as jax.nn.relu's derivative), so a
+        # non-finite acc where relu is flat gives 0: no select of 1.0 or 0.0 multiplied in.
+        p = _plan(4096, 4096, 4096, c_dtype="bfloat16", b_major="k")
+        spec = KernelSpec("bfloat16", "bfloat16", "bfloat16", b_major="k", c_dtype="bfloat16",
+                          act_grad="relu")  # fmt: skip
+        ptx = compile_mod.compile_plan(p, spec).ptx
+        self.assertIn("wgmma.mma_async", ptx)
+        self.assertNotRegex(ptx, r"selp\.f32\s+%\w+, 0f3F800000, 0f00000000")
+        self.assertRegex(ptx, r"setp\.gt\.(bf16|f32)")
+
     def test_small_tile_one_consumer_group(self):
         p = dataclasses.replace(_plan(4096, 4096, 4096), mma_tiler_mnk=(64, 128, 64),
                                 cluster_shape_mn=(1, 1), num_ab_stages=4)  # fmt: skip

@@ -8,6 +8,7 @@ lowering) must match float64 math, to second order.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from unittest import mock
@@ -181,6 +182,26 @@ class StepNumericsTest(parameterized.TestCase):
             a.astype(jnp.float32), b.astype(jnp.float32)
         )
         np.testing.assert_allclose(np.asarray(ga, np.float32), want[0], rtol=2e-3, atol=1e-3)
+
+    def test_relu_derivative_selects(self):
+        # Where relu is flat its derivative is a select of 0, whatever the cotangent, as
+        # jax.nn.relu's: sqrt's infinite slope at a dead unit's 0 gave 0 * inf = NaN (eagerly
+        # on the XLA path, and in the kernels' epilogue) where jax's gradient is finite.
+        rng = np.random.default_rng(11)
+        x, w, w2 = (tu.rand(rng, s, "float32") for s in ((8, 16), (16, 24), (24, 4)))
+
+        def loss(impl, x, w):
+            if impl == "ours":
+                h = jax_sm100.matmul(jax_sm100.matmul(x, w, activation="relu"), w2)
+                return jnp.sum(jnp.sqrt(jax_sm100.matmul(x, w, activation="relu"))) + h.sum()
+            return jnp.sum(jnp.sqrt(jax.nn.relu(x @ w))) + (jax.nn.relu(x @ w) @ w2).sum()
+
+        want = jax.grad(functools.partial(loss, "ref"), argnums=(0, 1))(x, w)
+        self.assertTrue(all(np.isfinite(np.asarray(g)).all() for g in want))
+        for grad in (jax.grad, lambda f, **kw: jax.jit(jax.grad(f, **kw))):
+            got = grad(functools.partial(loss, "ours"), argnums=(0, 1))(x, w)
+            for g, r in zip(got, want, strict=True):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
     def test_fp8_output_saves_a_bfloat16_preactivation(self):
         rng = np.random.default_rng(9)

@@ -48,7 +48,7 @@ act_grad_mul_p = P.Primitive("jax_sm100_act_grad_mul")
 
 def _act_grad_mul(x, z, *, activation):
     t = P.acc_dtype(x.dtype, z.dtype)
-    return (P.activation_grad(z.astype(t), activation) * x.astype(t)).astype(x.dtype)
+    return P.times_activation_grad(x.astype(t), z.astype(t), activation).astype(x.dtype)
 
 
 def _act_grad_mul_abstract(x, z, *, activation):

@@ -453,6 +453,15 @@ def activation_grad(z, activation):
     raise ValueError(f"{activation=} has no gradient rule")
 
 
+def times_activation_grad(x, z, activation):
+    """act'(z) * x (`activation_grad`); for relu a select, x where z > 0 and 0 elsewhere, as
+    jax.nn.relu's derivative selects: a non-finite x where relu is flat gives 0, not 0 * x =
+    NaN (the kernels' epilogue selects too: kernels/common.py `apply_epilogue`)."""
+    if activation == "relu":
+        return jnp.where(z > 0, x, jnp.zeros_like(x))
+    return activation_grad(z, activation) * x
+
+
 def acc_dtype(*dtypes) -> np.dtype:
     """The accumulator/epilogue dtype: float32, or float64 when any dtype involved is float64."""
     wide = any(np.dtype(d) == np.float64 for d in dtypes)
@@ -471,7 +480,7 @@ def epilogue_xla(acc, c, bias, *, alpha, beta, activation, out_dtype, save_preac
     t = acc.dtype
     z = acc if alpha == 1.0 else alpha * acc
     if act_grad is not None:
-        return [(z * activation_grad(c.astype(t), act_grad)).astype(out_dtype)]
+        return [times_activation_grad(z, c.astype(t), act_grad).astype(out_dtype)]
     if c is not None and beta != 0.0:  # beta = 0 reads no c, as the kernels (and BLAS) do
         z = z + (c.astype(t) if beta == 1.0 else beta * c.astype(t))
     if bias is not None:

@@ -751,7 +751,7 @@ def _jvp_activated(primals, tangents, *, activation, out_dtype, **params):
     out = P.apply_activation(z, activation).astype(out_dtype)
     if type(dz) is ad.Zero:
         return out, ad.Zero.from_primal_value(out)
-    return out, (P.activation_grad(z, activation) * dz).astype(out_dtype)
+    return out, P.times_activation_grad(dz, z, activation).astype(out_dtype)
 
 
 for _prim, _transpose in (

@@ -254,6 +254,10 @@ def apply_epilogue(acc, c=None, bias=None, *, alpha=1.0, beta=1.0, activation=No
     x = acc
     if alpha != 1.0:
         x = x * cutlass.Float32(alpha)
+    if act_grad == "relu":
+        # A select, as jax.nn.relu's derivative (primitive.times_activation_grad): 0 where
+        # relu is flat whatever the product, not 0 * x (NaN for a non-finite x).
+        return cute.where(c.to(cutlass.Float32) > cutlass.Float32(0.0), x, cute.full_like(x, 0.0))
     if act_grad is not None:
         return x * activation_derivative(c.to(cutlass.Float32), act_grad)
     if c is not None and beta != 0.0:
@@ -303,14 +307,13 @@ def _clamp(x, bound):
 
 
 def activation_derivative(z, activation):
-    """d activation / dz at the float32 values z (primitive.activation_grad's formulas, z
-    clamped to +-ACT_GRAD_CLAMP as there, so an overflowed saved pre-activation gives 0 or 1).
+    """d activation / dz at the float32 values z for gelu and silu (primitive.activation_grad's
+    formulas, z clamped to +-ACT_GRAD_CLAMP as there, so an overflowed saved pre-activation
+    gives 0 or 1; relu's derivative is `apply_epilogue`'s select).
     Written as fused multiply-adds around one tanh: this runs on every element of a backward
     product's output, beside the other warp group's main loop."""
     f32, one = cutlass.Float32, cutlass.Float32(1.0)
     z = _clamp(z, ACT_GRAD_CLAMP)
-    if activation == "relu":
-        return cute.where(z > f32(0.0), cute.full_like(z, 1.0), cute.full_like(z, 0.0))
     if activation == "gelu":
         # t = tanh(k0 (z + k1 z^3)); 0.5 (1 + t) + (1 - t^2) z (0.5 k0 + 1.5 k0 k1 z^2): each
         # step one (fused) multiply-add.
@@ -321,7 +324,7 @@ def activation_derivative(z, activation):
     if activation == "silu":
         s = one / (one + cute.math.exp(-z, fastmath=True))
         return s * (one + z * (one - s))
-    raise ValueError(f"{activation=} has no derivative here; one of 'relu', 'gelu', 'silu'")
+    raise ValueError(f"{activation=} has no derivative here; one of 'gelu', 'silu'")
 
 
 def epilogue_is_identity(spec: KernelSpec) -> bool:
