@@ -606,6 +606,25 @@ class RaggedDotTest(parameterized.TestCase):
         shapes = [tuple(x.shape) for x in jax.tree.leaves(vjp)]
         self.assertNotIn((m, g), shapes)
 
+    def test_bias_gradient_ignores_rows_past_the_groups(self):
+        # A NaN or infinite cotangent in rows past every group (padding, dropped tokens: the
+        # jnp.where(mask, f(out), 0) trap) leaves the bias gradient as lax's math has it, on
+        # the one-hot product and the gather (the product made every group's NaN). Vmapped too.
+        m, k, n, g = 50, 8, 16, 3
+        rng = np.random.default_rng(12)
+        lhs, rhs = tu.rand(rng, (m, k), "float32"), tu.rand(rng, (g, k, n), "float32")
+        bias = tu.rand(rng, (g, n), "float32")
+        sizes = jnp.asarray([10, 0, 25], jnp.int32)
+        f = lambda c: jax_sm100.ragged_dot(lhs, rhs, sizes, bias=c)  # noqa: E731
+        ct = tu.rand(rng, (m, n), "float32").at[40].set(jnp.nan).at[45, 3].set(jnp.inf)
+        want = np.stack([np.asarray(ct[:10]).sum(0), np.zeros(n), np.asarray(ct[10:35]).sum(0)])
+        for limit in (ragged._ONE_HOT_MAX_GROUPS, 0):
+            with mock.patch.object(ragged, "_ONE_HOT_MAX_GROUPS", limit):
+                got = jax.jit(lambda ct: jax.vjp(f, bias)[1](ct)[0])(ct)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+                batched = jax.vmap(lambda ct: jax.vjp(f, bias)[1](ct)[0])(jnp.stack([ct, ct]))
+                np.testing.assert_allclose(batched, np.stack([want, want]), rtol=1e-5, atol=1e-5)
+
     def test_bias_errors_name_the_fix(self):
         lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 3))
         sizes = jnp.asarray([4, 4], jnp.int32)

@@ -740,7 +740,14 @@ def _one_hot_product(d_bias, group_sizes, *, m: int, one_hot_type, out_type, pre
     if one_hot_type is not None:
         one_hot = jax.sharding.reshard(one_hot, one_hot_type)
     dims = (((nb + 1,), (nb,)), (tuple(range(nb)), tuple(range(nb))))
-    return lax.dot_general(one_hot, d_bias, dims, precision=precision, out_sharding=out_type)
+    rows = lax.dot_general(one_hot, d_bias, dims, precision=precision, out_sharding=out_type)
+    # Rows past every group selected to zeros, so that the gradient's product reads none of
+    # their cotangent (padding, dropped tokens): a NaN there, as jnp.where(mask, f(out), 0)
+    # gives where f' is infinite, made every group's bias gradient NaN (0 * NaN in the
+    # one-hot product), where lax's math ignores them. Inside the groups the product still
+    # spreads a non-finite cotangent row to every group's sum.
+    inside = jnp.sum(one_hot, axis=-1, keepdims=True) > 0
+    return jnp.where(inside, rows, jnp.zeros_like(rows))
 
 
 def _jvp_activated(primals, tangents, *, activation, out_dtype, **params):
