@@ -264,11 +264,13 @@ class Sm100PtxTest(parameterized.TestCase):
         # spec has them (each prefetched once by the warp that uses it).
         descriptors = len(re.findall(r"prefetch\.tensormap\b", ptx))
         self.assertEqual(descriptors, 3 + spec.has_c + spec.preact_out)
-        # The epilogue keeps NaN: relu's max and the saved pre-activation's clamp are max.NaN /
-        # min.NaN (kernels/common.py), as jnp.maximum and jnp.clip keep it.
-        if spec.activation == "relu" or spec.act_grad is not None:
+        # The epilogue keeps NaN: relu's max and gelu's and silu's clamp of the saved
+        # pre-activation are max.NaN / min.NaN (kernels/common.py), as jnp.maximum and jnp.clip
+        # keep it (relu's derivative is a select, no clamp).
+        clamped = spec.act_grad in ("gelu", "silu")
+        if spec.activation == "relu" or clamped:
             self.assertIn("max.NaN.f32", ptx)
-        if spec.act_grad is not None:
+        if clamped:
             self.assertIn("min.NaN.f32", ptx)
 
         # Transaction bytes per stage, from the plan alone: with cta_group::2 the leader's barrier

@@ -436,7 +436,8 @@ def apply_activation(z, activation):
 
 
 def activation_grad(z, activation):
-    """d activation / dz at z, in z's dtype (the kernels' epilogue states the same formulas).
+    """d activation / dz at z, in z's dtype (the kernels' epilogue states the same formulas for
+    gelu and silu; relu's derivative is applied as a select: `times_activation_grad`).
 
     z is clamped to +-ACT_GRAD_CLAMP first: beyond it every derivative is at its limit (0 or 1),
     and a saved pre-activation that overflowed its dtype (+-inf) gives 0 or 1, not NaN.
