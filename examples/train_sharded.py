@@ -16,7 +16,7 @@ the compiled step are counted once: on the default 2 x 4 mesh, 9 all-reduces per
 layer forward, two per layer backward, one for the data-parallel gradients) and nothing else.
 With --fsdp every weight (and its optimizer state) is also split over "data" along its other
 dim, as fully sharded data parallelism keeps it: each weight is gathered where it is used,
-once a step, and under Auto axes its gradient reduce-scattered back to its split.
+once a step, and its gradient reduce-scattered back to its split.
 """
 
 from __future__ import annotations

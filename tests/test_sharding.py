@@ -929,6 +929,30 @@ class ExplicitAxesTest(ShardedTestCase):
                 self.assertEqual(same_spec(g.sharding.spec), same_spec(sp), specs)
                 np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
+    def test_weight_gradient_folds_a_split_batch(self):
+        # A transformer's [batch, seq, d] activations with the batch over "data" and a 2-D
+        # weight: its gradient folds the batch into k as without a mesh (a batch split becomes
+        # a split of k), one product reduced over "data". It was a float32 product per local
+        # batch index, [batch / data, d, n] (a weight's size times the local batch), summed
+        # after. With the weight split over "data" too (FSDP) the reduction is a
+        # reduce-scatter onto its split (it was an all-reduce and a slice).
+        self.require("data")
+        batch = 4 * axis_size("data")
+        x, w = rand(0, batch, 8, 48), rand(1, 48, 64)
+        loss = lambda w, x: jnp.sum(jnp.sin(jax_sm100.matmul(x, w)))  # noqa: E731
+        ref = lambda w, x: jnp.sum(jnp.sin(jnp.matmul(x, w, precision="highest")))  # noqa: E731
+        per_index = f"[{batch // axis_size('data')},48,64]"
+        for w_spec, want in ((PS(), counts(all_reduce=reduces("data"))),
+                             (PS("data"), counts(all_gather=1, reduce_scatter=1))):  # fmt: skip
+            args = (self.put(w, w_spec), self.put(x, PS("data")))
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(*args).jaxpr
+            wgrad = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"][-1]
+            self.assertEqual(wgrad.invars[0].aval.shape, (1, batch * 8, 48), w_spec)
+            got, hlo = self.check(jax.grad(loss), (w, x), (w_spec, PS("data")), want,
+                                  grad=True, reference=jax.grad(ref))  # fmt: skip
+            self.assertNotIn(per_index, hlo, w_spec)
+            self.assertEqual(same_spec(got.sharding.spec), same_spec(w_spec), w_spec)
+
     def test_einsum_with_heads_split(self):
         # nnx.Einsum's projections with heads split for tensor parallelism: the GEMM's reshapes
         # merge the split heads (major) with the head dim, a reshape that moves no data, typed
@@ -1357,20 +1381,20 @@ class ExampleTest(absltest.TestCase):
 
     def test_train_sharded_fsdp(self):
         # --fsdp also splits every weight's other dim over "data": each of the 6 weights a layer
-        # is gathered once a step, and under Auto axes each gradient reduce-scattered back to
-        # its split (Explicit axes: the gradients join the data-parallel all-reduce); no
-        # activation moves (before, layer inputs went to a split of k: 8 all-to-alls). The
-        # losses are jnp.matmul's in the same layout.
+        # is gathered once a step, and each gradient reduce-scattered back to its split, under
+        # Explicit axes as under Auto (Explicit axes all-reduced them with the data-parallel
+        # gradients, each a float32 sum of per-batch-index products); no activation moves
+        # (before, layer inputs went to a split of k: 8 all-to-alls). The losses are
+        # jnp.matmul's in the same layout.
         if self.dp < 2:
             self.skipTest("FSDP needs a 'data' axis of 2 or more")
         tolerance = {"rtol": 1e-5} if _PLATFORM == "cpu" else {"rtol": 2e-2}
         weights = 6 * self.LAYERS
         ref_out, ref_losses = self.run_example("float32", "--fsdp", "--reference")
-        for axes, scattered in (("explicit", 0), ("auto", weights)):
+        for axes in ("explicit", "auto"):
             out, losses = self.run_example("float32", "--fsdp", "--axes", axes)
-            want = {"all-reduce": self.want_all_reduces(), "all-gather": weights}
-            if scattered:
-                want["reduce-scatter"] = scattered
+            want = {"all-reduce": self.want_all_reduces(), "all-gather": weights,
+                    "reduce-scatter": weights}  # fmt: skip
             self.assertEqual(self.printed_collectives(out), want, axes)
             np.testing.assert_allclose(losses, ref_losses, **tolerance)
 

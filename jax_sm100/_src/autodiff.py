@@ -29,6 +29,7 @@ backward epilogues differentiate by decomposing into plain products and XLA elem
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import jax
@@ -369,14 +370,17 @@ def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
         p = _linear_params(tx, ty, alpha, kernel_out, has_c=True, act_grad=activation)
         return P.matmul_p.bind(x, y, z, **p)[0].astype(want)
     full = tuple(out_shape[:nb])
+    fold_x = (*(1,) * nb, math.prod(x.shape[:-1]), x.shape[-1])
+    fold_y = (*(1,) * nb, math.prod(y.shape[:-1]), y.shape[-1])
     if (act_grad is None and len(reduced) == nb and tx and not ty
             and x.shape[:nb] == full and y.shape[:nb] == full
-            and not _typed_sharded(x) and not _typed_sharded(y)):  # fmt: skip
+            and not P.reshape_moves_data(x, fold_x)
+            and not P.reshape_moves_data(y, fold_y)):  # fmt: skip
         # Every batch dim is summed and both operands hold their contraction rows outermost:
-        # fold the batch into k (free reshapes), one GEMM with float32 accumulation.
-        rows = (1,) * nb
-        x2 = x.reshape(*rows, -1, x.shape[-1])
-        y2 = y.reshape(*rows, -1, y.shape[-1])
+        # fold the batch into k (free reshapes, typed under Explicit axes where a batch split
+        # becomes a split of k), one GEMM with float32 accumulation, rather than a float32
+        # product per batch index summed after (batch x the weight's size).
+        x2, y2 = P.typed_reshape(x, fold_x), P.typed_reshape(y, fold_y)
         p = _linear_params(True, False, alpha, kernel_out)
         return P.matmul_p.bind(x2, y2, **p)[0].astype(want)
     acc = P.acc_dtype(x.dtype, y.dtype)
@@ -386,14 +390,6 @@ def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
         activation, z = act_grad
         summed = _act_grad_mul(summed, z, activation=activation)
     return summed.astype(want)
-
-
-def _typed_sharded(x) -> bool:
-    """Whether x's type carries a sharding (Explicit mesh axes): reshapes that merge its dims
-    would need one spelled out, so the batch fold is left to the unfolded path there."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    return spec is not None and any(e is not None for e in spec)
 
 
 def _unbroadcast(x, shape):

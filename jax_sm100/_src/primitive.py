@@ -346,9 +346,28 @@ def typed_reshape(x, shape):
     with the head dim, batch split merged with the sequence). Elsewhere JAX's own rule decides
     (and raises a ShardingTypeError where it cannot type the result)."""
     shape = tuple(shape)
+    spec = _data_free_reshape_spec(x, shape)
+    if spec is None:
+        return x.reshape(shape)
+    return lax.reshape(x, shape, out_sharding=explicit_type(x).update(spec=spec))
+
+
+def reshape_moves_data(x, shape) -> bool:
+    """Whether `x.reshape(shape)` would move data between devices: under Explicit axes, a split
+    dim that `typed_reshape` cannot carry into the result (False where x has no split dim)."""
+    shape = tuple(shape)
+    axes = explicit_axes(x)
+    if tuple(x.shape) == shape or axes is None or not any(axes):
+        return False
+    return _data_free_reshape_spec(x, shape) is None
+
+
+def _data_free_reshape_spec(x, shape: tuple):
+    """The PartitionSpec that types `x.reshape(shape)` without moving data (`typed_reshape`'s
+    rule), or None where x's type splits no dim or no such spec exists."""
     axes = explicit_axes(x)
     if tuple(x.shape) == shape or axes is None or not any(axes) or 0 in (*x.shape, *shape):
-        return x.reshape(shape)
+        return None
     sizes = explicit_type(x).mesh.shape
     new = [()] * len(shape)
     ins = [(d, n) for d, n in enumerate(x.shape) if n != 1]
@@ -370,12 +389,11 @@ def typed_reshape(x, shape):
         split = [axes[d] for d, _ in group]
         blocks = math.prod(sizes[ax] for ax in split[0])
         if any(split[1:]) or firsts[0][1] % blocks:
-            return x.reshape(shape)
+            return None
         new[firsts[0][0]] = split[0]
     if any(axes[d] for d, n in enumerate(x.shape) if n == 1):
-        return x.reshape(shape)
-    spec = jax.sharding.PartitionSpec(*map(spec_entry, new))
-    return lax.reshape(x, shape, out_sharding=explicit_type(x).update(spec=spec))
+        return None
+    return jax.sharding.PartitionSpec(*map(spec_entry, new))
 
 
 def shards(x, dim: int) -> int:
