@@ -953,6 +953,41 @@ class ExplicitAxesTest(ShardedTestCase):
             self.assertNotIn(per_index, hlo, w_spec)
             self.assertEqual(same_spec(got.sharding.spec), same_spec(w_spec), w_spec)
 
+    def test_weight_and_bias_gradients_with_the_sequence_split(self):
+        # Context parallelism: the sequence split, over "data" under a whole batch, or over
+        # "model" beside a batch over "data". The weight's gradient moves each split dim's
+        # device blocks to the front of the rows (a local transpose), then folds them into k:
+        # one product whose partials are reduced once, [d, n]. It was a float32 product per
+        # batch index, [batch, d, n], reduced across devices whole. The bias's gradient is one
+        # sum over the rows, reducing [n] (it reduced the per-batch sums, [batch, n]).
+        self.require("data")
+        self.require("model")
+        x, w, b = rand(0, 8, 16, 48), rand(1, 48, 64), rand(2, 64)
+        loss = lambda w, b, x: jnp.sum(  # noqa: E731
+            jnp.sin(jax_sm100.matmul(x, w, bias=b, activation="gelu"))
+        )
+        ref = lambda w, b, x: jnp.sum(
+            jnp.sin(
+                jax.nn.gelu(  # noqa: E731
+                    jnp.matmul(x, w, precision="highest") + b, approximate=True
+                )
+            )
+        )
+        grad, want_grad = jax.grad(loss, (0, 1)), jax.grad(ref, (0, 1))
+        for x_spec, axes in ((PS(None, "data"), ("data",)),
+                             (PS("data", "model"), ("data", "model"))):  # fmt: skip
+            specs = (PS(), PS(), x_spec)
+            jaxpr = jax.make_jaxpr(grad)(*[self.put(v, sp) for v, sp in
+                                           zip((w, b, x), specs, strict=True)]).jaxpr  # fmt: skip
+            wgrad = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"][-1]
+            self.assertEqual(wgrad.invars[0].aval.shape, (1, 8 * 16, 48), x_spec)
+            # The two gradients' reductions (over each axis, or combined); nothing else moves.
+            want = [counts(all_reduce=n) for n in range(1, 2 * len(axes) + 1)]
+            _, hlo = self.check(grad, (w, b, x), specs, want, grad=True, reference=want_grad)
+            for shapes in re.findall(r"= (.*) all-reduce(?:-start)?\(", hlo):
+                self.assertNotIn("[8,", shapes, x_spec)  # no per-batch-index partial
+                self.assertNotIn("[4,", shapes, x_spec)
+
     def test_einsum_with_heads_split(self):
         # nnx.Einsum's projections with heads split for tensor parallelism: the GEMM's reshapes
         # merge the split heads (major) with the head dim, a reshape that moves no data, typed
@@ -983,9 +1018,10 @@ class ExplicitAxesTest(ShardedTestCase):
                     assert_f32_close(u, v, 1e-5)
 
     def test_typed_reshape(self):
-        # Merges and splits whose split dim is the major one of its group, on whole blocks of
-        # the group's first result dim, are typed without moving data; the others are left to
-        # JAX's rule (a ShardingTypeError where it has none). Values always x.reshape's.
+        # Merges and splits whose split dims lead their group (each but the last one index a
+        # device), on whole blocks of the group's first result dim, are typed without moving
+        # data; the others are left to JAX's rule (a ShardingTypeError where it has none).
+        # Values always x.reshape's.
         m = axis_size("model")
         x = rand(0, 2, 4 * m, 3, 8)
         cases = [
@@ -993,7 +1029,13 @@ class ExplicitAxesTest(ShardedTestCase):
             (PS(None, "model"), (2, 4 * m * 3, 8), PS(None, "model")),
             (PS(None, "model"), (2, m, 4, 3, 8), PS(None, "model")),
             (PS(None, "model"), (2, 1, 4 * m, 1, 24), PS(None, None, "model")),
-            (PS("data", "model"), (2 * 4 * m, 3, 8), None),  # both merged dims split
+            # Both merged dims split: typed where the first holds one index a device.
+            (
+                PS("data", "model"),
+                (2 * 4 * m, 3, 8),
+                PS(("data", "model")) if axis_size("data") == 2 else None,
+            ),
+            (PS("data", "model"), (2, 4 * m * 3, 8), PS("data", "model")),
             (PS(None, "model"), (2, 2, 2 * m * 3, 8), None if m > 2 else PS(None, "model")),
         ]
         # An empty array: JAX's rule (the grouping needs nonzero sizes; it raised IndexError).

@@ -370,19 +370,15 @@ def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
         p = _linear_params(tx, ty, alpha, kernel_out, has_c=True, act_grad=activation)
         return P.matmul_p.bind(x, y, z, **p)[0].astype(want)
     full = tuple(out_shape[:nb])
-    fold_x = (*(1,) * nb, math.prod(x.shape[:-1]), x.shape[-1])
-    fold_y = (*(1,) * nb, math.prod(y.shape[:-1]), y.shape[-1])
     if (act_grad is None and len(reduced) == nb and tx and not ty
-            and x.shape[:nb] == full and y.shape[:nb] == full
-            and not P.reshape_moves_data(x, fold_x)
-            and not P.reshape_moves_data(y, fold_y)):  # fmt: skip
+            and x.shape[:nb] == full and y.shape[:nb] == full):  # fmt: skip
         # Every batch dim is summed and both operands hold their contraction rows outermost:
-        # fold the batch into k (free reshapes, typed under Explicit axes where a batch split
-        # becomes a split of k), one GEMM with float32 accumulation, rather than a float32
+        # fold the batch into k, one GEMM with float32 accumulation, rather than a float32
         # product per batch index summed after (batch x the weight's size).
-        x2, y2 = P.typed_reshape(x, fold_x), P.typed_reshape(y, fold_y)
-        p = _linear_params(True, False, alpha, kernel_out)
-        return P.matmul_p.bind(x2, y2, **p)[0].astype(want)
+        folded = _rows_folded(x, y, nb)
+        if folded is not None:
+            p = _linear_params(True, False, alpha, kernel_out)
+            return P.matmul_p.bind(*folded, **p)[0].astype(want)
     acc = P.acc_dtype(x.dtype, y.dtype)
     full_product = P.matmul_p.bind(x, y, **_linear_params(tx, ty, alpha, acc))[0]
     summed = jnp.sum(full_product, axis=tuple(reduced), keepdims=True)
@@ -390,6 +386,48 @@ def _grad_product(x, y, tx, ty, alpha, target, act_grad=None):
         activation, z = act_grad
         summed = _act_grad_mul(summed, z, activation=activation)
     return summed.astype(want)
+
+
+def _rows_folded(x, y, nb: int):
+    """x [*B, r, kx] and y [*B, r, ky], whose batch and row dims are all contracted, as
+    [*1, rows, kx] and [*1, rows, ky] with the same row order, or None where that would move
+    data between devices. Free reshapes where no row dim is split, or the first alone (a
+    batch split becomes a split of k); under Explicit axes with other row dims split (a
+    sequence split, for context parallelism), each split dim's device blocks are moved to the
+    front first (a local transpose of both operands), so that the split of k is still one
+    block a device, whose partial products the primitive reduces."""
+    rows = nb + 1
+    ax, ay = P.explicit_axes(x), P.explicit_axes(y)
+    split = ax[:rows] if ax is not None else ay[:rows] if ay is not None else [()] * rows
+    if ax is not None and ay is not None and ax[:rows] != ay[:rows]:
+        split = None  # rows split differently in the two: a fold as they are, if any
+    if split is not None and any(split[1:]):
+        sizes = (P.explicit_type(x) or P.explicit_type(y)).mesh.shape
+        blocks = [math.prod(sizes[a] for a in axes) for axes in split]
+        if any(x.shape[d] % blocks[d] for d in range(rows)):
+            return None
+        expanded, fronts, backs = [], [], []
+        for d in range(rows):
+            if split[d]:
+                fronts.append(len(expanded))
+                expanded.append(blocks[d])
+            backs.append(len(expanded))
+            expanded.append(x.shape[d] // blocks[d])
+        order = (*fronts, *backs, len(expanded))
+        moved = []
+        for z in (x, y):
+            shape = (*expanded, z.shape[-1])
+            if P.reshape_moves_data(z, shape):
+                return None
+            moved.append(lax.transpose(P.typed_reshape(z, shape), order))
+        x, y = moved
+    folded = []
+    for z in (x, y):
+        shape = (*(1,) * nb, math.prod(z.shape[:-1]), z.shape[-1])
+        if P.reshape_moves_data(z, shape):
+            return None
+        folded.append(P.typed_reshape(z, shape))
+    return folded
 
 
 def _unbroadcast(x, shape):
@@ -429,8 +467,12 @@ def _transpose(cts, *args, transpose_a, transpose_b, alpha, beta, activation, ou
         gc = ct.astype(acc) if beta == 1.0 else beta * ct.astype(acc)
         ct_c = _unbroadcast(gc, c.aval.shape).astype(c.aval.dtype)
     if has_bias and undef(bias):
-        gb = jnp.sum(ct.astype(acc), axis=-2)
-        ct_bias = _unbroadcast(gb, bias.aval.shape).astype(bias.aval.dtype)
+        # One sum over m and the batch dims the bias is broadcast along: over m first, a split
+        # m (a sequence split) left a [batch, n] partial to reduce across devices, not [n].
+        nb = ct.ndim - 2
+        axes = (*(i for i in range(nb) if bias.aval.shape[i] == 1 != ct.shape[i]), nb)
+        gb = jnp.sum(ct.astype(acc), axis=axes)
+        ct_bias = gb.reshape(bias.aval.shape).astype(bias.aval.dtype)
     # Under Explicit axes each cotangent is typed by its own product or sum, not as its primal.
     out = [ct_a, ct_b, *([ct_bias] if has_bias else []), *([ct_c] if has_c else [])]
     return [None if t is None else P.cotangent_like(t, x) for t, x in zip(out, args, strict=True)]

@@ -341,10 +341,12 @@ def explicit_axes(x) -> list[tuple[str, ...]] | None:
 
 def typed_reshape(x, shape):
     """`x.reshape(shape)`, its result typed under Explicit axes where the reshape moves no data:
-    each group of dims it merges or splits is split on its major dim alone, and that split falls
-    on whole blocks of the group's first result dim (heads split for tensor parallelism merged
-    with the head dim, batch split merged with the sequence). Elsewhere JAX's own rule decides
-    (and raises a ShardingTypeError where it cannot type the result)."""
+    each group of dims it merges or splits is split on its leading dims alone (each split dim
+    before the last one of a device index each), and that split falls on whole blocks of the
+    group's first result dim (heads split for tensor parallelism merged with the head dim, batch
+    split merged with the sequence, a batch's and a sequence's blocks moved to the front and
+    merged). Elsewhere JAX's own rule decides (and raises a ShardingTypeError where it cannot
+    type the result)."""
     shape = tuple(shape)
     spec = _data_free_reshape_spec(x, shape)
     if spec is None:
@@ -386,11 +388,18 @@ def _data_free_reshape_spec(x, shape: tuple):
                 group.append(ins[a])
                 whole *= ins[a][1]
                 a += 1
+        # The group's split dims must lead it, each but the last holding one index a device
+        # (its size its block count): the group's flattened elements then fall in one
+        # contiguous block a device, ordered as the split dims' axes read major to minor.
         split = [axes[d] for d, _ in group]
-        blocks = math.prod(sizes[ax] for ax in split[0])
-        if any(split[1:]) or firsts[0][1] % blocks:
+        last = max((i for i, ax in enumerate(split) if ax), default=0)
+        if any(not split[i] or group[i][1] != math.prod(sizes[a] for a in split[i])
+               for i in range(last)):  # fmt: skip
             return None
-        new[firsts[0][0]] = split[0]
+        merged = tuple(a for ax in split[: last + 1] for a in ax)
+        if firsts[0][1] % math.prod(sizes[a] for a in merged):
+            return None
+        new[firsts[0][0]] = merged
     if any(axes[d] for d, n in enumerate(x.shape) if n == 1):
         return None
     return jax.sharding.PartitionSpec(*map(spec_entry, new))
