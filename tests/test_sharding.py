@@ -686,6 +686,24 @@ class PartitionerTest(ShardedTestCase):
                             out_spec=PS(("data", "model")))  # fmt: skip
         self.assertEqual(same_spec(got.sharding.spec), (("data", "model"),))
 
+    def test_requested_split_of_n_beside_rows_over_its_axis(self):
+        # Sequence parallelism's backward: the cotangent's rows over "model", the weight's n
+        # over "model", the result asked over "model" along n. The rows are gathered (XLA's
+        # dot does the same); the rows took the axis before, so the weight was gathered and the
+        # result moved to the requested split by an all-to-all. Both propagators.
+        self.require("model")
+        x, w = rand(0, 4, 64, 32), rand(1, 32, 256)
+        specs = (PS(None, "model"), PS(None, "model"))
+        for shardy in (True, False):
+            before = jax.config.jax_use_shardy_partitioner
+            jax.config.update("jax_use_shardy_partitioner", shardy)
+            try:
+                got, _ = self.check(jax_sm100.matmul, (x, w), specs, counts(all_gather=1),
+                                    out_spec=PS(None, None, "model"))  # fmt: skip
+            finally:
+                jax.config.update("jax_use_shardy_partitioner", before)
+            self.assertEqual(same_spec(got.sharding.spec), (None, None, "model"))
+
     def test_k_over_two_axes_scattered_over_one(self):
         # k over both axes, the result asked split over "model": one bind both reduce-scatters
         # (over "model") and all-reduces (over "data").

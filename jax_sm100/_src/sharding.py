@@ -433,12 +433,57 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> _Dec
     # k first: the result's sharding then says whether its partials are reduce-scattered.
     k = _even_prefix(from_operands("k"), roles.size("k"), mesh_shape)
     local = {"k": k} if k else {}
-    keep = _decide_result(roles, mesh_shape, result_sharding, from_operands, local, k)
-    if not k:
-        return keep
-    gather = _decide_result(roles, mesh_shape, result_sharding, from_operands, {}, ())
-    cheaper = _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep, gather)
-    return gather if cheaper else keep
+    chosen = _decide_result(roles, mesh_shape, result_sharding, from_operands, local, k)
+    if k:
+        gather = _decide_result(roles, mesh_shape, result_sharding, from_operands, {}, ())
+        if _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, chosen, gather):
+            chosen = gather
+    return _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes,
+                            from_operands, chosen)  # fmt: skip
+
+
+def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, from_operands,
+                     chosen):  # fmt: skip
+    """`chosen`, or the decision that leaves to the requested result dims the axes the
+    requested sharding gives them, where that moves fewer bytes with the work divided as finely.
+
+    A result dim takes the axes the request gives it, else its operands' (`_decide_result`, in
+    the order batch, m, n), so an axis requested for n but held by an operand's m goes to m:
+    sequence parallelism's backward (the cotangent's rows over "model", the weight's n over
+    it, the result asked split along n) then gathered the weight and moved the result to its
+    requested split by an all-to-all, where gathering the cotangent's rows, as XLA's dot does,
+    moves fewer bytes. Bytes arriving per device, as `_gathers_less` counts them, plus the
+    reduced result's move to the requested split."""
+    result_axes = _spec_axes(result_sharding, len(roles.result))
+    requested = {a for axes in result_axes for a in axes}
+    if not requested:
+        return chosen
+    k = chosen.local.get("k", ())
+
+    def others(factor):
+        return tuple(a for a in from_operands(factor) if a not in requested)
+
+    alternative = _decide_result(roles, mesh_shape, result_sharding, others,
+                                 {"k": k} if k else {}, k)  # fmt: skip
+    if alternative == chosen:
+        return chosen
+
+    def work(decision):
+        return _split(mesh_shape, (a for axes in decision.local.values() for a in axes))
+
+    if work(alternative) != work(chosen):
+        return chosen
+    operand_bytes, result_bytes = nbytes
+    factors = list(zip(roles.operands[:2], operand_axes[:2], operand_bytes[:2], strict=True))
+
+    def moved(decision):
+        local = _split(mesh_shape, (a for f in roles.result for a in decision.local.get(f, ())))
+        finals = [decision.final(f) for f in roles.result]
+        return (_arriving(factors, decision, mesh_shape)
+                + _reducing(roles, decision, result_bytes / local, {}, mesh_shape)
+                + _arrive(finals, result_axes, result_bytes, mesh_shape))  # fmt: skip
+
+    return alternative if moved(alternative) < moved(chosen) else chosen
 
 
 def _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep, gather):
@@ -490,21 +535,26 @@ def _arriving(factors, decision, mesh_shape) -> float:
     arrives); a held split that extends the wanted one is gathered over its extra axes (and an
     axis held on one dim and wanted on another is gathered there: an all-to-all); splits in
     another order hold none of the wanted block."""
-    total = 0.0
-    for dims, axes, size in factors:
-        wanted = [decision.local.get(f, ()) for f in dims]
-        block = size / _split(mesh_shape, (a for w in wanted for a in w))
-        held = 1.0
-        for have, want in zip(axes, wanted, strict=True):
-            have, want = tuple(have), tuple(want)
-            if want[: len(have)] == have:
-                continue
-            if have[: len(want)] == want:
-                held /= _split(mesh_shape, have[len(want) :])
-            else:
-                held = 0.0
-        total += block * (1 - held)
-    return total
+    return sum(
+        _arrive(axes, [decision.local.get(f, ()) for f in dims], size, mesh_shape)
+        for dims, axes, size in factors
+    )
+
+
+def _arrive(held_axes, wanted_axes, size, mesh_shape) -> float:
+    """Bytes arriving at a device to take the block `wanted_axes` (per dim) of an array of
+    `size` bytes from the block `held_axes` it holds (`_arriving`'s rule)."""
+    block = size / _split(mesh_shape, (a for w in wanted_axes for a in w))
+    held = 1.0
+    for have, want in zip(held_axes, wanted_axes, strict=True):
+        have, want = tuple(have), tuple(want)
+        if want[: len(have)] == have:
+            continue
+        if have[: len(want)] == want:
+            held /= _split(mesh_shape, have[len(want) :])
+        else:
+            held = 0.0
+    return block * (1 - held)
 
 
 def _reducing(roles, decision, block, requested, mesh_shape) -> float:
