@@ -971,6 +971,24 @@ class ExplicitAxesTest(ShardedTestCase):
             self.assertNotIn(per_index, hlo, w_spec)
             self.assertEqual(same_spec(got.sharding.spec), same_spec(w_spec), w_spec)
 
+    def test_weight_gradient_fold_ignores_axes_of_size_one(self):
+        # A tensor- or context-parallel degree of 1: the sequence typed over an axis of size 1
+        # splits nothing, so the batch still folds into k (the axis rides along on it). It
+        # turned the fold off: a float32 product per batch index (review helper-111).
+        mesh = jax.make_mesh((2, 1), AXES, axis_types=(AxisType.Explicit,) * 2,
+                             devices=self.devices[:2])  # fmt: skip
+        x, w = rand(0, 8, 16, 48), rand(1, 48, 64)
+        loss = lambda w, x: jnp.sum(jnp.sin(jax_sm100.matmul(x, w)))  # noqa: E731
+        ref = lambda w, x: jnp.sum(jnp.sin(jnp.matmul(x, w, precision="highest")))  # noqa: E731
+        for x_spec in (PS("data", "model"), PS("model", "data")):
+            args = (jax.device_put(w, NamedSharding(mesh, PS())),
+                    jax.device_put(x, NamedSharding(mesh, x_spec)))  # fmt: skip
+            jaxpr = jax.make_jaxpr(jax.grad(loss))(*args).jaxpr
+            wgrad = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"][-1]
+            self.assertEqual(wgrad.invars[0].aval.shape, (1, 8 * 16, 48), x_spec)
+            got = jax.jit(jax.grad(loss))(*args)
+            np.testing.assert_allclose(got, jax.grad(ref)(w, x), rtol=1e-5, atol=1e-5)
+
     def test_weight_and_bias_gradients_with_the_sequence_split(self):
         # Context parallelism: the sequence split, over "data" under a whole batch, or over
         # "model" beside a batch over "data". The weight's gradient moves each split dim's

@@ -397,15 +397,18 @@ def _rows_folded(x, y, nb: int):
     front first (a local transpose of both operands), so that the split of k is still one
     block a device, whose partial products the primitive reduces."""
     rows = nb + 1
-    ax, ay = P.explicit_axes(x), P.explicit_axes(y)
-    split = ax[:rows] if ax is not None else ay[:rows] if ay is not None else [()] * rows
-    if ax is not None and ay is not None and ax[:rows] != ay[:rows]:
+    typed = P.explicit_type(x) or P.explicit_type(y)
+    sizes = typed.mesh.shape if typed is not None else {}
+
+    def row_splits(axes):  # (an axis of size 1 splits nothing)
+        return None if axes is None else [tuple(a for a in d if sizes[a] > 1) for d in axes[:rows]]
+
+    sx, sy = row_splits(P.explicit_axes(x)), row_splits(P.explicit_axes(y))
+    split = sx if sx is not None else sy if sy is not None else [()] * rows
+    if sx is not None and sy is not None and sx != sy:
         split = None  # rows split differently in the two: a fold as they are, if any
     if split is not None and any(split[1:]):
-        sizes = (P.explicit_type(x) or P.explicit_type(y)).mesh.shape
         blocks = [math.prod(sizes[a] for a in axes) for axes in split]
-        if any(x.shape[d] % blocks[d] for d in range(rows)):
-            return None
         expanded, fronts, backs = [], [], []
         for d in range(rows):
             if split[d]:

@@ -391,12 +391,14 @@ def _data_free_reshape_spec(x, shape: tuple):
         # The group's split dims must lead it, each but the last holding one index a device
         # (its size its block count): the group's flattened elements then fall in one
         # contiguous block a device, ordered as the split dims' axes read major to minor.
-        split = [axes[d] for d, _ in group]
+        # (An axis of size 1 splits nothing: it rides along on the group's first result dim.)
+        split = [tuple(a for a in axes[d] if sizes[a] > 1) for d, _ in group]
         last = max((i for i, ax in enumerate(split) if ax), default=0)
         if any(not split[i] or group[i][1] != math.prod(sizes[a] for a in split[i])
                for i in range(last)):  # fmt: skip
             return None
         merged = tuple(a for ax in split[: last + 1] for a in ax)
+        merged += tuple(a for d, _ in group for a in axes[d] if sizes[a] == 1)
         if firsts[0][1] % math.prod(sizes[a] for a in merged):
             return None
         new[firsts[0][0]] = merged
