@@ -419,18 +419,14 @@ def _rows_folded(x, y, nb: int):
         order = (*fronts, *backs, len(expanded))
         moved = []
         for z in (x, y):
-            shape = (*expanded, z.shape[-1])
-            if P.reshape_moves_data(z, shape):
+            z = P.reshape_in_place(z, (*expanded, z.shape[-1]))
+            if z is None:
                 return None
-            moved.append(lax.transpose(P.typed_reshape(z, shape), order))
+            moved.append(lax.transpose(z, order))
         x, y = moved
-    folded = []
-    for z in (x, y):
-        shape = (*(1,) * nb, math.prod(z.shape[:-1]), z.shape[-1])
-        if P.reshape_moves_data(z, shape):
-            return None
-        folded.append(P.typed_reshape(z, shape))
-    return folded
+    folded = [P.reshape_in_place(z, (*(1,) * nb, math.prod(z.shape[:-1]), z.shape[-1]))
+              for z in (x, y)]  # fmt: skip
+    return None if any(z is None for z in folded) else folded
 
 
 def _unbroadcast(x, shape):

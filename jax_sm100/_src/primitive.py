@@ -347,21 +347,21 @@ def typed_reshape(x, shape):
     split merged with the sequence, a batch's and a sequence's blocks moved to the front and
     merged). Elsewhere JAX's own rule decides (and raises a ShardingTypeError where it cannot
     type the result)."""
-    shape = tuple(shape)
-    spec = _data_free_reshape_spec(x, shape)
-    if spec is None:
-        return x.reshape(shape)
-    return lax.reshape(x, shape, out_sharding=explicit_type(x).update(spec=spec))
+    out = reshape_in_place(x, shape)
+    return x.reshape(tuple(shape)) if out is None else out
 
 
-def reshape_moves_data(x, shape) -> bool:
-    """Whether `x.reshape(shape)` would move data between devices: under Explicit axes, a split
-    dim that `typed_reshape` cannot carry into the result (False where x has no split dim)."""
+def reshape_in_place(x, shape):
+    """`x.reshape(shape)` typed as `typed_reshape` types it, or None where, under Explicit axes,
+    a split dim has no such type: the reshape would move data between devices."""
     shape = tuple(shape)
     axes = explicit_axes(x)
     if tuple(x.shape) == shape or axes is None or not any(axes):
-        return False
-    return _data_free_reshape_spec(x, shape) is None
+        return x.reshape(shape)
+    spec = _data_free_reshape_spec(x, shape)
+    if spec is None:
+        return None
+    return lax.reshape(x, shape, out_sharding=explicit_type(x).update(spec=spec))
 
 
 def _data_free_reshape_spec(x, shape: tuple):
