@@ -473,11 +473,11 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
 
     if work(alternative) != work(chosen):
         return chosen
-    operand_bytes, result_bytes = nbytes
-    factors = list(zip(roles.operands[:2], operand_axes[:2], operand_bytes[:2], strict=True))
+    result_bytes = nbytes[1]
+    factors = _factors(roles, operand_axes, nbytes)
 
     def moved(decision):
-        local = _split(mesh_shape, (a for f in roles.result for a in decision.local.get(f, ())))
+        local = _result_split(roles, decision, mesh_shape)
         finals = [decision.final(f) for f in roles.result]
         return (_arriving(factors, decision, mesh_shape)
                 + _reducing(roles, decision, result_bytes / local, {}, mesh_shape)
@@ -502,9 +502,9 @@ def _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep
     hold to the decision's (`_arriving`), and the result's reduction and reordering
     (`_reducing`). A model: XLA reshards as it chooses (JAX 0.12 moves an operand from a split
     of rows to a split of k by an all-gather and a slice, where 0.10 runs an all-to-all)."""
-    operand_bytes, result_bytes = nbytes
+    result_bytes = nbytes[1]
     k_axes = set(keep.local["k"])
-    factors = list(zip(roles.operands[:2], operand_axes[:2], operand_bytes[:2], strict=True))
+    factors = _factors(roles, operand_axes, nbytes)
     claimed = {
         a
         for dims, axes, _ in factors
@@ -512,21 +512,28 @@ def _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep
         if f in roles.result
         for a in f_axes
     }
-
-    def local_work(decision):
-        return _split(mesh_shape, (a for f in roles.result for a in decision.local.get(f, ())))
-
-    if not k_axes <= claimed or local_work(gather) < local_work(keep) * _split(mesh_shape, k_axes):
+    finer = _result_split(roles, keep, mesh_shape) * _split(mesh_shape, k_axes)
+    if not k_axes <= claimed or _result_split(roles, gather, mesh_shape) < finer:
         return False
     requested = dict(zip(roles.result, _spec_axes(result_sharding, len(roles.result)), strict=True))
 
     def moved(decision):
-        block = result_bytes / local_work(decision)
+        block = result_bytes / _result_split(roles, decision, mesh_shape)
         return _arriving(factors, decision, mesh_shape) + _reducing(
             roles, decision, block, requested, mesh_shape
         )
 
     return moved(gather) < moved(keep)
+
+
+def _factors(roles, operand_axes, nbytes):
+    """The two product operands as `_arriving` takes them: (dims, held axes, bytes)."""
+    return list(zip(roles.operands[:2], operand_axes[:2], nbytes[0][:2], strict=True))
+
+
+def _result_split(roles, decision, mesh_shape) -> int:
+    """How many blocks `decision`'s local GEMMs cut the result into."""
+    return _split(mesh_shape, (a for f in roles.result for a in decision.local.get(f, ())))
 
 
 def _arriving(factors, decision, mesh_shape) -> float:
