@@ -317,6 +317,25 @@ class ForwardTest(RaggedCase):
         )
         self.assertEqual(same_spec(got.sharding.spec), ("data", "model"))
 
+    @parameterized.named_parameters(("shardy", True), ("gspmd", False))
+    def test_requested_split_of_n_beside_rows_over_its_axis(self, shardy):
+        # Sequence-split tokens into column-split experts: lhs's rows over "model", rhs's n
+        # over "model", the result asked split along n. The tokens are gathered (the smaller
+        # move); the rows took the axis before, so the experts were gathered along n and the
+        # result moved to the requested split by an all-to-all.
+        self.require("model")
+        lhs, rhs = operands(30)
+        specs = (PS("model"), PS(None, None, "model"), PS())
+        before = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+        try:
+            got, _ = self.check(jax_sm100.ragged_dot, (lhs, rhs, groups(31)), specs,
+                                counts(all_gather=1), reference=reference_dot,
+                                out_spec=PS(None, "model"))  # fmt: skip
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", before)
+        self.assertEqual(same_spec(got.sharding.spec), (None, "model"))
+
     def test_batch_under_vmap(self):
         # vmap puts the mapped dim first, in every operand: it is kept where it is sharded.
         lhs, rhs = operands(14, batch=(2,))

@@ -19,7 +19,10 @@ sizes (the rows of group i start at the sum of the sizes before it), so the grou
 always asked for whole along g (an all-gather of g int32 when they come split over an axis;
 nothing when they are replicated, as router outputs computed from replicated tokens are).
 
-  * batch b, and ragged_dot's n, ragged_outer's k and n: kept, no communication.
+  * batch b, and ragged_dot's n, ragged_outer's k and n: kept, no communication. A result dim
+    asked split over an axis that an operand's other dim holds takes it where that moves fewer
+    bytes (`sharding._requested_first`): sequence-split tokens into column-split experts gather
+    the tokens' rows, not the experts along n.
   * rows m (data-parallel tokens): a device holding rows [r0, r1) binds the primitive on its
     block with the local group sizes clip(end_i, r0, r1) - clip(start_i, r0, r1) (start, end:
     each group's first and end row as the kernels read the global sizes, `group_ends`).
@@ -349,16 +352,18 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> shar
         return sharding._decide_result(roles, mesh_shape, result_sharding, from_operands,
                                        dict(local), reduced)  # fmt: skip
 
-    keep = decided(local)
-    if "k" not in local:
-        return keep
-    # ragged_dot's k split, or the weights gathered along k where that moves fewer bytes
-    # (FSDP's layout: sharding._gathers_less); a split of g stays either way.
-    gather = decided({f: axes for f, axes in local.items() if f != "k"})
-    if sharding._gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep,
-                              gather):  # fmt: skip
-        return gather
-    return keep
+    chosen = decided(local)
+    if "k" in local:
+        # ragged_dot's k split, or the weights gathered along k where that moves fewer bytes
+        # (FSDP's layout: sharding._gathers_less); a split of g stays either way.
+        gather = decided({f: axes for f, axes in local.items() if f != "k"})
+        if sharding._gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes,
+                                  chosen, gather):  # fmt: skip
+            chosen = gather
+    # A result dim asked split over an axis that an operand's other dim holds takes it where
+    # that moves fewer bytes (sequence-split tokens into column-split experts).
+    return sharding._requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes,
+                                     from_operands, chosen, roles.reductions)  # fmt: skip
 
 
 # --- callbacks ---------------------------------------------------------------------------------

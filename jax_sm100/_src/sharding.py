@@ -443,9 +443,10 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> _Dec
 
 
 def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, from_operands,
-                     chosen):  # fmt: skip
+                     chosen, reductions=("k",)):  # fmt: skip
     """`chosen`, or the decision that leaves to the requested result dims the axes the
     requested sharding gives them, where that moves fewer bytes with the work divided as finely.
+    The reduction factors (`reductions`: matmul's k; ragged_dot's k and g) keep `chosen`'s axes.
 
     A result dim takes the axes the request gives it, else its operands' (`_decide_result`, in
     the order batch, m, n), so an axis requested for n but held by an operand's m goes to m:
@@ -458,13 +459,13 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
     requested = {a for axes in result_axes for a in axes}
     if not requested:
         return chosen
-    k = chosen.local.get("k", ())
+    local = {f: chosen.local[f] for f in reductions if f in chosen.local}
+    reduced = tuple(a for f in reductions for a in local.get(f, ()))
 
     def others(factor):
         return tuple(a for a in from_operands(factor) if a not in requested)
 
-    alternative = _decide_result(roles, mesh_shape, result_sharding, others,
-                                 {"k": k} if k else {}, k)  # fmt: skip
+    alternative = _decide_result(roles, mesh_shape, result_sharding, others, local, reduced)
     if alternative == chosen:
         return chosen
 
