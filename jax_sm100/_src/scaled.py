@@ -160,8 +160,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     magnitude lies outside 6 x that range do not fit them (past it, NaN; under it, zeros). With
     `global_scale=True` (nvfp4 only) x is first divided by one float32 scale for the whole array,
     its largest magnitude over 6 x 448, and the call returns (data, scales, global_scale): the
-    product of two such operands is `scaled_matmul(a, b, sa, sb) * (ga * gb)` (NVIDIA's nvfp4
-    recipe's per-tensor scale).
+    product of two such operands is `scaled_matmul(a, b, sa, sb) * ga * gb` (NVIDIA's nvfp4
+    recipe's per-tensor scale; `ga * gb` alone underflows for operands under ~1e-16).
 
     The data keeps x's shape. fp8_block128's scales are x's shape with the axis divided by the
     block; fp8_block128x128's (for weights, x [..., rows, k]) also have the rows divided by 128,
@@ -202,7 +202,11 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         # (`_scale`) and leaves the other blocks' global scale as it would be without it.
         amax_all = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))
         top_all = float(jnp.finfo(r.data_dtype).max) * float(jnp.finfo(r.scale_dtype).max)
-        g = jnp.where(amax_all > 0, amax_all / top_all, 1.0).astype(jnp.float32)
+        # No smaller than float32's least normal number, as `_scale`'s block scales: under
+        # ~3.2e-35 the quotient was flushed to zero, then x / g infinite and every scale NaN.
+        tiny = float(jnp.finfo(jnp.float32).tiny)
+        g = jnp.where(amax_all > 0, jnp.maximum(amax_all / top_all, tiny), 1.0)
+        g = g.astype(jnp.float32)
         x = x / g
     if r.layout == "blocked" and x.ndim < 2:
         raise ValueError(f"jax_sm100.quantize: {recipe} scales rows of a matrix; x is 1-D")
