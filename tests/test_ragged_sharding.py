@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from jax import lax
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 import jax_sm100
@@ -335,6 +335,33 @@ class ForwardTest(RaggedCase):
         finally:
             jax.config.update("jax_use_shardy_partitioner", before)
         self.assertEqual(same_spec(got.sharding.spec), (None, "model"))
+
+    @parameterized.named_parameters(
+        # bfloat16 with many tokens: gathering the experts along n and moving the bfloat16
+        # result is the smaller move; counted in float32 the result weighed twice its bytes.
+        ("result_in_its_dtype", "bfloat16", (4096, 64, 128), PS(None, None, "model"), "model"),
+        # Tokens' rows over "data" beside the experts' k over "model": XLA gathers the rows
+        # before it slices k, so taking n's requested axis moves all of lhs, which the model
+        # counted as a quarter of it.
+        ("gather_before_slice", "float32", (256, 32, 24), PS(None, "model", "data"), "data"),
+    )  # fmt: skip
+    def test_requested_split_kept_where_the_rows_move_more(self, dtype, shape, rhs_spec, axis):
+        # The requested-first choice declines where gathering the tokens' rows moves more bytes
+        # than its byte model counted (review helper-112).
+        self.require("model")
+        self.require("data")
+        m, k, n = shape
+        rng = np.random.default_rng(32)
+        lhs, rhs = tu.rand(rng, (m, k), dtype), tu.rand(rng, (G, k, n), dtype)
+        sizes = groups(33, g=G, m=m)
+        out = NamedSharding(self.mesh, PS(None, axis))
+        f = jax.jit(jax_sm100.ragged_dot, out_shardings=out)
+        lhs_spec = PS("model") if axis == "model" else PS("data")
+        args = (self.put(lhs, lhs_spec), self.put(rhs, rhs_spec), sizes)
+        self.assertNotIn((m, k), ts.gathered(f.lower(*args).compile().as_text()))
+        want = np.asarray(reference_dot(lhs, rhs, sizes), np.float32)
+        np.testing.assert_allclose(np.asarray(f(*args), np.float32), want, rtol=0,
+                                   atol=2e-2 * np.abs(want).max())  # fmt: skip
 
     def test_batch_under_vmap(self):
         # vmap puts the mapped dim first, in every operand: it is kept where it is sharded.

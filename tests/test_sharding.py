@@ -224,6 +224,17 @@ def _single_device_groups(instruction: str) -> bool:
     return False
 
 
+def gathered(hlo: str) -> list[tuple[int, ...]]:
+    """The result shapes of the compiled HLO text's all-gathers."""
+    shapes = []
+    for line in hlo.splitlines():
+        if (match := re.search(r"=\s*\w+\[([\d,]*)\][^=]*\sall-gather(?:-start)?\(", line)) and (
+            not _single_device_groups(line)
+        ):
+            shapes.append(tuple(int(d) for d in match[1].split(",") if d))
+    return shapes
+
+
 def counts(**nonzero) -> dict[str, int]:
     want = dict.fromkeys(COLLECTIVES, 0)
     want.update({k.replace("_", "-"): v for k, v in nonzero.items()})
@@ -703,6 +714,20 @@ class PartitionerTest(ShardedTestCase):
             finally:
                 jax.config.update("jax_use_shardy_partitioner", before)
             self.assertEqual(same_spec(got.sharding.spec), (None, None, "model"))
+
+    def test_requested_split_weighs_the_result_in_its_dtype(self):
+        # The case above in bfloat16 with many rows: gathering the weight and moving the
+        # bfloat16 result to its requested split moves fewer bytes than gathering the rows.
+        # The result's move was counted in float32, twice its bytes, and the rows were gathered
+        # (review helper-112).
+        self.require("model")
+        x, w = rand(0, 4096, 64).astype(jnp.bfloat16), rand(1, 64, 128).astype(jnp.bfloat16)
+        f = jax.jit(jax_sm100.matmul, out_shardings=NamedSharding(self.mesh, PS(None, "model")))
+        args = (self.put(x, PS("model")), self.put(w, PS(None, "model")))
+        self.assertNotIn((4096, 64), gathered(f.lower(*args).compile().as_text()))
+        want = np.matmul(np.asarray(x, np.float32), np.asarray(w, np.float32))
+        np.testing.assert_allclose(np.asarray(f(*args), np.float32), want, rtol=0,
+                                   atol=2e-2 * np.abs(want).max())  # fmt: skip
 
     def test_k_over_two_axes_scattered_over_one(self):
         # k over both axes, the result asked split over "model": one bind both reduce-scatters

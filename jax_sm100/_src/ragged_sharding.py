@@ -19,10 +19,15 @@ sizes (the rows of group i start at the sum of the sizes before it), so the grou
 always asked for whole along g (an all-gather of g int32 when they come split over an axis;
 nothing when they are replicated, as router outputs computed from replicated tokens are).
 
-  * batch b, and ragged_dot's n, ragged_outer's k and n: kept, no communication. A result dim
-    asked split over an axis that an operand's other dim holds takes it where that moves fewer
-    bytes (`sharding._requested_first`): sequence-split tokens into column-split experts gather
-    the tokens' rows, not the experts along n.
+  * batch b, and ragged_dot's n, ragged_outer's k and n: kept, no communication.
+  * a result dim asked split over an axis that an operand's other dim holds (under Auto axes,
+    Shardy's pick between two operands' splits) takes it where that moves fewer bytes, as
+    matmul's (`sharding._requested_first`): sequence-split tokens into column-split experts
+    gather the tokens' rows rather than the experts along n and the result's all-to-all. The
+    weight gradient (ragged_outer) may likewise take a requested axis onto n from its
+    experts' split or its k. The bytes are a model (XLA gathers before it slices); under Auto
+    axes a request can be one that XLA would have dropped, so a layout can move more (an MoE
+    layer with FSDP weights beside experts: about 6-17 %).
   * rows m (data-parallel tokens): a device holding rows [r0, r1) binds the primitive on its
     block with the local group sizes clip(end_i, r0, r1) - clip(start_i, r0, r1) (start, end:
     each group's first and end row as the kernels read the global sizes, `group_ends`).
@@ -325,7 +330,9 @@ class _Roles:
 def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> sharding._Decision:
     """The axes of every factor (module docstring): reductions first, from the operands; then
     the result's dims, as requested or as the operands have them, and which reduction axes are
-    scattered onto them. `nbytes`: as for `sharding._decide`."""
+    scattered onto them; then k gathered where that moves less (`sharding._gathers_less`) and
+    the requested axes taken first where that moves less (`sharding._requested_first`).
+    `nbytes`: as for `sharding._decide`."""
     mesh_shape = dict(mesh.shape)
     operand_axes = [
         sharding._spec_axes(s, len(dims))
@@ -369,8 +376,8 @@ def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> shar
 # --- callbacks ---------------------------------------------------------------------------------
 
 
-def _nbytes(roles: _Roles, arg_shapes):
-    return sharding.nbytes(arg_shapes, math.prod(roles.size(f) for f in roles.result))
+def _nbytes(roles: _Roles, arg_shapes, out_dtype=None):
+    return sharding.nbytes(arg_shapes, math.prod(roles.size(f) for f in roles.result), out_dtype)
 
 
 def _infer(roles: _Roles, mesh, arg_shapes):
@@ -384,7 +391,7 @@ def _infer(roles: _Roles, mesh, arg_shapes):
 def _partition(prim, roles: _Roles, params, mesh, arg_shapes, result_shape):
     decision = _decide(
         roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding,
-        _nbytes(roles, arg_shapes),
+        _nbytes(roles, arg_shapes, result_shape.dtype),
     )  # fmt: skip
     lhs_dims, rhs_dims, gs_dims, *bias_dims = roles.operands
     # The group sizes are whole along g on every device: the local sizes are cut from them.

@@ -243,9 +243,9 @@ def _data_shardings(arg_shapes):
     return [s.sharding for s in arg_shapes[:2]] + [None, None]
 
 
-def _nbytes(arg_shapes):
+def _nbytes(arg_shapes, out_dtype=None):
     lhs, rhs = arg_shapes[:2]
-    return sharding.nbytes(arg_shapes, lhs.shape[0] * lhs.shape[1] * rhs.shape[1])
+    return sharding.nbytes(arg_shapes, lhs.shape[0] * lhs.shape[1] * rhs.shape[1], out_dtype)
 
 
 def _infer(roles: _Roles, mesh, arg_shapes):
@@ -256,8 +256,9 @@ def _infer(roles: _Roles, mesh, arg_shapes):
 
 def _partition(prim, roles: _Roles, out_dtype, mesh, arg_shapes, result_shape):
     decision = sharding._decide(
-        roles, mesh, _data_shardings(arg_shapes), result_shape.sharding, _nbytes(arg_shapes)
-    )
+        roles, mesh, _data_shardings(arg_shapes), result_shape.sharding,
+        _nbytes(arg_shapes, result_shape.dtype),
+    )  # fmt: skip
     arg_shardings = tuple(
         NamedSharding(mesh, decision.spec(dims, final=False)) for dims in roles.operands
     )

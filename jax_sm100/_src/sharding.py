@@ -371,9 +371,9 @@ class _Roles:
             num_results=P.num_results(params),
         )
 
-    def nbytes(self, arg_shapes):
+    def nbytes(self, arg_shapes, out_dtype=None):
         """`_decide`'s `nbytes` for these operands."""
-        return nbytes(arg_shapes, math.prod(self.result_shape))
+        return nbytes(arg_shapes, math.prod(self.result_shape), out_dtype)
 
     def sharding_rule(self) -> SdyShardingRule:
         return SdyShardingRule(
@@ -418,7 +418,7 @@ class _Decision:
 
 def _decide(roles: _Roles, mesh, arg_shardings, result_sharding, nbytes) -> _Decision:
     """Chooses the axes of every factor from the given shardings (see the module docstring);
-    `nbytes`: the operands' bytes and the whole result's in the accumulator dtype."""
+    `nbytes`: as `nbytes` returns them."""
     mesh_shape = dict(mesh.shape)
     operand_axes = [
         _spec_axes(s, len(dims)) for s, dims in zip(arg_shardings, roles.operands, strict=True)
@@ -446,15 +446,17 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
                      chosen, reductions=("k",)):  # fmt: skip
     """`chosen`, or the decision that leaves to the requested result dims the axes the
     requested sharding gives them, where that moves fewer bytes with the work divided as finely.
-    The reduction factors (`reductions`: matmul's k; ragged_dot's k and g) keep `chosen`'s axes.
+    The reduction factors (`reductions`: matmul's k; ragged_dot's k and g; ragged_outer's m and
+    the batch dims it sums) keep `chosen`'s axes.
 
     A result dim takes the axes the request gives it, else its operands' (`_decide_result`, in
-    the order batch, m, n), so an axis requested for n but held by an operand's m goes to m:
+    the result's order: batch, m, n for matmul), so an axis requested for n but held by an
+    operand's m goes to m:
     sequence parallelism's backward (the cotangent's rows over "model", the weight's n over
     it, the result asked split along n) then gathered the weight and moved the result to its
     requested split by an all-to-all, where gathering the cotangent's rows, as XLA's dot does,
     moves fewer bytes. Bytes arriving per device, as `_gathers_less` counts them, plus the
-    reduced result's move to the requested split."""
+    reduced result's move to the requested split, in the result's dtype."""
     result_axes = _spec_axes(result_sharding, len(roles.result))
     requested = {a for axes in result_axes for a in axes}
     if not requested:
@@ -474,7 +476,7 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
 
     if work(alternative) != work(chosen):
         return chosen
-    result_bytes = nbytes[1]
+    result_bytes, out_bytes = nbytes[1:]
     factors = _factors(roles, operand_axes, nbytes)
 
     def moved(decision):
@@ -482,7 +484,7 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
         finals = [decision.final(f) for f in roles.result]
         return (_arriving(factors, decision, mesh_shape)
                 + _reducing(roles, decision, result_bytes / local, {}, mesh_shape)
-                + _arrive(finals, result_axes, result_bytes, mesh_shape))  # fmt: skip
+                + _arrive(finals, result_axes, out_bytes, mesh_shape))  # fmt: skip
 
     return alternative if moved(alternative) < moved(chosen) else chosen
 
@@ -540,9 +542,9 @@ def _result_split(roles, decision, mesh_shape) -> int:
 def _arriving(factors, decision, mesh_shape) -> float:
     """Bytes arriving at a device for operands (dims, held axes, bytes) to take `decision`'s
     local blocks. Per dim, a wanted split that extends the held one is a slice (nothing
-    arrives); a held split that extends the wanted one is gathered over its extra axes (and an
-    axis held on one dim and wanted on another is gathered there: an all-to-all); splits in
-    another order hold none of the wanted block."""
+    arrives); a held split that extends the wanted one is gathered over its extra axes, before
+    any slice of another dim (an axis held on one dim and wanted on another is an all-to-all);
+    splits in another order hold none of the wanted block."""
     return sum(
         _arrive(axes, [decision.local.get(f, ()) for f in dims], size, mesh_shape)
         for dims, axes, size in factors
@@ -551,18 +553,23 @@ def _arriving(factors, decision, mesh_shape) -> float:
 
 def _arrive(held_axes, wanted_axes, size, mesh_shape) -> float:
     """Bytes arriving at a device to take the block `wanted_axes` (per dim) of an array of
-    `size` bytes from the block `held_axes` it holds (`_arriving`'s rule)."""
-    block = size / _split(mesh_shape, (a for w in wanted_axes for a in w))
-    held = 1.0
+    `size` bytes from the block `held_axes` it holds (`_arriving`'s rule). XLA gathers before
+    it slices: a gather over axes that no dim is then sliced over brings the held block's
+    whole extent along the sliced dims (review helper-112: rows gathered over "data" beside k
+    sliced over "model" moved all of k); an axis moved from one dim to another is an
+    all-to-all, a slice first."""
+    held_block = size / _split(mesh_shape, (a for h in held_axes for a in h))
+    gathered, sliced = [], []
     for have, want in zip(held_axes, wanted_axes, strict=True):
         have, want = tuple(have), tuple(want)
         if want[: len(have)] == have:
-            continue
-        if have[: len(want)] == want:
-            held /= _split(mesh_shape, have[len(want) :])
+            sliced += want[len(have) :]
+        elif have[: len(want)] == want:
+            gathered += have[len(want) :]
         else:
-            held = 0.0
-    return block * (1 - held)
+            return size / _split(mesh_shape, (a for w in wanted_axes for a in w))
+    moved = _split(mesh_shape, (a for a in gathered if a in sliced))
+    return held_block * (_split(mesh_shape, gathered) - 1) / moved
 
 
 def _reducing(roles, decision, block, requested, mesh_shape) -> float:
@@ -623,10 +630,11 @@ def _even_prefix(axes, extent, mesh_shape) -> tuple[str, ...]:
 # --- callbacks ---------------------------------------------------------------------------------
 
 
-def nbytes(arg_shapes, result_elements: int) -> tuple[list[float], int]:
+def nbytes(arg_shapes, result_elements: int, out_dtype=None) -> tuple[list[float], int, int]:
     """`_decide`'s `nbytes`: the operands' bytes (nvfp4's half a byte an element, as packed on
-    the GPU) and the whole result's in the accumulator dtype (float32, or float64 beside a
-    float64 operand)."""
+    the GPU), the whole result's in the accumulator dtype (float32, or float64 beside a float64
+    operand: its partial sums are reduced in it) and in `out_dtype` (as written, and moved to a
+    requested split; the accumulator's when None)."""
     operand_bytes = [
         math.prod(s.shape)
         * C.OPERAND_BITS.get(np.dtype(s.dtype).name, 8 * np.dtype(s.dtype).itemsize)
@@ -634,7 +642,8 @@ def nbytes(arg_shapes, result_elements: int) -> tuple[list[float], int]:
         for s in arg_shapes
     ]
     acc = P.acc_dtype(*(s.dtype for s in arg_shapes))
-    return operand_bytes, result_elements * acc.itemsize
+    out = acc if out_dtype is None else np.dtype(out_dtype)
+    return operand_bytes, result_elements * acc.itemsize, result_elements * out.itemsize
 
 
 def _infer(roles: _Roles, mesh, arg_shapes):
@@ -651,7 +660,7 @@ def _partition(roles: _Roles, params, mesh, arg_shapes, result_shapes):
     result_shape = result_shapes[0]
     decision = _decide(
         roles, mesh, [s.sharding for s in arg_shapes], result_shape.sharding,
-        roles.nbytes(arg_shapes),
+        roles.nbytes(arg_shapes, result_shape.dtype),
     )  # fmt: skip
     deferred = "k" in decision.local
     arg_shardings = []
