@@ -374,8 +374,9 @@ def _dequantized(data, scales):
     return out.reshape(data.shape)
 
 
-def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
-    """The documented math in XLA ops, float32 throughout, rounded once."""
+def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype, precision=lax.Precision.HIGHEST):
+    """The documented math in XLA ops, float32 throughout, rounded once; `precision` the
+    product's (the tangents of 8- and 4-bit data take XLA's default: `_jvp`)."""
     a, b = _dequantized(lhs, lhs_scales), _dequantized(rhs, rhs_scales)
     spec = out_spec(a, b)
     out_sharding = None
@@ -398,7 +399,7 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
         out_sharding = NamedSharding(mesh, spec)
     # A shared rhs (one for every batch): a product with its [n, k] alone, never broadcast.
     eq, b = ("bmk,nk->bmn", b[0]) if shared_rhs(a, b) else ("bmk,bnk->bmn", b)
-    out = jnp.einsum(eq, a, b, precision=lax.Precision.HIGHEST, out_sharding=out_sharding)
+    out = jnp.einsum(eq, a, b, precision=precision, out_sharding=out_sharding)
     return out.astype(out_dtype)
 
 
@@ -524,8 +525,14 @@ def _jvp(primals, tangents, *, out_dtype):
             # off the scale dtype.
             t = scale_layout.plain(primals[i - 2].shape, t)
         args[i] = _widen_p.bind(t, dtype=np.dtype(t.dtype))
-        # The tangent is linear in `t` through XLA ops, which JAX transposes itself.
-        terms.append(reference(*args, out_dtype=np.dtype(np.float32)))
+        # The tangent is linear in `t` through XLA ops, which JAX transposes itself. Of 8- or
+        # 4-bit data (3 mantissa bits at most) the product takes JAX's default precision, as
+        # jnp.dot does (`jax_default_matmul_precision`; TF32 on a GPU), since the gradient is
+        # rounded to the data's format and the tangent holds no more than it; scales' stay at
+        # HIGHEST.
+        narrow = i < 2 and np.dtype(primals[i].dtype).name in _SATURATED
+        precision = None if narrow else lax.Precision.HIGHEST
+        terms.append(reference(*args, out_dtype=np.dtype(np.float32), precision=precision))
     if not terms:
         return out, ad.Zero.from_primal_value(out)
     return out, sum(terms[1:], terms[0]).astype(out_dtype)
