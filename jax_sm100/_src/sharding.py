@@ -456,7 +456,9 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
     it, the result asked split along n) then gathered the weight and moved the result to its
     requested split by an all-to-all, where gathering the cotangent's rows, as XLA's dot does,
     moves fewer bytes. Bytes arriving per device, as `_gathers_less` counts them, plus the
-    reduced result's move to the requested split, in the result's dtype."""
+    reduced result's move to the requested split, in the result's dtype and as a gather (JAX
+    0.12's XLA moves a result from a split of rows to one of columns by a full gather where
+    0.10's runs an all-to-all, a quarter of it on 4 devices: review helper-115)."""
     result_axes = _spec_axes(result_sharding, len(roles.result))
     requested = {a for axes in result_axes for a in axes}
     if not requested:
@@ -482,11 +484,13 @@ def _requested_first(roles, mesh_shape, operand_axes, result_sharding, nbytes, f
     def moved(decision):
         local = _result_split(roles, decision, mesh_shape)
         finals = [decision.final(f) for f in roles.result]
+        result_move = _arrive(finals, result_axes, out_bytes, mesh_shape, all_to_all=False)
         return (_arriving(factors, decision, mesh_shape)
                 + _reducing(roles, decision, result_bytes / local, {}, mesh_shape)
-                + _arrive(finals, result_axes, out_bytes, mesh_shape))  # fmt: skip
+                + result_move)  # fmt: skip
 
-    return alternative if moved(alternative) < moved(chosen) else chosen
+    # A tie goes to the request, as XLA's dot takes it.
+    return alternative if moved(alternative) <= moved(chosen) else chosen
 
 
 def _gathers_less(roles, mesh_shape, operand_axes, result_sharding, nbytes, keep, gather):
@@ -542,22 +546,22 @@ def _result_split(roles, decision, mesh_shape) -> int:
 def _arriving(factors, decision, mesh_shape) -> float:
     """Bytes arriving at a device for operands (dims, held axes, bytes) to take `decision`'s
     local blocks. Per dim, a wanted split that extends the held one is a slice (nothing
-    arrives); a held split that extends the wanted one is gathered over its extra axes, before
-    any slice of another dim (an axis held on one dim and wanted on another is an all-to-all);
-    splits in another order hold none of the wanted block."""
+    arrives, unless another dim is gathered: XLA gathers first); a held split that extends the
+    wanted one is gathered over its extra axes (an axis held on one dim and wanted on another
+    is an all-to-all); splits in another order hold none of the wanted block."""
     return sum(
         _arrive(axes, [decision.local.get(f, ()) for f in dims], size, mesh_shape)
         for dims, axes, size in factors
     )
 
 
-def _arrive(held_axes, wanted_axes, size, mesh_shape) -> float:
+def _arrive(held_axes, wanted_axes, size, mesh_shape, all_to_all=True) -> float:
     """Bytes arriving at a device to take the block `wanted_axes` (per dim) of an array of
     `size` bytes from the block `held_axes` it holds (`_arriving`'s rule). XLA gathers before
     it slices: a gather over axes that no dim is then sliced over brings the held block's
     whole extent along the sliced dims (review helper-112: rows gathered over "data" beside k
-    sliced over "model" moved all of k); an axis moved from one dim to another is an
-    all-to-all, a slice first."""
+    sliced over "model" moved all of k). An axis moved from one dim to another is an
+    all-to-all (sliced first, then exchanged), or with `all_to_all=False` a gather."""
     held_block = size / _split(mesh_shape, (a for h in held_axes for a in h))
     gathered, sliced = [], []
     for have, want in zip(held_axes, wanted_axes, strict=True):
@@ -568,7 +572,7 @@ def _arrive(held_axes, wanted_axes, size, mesh_shape) -> float:
             gathered += have[len(want) :]
         else:
             return size / _split(mesh_shape, (a for w in wanted_axes for a in w))
-    moved = _split(mesh_shape, (a for a in gathered if a in sliced))
+    moved = _split(mesh_shape, (a for a in gathered if a in sliced)) if all_to_all else 1
     return held_block * (_split(mesh_shape, gathered) - 1) / moved
 
 
