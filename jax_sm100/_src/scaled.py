@@ -376,7 +376,7 @@ def _dequantized(data, scales):
 
 def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype, precision=lax.Precision.HIGHEST):
     """The documented math in XLA ops, float32 throughout, rounded once; `precision` the
-    product's (the tangents of 8- and 4-bit data take XLA's default: `_jvp`)."""
+    product's (the tangents of 8- and 4-bit data take JAX's default: `_jvp`)."""
     a, b = _dequantized(lhs, lhs_scales), _dequantized(rhs, rhs_scales)
     spec = out_spec(a, b)
     out_sharding = None
