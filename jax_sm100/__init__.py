@@ -17,8 +17,10 @@ from jax_sm100._src.planning import GemmPlan, GemmProblem, plan
 from jax_sm100._src.precompile import precompile
 from jax_sm100._src.ragged import ragged_dot
 from jax_sm100._src.scaled import quantize, scaled_matmul
+from jax_sm100._src.scaled_dot import DEEPSEEK_V3, scaled_dot_general
 
 __all__ = [
+    "DEEPSEEK_V3",
     "GemmPlan",
     "GemmProblem",
     "KernelSpec",
@@ -37,6 +39,7 @@ __all__ = [
     "precompile",
     "quantize",
     "ragged_dot",
+    "scaled_dot_general",
     "scaled_matmul",
     "tuning",
 ]

@@ -1,0 +1,311 @@
+"""`jax_sm100.scaled_dot_general`: block-scaled low-precision training of a dot_general.
+
+`jax.nn.scaled_dot_general`'s meaning: the operands come in high precision (float32, bfloat16)
+and are quantized inside, per block of the contraction, by `configs[0]` (lhs) and `configs[1]`
+(rhs); the product is `scaled_matmul` of the quantized operands. Its gradient quantizes too: the
+cotangent by `configs[2]` and the other operand again, each per block of the gradient's own
+contraction (for lhs's, rhs's free dims; for rhs's, lhs's free dims), so the three products of
+a training step all run block-scaled:
+
+    y      = scaled_matmul(q0(lhs along k), q1(rhs along k))
+    d lhs  = scaled_matmul(q2(g along n),   q1(rhs along n))
+    d rhs  = scaled_matmul(q2(g along m),   q0(lhs along m))
+
+with the gradients passed straight through the quantization (a straight-through estimator), as
+JAX's rule does. The residuals are the unquantized operands, as JAX keeps them.
+
+Each config is a `quantize` recipe name ("fp8_block128", "fp8_block128x128", "mxfp8",
+"nvfp4"), a (recipe, data dtype) pair ("fp8_block128", jnp.float8_e5m2), or a
+`jax.nn.BlockScaleConfig` (`jax.nn.get_scaled_dot_general_config`). `DEEPSEEK_V3` is DeepSeek-V3's
+recipe (activations and cotangents per 1 x 128, weights per 128 x 128 tile, float32 scales),
+which runs on the sm_90a block-scaled kernel; mxfp8 and nvfp4 run on the sm_100a one. nvfp4
+follows JAX's nvfp4 rule: all three configs nvfp4, a per-tensor global scale (the config's, or
+for the recipe name one computed per call, `quantize(..., global_scale=True)`), and a backward of
+plain products whose gradients are zeroed where the forward clipped the operand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_sm100._src import dot_general as dg
+from jax_sm100._src import primitive as P
+from jax_sm100._src import scaled
+
+# DeepSeek-V3's fp8 training recipe (lhs = activations, rhs = weights, cotangents), on the
+# sm_90a block-scaled kernel.
+DEEPSEEK_V3 = ("fp8_block128", "fp8_block128x128", "fp8_block128")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    recipe: str
+    data_dtype: str
+    global_scale: object = None  # nvfp4: a float32 array, or None for one computed per call
+
+
+def _config(c, position: int) -> _Config:
+    where = ("lhs", "rhs", "gradient")[position]
+    if isinstance(c, str) or (isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str)):
+        name, dtype = (c, None) if isinstance(c, str) else c
+        if name not in scaled.RECIPES:
+            raise ValueError(
+                f"jax_sm100.scaled_dot_general: configs[{position}] ({where}) is {name!r}; use "
+                f"one of {tuple(scaled.RECIPES)}, a (recipe, data dtype) pair, or a "
+                "jax.nn.BlockScaleConfig"
+            )
+        r = scaled.RECIPES[name]
+        dtype = r.data_dtype if dtype is None else np.dtype(dtype).name
+        allowed = scaled.FP8_DTYPES if r.data_dtype in scaled.FP8_DTYPES else (r.data_dtype,)
+        if dtype not in allowed:
+            raise TypeError(
+                f"jax_sm100.scaled_dot_general: configs[{position}] ({where}): {name} data is "
+                f"one of {allowed}, not {dtype}"
+            )
+        return _Config(name, dtype)
+    if hasattr(c, "mode") and hasattr(c, "block_size") and hasattr(c, "data_type"):
+        expect = {"mxfp8": (32, "float8_e8m0fnu"), "nvfp4": (16, "float8_e4m3fn")}.get(c.mode)
+        got = (c.block_size, np.dtype(c.scale_type).name)
+        if expect is None or got != expect:
+            raise ValueError(
+                f"jax_sm100.scaled_dot_general: configs[{position}] ({where}) is mode "
+                f"{c.mode!r}, block {got[0]}, {got[1]} scales; the BlockScaleConfigs taken are "
+                "jax.nn.get_scaled_dot_general_config('mxfp8') and ('nvfp4', global_scale)"
+            )
+        gs = None
+        if c.mode == "nvfp4":
+            gs = jnp.asarray(1.0 if c.global_scale is None else c.global_scale, jnp.float32)
+        return (
+            _config((c.mode, c.data_type), position)
+            if gs is None
+            else _Config("nvfp4", np.dtype(c.data_type).name, gs)
+        )
+    raise TypeError(
+        f"jax_sm100.scaled_dot_general: configs[{position}] ({where}) is {type(c).__name__}; "
+        "use a jax_sm100.quantize recipe name, a (recipe, data dtype) pair, or a "
+        "jax.nn.BlockScaleConfig"
+    )
+
+
+def scaled_dot_general(
+    lhs,
+    rhs,
+    dimension_numbers,
+    preferred_element_type=jnp.float32,
+    configs=None,
+    *,
+    precision=None,
+    out_sharding=None,
+) -> jax.Array:
+    """`jax.nn.scaled_dot_general` on the block-scaled kernels (see the module docstring).
+
+    Args:
+      lhs, rhs: floating arrays in high precision (quantized inside).
+      dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
+      preferred_element_type: the result dtype: float32 (the default), bfloat16 or float16;
+        None takes the operands' promoted dtype (as `flax.nnx.Linear` passes it).
+      configs: three configs, for lhs, rhs and the gradient (see the module docstring), e.g.
+        `jax_sm100.DEEPSEEK_V3` or `[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3`. None
+        runs `jax_sm100.dot_general` unquantized, as `jax.nn.scaled_dot_general` runs
+        `lax.dot_general`.
+      precision: None only (the formats set it); taken so that the function can be passed as
+        `dot_general=` to Flax's layers.
+      out_sharding: as `lax.dot_general`: the result is resharded to it.
+
+    Returns:
+      `[batch..., lhs free..., rhs free...]` in `preferred_element_type`, as `lax.dot_general`.
+      Differentiable in reverse mode (`grad`, `vjp`), under `vmap` and `jit`, and on sharded
+      operands (the quantization is XLA ops, the products `scaled_matmul`'s partitioned
+      lowering); forward mode (`jvp`) is not defined, as for JAX's.
+
+    A contraction (k, or for the gradients n and m) that a block does not divide is padded
+    with zeros: its last block is partial, scaled by its own largest magnitude (where
+    `jax.nn.scaled_dot_general` asserts).
+
+    Raises:
+      ValueError: configs that are not three, unknown recipes, nvfp4 mixed with other
+        recipes.
+      TypeError: non-floating operands, a `precision`, or a `preferred_element_type` that is
+        not floating; `lax.dot_general`'s errors for invalid dimension numbers.
+    """
+    lhs = P.as_array(lhs, "scaled_dot_general", "lhs")
+    rhs = P.as_array(rhs, "scaled_dot_general", "rhs")
+    if precision not in (None, lax.Precision.DEFAULT):
+        raise TypeError(
+            f"jax_sm100.scaled_dot_general: precision={precision}; the configs' formats set the "
+            "products' precision: pass precision=None"
+        )
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"jax_sm100.scaled_dot_general: {name} is {x.dtype}; it quantizes floating "
+                "operands (float32, bfloat16, float16)"
+            )
+    if preferred_element_type is None:
+        preferred_element_type = jnp.result_type(lhs.dtype, rhs.dtype)
+    out_dtype = scaled._out_dtype(preferred_element_type)
+    dn = _normalized(dimension_numbers)
+    # lax's checks of the dimension numbers and shapes, and the result's shape.
+    want = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), lhs, rhs)
+    if configs is None:
+        return dg.dot_general(
+            lhs, rhs, dn, preferred_element_type=out_dtype, out_sharding=out_sharding
+        )
+    configs = tuple(configs)
+    if len(configs) != 3:
+        raise ValueError(
+            f"jax_sm100.scaled_dot_general: {len(configs)} configs; give three (lhs, rhs, "
+            "gradient), e.g. jax_sm100.DEEPSEEK_V3"
+        )
+    cfg = tuple(_config(c, i) for i, c in enumerate(configs))
+    fp4 = [c.recipe == "nvfp4" for c in cfg]
+    if any(fp4) and not all(fp4):
+        raise ValueError(
+            "jax_sm100.scaled_dot_general: nvfp4 is taken for all three configs or none (its "
+            "per-tensor scale multiplies the product, and its gradient is unquantized, as "
+            "jax.nn.scaled_dot_general's nvfp4 rule has it)"
+        )
+    layout = _Layout.of(lhs.shape, rhs.shape, dn, want.shape)
+    out = _product(lhs, rhs, layout, cfg, out_dtype)
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+
+
+def _normalized(dimension_numbers):
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How each operand folds to scaled_matmul's [B, rows, contraction]."""
+
+    lhs_perm: tuple
+    rhs_perm: tuple
+    b: int
+    m: int
+    n: int
+    k: int
+    out_shape: tuple
+
+    @staticmethod
+    def of(lhs_shape, rhs_shape, dn, out_shape):
+        (lc, rc), (lb, rb) = dn
+        lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
+        rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
+        size = lambda shape, dims: math.prod(shape[d] for d in dims)  # noqa: E731
+        return _Layout(
+            lhs_perm=(*lb, *lf, *lc), rhs_perm=(*rb, *rf, *rc), b=size(lhs_shape, lb),
+            m=size(lhs_shape, lf), n=size(rhs_shape, rf), k=size(lhs_shape, lc),
+            out_shape=tuple(out_shape),
+        )  # fmt: skip
+
+
+def _fold(x, perm, shape):
+    """x transposed by perm and reshaped to the 3-D `shape`."""
+    if perm != tuple(range(x.ndim)):
+        x = lax.transpose(x, perm)
+    return P.typed_reshape(x, shape)
+
+
+def _unfold(x3, perm, shape):
+    """The inverse of `_fold` for an operand of shape `shape`."""
+    x = P.typed_reshape(x3, tuple(shape[d] for d in perm))
+    inverse = tuple(int(i) for i in np.argsort(perm))
+    return x if inverse == tuple(range(x.ndim)) else lax.transpose(x, inverse)
+
+
+def _quantize(x3, c: _Config):
+    """(data, scales, global scale or None) of a [B, rows, contraction] operand."""
+    if c.recipe != "nvfp4":
+        data, scales = scaled.quantize(x3, c.recipe, data_dtype=c.data_dtype)
+        return data, scales, None
+    if c.global_scale is None:
+        return scaled.quantize(x3, "nvfp4", global_scale=True)
+    # JAX's nvfp4 rule: x over the config's scale, each block's scale clipped to the scale
+    # dtype's largest value and the data to e2m1's: clipping x to 6 x 448 first does both.
+    top = float(jnp.finfo(jnp.float8_e4m3fn).max) * float(jnp.finfo(jnp.float4_e2m1fn).max)
+    x = jnp.clip(x3.astype(jnp.float32) / c.global_scale, -top, top)
+    data, scales = scaled.quantize(x, "nvfp4")
+    return data, scales, c.global_scale
+
+
+def _scaled(a3, b3, ca: _Config, cb: _Config, out_dtype):
+    """scaled_matmul of two [B, rows, contraction] operands quantized by their configs; a
+    contraction that a block does not divide is padded with zeros (its last block partial,
+    scaled by its own values: zeros add nothing to it or to the product)."""
+    block = max(scaled.RECIPES[ca.recipe].block, scaled.RECIPES[cb.recipe].block)
+    if pad := -a3.shape[-1] % block:
+        a3, b3 = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (a3, b3))
+    a, sa, ga = _quantize(a3, ca)
+    b, sb, gb = _quantize(b3, cb)
+    if ga is None:
+        return scaled.scaled_matmul(a, b, sa, sb, preferred_element_type=out_dtype)
+    out = scaled.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    return (out * ga * gb).astype(out_dtype)  # in this order: ga * gb alone can underflow
+
+
+def _swap(x3):
+    return jnp.swapaxes(x3, 1, 2)
+
+
+def _unclipped(x3, d3, c: _Config):
+    """JAX's nvfp4 straight-through rule: the gradient `d3` zeroed where the forward clipped
+    `x3` (past the config's global scale x 6 x 448; none with a scale computed per call)."""
+    if c.global_scale is None:
+        return d3
+    top = float(jnp.finfo(jnp.float8_e4m3fn).max) * float(jnp.finfo(jnp.float4_e2m1fn).max)
+    return jnp.where(jnp.abs(x3.astype(jnp.float32)) <= c.global_scale * top, d3, 0.0)
+
+
+def _grad_dtype(dtype) -> np.dtype:
+    """The dtype a gradient's product is rounded to: its operand's where scaled_matmul writes
+    it, else float32 (then cast)."""
+    name = np.dtype(dtype).name
+    return np.dtype(name if name in ("float32", "bfloat16", "float16") else "float32")
+
+
+def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
+    L = layout
+
+    def forward(lhs, rhs):
+        a = _fold(lhs, L.lhs_perm, (L.b, L.m, L.k))
+        b = _fold(rhs, L.rhs_perm, (L.b, L.n, L.k))
+        return P.typed_reshape(_scaled(a, b, cfg[0], cfg[1], out_dtype), L.out_shape)
+
+    @jax.custom_vjp
+    def product(lhs, rhs):
+        return forward(lhs, rhs)
+
+    def fwd(lhs, rhs):
+        return forward(lhs, rhs), (lhs, rhs)
+
+    def bwd(res, g):
+        lhs, rhs = res
+        a = _fold(lhs, L.lhs_perm, (L.b, L.m, L.k))
+        b = _fold(rhs, L.rhs_perm, (L.b, L.n, L.k))
+        g3 = P.typed_reshape(g, (L.b, L.m, L.n))
+        if cfg[2].recipe == "nvfp4":
+            # JAX's nvfp4 rule: plain products, zeroed where the forward clipped the operand.
+            da = dg.dot_general(
+                g3, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
+            )
+            db = dg.dot_general(
+                g3, a, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
+            )
+            da, db = _unclipped(a, da, cfg[0]), _unclipped(b, db, cfg[1])
+        else:
+            da = _scaled(g3, _swap(b), cfg[2], cfg[1], _grad_dtype(lhs.dtype))
+            db = _scaled(_swap(g3), _swap(a), cfg[2], cfg[0], _grad_dtype(rhs.dtype))
+        return (
+            _unfold(da, L.lhs_perm, lhs.shape).astype(lhs.dtype),
+            _unfold(db, L.rhs_perm, rhs.shape).astype(rhs.dtype),
+        )
+
+    product.defvjp(fwd, bwd)
+    return product(lhs, rhs)

@@ -1,0 +1,307 @@
+"""`jax_sm100.scaled_dot_general` on CPU: its forward and gradients against the documented
+quantized math and float64, against `jax.nn.scaled_dot_general` where JAX lowers it on CPU,
+under the transformations and Flax, lowered for CUDA, and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+from jax import lax
+
+import jax_sm100
+from jax_sm100._src import ffi
+from tests import test_scaled
+from tests import test_util as tu
+
+_MXFP8 = ("mxfp8", "mxfp8", "mxfp8")
+_E5M2_GRADS = ("fp8_block128", "fp8_block128x128", ("fp8_block128", jnp.float8_e5m2))
+_NVFP4 = ("nvfp4", "nvfp4", "nvfp4")
+# Dimension numbers with their operand shapes: a plain product, weights stored [n, k], a batch
+# with two contracting dims, and a batch dim after the free ones.
+_CASES = (
+    ("xw", (256, 512), (512, 384), (((1,), (0,)), ((), ()))),
+    ("xwT", (256, 512), (384, 512), (((1,), (1,)), ((), ()))),
+    ("batched_two_k", (2, 128, 4, 64), (2, 4, 64, 256), (((2, 3), (1, 2)), ((0,), (0,)))),
+    ("batch_last", (256, 3, 256), (256, 128, 3), (((0,), (0,)), ((1,), (2,)))),
+)
+# Relative to the largest exact element: a product of two quantized operands errs by about
+# both operands' quantization errors (test_scaled._QUANT_TOL, per element of a block's top)
+# averaged over k; bounded loosely as their sum.
+_TOL = {
+    "fp8_block128": 2**-4,
+    "fp8_block128x128": 2**-4,
+    "mxfp8": 2**-3,
+    "nvfp4": 2**-1,
+}
+
+
+def _tol(c):
+    return 2**-3 if _data_dtype(c) == jnp.float8_e5m2 else _TOL[_recipe(c)]
+
+
+def _k(x, dims):
+    return int(np.prod([x.shape[d] for d in dims], dtype=np.int64))
+
+
+def _recipe(c):
+    return c if isinstance(c, str) else c[0]
+
+
+def _data_dtype(c):
+    return None if isinstance(c, str) else c[1]
+
+
+def _fold(x, batch, contract):
+    """numpy [B, rows, contraction] of x, as lax.dot_general groups its dims."""
+    free = [d for d in range(x.ndim) if d not in batch and d not in contract]
+    size = lambda dims: int(np.prod([x.shape[d] for d in dims], dtype=np.int64))  # noqa: E731
+    return np.transpose(x, (*batch, *free, *contract)).reshape(size(batch), size(free), -1)
+
+
+def _product64(a3, b3, ca, cb, swap=False):
+    """float64 of scaled_matmul(quantize(a3, ca), quantize(b3, cb)), each [B, rows, k]."""
+    qa = jax_sm100.quantize(jnp.asarray(a3, jnp.float32), _recipe(ca), data_dtype=_data_dtype(ca))
+    qb = jax_sm100.quantize(jnp.asarray(b3, jnp.float32), _recipe(cb), data_dtype=_data_dtype(cb))
+    return test_scaled._reference64(qa[0], qb[0], qa[1], qb[1])
+
+
+def _expected(lhs, rhs, dn, configs, g):
+    """(y, d lhs, d rhs) of the module docstring's math in float64, folded [B, rows, cols]."""
+    (lc, rc), (lb, rb) = dn
+    a = _fold(np.asarray(lhs, np.float32), lb, lc)
+    b = _fold(np.asarray(rhs, np.float32), rb, rc)
+    g3 = np.asarray(g, np.float32).reshape(a.shape[0], a.shape[1], b.shape[1])
+    y = _product64(a, b, configs[0], configs[1])
+    da = _product64(g3, b.transpose(0, 2, 1), configs[2], configs[1])
+    db = _product64(g3.transpose(0, 2, 1), a.transpose(0, 2, 1), configs[2], configs[0])
+    return y, da, db
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _vjp(lhs, rhs, dn, configs, g, preferred=jnp.float32, fn=None):
+    fn = fn or jax_sm100.scaled_dot_general
+    f = lambda a, b: fn(a, b, dn, preferred_element_type=preferred, configs=configs)  # noqa: E731
+    y, pullback = jax.vjp(f, lhs, rhs)
+    return (y, *pullback(g.astype(preferred)))
+
+
+def _rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+class ScaledDotGeneralTest(parameterized.TestCase):
+    @parameterized.product(case=_CASES, configs=(jax_sm100.DEEPSEEK_V3, _MXFP8, _E5M2_GRADS))
+    def test_forward_and_gradients_are_the_quantized_products(self, case, configs):
+        _, ls, rs, dn = case
+        lhs, rhs = _normal(0, ls), _normal(1, rs) * 3
+        y_shape = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), lhs, rhs).shape
+        g = _normal(2, y_shape)
+        y, dl, dr = jax.jit(_vjp, static_argnums=(2, 3))(lhs, rhs, dn, configs, g)
+        self.assertEqual((y.shape, dl.shape, dr.shape), (y_shape, lhs.shape, rhs.shape))
+        self.assertEqual((y.dtype, dl.dtype, dr.dtype), (jnp.float32,) * 3)
+        (lc, rc), (lb, rb) = dn
+        want = _expected(lhs, rhs, dn, configs, g)
+        got = (np.asarray(y), _fold(np.asarray(dl), lb, lc), _fold(np.asarray(dr), rb, rc))
+        # Each equals its quantized product up to float32 accumulation over the contraction.
+        contracted = (_k(lhs, lc), want[0].shape[-1], want[0].shape[-2])  # k, n, m
+        for name, gt, wt, k in zip(("y", "d lhs", "d rhs"), got, want, contracted, strict=True):
+            with self.subTest(name):
+                tu.assert_close(self, gt.reshape(wt.shape), wt, "float32", k)
+        # And the exact float64 products up to the formats' quantization.
+        a64 = _fold(np.asarray(lhs, np.float64), lb, lc)
+        b64 = _fold(np.asarray(rhs, np.float64), rb, rc)
+        g64 = np.asarray(g, np.float64).reshape(want[0].shape)
+        tol = [_tol(c) for c in configs]
+        y64 = a64 @ b64.transpose(0, 2, 1)
+        self.assertLess(_rel_err(got[0].reshape(y64.shape), y64), tol[0] + tol[1])
+        self.assertLess(_rel_err(got[1], g64 @ b64), tol[2] + tol[1])
+        self.assertLess(_rel_err(got[2], g64.transpose(0, 2, 1) @ a64), tol[2] + tol[0])
+
+    @parameterized.parameters(
+        (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)
+    )
+    def test_gradients_take_their_operands_dtype(self, dtype, preferred):
+        # As JAX's gradients do; each is rounded once from the float32 accumulation.
+        lhs, rhs = _normal(0, (128, 256), dtype), _normal(1, (256, 128), dtype)
+        dn = (((1,), (0,)), ((), ()))
+        g = _normal(2, (128, 128))
+        y, dl, dr = _vjp(lhs, rhs, dn, jax_sm100.DEEPSEEK_V3, g, preferred)
+        self.assertEqual((y.dtype, dl.dtype, dr.dtype), (preferred, dtype, dtype))
+        g = g.astype(preferred)
+        _, want_dl, want_dr = _expected(lhs, rhs, dn, jax_sm100.DEEPSEEK_V3, g)
+        tu.assert_close(self, np.asarray(dl)[None], want_dl, np.dtype(dtype).name, 128)
+        tu.assert_close(self, np.asarray(dr).T[None], want_dr, np.dtype(dtype).name, 128)
+
+    @parameterized.parameters(jnp.float32, jnp.bfloat16)
+    def test_equals_jax_nn_scaled_dot_general(self, dtype):
+        lhs, rhs = _normal(0, (2, 256, 512), dtype), _normal(1, (2, 384, 512), dtype) * 3
+        g = _normal(2, (2, 256, 384), dtype)
+        dn = (((2,), (2,)), ((0,), (0,)))
+        for configs in (
+            [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3,
+            [jax.nn.get_scaled_dot_general_config("nvfp4", jnp.array([0.05], jnp.float32))] * 3,
+        ):
+            try:
+                theirs = _vjp(lhs, rhs, dn, configs, g, dtype, jax.nn.scaled_dot_general)
+            except NotImplementedError as e:  # JAX 0.10 has no CPU lowering of it
+                self.skipTest(f"jax.nn.scaled_dot_general on CPU: {e}")
+            ours = _vjp(lhs, rhs, dn, configs, g, dtype)
+            # nvfp4's product times the two global scales rounds in another order (ours
+            # multiplies by each in turn: their product alone can underflow); JAX's backward
+            # products in bfloat16 accumulate in their own order.
+            exact = configs[0].mode == "mxfp8"
+            for what, o, t in zip(("y", "d lhs", "d rhs"), ours, theirs, strict=True):
+                with self.subTest(f"{configs[0].mode} {what}"):
+                    self.assertEqual(o.dtype, t.dtype)
+                    if exact and (what == "y" or dtype == jnp.float32):
+                        np.testing.assert_array_equal(np.asarray(o), np.asarray(t))
+                    else:
+                        tu.assert_close(self, o, np.asarray(t, np.float64), "bfloat16", 512)
+
+    def test_nvfp4_with_a_global_scale_per_call(self):
+        # The recipe name: each operand's per-tensor scale computed per call (quantize's
+        # global_scale=True), so no value is clipped; the backward is plain products.
+        lhs, rhs = _normal(0, (128, 256)) * 1e4, _normal(1, (256, 64)) * 1e-4
+        dn = (((1,), (0,)), ((), ()))
+        g = _normal(2, (128, 64))
+        y, dl, dr = _vjp(lhs, rhs, dn, _NVFP4, g)
+        a, b = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+        self.assertLess(_rel_err(y, a @ b), 2 * _TOL["nvfp4"])
+        tu.assert_close(self, dl, np.asarray(g, np.float64) @ b.T, "float32", 64)
+        tu.assert_close(self, dr, a.T @ np.asarray(g, np.float64), "float32", 128)
+
+    def test_nvfp4_gradient_is_zero_where_the_forward_clipped(self):
+        # JAX's rule: with the config's global scale, |x| past scale x 6 x 448 was clipped.
+        cfg = jax.nn.get_scaled_dot_general_config("nvfp4", jnp.array([1e-2], jnp.float32))
+        lhs = _normal(0, (128, 256)).at[3, 5].set(100.0)  # past 1e-2 * 2688
+        rhs = _normal(1, (256, 64))
+        dn = (((1,), (0,)), ((), ()))
+        _, dl, _ = _vjp(lhs, rhs, dn, [cfg] * 3, _normal(2, (128, 64)))
+        self.assertEqual(float(dl[3, 5]), 0.0)
+        self.assertGreater(int(jnp.count_nonzero(dl)), dl.size - 2)
+
+    def test_without_configs_it_is_dot_general(self):
+        lhs, rhs = _normal(0, (64, 96), jnp.bfloat16), _normal(1, (96, 32), jnp.bfloat16)
+        dn = (((1,), (0,)), ((), ()))
+        got = jax_sm100.scaled_dot_general(lhs, rhs, dn, preferred_element_type=jnp.bfloat16)
+        want = jax_sm100.dot_general(lhs, rhs, dn, preferred_element_type=jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    def test_vmap_is_the_batched_product(self):
+        lhs, rhs = _normal(0, (3, 128, 256)), _normal(1, (256, 128))
+        dn = (((1,), (0,)), ((), ()))
+        g = _normal(2, (3, 128, 128))
+
+        def per_example(x, w):
+            return jax_sm100.scaled_dot_general(x, w, dn, configs=jax_sm100.DEEPSEEK_V3)
+
+        def loss(x, w):
+            return jnp.sum(jax.vmap(per_example, (0, None))(x, w) * g)
+
+        got = jax.value_and_grad(loss, (0, 1))(lhs, rhs)
+        for i in range(3):
+            y, dl, dr = _vjp(lhs[i], rhs, dn, jax_sm100.DEEPSEEK_V3, g[i])
+            tu.assert_close(self, got[1][0][i], dl, "float32", 128)
+            if i == 0:
+                dr_sum, value = dr, float(jnp.sum(y * g[i]))
+            else:
+                dr_sum, value = dr_sum + dr, value + float(jnp.sum(y * g[i]))
+        # The unmapped weight's gradient sums the examples' (each quantized along its own 128
+        # rows: the batch's rows are not one contraction).
+        tu.assert_close(self, got[1][1], np.asarray(dr_sum), "float32", 3 * 128)
+        self.assertAlmostEqual(float(got[0]), value, delta=1e-4 * abs(value))
+
+    def test_flax_linear_trains_with_it(self):
+        from flax import nnx  # noqa: PLC0415
+
+        dot = functools.partial(jax_sm100.scaled_dot_general, configs=jax_sm100.DEEPSEEK_V3)
+        model = nnx.Linear(256, 128, dot_general=dot, rngs=nnx.Rngs(0))
+        x, t = _normal(0, (128, 256)), _normal(1, (128, 128))
+
+        def loss(model):
+            return jnp.mean((model(x) - t) ** 2)
+
+        grads = nnx.grad(loss)(model)
+        w, b = model.kernel[...], model.bias[...]
+        y = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+        self.assertLess(_rel_err(model(x), y), 2 * _TOL["fp8_block128"])
+        # The cotangent of the quantized forward's output.
+        g = 2 * (np.asarray(model(x), np.float64) - np.asarray(t, np.float64)) / y.size
+        self.assertLess(_rel_err(grads.kernel[...], np.asarray(x, np.float64).T @ g), 2**-3)
+        np.testing.assert_allclose(grads.bias[...], g.sum(0), rtol=1e-2, atol=1e-6)
+
+    @parameterized.parameters(
+        ("sm_90a", jax_sm100.DEEPSEEK_V3, "sm90_wgmma_scaled"),
+        ("sm_100a", _MXFP8, "sm100_tcgen05_blockscaled"),
+    )
+    def test_a_training_step_for_cuda_runs_every_product_on_the_kernels(self, arch, configs,
+                                                                        kernel):  # fmt: skip
+        s = jax.ShapeDtypeStruct
+
+        def loss(w, x):
+            y = jax_sm100.scaled_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.bfloat16, configs)
+            return jnp.mean(y.astype(jnp.float32) ** 2)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        with (
+            mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+            jax_sm100.lowerings() as seen,
+        ):
+            text = jax.export.export(
+                step, platforms=["cuda"], disabled_checks=ffi.export_safety_checks()
+            )(s((2048, 512), jnp.bfloat16), s((1024, 2048), jnp.bfloat16)).mlir_module()
+        self.assertEqual([lw.plan.kernel for lw in seen], [kernel] * 3, [lw.note for lw in seen])
+        self.assertNotIn("stablehlo.dot_general", text)
+
+    @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)
+    def test_partial_blocks_are_padded_with_zeros(self, *configs):
+        # k = 96, n = 40, m = 100: each contraction's last block is partial, scaled by its own
+        # values, as quantizing the operands padded with zeros scales it.
+        x, w, g = _normal(0, (100, 96)), _normal(1, (96, 40)), _normal(2, (100, 40))
+        y, dl, dr = _vjp(x, w, (((1,), (0,)), ((), ())), configs, g)
+        padded = [np.pad(np.asarray(a), [(0, 128 - n) for n in a.shape]) for a in (x, w, g)]
+        want = _expected(*padded[:2], (((1,), (0,)), ((), ())), configs, padded[2])
+        tu.assert_close(self, np.asarray(y)[None], want[0][:, :100, :40], "float32", 96)
+        tu.assert_close(self, np.asarray(dl)[None], want[1][:, :100, :96], "float32", 40)
+        tu.assert_close(self, np.asarray(dr).T[None], want[2][:, :40, :96], "float32", 100)
+
+    def test_errors_name_the_fix(self):
+        x, w = _normal(0, (128, 256)), _normal(1, (256, 64))
+        dn = (((1,), (0,)), ((), ()))
+        f = functools.partial(jax_sm100.scaled_dot_general, dimension_numbers=dn)
+        with self.assertRaisesRegex(ValueError, "give three"):
+            f(x, w, configs=jax_sm100.DEEPSEEK_V3[:2])
+        with self.assertRaisesRegex(ValueError, "use one of"):
+            f(x, w, configs=("fp8", "fp8", "fp8"))
+        with self.assertRaisesRegex(TypeError, "data is one of"):
+            f(x, w, configs=(("fp8_block128", jnp.bfloat16),) * 3)
+        with self.assertRaisesRegex(TypeError, "is int"):
+            f(x, w, configs=(1, 2, 3))
+        with self.assertRaisesRegex(ValueError, "all three configs or none"):
+            f(x, w, configs=("nvfp4", "nvfp4", "mxfp8"))
+        with self.assertRaisesRegex(TypeError, "pass precision=None"):
+            f(x, w, configs=jax_sm100.DEEPSEEK_V3, precision=lax.Precision.HIGHEST)
+        with self.assertRaisesRegex(TypeError, "quantizes floating"):
+            f(x.astype(jnp.int32), w, configs=jax_sm100.DEEPSEEK_V3)
+        with self.assertRaisesRegex(TypeError, "preferred_element_type=int32"):
+            f(x, w, preferred_element_type=jnp.int32, configs=jax_sm100.DEEPSEEK_V3)
+        with self.assertRaisesRegex(TypeError, "dot_general requires contracting"):
+            f(x, w.T, configs=jax_sm100.DEEPSEEK_V3)
+        bad = jax.nn.get_scaled_dot_general_config("mxfp8")
+        with self.assertRaisesRegex(ValueError, "BlockScaleConfigs taken"):
+            f(x, w, configs=[dataclasses.replace(bad, block_size=16)] * 3)
+
+
+if __name__ == "__main__":
+    absltest.main()
