@@ -104,21 +104,26 @@ def main() -> None:
     ap.add_argument("--model", default="transformer", choices=("transformer", "mlp"))
     ap.add_argument("--top", type=int, default=25, help="kernels listed a side")
     ap.add_argument("--small", action="store_true", help="tiny models (a CPU smoke test)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="our side with fp8 training products (bench_train.FP8_SIDES)")  # fmt: skip
+    ap.add_argument("--rounds", default="10,50,200", help="round lengths timed ('' for none)")
     args = ap.parse_args()
+    ours = "ours fp8" if args.fp8 else "ours"
     p, x, model = _models(args.small)[args.model]
     steps = {}
-    for impl in ("ours", "jnp"):
+    for impl in (ours, "jnp"):
         step = jax.jit(jax.value_and_grad(bt._loss(model(impl)), argnums=(0, 1)))
         steps[impl] = step.lower(p, x).compile()
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, {args.model}")
-    sides = [(steps["ours"], (p, x)), (steps["jnp"], (p, x))]
-    for n, rounds in ((10, 6), (50, 6), (200, 4)):
-        ours, theirs = bt.time_steps_alike(sides, steps=n, rounds=rounds)
-        print(f"rounds of {n:3d} steps ({rounds}): ours {ours * 1e3:.3f} ms, jnp.dot "
-              f"{theirs * 1e3:.3f} ms, ratio {theirs / ours:.3f}")  # fmt: skip
-    for impl in ("ours", "jnp"):
-        _report(impl if impl == "ours" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top)
+    sides = [(steps[ours], (p, x)), (steps["jnp"], (p, x))]
+    lengths = {10: 6, 50: 6, 200: 4}
+    for n, rounds in ((int(n), lengths.get(int(n), 4)) for n in args.rounds.split(",") if n):
+        ours_s, theirs = bt.time_steps_alike(sides, steps=n, rounds=rounds)
+        print(f"rounds of {n:3d} steps ({rounds}): {ours} {ours_s * 1e3:.3f} ms, jnp.dot "
+              f"{theirs * 1e3:.3f} ms, ratio {theirs / ours_s:.3f}")  # fmt: skip
+    for impl in (ours, "jnp"):
+        _report(impl if impl != "jnp" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,24 @@ def _normal(key, shape, scale=1.0):
     return (jax.random.normal(key, shape, jnp.float32) * scale).astype(jnp.bfloat16)
 
 
+# `--fp8`'s sides: block-scaled fp8 training products (the bias and activation by XLA).
+FP8_SIDES = {
+    "ours fp8": lambda x, w, dn: jax_sm100.scaled_dot_general(
+        x, w, dn, jnp.bfloat16, jax_sm100.DEEPSEEK_V3
+    ),
+    "jax.nn fp8": lambda x, w, dn: jax.nn.scaled_dot_general(
+        x, w, dn, jnp.bfloat16, [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
+    ),
+}
+
+
 def _linear(impl, x, w, b=None, activation=None):
     if impl == "ours":
         return jax_sm100.matmul(x, w, bias=b, activation=activation)
-    y = jnp.dot(x, w)
+    if impl in FP8_SIDES:
+        y = FP8_SIDES[impl](x, w, (((x.ndim - 1,), (0,)), ((), ())))
+    else:
+        y = jnp.dot(x, w)
     if b is not None:
         y = y + b
     return P.apply_activation(y, activation)
@@ -235,6 +249,43 @@ def run_models(names) -> list[tuple[str, int, Side, Side]]:
     return rows
 
 
+def run_fp8(names) -> list[tuple[str, int, dict]]:
+    """`--fp8`: each model's step with fp8 training products (`FP8_SIDES`) beside our bfloat16
+    one and jnp.dot's, interleaved as `run_models`' sides; a side that does not compile on this
+    device is reported with its error."""
+    rows = []
+    for name, model, p, x, flop in models():
+        if name not in names:
+            continue
+        sides, failed = {}, {}
+        for impl in ("jnp", "ours", *FP8_SIDES):
+            try:
+                sides[impl] = prepare(model(impl), p, x)
+            except Exception as e:  # noqa: BLE001 (reported: a side this JAX cannot run here)
+                failed[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+        steps = [(compiled, (p, x)) for compiled, _ in sides.values()]
+        times = time_steps_alike(steps, steps=MODEL_STEPS, rounds=MODEL_ROUNDS)
+        out = {impl: dataclasses.replace(side, seconds=t)
+               for (impl, (_, side)), t in zip(sides.items(), times, strict=True)}  # fmt: skip
+        rows.append((name, flop, {**out, **failed}))
+    return rows
+
+
+def report_fp8(rows) -> None:
+    print(f"{'model':12s} {'side':11s} | {'ms':>7s} {'vs jnp.dot':>10s} | {'TF/s':>6s} | "
+          f"{'temp GiB':>8s} | products ours/XLA | loss")  # fmt: skip
+    for name, flop, sides in rows:
+        base = sides["jnp"].seconds
+        for impl, side in sides.items():
+            if isinstance(side, str):
+                print(f"{name:12s} {impl:11s} | not run: {side}")
+                continue
+            temp = "-" if side.temp_bytes is None else f"{side.temp_bytes / 2**30:.2f}"
+            print(f"{name:12s} {impl:11s} | {side.seconds * 1e3:7.2f} {base / side.seconds:10.3f}"
+                  f" | {flop / side.seconds / 1e12:6.1f} | {temp:>8s} | "
+                  f"{side.ours_products}/{side.xla_products} | {side.loss:.5g}")  # fmt: skip
+
+
 def report_models(rows) -> None:
     print(f"{'model':12s} | {'ours ms':>8s} {'dot ms':>8s} {'ratio':>6s} | {'ours TF/s':>9s} "
           f"{'dot TF/s':>9s} | {'temp GiB ours':>13s} {'dot':>6s} | {'saved GiB ours':>14s} "
@@ -346,10 +397,15 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--models", default="mlp,transformer")
     ap.add_argument("--no-products", action="store_true")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the models with fp8 training products instead (FP8_SIDES)")  # fmt: skip
     args = ap.parse_args(argv)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16, "
           "value_and_grad(loss, argnums=(0, 1))")  # fmt: skip
+    if args.fp8:
+        report_fp8(run_fp8(args.models.split(",")))
+        return 0
     report_models(run_models(args.models.split(",")))
     if not args.no_products:
         report_products(run_products(), vjp_8192())

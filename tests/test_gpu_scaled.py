@@ -447,6 +447,39 @@ class GpuScaledTest(parameterized.TestCase):
         for g, w in zip(got, want, strict=True):
             tu.assert_close(self, g, w, "bfloat16", k)
 
+    @parameterized.parameters(
+        (jnp.bfloat16, 512, 1024, 768), (jnp.float32, 512, 1024, 768), (jnp.bfloat16, 200, 96, 136)
+    )
+    def test_scaled_dot_general_training_products(self, dtype, m, k, n):
+        # jax_sm100.scaled_dot_general's forward and both gradients (DeepSeek-V3's recipe) each
+        # on the kernel, against the float64 products of the same quantized operands
+        # (tests/test_scaled_dot.py `_expected`); 200 x 96 x 136 pads every contraction.
+        from tests import test_scaled_dot  # noqa: PLC0415
+
+        keys = jax.random.split(jax.random.key(m + k + n), 3)
+        if k % 128:
+            x = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+            w = jax.random.normal(keys[1], (k, n), jnp.float32).astype(dtype)
+        else:
+            x = _operand(keys[0], 1, m, k)[0].astype(dtype)
+            w = _operand(keys[1], 1, n, k)[0].T.astype(dtype)
+        g = jax.random.normal(keys[2], (m, n), jnp.float32)
+        dn = (((1,), (0,)), ((), ()))
+        step = jax.jit(functools.partial(test_scaled_dot._vjp, dn=dn,
+                                         configs=jax_sm100.DEEPSEEK_V3))  # fmt: skip
+        with jax_sm100.lowerings() as seen:
+            y, dl, dr = step(x, w, g=g)
+        kernels = [lw.plan.kernel for lw in seen if lw.plan is not None]
+        self.assertEqual(kernels, [planning.KERNEL_SM90_SCALED] * 3, [lw.note for lw in seen])
+        self.assertEqual((dl.dtype, dr.dtype), (dtype, dtype))
+        padded = lambda a: np.pad(np.asarray(a, np.float32),  # noqa: E731
+                                  [(0, -s % 128) for s in a.shape])  # fmt: skip
+        want = test_scaled_dot._expected(padded(x), padded(w), dn, jax_sm100.DEEPSEEK_V3,
+                                         padded(g))  # fmt: skip
+        _assert_close(self, y, want[0][0, :m, :n], jnp.float32, k)
+        _assert_close(self, dl, want[1][0, :m, :k], dtype, n)
+        _assert_close(self, dr, want[2][0, :n, :k].T, dtype, m)
+
 
 if __name__ == "__main__":
     absltest.main()
