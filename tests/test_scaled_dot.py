@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from unittest import mock
 
 import jax
@@ -263,6 +264,11 @@ class ScaledDotGeneralTest(parameterized.TestCase):
             )(s((2048, 512), jnp.bfloat16), s((1024, 2048), jnp.bfloat16)).mlir_module()
         self.assertEqual([lw.plan.kernel for lw in seen], [kernel] * 3, [lw.note for lw in seen])
         self.assertNotIn("stablehlo.dot_general", text)
+        if arch == "sm_90a":
+            # The operands are quantized where they lie: only the fp8 data and the scales are
+            # transposed, never a bfloat16 operand or cotangent.
+            for t in re.findall(r"stablehlo.transpose .* : \(tensor<([^>]*)>\)", text):
+                self.assertTrue(t.endswith("f8E4M3FN") or t.endswith("f32"), t)
 
     @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)
     def test_partial_blocks_are_padded_with_zeros(self, *configs):

@@ -195,6 +195,11 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             f"jax_sm100.quantize: x is {x.dtype}; it quantizes real values: quantize the real "
             "and imaginary parts apart"
         )
+    axis = axis % x.ndim if x.ndim else axis
+    if (r.layout == "plain" and r.row_block == 1 and x.ndim > 1 and axis != x.ndim - 1
+            and P.explicit_type(x) is None):  # fmt: skip
+        _check_divides(x.shape[axis], recipe, r.block)
+        return _quantize_in_place(x, r, axis)
     x = jnp.moveaxis(x.astype(jnp.float32), axis, -1)
     g = None
     if global_scale:
@@ -210,12 +215,7 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         x = x / g
     if r.layout == "blocked" and x.ndim < 2:
         raise ValueError(f"jax_sm100.quantize: {recipe} scales rows of a matrix; x is 1-D")
-    if x.shape[-1] % r.block:
-        raise ValueError(
-            f"jax_sm100.quantize: the axis has {x.shape[-1]} elements, not a multiple of the "
-            f"{recipe} block of {r.block}; pad it with zeros to a multiple (zeros add nothing "
-            "to the product) in both operands"
-        )
+    _check_divides(x.shape[-1], recipe, r.block)
     x_type = P.explicit_type(x)
     if (x.shape[-1] // r.block) % P.shards(x, -1):
         # Under Explicit axes, k split inside a block: gathered (x in float32, a copy of the
@@ -248,6 +248,30 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             scale = tile_scale  # one per tile
         out = (jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis))
     return out if g is None else (*out, g)
+
+
+def _check_divides(length: int, recipe: str, block: int):
+    if length % block:
+        raise ValueError(
+            f"jax_sm100.quantize: the axis has {length} elements, not a multiple of the "
+            f"{recipe} block of {block}; pad it with zeros to a multiple (zeros add nothing "
+            "to the product) in both operands"
+        )
+
+
+def _quantize_in_place(x, r: Recipe, axis: int):
+    """`quantize` of a per-block recipe along an axis other than the last, computed where the
+    blocks lie (the same values as moving the axis last: a column of blocks is reduced in
+    place), so that XLA moves no float32 copy of x and the caller transposes the narrow data
+    if it needs the axis last."""
+    shape = (*x.shape[:axis], x.shape[axis] // r.block, r.block, *x.shape[axis + 1 :])
+    blocks = x.astype(jnp.float32).reshape(shape)
+    top = float(jnp.finfo(r.data_dtype).max)
+    amax = jnp.max(jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks)), axis=axis + 1)
+    scale = _scale(amax, r, top)
+    s = jnp.expand_dims(scale.astype(jnp.float32), axis + 1)
+    data = jnp.where(s > 0, jnp.clip(blocks / jnp.where(s > 0, s, 1.0), -top, top), 0.0)
+    return data.reshape(x.shape).astype(r.data_dtype), scale
 
 
 def _tile_max(amax, row_block):

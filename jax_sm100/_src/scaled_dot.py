@@ -182,46 +182,71 @@ def _normalized(dimension_numbers):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
-    """How each operand folds to scaled_matmul's [B, rows, contraction]."""
+class _Operand:
+    """How an operand folds to 3-D, [B, P, Q]: its batch dims, then its free and contracting
+    groups in the order they lie in memory, or (where neither order does) transposed to [B,
+    free, contracting]. Each product quantizes it where it lies and transposes only the narrow
+    data, never the float32 or bfloat16 operand."""
 
-    lhs_perm: tuple
-    rhs_perm: tuple
-    b: int
-    m: int
-    n: int
-    k: int
+    perm: tuple  # applied before the reshape (the identity where the order lies in memory)
+    shape3: tuple
+    contract_first: bool  # [B, contracting, free]
+
+    @staticmethod
+    def of(shape, batch, contract):
+        free = tuple(d for d in range(len(shape)) if d not in batch and d not in contract)
+        size = lambda dims: math.prod(shape[d] for d in dims)  # noqa: E731
+        same = tuple(range(len(shape)))
+        if (*batch, *contract, *free) == same and (*batch, *free, *contract) != same:
+            return _Operand(same, (size(batch), size(contract), size(free)), True)
+        perm = (*batch, *free, *contract)
+        return _Operand(perm, (size(batch), size(free), size(contract)), False)
+
+    def fold(self, x):
+        if self.perm != tuple(range(x.ndim)):
+            x = lax.transpose(x, self.perm)
+        return P.typed_reshape(x, self.shape3)
+
+    def unfold(self, x3, shape):
+        x = P.typed_reshape(x3, tuple(shape[d] for d in self.perm))
+        inverse = tuple(int(i) for i in np.argsort(self.perm))
+        return x if inverse == tuple(range(x.ndim)) else lax.transpose(x, inverse)
+
+    def axis(self, contracting: bool) -> int:
+        """The 3-D axis of the contracting group (or, with False, of the free group)."""
+        return 1 if contracting == self.contract_first else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    lhs: _Operand
+    rhs: _Operand
+    out3: tuple  # [B, m, n]
     out_shape: tuple
 
     @staticmethod
     def of(lhs_shape, rhs_shape, dn, out_shape):
         (lc, rc), (lb, rb) = dn
-        lf = [d for d in range(len(lhs_shape)) if d not in lc and d not in lb]
-        rf = [d for d in range(len(rhs_shape)) if d not in rc and d not in rb]
-        size = lambda shape, dims: math.prod(shape[d] for d in dims)  # noqa: E731
-        return _Layout(
-            lhs_perm=(*lb, *lf, *lc), rhs_perm=(*rb, *rf, *rc), b=size(lhs_shape, lb),
-            m=size(lhs_shape, lf), n=size(rhs_shape, rf), k=size(lhs_shape, lc),
-            out_shape=tuple(out_shape),
-        )  # fmt: skip
+        lhs, rhs = _Operand.of(lhs_shape, lb, lc), _Operand.of(rhs_shape, rb, rc)
+        m = lhs.shape3[2 if lhs.contract_first else 1]
+        n = rhs.shape3[2 if rhs.contract_first else 1]
+        return _Layout(lhs, rhs, (lhs.shape3[0], m, n), tuple(out_shape))
 
 
-def _fold(x, perm, shape):
-    """x transposed by perm and reshaped to the 3-D `shape`."""
-    if perm != tuple(range(x.ndim)):
-        x = lax.transpose(x, perm)
-    return P.typed_reshape(x, shape)
-
-
-def _unfold(x3, perm, shape):
-    """The inverse of `_fold` for an operand of shape `shape`."""
-    x = P.typed_reshape(x3, tuple(shape[d] for d in perm))
-    inverse = tuple(int(i) for i in np.argsort(perm))
-    return x if inverse == tuple(range(x.ndim)) else lax.transpose(x, inverse)
-
-
-def _quantize(x3, c: _Config):
-    """(data, scales, global scale or None) of a [B, rows, contraction] operand."""
+def _quantize(x3, axis: int, c: _Config):
+    """(data [B, rows, contraction], scales, global scale or None) of a 3-D operand that
+    contracts along `axis` (1 or 2): quantized where it lies, the data then transposed (fp8,
+    one byte an element) where the contraction is axis 1."""
+    if axis == 1 and c.recipe == "fp8_block128":
+        data, scales = scaled.quantize(x3, c.recipe, axis=1, data_dtype=c.data_dtype)
+        return _swap(data), _swap(scales), None
+    if axis == 1 and c.recipe == "fp8_block128x128" and x3.shape[2] % 128 == 0:
+        # One scale per 128 x 128 tile: the same tiles, so the same data and scales, whichever
+        # of the two dims the blocks are taken along.
+        data, scales = scaled.quantize(x3, c.recipe, data_dtype=c.data_dtype)
+        return _swap(data), _swap(scales), None
+    if axis == 1:
+        x3 = _swap(x3)
     if c.recipe != "nvfp4":
         data, scales = scaled.quantize(x3, c.recipe, data_dtype=c.data_dtype)
         return data, scales, None
@@ -235,19 +260,31 @@ def _quantize(x3, c: _Config):
     return data, scales, c.global_scale
 
 
-def _scaled(a3, b3, ca: _Config, cb: _Config, out_dtype):
-    """scaled_matmul of two [B, rows, contraction] operands quantized by their configs; a
-    contraction that a block does not divide is padded with zeros (its last block partial,
-    scaled by its own values: zeros add nothing to it or to the product)."""
+def _scaled(a, b, out_dtype):
+    """scaled_matmul of two 3-D operands `a` and `b`, each (array, contracting axis, config),
+    quantized by their configs: [B, a's rows, b's rows]. A contraction that a block does not
+    divide is padded with zeros (its last block partial, scaled by its own values: zeros add
+    nothing to it or to the product)."""
+    (a3, a_axis, ca), (b3, b_axis, cb) = a, b
     block = max(scaled.RECIPES[ca.recipe].block, scaled.RECIPES[cb.recipe].block)
-    if pad := -a3.shape[-1] % block:
-        a3, b3 = (jnp.pad(x, ((0, 0), (0, 0), (0, pad))) for x in (a3, b3))
-    a, sa, ga = _quantize(a3, ca)
-    b, sb, gb = _quantize(b3, cb)
+    if pad := -a3.shape[a_axis] % block:
+        a3, b3 = (
+            jnp.pad(x, [(0, pad) if d == axis else (0, 0) for d in range(3)])
+            for x, axis in ((a3, a_axis), (b3, b_axis))
+        )
+    qa, sa, ga = _quantize(a3, a_axis, ca)
+    qb, sb, gb = _quantize(b3, b_axis, cb)
     if ga is None:
-        return scaled.scaled_matmul(a, b, sa, sb, preferred_element_type=out_dtype)
-    out = scaled.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+        return scaled.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
+    out = scaled.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
     return (out * ga * gb).astype(out_dtype)  # in this order: ga * gb alone can underflow
+
+
+def _plain(a, b):
+    """The unquantized float32 product of two operands as `_scaled` takes them."""
+    (a3, a_axis, _), (b3, b_axis, _) = a, b
+    dn = (((a_axis,), (b_axis,)), ((0,), (0,)))
+    return dg.dot_general(a3, b3, dn, preferred_element_type=jnp.float32)
 
 
 def _swap(x3):
@@ -274,9 +311,9 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     L = layout
 
     def forward(lhs, rhs):
-        a = _fold(lhs, L.lhs_perm, (L.b, L.m, L.k))
-        b = _fold(rhs, L.rhs_perm, (L.b, L.n, L.k))
-        return P.typed_reshape(_scaled(a, b, cfg[0], cfg[1], out_dtype), L.out_shape)
+        a = (L.lhs.fold(lhs), L.lhs.axis(True), cfg[0])
+        b = (L.rhs.fold(rhs), L.rhs.axis(True), cfg[1])
+        return P.typed_reshape(_scaled(a, b, out_dtype), L.out_shape)
 
     @jax.custom_vjp
     def product(lhs, rhs):
@@ -287,24 +324,25 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
 
     def bwd(res, g):
         lhs, rhs = res
-        a = _fold(lhs, L.lhs_perm, (L.b, L.m, L.k))
-        b = _fold(rhs, L.rhs_perm, (L.b, L.n, L.k))
-        g3 = P.typed_reshape(g, (L.b, L.m, L.n))
+        a3, b3, g3 = L.lhs.fold(lhs), L.rhs.fold(rhs), P.typed_reshape(g, L.out3)
+        # Each gradient contracts the other operand's free dims with the cotangent's, and
+        # comes out in its operand's folded order (its rows first where they lie first).
+        over_n = (g3, 2, cfg[2]), (b3, L.rhs.axis(False), cfg[1])
+        over_m = (g3, 1, cfg[2]), (a3, L.lhs.axis(False), cfg[0])
+        if L.lhs.contract_first:
+            over_n = over_n[::-1]
+        if L.rhs.contract_first:
+            over_m = over_m[::-1]
         if cfg[2].recipe == "nvfp4":
             # JAX's nvfp4 rule: plain products, zeroed where the forward clipped the operand.
-            da = dg.dot_general(
-                g3, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
-            )
-            db = dg.dot_general(
-                g3, a, (((1,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
-            )
-            da, db = _unclipped(a, da, cfg[0]), _unclipped(b, db, cfg[1])
+            da = _unclipped(a3, _plain(*over_n), cfg[0])
+            db = _unclipped(b3, _plain(*over_m), cfg[1])
         else:
-            da = _scaled(g3, _swap(b), cfg[2], cfg[1], _grad_dtype(lhs.dtype))
-            db = _scaled(_swap(g3), _swap(a), cfg[2], cfg[0], _grad_dtype(rhs.dtype))
+            da = _scaled(*over_n, _grad_dtype(lhs.dtype))
+            db = _scaled(*over_m, _grad_dtype(rhs.dtype))
         return (
-            _unfold(da, L.lhs_perm, lhs.shape).astype(lhs.dtype),
-            _unfold(db, L.rhs_perm, rhs.shape).astype(rhs.dtype),
+            L.lhs.unfold(da, lhs.shape).astype(lhs.dtype),
+            L.rhs.unfold(db, rhs.shape).astype(rhs.dtype),
         )
 
     product.defvjp(fwd, bwd)
