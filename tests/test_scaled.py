@@ -244,6 +244,36 @@ class ScaledMatmulTest(parameterized.TestCase):
         data, scales = jax_sm100.quantize(x, "fp8_block128", axis=0)
         self.assertEqual((data.shape, scales.shape), ((256, 16), (2, 16)))
 
+    @parameterized.product(
+        shape=((256, 384), (3, 128, 200), (2, 384, 136)), data_dtype=(None, jnp.float8_e5m2)
+    )
+    def test_quantized_in_place_bit_for_bit(self, shape, data_dtype):
+        # Blocks along a dim other than the last are reduced where they lie, and
+        # `quantize_transposed` writes the data of x's transpose from x: each bit for bit
+        # what moving the dim last gives. Magnitudes over 2^+-20, a zero block, NaN and infs.
+        rng = np.random.default_rng(7)
+        x = rng.standard_normal(shape) * np.exp2(rng.integers(-20, 20, (*shape[:-1], 1)))
+        x[..., :128, 3] = 0.0
+        x.flat[5], x.flat[1000], x.flat[2000] = np.nan, np.inf, -np.inf
+        x = jnp.asarray(x, jnp.float32)
+        swapped = jnp.swapaxes(x, -1, -2)
+
+        def same(got, want):
+            for g, w in zip(got, want, strict=True):
+                self.assertEqual((g.shape, g.dtype), (w.shape, w.dtype))
+                np.testing.assert_array_equal(
+                    np.asarray(g).view(np.uint8) if g.dtype.itemsize == 1 else np.asarray(g),
+                    np.asarray(w).view(np.uint8) if w.dtype.itemsize == 1 else np.asarray(w),
+                )
+
+        data, scales = jax_sm100.quantize(swapped, "fp8_block128", data_dtype=data_dtype)
+        same(jax_sm100.quantize(x, "fp8_block128", axis=-2, data_dtype=data_dtype),
+             (jnp.swapaxes(data, -1, -2), jnp.swapaxes(scales, -1, -2)))  # fmt: skip
+        for recipe in ("fp8_block128", "fp8_block128x128"):
+            with self.subTest(recipe):
+                want = jax_sm100.quantize(swapped, recipe, data_dtype=data_dtype)
+                same(scaled.quantize_transposed(x, recipe, data_dtype=data_dtype), want)
+
     def test_weights_scaled_per_128x128_tile(self):
         # DeepSeek-V3's weight recipe: one scale per 128 x 128 tile, [B, ceil(n / 128), k / 128]
         # (300 rows: three tiles, the last of 44 rows). The same product as those scales

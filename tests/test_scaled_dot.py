@@ -265,8 +265,9 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         self.assertEqual([lw.plan.kernel for lw in seen], [kernel] * 3, [lw.note for lw in seen])
         self.assertNotIn("stablehlo.dot_general", text)
         if arch == "sm_90a":
-            # The operands are quantized where they lie: only the fp8 data and the scales are
-            # transposed, never a bfloat16 operand or cotangent.
+            # The operands are quantized where they lie: no bfloat16 operand or cotangent is
+            # transposed (float32 transposes are scales, and the data that
+            # `scaled.quantize_transposed` writes transposed in the same pass).
             for t in re.findall(r"stablehlo.transpose .* : \(tensor<([^>]*)>\)", text):
                 self.assertTrue(t.endswith("f8E4M3FN") or t.endswith("f32"), t)
 

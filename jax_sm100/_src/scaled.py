@@ -236,8 +236,7 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     # A scale rounded down to its dtype (nvfp4's float8_e4m3fn) leaves quotients past the data
     # dtype's largest value, which cast to NaN (fp8) rather than saturating: clipped; one
     # rounded to zero (below float8_e4m3fn's least subnormal) gives zero data.
-    s = scale.astype(jnp.float32)[..., None]
-    data = jnp.where(s > 0, jnp.clip(blocks / jnp.where(s > 0, s, 1.0), -top, top), 0.0)
+    data = _data(blocks, scale.astype(jnp.float32)[..., None], top)
     data = data.reshape(x.shape).astype(r.data_dtype)
     if x_type is not None and P.explicit_type(data) != x_type:
         data = jax.sharding.reshard(data, x_type)  # x's sharding (a local slice)
@@ -259,19 +258,64 @@ def _check_divides(length: int, recipe: str, block: int):
         )
 
 
+def _block_max(x, axis: int):
+    """The largest magnitude along `axis` (a NaN read as infinite, as in `quantize`), as a
+    tree of elementwise maxima: XLA fuses it into one pass over x in x's own layout, where a
+    max-reduce along a dim other than the last became a float32 transposed copy of x and a
+    reduction over it (H100: 0.71 against 0.26 ms for an 8192 x 14336 bfloat16 x)."""
+    m = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x))
+    while m.shape[axis] > 1:  # the recipes' blocks are powers of two
+        half = m.shape[axis] // 2
+        m = jnp.maximum(
+            lax.slice_in_dim(m, 0, half, axis=axis), lax.slice_in_dim(m, half, None, axis=axis)
+        )
+    return jnp.squeeze(m, axis)
+
+
+def _data(blocks, scale, top: float):
+    """The data of `blocks` (float32) under their broadcast float32 `scale`: zero where the
+    scale is not positive (NaN, or rounded to zero), else clipped to the format's range."""
+    return jnp.where(scale > 0, jnp.clip(blocks / jnp.where(scale > 0, scale, 1.0), -top, top), 0.0)
+
+
 def _quantize_in_place(x, r: Recipe, axis: int):
     """`quantize` of a per-block recipe along an axis other than the last, computed where the
     blocks lie (the same values as moving the axis last: a column of blocks is reduced in
-    place), so that XLA moves no float32 copy of x and the caller transposes the narrow data
-    if it needs the axis last."""
+    place), so that XLA moves no float32 copy of x."""
     shape = (*x.shape[:axis], x.shape[axis] // r.block, r.block, *x.shape[axis + 1 :])
     blocks = x.astype(jnp.float32).reshape(shape)
     top = float(jnp.finfo(r.data_dtype).max)
-    amax = jnp.max(jnp.where(jnp.isnan(blocks), jnp.inf, jnp.abs(blocks)), axis=axis + 1)
-    scale = _scale(amax, r, top)
-    s = jnp.expand_dims(scale.astype(jnp.float32), axis + 1)
-    data = jnp.where(s > 0, jnp.clip(blocks / jnp.where(s > 0, s, 1.0), -top, top), 0.0)
+    scale = _scale(_block_max(blocks, axis + 1), r, top)
+    data = _data(blocks, jnp.expand_dims(scale.astype(jnp.float32), axis + 1), top)
     return data.reshape(x.shape).astype(r.data_dtype), scale
+
+
+def quantize_transposed(x, recipe: str, *, data_dtype=None):
+    """`quantize(jnp.swapaxes(x, -1, -2), recipe, data_dtype=...)` for fp8_block128 and
+    fp8_block128x128, x [..., k, rows] (k a multiple of 128, no Explicit split): the blocks'
+    largest magnitudes taken where x lies (`_block_max`) and the data written transposed from
+    x in one pass, bit for bit the same values. Quantizing x transposed let XLA lay x's copy
+    out transposed and reduce across it (H100, 8192 x 14336 bfloat16: 0.82 ms; a quantization
+    along the last dim takes 0.24)."""
+    r = RECIPES[recipe]
+    if data_dtype is not None:
+        r = dataclasses.replace(r, data_dtype=np.dtype(data_dtype).name)
+    *lead, k, rows = x.shape
+    top = float(jnp.finfo(r.data_dtype).max)
+    x = x.astype(jnp.float32)
+    amax = _block_max(x.reshape((*lead, k // r.block, r.block, rows)), -2)  # [..., k/b, rows]
+    if r.row_block > 1:
+        tiles = -(-rows // r.row_block)
+        padded = jnp.pad(amax, [(0, 0)] * (len(lead) + 1) + [(0, tiles * r.row_block - rows)])
+        amax = jnp.max(padded.reshape((*lead, k // r.block, tiles, r.row_block)), axis=-1)
+        scale = jnp.swapaxes(_scale(amax, r, top), -1, -2)  # [..., tiles, k/b]
+        per_element = scale_layout.per_row(scale, rows)
+    else:
+        scale = jnp.swapaxes(_scale(amax, r, top), -1, -2)  # [..., rows, k/b]
+        per_element = scale
+    blocks = jnp.swapaxes(x, -1, -2).reshape((*lead, rows, k // r.block, r.block))
+    data = _data(blocks, per_element.astype(jnp.float32)[..., None], top)
+    return data.reshape((*lead, rows, k)).astype(r.data_dtype), scale
 
 
 def _tile_max(amax, row_block):

@@ -235,16 +235,16 @@ class _Layout:
 
 def _quantize(x3, axis: int, c: _Config):
     """(data [B, rows, contraction], scales, global scale or None) of a 3-D operand that
-    contracts along `axis` (1 or 2): quantized where it lies, the data then transposed (fp8,
-    one byte an element) where the contraction is axis 1."""
-    if axis == 1 and c.recipe == "fp8_block128":
-        data, scales = scaled.quantize(x3, c.recipe, axis=1, data_dtype=c.data_dtype)
-        return _swap(data), _swap(scales), None
-    if axis == 1 and c.recipe == "fp8_block128x128" and x3.shape[2] % 128 == 0:
-        # One scale per 128 x 128 tile: the same tiles, so the same data and scales, whichever
-        # of the two dims the blocks are taken along.
-        data, scales = scaled.quantize(x3, c.recipe, data_dtype=c.data_dtype)
-        return _swap(data), _swap(scales), None
+    contracts along `axis` (1 or 2); along axis 1 the DeepSeek-V3 recipes read it where it
+    lies and write the data transposed (`scaled.quantize_transposed`), the others quantize a
+    transposed copy."""
+    if (
+        axis == 1
+        and c.recipe in ("fp8_block128", "fp8_block128x128")
+        and P.explicit_type(x3) is None
+    ):
+        data, scales = scaled.quantize_transposed(x3, c.recipe, data_dtype=c.data_dtype)
+        return data, scales, None
     if axis == 1:
         x3 = _swap(x3)
     if c.recipe != "nvfp4":
