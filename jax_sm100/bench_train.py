@@ -23,7 +23,13 @@ the step needs beside its inputs and outputs: saved activations, gradients in fl
 bytes of the residuals the backward saves (`saved_residuals`), and how many of the compiled
 step's products are our kernel and how many XLA's.
 
-Then (unless `--no-products`) the MLP block's products alone by the device method of
+`--fp8` instead times each model with its products through `jax_sm100.scaled_dot_general`
+(DeepSeek-V3's recipe, `jax_sm100.DEEPSEEK_V3`: every product quantized inside, the gradients'
+too, on the block-scaled kernel; bias and activation by XLA) and through
+`jax.nn.scaled_dot_general` (mxfp8), beside our bfloat16 step and jnp.dot's, all interleaved as
+above; a side this JAX cannot compile is reported with its error.
+
+Then (unless `--no-products` or `--fp8`) the MLP block's products alone by the device method of
 `jax_sm100.bench` (R dependent products in one XLA loop): each product in the layout the
 backward runs it in (input gradients with B transposed, weight gradients with A transposed, the
 fused activation-gradient epilogue against XLA's product plus its elementwise pass), ours
