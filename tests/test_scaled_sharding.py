@@ -62,6 +62,23 @@ def loss(lhs, rhs, lhs_scales, rhs_scales):
     return jnp.sum(jnp.sin(jax_sm100.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales)))
 
 
+# (x, w) splits of a training step: data parallel, tensor parallel (w's columns), FSDP (w's k
+# over the rows' axis), and sequence-parallel rows beside w's columns over another axis.
+TRAINING_LAYOUTS = (
+    (PS("data"), PS()),
+    (PS(), PS(None, "model")),
+    (PS("data"), PS("data")),
+    (PS("model"), PS(None, "data")),
+)
+
+
+def training_loss(x, w):
+    """A loss of x [m, k] @ w [k, n] through scaled_dot_general (DeepSeek-V3's recipe)."""
+    y = jax_sm100.scaled_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.float32,
+                                     jax_sm100.DEEPSEEK_V3)  # fmt: skip
+    return jnp.sum(jnp.sin(y))
+
+
 def assert_close(got, want, rtol=RTOL):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         w = np.asarray(w, np.float64)
@@ -333,6 +350,25 @@ class AutoAxesTest(ScaledCase):
         sharded = [self.put(x, s) for x, s in zip(args, specs, strict=True)]
         assert_close(jax.jit(f)(*sharded), jax.jit(f)(*args), rtol=10 * RTOL)
 
+    @parameterized.parameters(*TRAINING_LAYOUTS)
+    def test_scaled_dot_general_training_step(self, x_spec, w_spec):
+        # value_and_grad through scaled_dot_general (every product quantized inside, the
+        # gradients' along the rows and the columns too) equals the unsharded step.
+        step = jax.jit(jax.value_and_grad(training_loss, (0, 1)))
+        x, w = data(0)[0], data(1)[0]
+        args = (self.put(x, x_spec), self.put(w, w_spec))
+        assert_close(step(*args), step(x, w), rtol=10 * RTOL)
+        # The collectives of the same step on jnp's float32 product, but for FSDP, where the
+        # weight's quantized data is gathered in the forward and again for the input's
+        # gradient (and their scales beside it) rather than the float32 weight once.
+        found = ts.collectives(step.lower(*args).compile().as_text())
+        plain = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), (0, 1)))
+        if (x_spec, w_spec) == (PS("data"), PS("data")):
+            self.assertEqual(found["all-to-all"] + found["collective-permute"], 0, found)
+            self.assertLessEqual(found["all-gather"], 4, found)
+        else:
+            self.assertEqual(found, ts.collectives(plain.lower(*args).compile().as_text()))
+
 
 # --- Explicit axes -----------------------------------------------------------------------------
 
@@ -434,6 +470,18 @@ class ExplicitAxesTest(ScaledCase):
             assert_close(got, want, rtol=10 * RTOL)
             for g, i in zip(got, argnums, strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(typed[i]).sharding.spec)
+
+    @parameterized.parameters(*TRAINING_LAYOUTS)
+    def test_scaled_dot_general_training_step_typed(self, x_spec, w_spec):
+        step = jax.jit(jax.value_and_grad(training_loss, (0, 1)))
+        x, w = data(0)[0], data(1)[0]
+        want = step(x, w)
+        with jax.sharding.set_mesh(self.mesh):
+            typed = (jax.device_put(x, x_spec), jax.device_put(w, w_spec))
+            got = step(*typed)
+        assert_close(got, want, rtol=10 * RTOL)
+        for g, t in zip(got[1], typed, strict=True):
+            self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
 
     def test_vmap_over_a_split_batch(self):
         # vmap merges the mapped dim into B: with B split and the mapped dim whole, B goes major

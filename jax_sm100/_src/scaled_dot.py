@@ -300,6 +300,13 @@ def _unclipped(x3, d3, c: _Config):
     return jnp.where(jnp.abs(x3.astype(jnp.float32)) <= c.global_scale * top, d3, 0.0)
 
 
+def _typed_as(d, primal):
+    """Under Explicit axes, the gradient `d` resharded to its primal's type where the product
+    left it otherwise (a custom_vjp's cotangents must be typed as its primals)."""
+    want = P.explicit_type(primal)
+    return d if want is None or P.explicit_type(d) == want else jax.sharding.reshard(d, want)
+
+
 def _grad_dtype(dtype) -> np.dtype:
     """The dtype a gradient's product is rounded to: its operand's where scaled_matmul writes
     it, else float32 (then cast)."""
@@ -341,8 +348,8 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
             da = _scaled(*over_n, _grad_dtype(lhs.dtype))
             db = _scaled(*over_m, _grad_dtype(rhs.dtype))
         return (
-            L.lhs.unfold(da, lhs.shape).astype(lhs.dtype),
-            L.rhs.unfold(db, rhs.shape).astype(rhs.dtype),
+            _typed_as(L.lhs.unfold(da, lhs.shape).astype(lhs.dtype), lhs),
+            _typed_as(L.rhs.unfold(db, rhs.shape).astype(rhs.dtype), rhs),
         )
 
     product.defvjp(fwd, bwd)
