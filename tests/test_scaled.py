@@ -243,6 +243,13 @@ class ScaledMatmulTest(parameterized.TestCase):
         x = _normal(4, (256, 16))  # k first, as a [k, n] weight is stored
         data, scales = jax_sm100.quantize(x, "fp8_block128", axis=0)
         self.assertEqual((data.shape, scales.shape), ((256, 16), (2, 16)))
+        for recipe, axis in (("fp8_block128", 2), ("fp8_block128", -3), ("mxfp8", 3)):
+            with self.assertRaisesRegex(ValueError, f"axis {axis} is out of bounds"):
+                jax_sm100.quantize(x, recipe, axis=axis)
+
+    def test_global_scale_of_an_empty_array(self):
+        data, scales, g = jax_sm100.quantize(jnp.zeros((0, 64)), "nvfp4", global_scale=True)
+        self.assertEqual((data.shape, float(g)), ((0, 64), 1.0))
 
     @parameterized.product(
         shape=((256, 384), (3, 128, 200), (2, 384, 136)), data_dtype=(None, jnp.float8_e5m2)

@@ -66,7 +66,7 @@ def _fold(x, batch, contract):
     return np.transpose(x, (*batch, *free, *contract)).reshape(size(batch), size(free), -1)
 
 
-def _product64(a3, b3, ca, cb, swap=False):
+def _product64(a3, b3, ca, cb):
     """float64 of scaled_matmul(quantize(a3, ca), quantize(b3, cb)), each [B, rows, k]."""
     qa = jax_sm100.quantize(jnp.asarray(a3, jnp.float32), _recipe(ca), data_dtype=_data_dtype(ca))
     qb = jax_sm100.quantize(jnp.asarray(b3, jnp.float32), _recipe(cb), data_dtype=_data_dtype(cb))
@@ -299,12 +299,30 @@ class ScaledDotGeneralTest(parameterized.TestCase):
             f(x, w, configs=("nvfp4", "nvfp4", "mxfp8"))
         with self.assertRaisesRegex(TypeError, "pass precision=None"):
             f(x, w, configs=jax_sm100.DEEPSEEK_V3, precision=lax.Precision.HIGHEST)
+        # Lists as (recipe, dtype) pairs, precision pairs of DEFAULT, and without configs the
+        # precision goes to dot_general.
+        y = f(x, w, configs=[["fp8_block128", jnp.float8_e5m2]] * 3,
+              precision=(lax.Precision.DEFAULT, None))  # fmt: skip
+        self.assertEqual(y.shape, (128, 64))
+        y = f(x, w, precision=lax.Precision.HIGHEST)
+        want = jax_sm100.dot_general(x, w, dn, lax.Precision.HIGHEST, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
         with self.assertRaisesRegex(TypeError, "quantizes floating"):
             f(x.astype(jnp.int32), w, configs=jax_sm100.DEEPSEEK_V3)
         with self.assertRaisesRegex(TypeError, "preferred_element_type=int32"):
             f(x, w, preferred_element_type=jnp.int32, configs=jax_sm100.DEEPSEEK_V3)
         with self.assertRaisesRegex(TypeError, "dot_general requires contracting"):
             f(x, w.T, configs=jax_sm100.DEEPSEEK_V3)
+        with self.assertRaisesRegex(TypeError, "is one config; give three"):
+            f(x, w, configs="mxfp8")
+        with self.assertRaisesRegex(TypeError, "is one config; give three"):
+            f(x, w, configs=jax.nn.get_scaled_dot_general_config("mxfp8"))
+        # A second derivative raises (it silently differentiated the quantization before).
+        loss = lambda x: jnp.sum(f(x, w, configs=jax_sm100.DEEPSEEK_V3) ** 2)  # noqa: E731
+        with self.assertRaisesRegex(NotImplementedError, "differentiate it once"):
+            jax.grad(lambda x: jnp.sum(jax.grad(loss)(x) ** 2))(x)
+        with self.assertRaisesRegex(NotImplementedError, "differentiate it once"):
+            jax.hessian(lambda v: loss(x.at[0, :2].set(v)))(x[0, :2])
         bad = jax.nn.get_scaled_dot_general_config("mxfp8")
         with self.assertRaisesRegex(ValueError, "BlockScaleConfigs taken"):
             f(x, w, configs=[dataclasses.replace(bad, block_size=16)] * 3)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from tests import test_sharding as ts  # isort: split
 
+import functools
 import math
 import re
 
@@ -481,6 +482,28 @@ class ExplicitAxesTest(ScaledCase):
             got = step(*typed)
         assert_close(got, want, rtol=10 * RTOL)
         for g, t in zip(got[1], typed, strict=True):
+            self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
+
+    def test_scaled_dot_general_takes_out_sharding(self):
+        # k split on both operands (row parallel): lax asks for an out_sharding, and it is
+        # taken (scaled_dot_general's own shape check dropped it and raised lax's error).
+        dn = (((1,), (0,)), ((), ()))
+        x, w = data(0)[0], data(1)[0]
+
+        def f(x, w, out_sharding=None):
+            return jax_sm100.scaled_dot_general(x, w, dn, jnp.float32, jax_sm100.DEEPSEEK_V3,
+                                                out_sharding=out_sharding)  # fmt: skip
+
+        want = jax.jit(f)(x, w)
+        with jax.sharding.set_mesh(self.mesh):
+            xs = jax.device_put(x, PS("data", "model"))
+            ws = jax.device_put(w, PS("model", None))
+            split = functools.partial(f, out_sharding=PS("data", None))
+            got = jax.jit(split)(xs, ws)
+            grads = jax.jit(jax.grad(lambda x, w: jnp.sum(split(x, w)), (0, 1)))(xs, ws)
+        assert_close(got, want)
+        self.assertEqual(same_spec(jax.typeof(got).sharding.spec), same_spec(PS("data")))
+        for g, t in zip(grads, (xs, ws), strict=True):
             self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
 
     def test_vmap_over_a_split_batch(self):

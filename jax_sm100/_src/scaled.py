@@ -195,6 +195,10 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             f"jax_sm100.quantize: x is {x.dtype}; it quantizes real values: quantize the real "
             "and imaginary parts apart"
         )
+    if x.ndim and not -x.ndim <= axis < x.ndim:
+        raise ValueError(
+            f"jax_sm100.quantize: axis {axis} is out of bounds for an array of dimension {x.ndim}"
+        )
     axis = axis % x.ndim if x.ndim else axis
     if (r.layout == "plain" and r.row_block == 1 and x.ndim > 1 and axis != x.ndim - 1
             and P.explicit_type(x) is None):  # fmt: skip
@@ -205,7 +209,7 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     if global_scale:
         # Over the finite values: a non-finite block gets its NaN scale from its own maximum
         # (`_scale`) and leaves the other blocks' global scale as it would be without it.
-        amax_all = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0))
+        amax_all = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0), initial=0.0)
         top_all = float(jnp.finfo(r.data_dtype).max) * float(jnp.finfo(r.scale_dtype).max)
         # No smaller than float32's least normal number, as `_scale`'s block scales: under
         # ~3.2e-35 the quotient was flushed to zero, then x / g infinite and every scale NaN.
@@ -297,10 +301,13 @@ def quantize_transposed(x, recipe: str, *, data_dtype=None):
     x in one pass, bit for bit the same values. Quantizing x transposed let XLA lay x's copy
     out transposed and reduce across it (H100, 8192 x 14336 bfloat16: 0.82 ms; a quantization
     along the last dim takes 0.24)."""
+    if recipe not in ("fp8_block128", "fp8_block128x128"):
+        raise ValueError(f"quantize_transposed: {recipe=} is not fp8_block128 or fp8_block128x128")
     r = RECIPES[recipe]
     if data_dtype is not None:
         r = dataclasses.replace(r, data_dtype=np.dtype(data_dtype).name)
     *lead, k, rows = x.shape
+    _check_divides(k, recipe, r.block)
     top = float(jnp.finfo(r.data_dtype).max)
     x = x.astype(jnp.float32)
     amax = _block_max(x.reshape((*lead, k // r.block, r.block, rows)), -2)  # [..., k/b, rows]

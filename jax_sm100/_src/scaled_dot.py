@@ -52,7 +52,8 @@ class _Config:
 
 def _config(c, position: int) -> _Config:
     where = ("lhs", "rhs", "gradient")[position]
-    if isinstance(c, str) or (isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str)):
+    pair = isinstance(c, (tuple, list)) and len(c) == 2 and isinstance(c[0], str)
+    if isinstance(c, str) or pair:
         name, dtype = (c, None) if isinstance(c, str) else c
         if name not in scaled.RECIPES:
             raise ValueError(
@@ -136,11 +137,6 @@ def scaled_dot_general(
     """
     lhs = P.as_array(lhs, "scaled_dot_general", "lhs")
     rhs = P.as_array(rhs, "scaled_dot_general", "rhs")
-    if precision not in (None, lax.Precision.DEFAULT):
-        raise TypeError(
-            f"jax_sm100.scaled_dot_general: precision={precision}; the configs' formats set the "
-            "products' precision: pass precision=None"
-        )
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(
@@ -151,11 +147,25 @@ def scaled_dot_general(
         preferred_element_type = jnp.result_type(lhs.dtype, rhs.dtype)
     out_dtype = scaled._out_dtype(preferred_element_type)
     dn = _normalized(dimension_numbers)
-    # lax's checks of the dimension numbers and shapes, and the result's shape.
-    want = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dn), lhs, rhs)
+    # lax's checks of the dimension numbers, shapes and shardings, and the result's shape.
+    want = jax.eval_shape(
+        lambda a, b: lax.dot_general(a, b, dn, out_sharding=out_sharding), lhs, rhs
+    )
     if configs is None:
         return dg.dot_general(
-            lhs, rhs, dn, preferred_element_type=out_dtype, out_sharding=out_sharding
+            lhs, rhs, dn, precision, preferred_element_type=out_dtype, out_sharding=out_sharding
+        )
+    default = (None, lax.Precision.DEFAULT)
+    pair = isinstance(precision, (tuple, list))
+    if not (all(p in default for p in precision) if pair else precision in default):
+        raise TypeError(
+            f"jax_sm100.scaled_dot_general: precision={precision}; the configs' formats set the "
+            "products' precision: pass precision=None"
+        )
+    if isinstance(configs, str) or hasattr(configs, "mode"):
+        raise TypeError(
+            f"jax_sm100.scaled_dot_general: configs={configs!r} is one config; give three (lhs, "
+            "rhs, gradient), e.g. [config] * 3 or jax_sm100.DEEPSEEK_V3"
         )
     configs = tuple(configs)
     if len(configs) != 3:
@@ -300,6 +310,25 @@ def _unclipped(x3, d3, c: _Config):
     return jnp.where(jnp.abs(x3.astype(jnp.float32)) <= c.global_scale * top, d3, 0.0)
 
 
+def _first_order_only(f):
+    """`f` (the backward), raising where it is differentiated: its quantization has no useful
+    derivative, and differentiating through it gave silently wrong values."""
+
+    @jax.custom_jvp
+    def wrapped(*args):
+        return f(*args)
+
+    @wrapped.defjvp
+    def _(primals, tangents):
+        raise NotImplementedError(
+            "jax_sm100.scaled_dot_general: its gradient quantizes the cotangent and is not "
+            "differentiable (as jax.nn.scaled_dot_general's); differentiate it once, or use "
+            "configs=None (unquantized) for higher-order derivatives"
+        )
+
+    return wrapped
+
+
 def _typed_as(d, primal):
     """Under Explicit axes, the gradient `d` resharded to its primal's type where the product
     left it otherwise (a custom_vjp's cotangents must be typed as its primals)."""
@@ -330,7 +359,9 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         return forward(lhs, rhs), (lhs, rhs)
 
     def bwd(res, g):
-        lhs, rhs = res
+        return _first_order_only(gradients)(*res, g)
+
+    def gradients(lhs, rhs, g):
         a3, b3, g3 = L.lhs.fold(lhs), L.rhs.fold(rhs), P.typed_reshape(g, L.out3)
         # Each gradient contracts the other operand's free dims with the cotangent's, and
         # comes out in its operand's folded order (its rows first where they lie first).
