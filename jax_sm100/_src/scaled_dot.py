@@ -115,15 +115,17 @@ def scaled_dot_general(
         `jax_sm100.DEEPSEEK_V3` or `[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3`. None
         runs `jax_sm100.dot_general` unquantized, as `jax.nn.scaled_dot_general` runs
         `lax.dot_general`.
-      precision: None only (the formats set it); taken so that the function can be passed as
-        `dot_general=` to Flax's layers.
+      precision: with configs, None or DEFAULT (the formats set the products' precision),
+        taken so that the function can be passed as `dot_general=` to Flax's layers; without
+        configs, as `jax_sm100.dot_general`.
       out_sharding: as `lax.dot_general`: the result is resharded to it.
 
     Returns:
       `[batch..., lhs free..., rhs free...]` in `preferred_element_type`, as `lax.dot_general`.
-      Differentiable in reverse mode (`grad`, `vjp`), under `vmap` and `jit`, and on sharded
-      operands (the quantization is XLA ops, the products `scaled_matmul`'s partitioned
-      lowering); forward mode (`jvp`) is not defined, as for JAX's.
+      Differentiable once in reverse mode (`grad`, `vjp`), under `vmap` and `jit`, and on
+      sharded operands (the quantization is XLA ops, the products `scaled_matmul`'s partitioned
+      lowering); forward mode (`jvp`) is not defined, as for JAX's, and a second derivative
+      raises NotImplementedError (the backward's quantization has none).
 
     A contraction (k, or for the gradients n and m) that a block does not divide is padded
     with zeros: its last block is partial, scaled by its own largest magnitude (where
@@ -132,8 +134,9 @@ def scaled_dot_general(
     Raises:
       ValueError: configs that are not three, unknown recipes, nvfp4 mixed with other
         recipes.
-      TypeError: non-floating operands, a `precision`, or a `preferred_element_type` that is
-        not floating; `lax.dot_general`'s errors for invalid dimension numbers.
+      TypeError: non-floating operands, one config where three are due, a `precision` with
+        configs, or a `preferred_element_type` that is not floating; `lax.dot_general`'s
+        errors for invalid dimension numbers and shardings.
     """
     lhs = P.as_array(lhs, "scaled_dot_general", "lhs")
     rhs = P.as_array(rhs, "scaled_dot_general", "rhs")
@@ -195,8 +198,9 @@ def _normalized(dimension_numbers):
 class _Operand:
     """How an operand folds to 3-D, [B, P, Q]: its batch dims, then its free and contracting
     groups in the order they lie in memory, or (where neither order does) transposed to [B,
-    free, contracting]. Each product quantizes it where it lies and transposes only the narrow
-    data, never the float32 or bfloat16 operand."""
+    free, contracting]. Each product quantizes it where it lies; where it needs the
+    contraction last, the DeepSeek-V3 recipes write their fp8 data transposed in the same pass
+    (`_quantize`)."""
 
     perm: tuple  # applied before the reshape (the identity where the order lies in memory)
     shape3: tuple
