@@ -1,14 +1,18 @@
 """Where a training step's time goes, ours beside `jnp.dot`: round lengths and the GPU's kernels.
 
-    python benchmarks/step_profile.py [--model transformer|mlp] [--top 25] [--small]
+    python benchmarks/step_profile.py [--model transformer|mlp] [--top 25] [--small] [--fp8]
+                                      [--rounds 10,50,200]
+
+`--fp8` profiles our side with fp8 training products (`bench_train.FP8_SIDES`, through
+`jax_sm100.scaled_dot_general`) instead of our bfloat16 ones.
 
 The models are `python -m jax_sm100.bench --train`'s (`jax_sm100/bench_train.py`). For each
 side it prints:
 
 * the step time by `bench_train.time_steps_alike` (the two sides' rounds interleaved) in
-  rounds of 10, 50 and 200 steps: short rounds are noisier than the sides differ (the
-  transformer block read 0.95-1.00x in rounds of 10 on the H200, 1.000-1.002x in rounds of
-  50 and 200; benchmarks/RESULTS.md, forty-third session);
+  rounds of 10, 50 and 200 steps (`--rounds`; "" for none): short rounds are noisier than
+  the sides differ (the transformer block read 0.95-1.00x in rounds of 10 on the H200,
+  1.000-1.002x in rounds of 50 and 200; benchmarks/RESULTS.md, forty-third session);
 * under `jax.profiler`, 20 steps: the wall time a step, the GPU's span a step (first kernel's
   start to last kernel's end, over every stream), each stream's busy time and the idle gaps
   between its kernels, and the `--top` kernels by time a step (name, time, launches a step).

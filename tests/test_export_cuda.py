@@ -52,7 +52,7 @@ class ExportForSm100Test(parameterized.TestCase):
         exp = _export(fn, a, b, bias)
         text = exp.mlir_module()
         self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 1)
-        self.assertNotIn("dot_general", text)
+        self.assertNotIn("stablehlo.dot_general", text)
         (obj,) = _embedded_objects(text)
         self.assertEqual(obj[:4], b"\x7fELF")  # the host object with the cubin inside
         self.assertTrue(b"sm_100a" in obj and b"Sm100GemmKernel" in obj)
@@ -180,7 +180,7 @@ class ExportForSm100Test(parameterized.TestCase):
         b = jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16)
         text = _export(lambda a, b: jax_sm100.matmul(a, b), a, b).mlir_module()
         self.assertNotIn("jax_sm100_gemm", text)
-        self.assertIn("dot_general", text)
+        self.assertIn("stablehlo.dot_general", text)
         for arch, family in (("sm_100a", b"Sm100GemmKernel"), ("sm_90a", b"Sm90GemmKernel")):
             with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}):
                 text = _export(lambda a, b: jax_sm100.matmul(a, b, alpha=0.5), a, b).mlir_module()

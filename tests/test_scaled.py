@@ -244,7 +244,7 @@ class ScaledMatmulTest(parameterized.TestCase):
         data, scales = jax_sm100.quantize(x, "fp8_block128", axis=0)
         self.assertEqual((data.shape, scales.shape), ((256, 16), (2, 16)))
         for recipe, axis in (("fp8_block128", 2), ("fp8_block128", -3), ("mxfp8", 3)):
-            with self.assertRaisesRegex(ValueError, f"axis {axis} is out of bounds"):
+            with self.assertRaisesRegex(ValueError, f"axis {axis} is out of bounds.*pass the"):
                 jax_sm100.quantize(x, recipe, axis=axis)
 
     def test_global_scale_of_an_empty_array(self):
@@ -280,6 +280,10 @@ class ScaledMatmulTest(parameterized.TestCase):
             with self.subTest(recipe):
                 want = jax_sm100.quantize(swapped, recipe, data_dtype=data_dtype)
                 same(scaled.quantize_transposed(x, recipe, data_dtype=data_dtype), want)
+        with self.assertRaisesRegex(TypeError, "data is one of"):
+            scaled.quantize_transposed(x, "fp8_block128", data_dtype=jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "use jax_sm100.quantize"):
+            scaled.quantize_transposed(x, "mxfp8")
 
     def test_weights_scaled_per_128x128_tile(self):
         # DeepSeek-V3's weight recipe: one scale per 128 x 128 tile, [B, ceil(n / 128), k / 128]

@@ -527,7 +527,7 @@ class ForwardTest(ShardedTestCase):
         text = jax.jit(gelu_bias).lower(*sharded).as_text()
         self.assertIn("@CustomSPMDPartitioning", text)
         self.assertIn("sdy.sharding_rule", text)
-        self.assertNotIn("dot_general", text)
+        self.assertNotIn("stablehlo.dot_general", text)
         single = jax.jit(gelu_bias).lower(x, w, b).as_text()
         self.assertNotIn("CustomSPMDPartitioning", single)
         # XLA's dot, or on a GPU our kernel's FFI call (float32 operands on sm_100a).

@@ -315,7 +315,7 @@ class ScaledMatmulExportTest(parameterized.TestCase):
         )
         text = exp.mlir_module()
         self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 1)
-        self.assertNotIn("dot_general", text)
+        self.assertNotIn("stablehlo.dot_general", text)
         (obj,) = _embedded_objects(text)
         self.assertIn(b"Sm100BlockScaledGemmKernel", obj)
         compiled = jax_sm100.compile_plan(how.plan)

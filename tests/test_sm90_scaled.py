@@ -630,7 +630,7 @@ class ScaledLoweringTest(parameterized.TestCase):
         self.assertEqual((how.plan.m, how.plan.batch), (m, batch))
         self.assertIn("block-scaled kernel", how.note)
         (call,) = [ln for ln in text.splitlines() if "custom_call @jax_sm100_gemm" in ln]
-        self.assertNotIn("dot_general", text)
+        self.assertNotIn("stablehlo.dot_general", text)
         # a, b, d, sfa, sfb: inputs 0 and 1, the result, the transposed scales (inputs 2, 3);
         # stream-K's workspace a second result, its flags zeros passed in and aliased.
         if how.plan.stream_k:

@@ -316,7 +316,7 @@ class CudaStepTest(parameterized.TestCase):
         text = _export_step(arch, 2048, 1024, 4096)
         calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_sm100_gemm" in ln]
         self.assertLen(calls, 6)
-        self.assertNotIn("dot_general", text)
+        self.assertNotIn("stablehlo.dot_general", text)
         self.assertNotIn("stablehlo.tanh", text)  # gelu and gelu' only inside the kernels
         signatures = [re.search(r"\(([^()]*)\) -> (.*) loc", ln).groups() for ln in calls]
         for operands, _ in signatures:

@@ -171,19 +171,14 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     the padding 1.0.
 
     Raises:
-      ValueError: an unknown recipe, an axis whose length the block does not divide, a 1-D x
-        for a blocked or 128 x 128 recipe, or `global_scale` for a recipe other than nvfp4.
+      ValueError: an unknown recipe, an axis out of x's bounds or whose length the block does
+        not divide, a 1-D x for a blocked or 128 x 128 recipe, or `global_scale` for a recipe
+        other than nvfp4.
       TypeError: a `data_dtype` the recipe does not take.
     """
     if recipe not in RECIPES:
         raise ValueError(f"jax_sm100.quantize: {recipe=} is not one of {tuple(RECIPES)}")
-    r = RECIPES[recipe]
-    if data_dtype is not None:
-        name = np.dtype(data_dtype).name
-        allowed = FP8_DTYPES if r.data_dtype in FP8_DTYPES else (r.data_dtype,)
-        if name not in allowed:
-            raise TypeError(f"jax_sm100.quantize: {recipe} data is one of {allowed}, not {name}")
-        r = dataclasses.replace(r, data_dtype=name)
+    r = recipe_with(recipe, data_dtype, "jax_sm100.quantize")
     if global_scale and r.scale_dtype != "float8_e4m3fn":
         raise ValueError(
             f"jax_sm100.quantize: global_scale is for nvfp4, whose float8_e4m3fn scales span "
@@ -197,7 +192,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
         )
     if x.ndim and not -x.ndim <= axis < x.ndim:
         raise ValueError(
-            f"jax_sm100.quantize: axis {axis} is out of bounds for an array of dimension {x.ndim}"
+            f"jax_sm100.quantize: axis {axis} is out of bounds for an array of dimension "
+            f"{x.ndim}; pass the contracting dim, in [-{x.ndim}, {x.ndim})"
         )
     axis = axis % x.ndim if x.ndim else axis
     if (r.layout == "plain" and r.row_block == 1 and x.ndim > 1 and axis != x.ndim - 1
@@ -253,6 +249,19 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
     return out if g is None else (*out, g)
 
 
+def recipe_with(recipe: str, data_dtype, who: str) -> Recipe:
+    """RECIPES[recipe] with its data dtype `data_dtype` (None: the recipe's own), or a
+    TypeError naming the dtypes the recipe takes (the fp8 recipes: e4m3 or e5m2)."""
+    r = RECIPES[recipe]
+    if data_dtype is None:
+        return r
+    name = np.dtype(data_dtype).name
+    allowed = FP8_DTYPES if r.data_dtype in FP8_DTYPES else (r.data_dtype,)
+    if name not in allowed:
+        raise TypeError(f"{who}: {recipe} data is one of {allowed}, not {name}")
+    return dataclasses.replace(r, data_dtype=name)
+
+
 def _check_divides(length: int, recipe: str, block: int):
     if length % block:
         raise ValueError(
@@ -302,24 +311,22 @@ def quantize_transposed(x, recipe: str, *, data_dtype=None):
     out transposed and reduce across it (H100, 8192 x 14336 bfloat16: 0.82 ms; a quantization
     along the last dim takes 0.24)."""
     if recipe not in ("fp8_block128", "fp8_block128x128"):
-        raise ValueError(f"quantize_transposed: {recipe=} is not fp8_block128 or fp8_block128x128")
-    r = RECIPES[recipe]
-    if data_dtype is not None:
-        r = dataclasses.replace(r, data_dtype=np.dtype(data_dtype).name)
+        raise ValueError(
+            f"quantize_transposed: {recipe=} is not fp8_block128 or fp8_block128x128; for "
+            "other recipes use jax_sm100.quantize(jnp.swapaxes(x, -1, -2), recipe)"
+        )
+    r = recipe_with(recipe, data_dtype, "quantize_transposed")
     *lead, k, rows = x.shape
     _check_divides(k, recipe, r.block)
     top = float(jnp.finfo(r.data_dtype).max)
     x = x.astype(jnp.float32)
     amax = _block_max(x.reshape((*lead, k // r.block, r.block, rows)), -2)  # [..., k/b, rows]
+    amax = jnp.swapaxes(amax, -1, -2)  # [..., rows, k/b]: small
     if r.row_block > 1:
-        tiles = -(-rows // r.row_block)
-        padded = jnp.pad(amax, [(0, 0)] * (len(lead) + 1) + [(0, tiles * r.row_block - rows)])
-        amax = jnp.max(padded.reshape((*lead, k // r.block, tiles, r.row_block)), axis=-1)
-        scale = jnp.swapaxes(_scale(amax, r, top), -1, -2)  # [..., tiles, k/b]
+        scale = _scale(_tile_max(amax, r.row_block), r, top)  # [..., tiles, k/b]
         per_element = scale_layout.per_row(scale, rows)
     else:
-        scale = jnp.swapaxes(_scale(amax, r, top), -1, -2)  # [..., rows, k/b]
-        per_element = scale
+        scale = per_element = _scale(amax, r, top)
     blocks = jnp.swapaxes(x, -1, -2).reshape((*lead, rows, k // r.block, r.block))
     data = _data(blocks, per_element.astype(jnp.float32)[..., None], top)
     return data.reshape((*lead, rows, k)).astype(r.data_dtype), scale

@@ -41,6 +41,8 @@ from jax_sm100._src import scaled
 # DeepSeek-V3's fp8 training recipe (lhs = activations, rhs = weights, cotangents), on the
 # sm_90a block-scaled kernel.
 DEEPSEEK_V3 = ("fp8_block128", "fp8_block128x128", "fp8_block128")
+# nvfp4's largest magnitude under a global scale of 1: e2m1's 6 times e4m3's 448.
+_NVFP4_TOP = float(jnp.finfo(jnp.float4_e2m1fn).max) * float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +63,8 @@ def _config(c, position: int) -> _Config:
                 f"one of {tuple(scaled.RECIPES)}, a (recipe, data dtype) pair, or a "
                 "jax.nn.BlockScaleConfig"
             )
-        r = scaled.RECIPES[name]
-        dtype = r.data_dtype if dtype is None else np.dtype(dtype).name
-        allowed = scaled.FP8_DTYPES if r.data_dtype in scaled.FP8_DTYPES else (r.data_dtype,)
-        if dtype not in allowed:
-            raise TypeError(
-                f"jax_sm100.scaled_dot_general: configs[{position}] ({where}): {name} data is "
-                f"one of {allowed}, not {dtype}"
-            )
-        return _Config(name, dtype)
+        who = f"jax_sm100.scaled_dot_general: configs[{position}] ({where})"
+        return _Config(name, scaled.recipe_with(name, dtype, who).data_dtype)
     if hasattr(c, "mode") and hasattr(c, "block_size") and hasattr(c, "data_type"):
         expect = {"mxfp8": (32, "float8_e8m0fnu"), "nvfp4": (16, "float8_e4m3fn")}.get(c.mode)
         got = (c.block_size, np.dtype(c.scale_type).name)
@@ -132,9 +127,10 @@ def scaled_dot_general(
     `jax.nn.scaled_dot_general` asserts).
 
     Raises:
-      ValueError: configs that are not three, unknown recipes, nvfp4 mixed with other
-        recipes.
-      TypeError: non-floating operands, one config where three are due, a `precision` with
+      ValueError: configs that are not three, unknown recipes, a BlockScaleConfig other than
+        jax.nn's mxfp8 and nvfp4, nvfp4 mixed with other recipes.
+      TypeError: non-floating operands, one config where three are due, a data dtype its
+        recipe does not take, a `precision` with
         configs, or a `preferred_element_type` that is not floating; `lax.dot_general`'s
         errors for invalid dimension numbers and shardings.
     """
@@ -242,8 +238,7 @@ class _Layout:
     def of(lhs_shape, rhs_shape, dn, out_shape):
         (lc, rc), (lb, rb) = dn
         lhs, rhs = _Operand.of(lhs_shape, lb, lc), _Operand.of(rhs_shape, rb, rc)
-        m = lhs.shape3[2 if lhs.contract_first else 1]
-        n = rhs.shape3[2 if rhs.contract_first else 1]
+        m, n = lhs.shape3[lhs.axis(False)], rhs.shape3[rhs.axis(False)]
         return _Layout(lhs, rhs, (lhs.shape3[0], m, n), tuple(out_shape))
 
 
@@ -268,8 +263,7 @@ def _quantize(x3, axis: int, c: _Config):
         return scaled.quantize(x3, "nvfp4", global_scale=True)
     # JAX's nvfp4 rule: x over the config's scale, each block's scale clipped to the scale
     # dtype's largest value and the data to e2m1's: clipping x to 6 x 448 first does both.
-    top = float(jnp.finfo(jnp.float8_e4m3fn).max) * float(jnp.finfo(jnp.float4_e2m1fn).max)
-    x = jnp.clip(x3.astype(jnp.float32) / c.global_scale, -top, top)
+    x = jnp.clip(x3.astype(jnp.float32) / c.global_scale, -_NVFP4_TOP, _NVFP4_TOP)
     data, scales = scaled.quantize(x, "nvfp4")
     return data, scales, c.global_scale
 
@@ -310,8 +304,7 @@ def _unclipped(x3, d3, c: _Config):
     `x3` (past the config's global scale x 6 x 448; none with a scale computed per call)."""
     if c.global_scale is None:
         return d3
-    top = float(jnp.finfo(jnp.float8_e4m3fn).max) * float(jnp.finfo(jnp.float4_e2m1fn).max)
-    return jnp.where(jnp.abs(x3.astype(jnp.float32)) <= c.global_scale * top, d3, 0.0)
+    return jnp.where(jnp.abs(x3.astype(jnp.float32)) <= c.global_scale * _NVFP4_TOP, d3, 0.0)
 
 
 def _first_order_only(f):
@@ -344,7 +337,7 @@ def _grad_dtype(dtype) -> np.dtype:
     """The dtype a gradient's product is rounded to: its operand's where scaled_matmul writes
     it, else float32 (then cast)."""
     name = np.dtype(dtype).name
-    return np.dtype(name if name in ("float32", "bfloat16", "float16") else "float32")
+    return np.dtype(name if name in scaled._OUT_DTYPES else "float32")
 
 
 def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
