@@ -237,37 +237,21 @@ def models():
            flop)  # fmt: skip
 
 
-def run_models(names) -> list[tuple[str, int, Side, Side]]:
-    rows = []
-    for name, model, p, x, flop in models():
-        if name not in names:
-            continue
-        (c_ours, ours), (c_theirs, theirs) = (
-            prepare(model("ours"), p, x),
-            prepare(model("jnp"), p, x),
-        )
-        t_ours, t_theirs = time_steps_alike(
-            [(c_ours, (p, x)), (c_theirs, (p, x))], steps=MODEL_STEPS, rounds=MODEL_ROUNDS
-        )
-        ours = dataclasses.replace(ours, seconds=t_ours)
-        theirs = dataclasses.replace(theirs, seconds=t_theirs)
-        rows.append((name, flop, ours, theirs))
-    return rows
-
-
-def run_fp8(names) -> list[tuple[str, int, dict]]:
-    """`--fp8`: each model's step with fp8 training products (`FP8_SIDES`) beside our bfloat16
-    one and jnp.dot's, interleaved as `run_models`' sides; a side that does not compile on this
-    device is reported with its error."""
+def run_sides(names, impls, may_fail=()) -> list[tuple[str, int, dict]]:
+    """(model, product FLOPs, {impl: Side}) of each model in `names`, every impl's compiled
+    step timed in interleaved rounds (`time_steps_alike`); an impl in `may_fail` that does not
+    compile on this device is reported by its error (a string) instead."""
     rows = []
     for name, model, p, x, flop in models():
         if name not in names:
             continue
         sides, failed = {}, {}
-        for impl in ("jnp", "ours", *FP8_SIDES):
+        for impl in impls:
             try:
                 sides[impl] = prepare(model(impl), p, x)
-            except Exception as e:  # noqa: BLE001 (reported: a side this JAX cannot run here)
+            except Exception as e:
+                if impl not in may_fail:
+                    raise
                 failed[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
         steps = [(compiled, (p, x)) for compiled, _ in sides.values()]
         times = time_steps_alike(steps, steps=MODEL_STEPS, rounds=MODEL_ROUNDS)
@@ -275,6 +259,18 @@ def run_fp8(names) -> list[tuple[str, int, dict]]:
                for (impl, (_, side)), t in zip(sides.items(), times, strict=True)}  # fmt: skip
         rows.append((name, flop, {**out, **failed}))
     return rows
+
+
+def run_models(names) -> list[tuple[str, int, Side, Side]]:
+    return [(name, flop, s["ours"], s["jnp"])
+            for name, flop, s in run_sides(names, ("ours", "jnp"))]  # fmt: skip
+
+
+def run_fp8(names) -> list[tuple[str, int, dict]]:
+    """`--fp8`: each model's step with fp8 training products (`FP8_SIDES`) beside our bfloat16
+    one and jnp.dot's; an FP8 side that this JAX cannot compile on this device (jax.nn's) is
+    reported with its error."""
+    return run_sides(names, ("jnp", "ours", *FP8_SIDES), may_fail=tuple(FP8_SIDES))
 
 
 def report_fp8(rows) -> None:

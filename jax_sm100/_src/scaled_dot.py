@@ -74,14 +74,10 @@ def _config(c, position: int) -> _Config:
                 f"{c.mode!r}, block {got[0]}, {got[1]} scales; the BlockScaleConfigs taken are "
                 "jax.nn.get_scaled_dot_general_config('mxfp8') and ('nvfp4', global_scale)"
             )
-        gs = None
-        if c.mode == "nvfp4":
-            gs = jnp.asarray(1.0 if c.global_scale is None else c.global_scale, jnp.float32)
-        return (
-            _config((c.mode, c.data_type), position)
-            if gs is None
-            else _Config("nvfp4", np.dtype(c.data_type).name, gs)
-        )
+        if c.mode == "mxfp8":
+            return _config(("mxfp8", c.data_type), position)
+        gs = jnp.asarray(1.0 if c.global_scale is None else c.global_scale, jnp.float32)
+        return _Config("nvfp4", np.dtype(c.data_type).name, gs)
     raise TypeError(
         f"jax_sm100.scaled_dot_general: configs[{position}] ({where}) is {type(c).__name__}; "
         "use a jax_sm100.quantize recipe name, a (recipe, data dtype) pair, or a "
@@ -255,7 +251,7 @@ def _quantize(x3, axis: int, c: _Config):
         data, scales = scaled.quantize_transposed(x3, c.recipe, data_dtype=c.data_dtype)
         return data, scales, None
     if axis == 1:
-        x3 = _swap(x3)
+        x3 = jnp.swapaxes(x3, 1, 2)
     if c.recipe != "nvfp4":
         data, scales = scaled.quantize(x3, c.recipe, data_dtype=c.data_dtype)
         return data, scales, None
@@ -295,10 +291,6 @@ def _plain(a, b):
     return dg.dot_general(a3, b3, dn, preferred_element_type=jnp.float32)
 
 
-def _swap(x3):
-    return jnp.swapaxes(x3, 1, 2)
-
-
 def _unclipped(x3, d3, c: _Config):
     """JAX's nvfp4 straight-through rule: the gradient `d3` zeroed where the forward clipped
     `x3` (past the config's global scale x 6 x 448; none with a scale computed per call)."""
@@ -324,13 +316,6 @@ def _first_order_only(f):
         )
 
     return wrapped
-
-
-def _typed_as(d, primal):
-    """Under Explicit axes, the gradient `d` resharded to its primal's type where the product
-    left it otherwise (a custom_vjp's cotangents must be typed as its primals)."""
-    want = P.explicit_type(primal)
-    return d if want is None or P.explicit_type(d) == want else jax.sharding.reshard(d, want)
 
 
 def _grad_dtype(dtype) -> np.dtype:
@@ -375,9 +360,10 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         else:
             da = _scaled(*over_n, _grad_dtype(lhs.dtype))
             db = _scaled(*over_m, _grad_dtype(rhs.dtype))
+        # A custom_vjp's cotangents must be typed as its primals (under Explicit axes).
         return (
-            _typed_as(L.lhs.unfold(da, lhs.shape).astype(lhs.dtype), lhs),
-            _typed_as(L.rhs.unfold(db, rhs.shape).astype(rhs.dtype), rhs),
+            P.cotangent_like(L.lhs.unfold(da, lhs.shape).astype(lhs.dtype), lhs),
+            P.cotangent_like(L.rhs.unfold(db, rhs.shape).astype(rhs.dtype), rhs),
         )
 
     product.defvjp(fwd, bwd)
