@@ -15,6 +15,7 @@ from jax_sm100._src.ffi import export_safety_checks as export_disabled_checks
 from jax_sm100._src.kernels.spec import KernelSpec
 from jax_sm100._src.planning import GemmPlan, GemmProblem, plan
 from jax_sm100._src.precompile import precompile
+from jax_sm100._src.quantize_both import quantize_both
 from jax_sm100._src.ragged import ragged_dot
 from jax_sm100._src.scaled import quantize, scaled_matmul
 from jax_sm100._src.scaled_dot import DEEPSEEK_V3, scaled_dot_general
@@ -38,6 +39,7 @@ __all__ = [
     "plan_for",
     "precompile",
     "quantize",
+    "quantize_both",
     "ragged_dot",
     "scaled_dot_general",
     "scaled_matmul",

@@ -327,7 +327,11 @@ class Sm100PtxTest(parameterized.TestCase):
                     family.family(kernel)
                 continue
             self.assertTrue(issubclass(family.family(kernel), family.KernelFamily))
-        self.assertEqual(set(family.FAMILIES), set(planning.KERNELS) - {planning.KERNEL_XLA})
+        # Every GEMM kernel, and the quantize_both kernel (a QuantizePlan's).
+        self.assertEqual(
+            set(family.FAMILIES), set(planning.KERNELS) - {planning.KERNEL_XLA} | {"quantize_both"}
+        )
+        self.assertTrue(issubclass(family.family("quantize_both"), family.KernelFamily))
 
     def test_rejects_other_plans(self):
         sm90 = planning.plan(

@@ -92,7 +92,8 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     cluster and writes D through the fused epilogue itself.
 
     Args:
-      plan: a GemmPlan whose kernel is not "xla_dot".
+      plan: a GemmPlan whose kernel is not "xla_dot" (or a `planning.quantize.QuantizePlan`
+        of the quantize_both kernel).
       spec: layouts and epilogue; defaults to `KernelSpec.for_plan(plan)`.
 
     Returns:
@@ -104,8 +105,9 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
       ValueError: the plan selects XLA's dot, or its kernel family cannot take (plan, spec).
     """
     from jax_sm100._src.planning import GemmPlan  # noqa: PLC0415 (planning imports kernels)
+    from jax_sm100._src.planning.quantize import QuantizePlan  # noqa: PLC0415
 
-    if not isinstance(plan, GemmPlan):
+    if not isinstance(plan, (GemmPlan, QuantizePlan)):
         raise TypeError(f"plan must be a jax_sm100.GemmPlan (from jax_sm100.plan), got "
                         f"{type(plan).__name__}")  # fmt: skip
     if spec is not None and not isinstance(spec, KernelSpec):

@@ -51,6 +51,9 @@ KERNEL_SM90_GROUPED = "sm90_wgmma_grouped"
 # Grouped problems (ragged_dot) on sm_100a: kernels/sm100_grouped.py.
 KERNEL_SM100_GROUPED = "sm100_tcgen05_grouped"
 KERNEL_XLA = "xla_dot"
+# Quantization along both dims in one pass (quantize_both: kernels/quantize.py); not a GEMM, so
+# not among KERNELS (GemmPlan's).
+KERNEL_QUANTIZE_BOTH = "quantize_both"
 KERNELS = (
     KERNEL_SM100,
     KERNEL_SM100_BLOCKSCALED,
@@ -656,6 +659,31 @@ def blockscaled_support(
         )
     if n % tma_quantum(out_dtype):
         return f"XLA ops: n={n} of {out_dtype} rows is not a multiple of 16 bytes (TMA stores)"
+    return None
+
+
+# The input dtypes the quantize_both kernel reads and the block it quantizes (both dims).
+QUANTIZE_IN_DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZE_TILE = 128
+MAX_GRID_YZ = 65535
+
+
+def quantize_both_support(rows: int, cols: int, batch: int, in_dtype: str, data_dtype: str
+                          ) -> str | None:  # fmt: skip
+    """None when the quantize_both kernel takes an [batch, rows, cols] input of `in_dtype`
+    quantized to `data_dtype`, else why not (the call then runs XLA's quantizations)."""
+    if in_dtype not in QUANTIZE_IN_DTYPES:
+        return f"the kernel reads {QUANTIZE_IN_DTYPES}, not {in_dtype}"
+    if data_dtype not in FP8_DTYPES:
+        return f"the kernel writes {FP8_DTYPES} data, not {data_dtype}"
+    if rows % QUANTIZE_TILE or cols % QUANTIZE_TILE or not rows * cols * batch:
+        return (f"[{batch}, {rows}, {cols}] is not whole, non-empty {QUANTIZE_TILE} x "
+                f"{QUANTIZE_TILE} tiles")  # fmt: skip
+    if max(rows, cols, batch) > MAX_EXTENT:
+        return f"an extent of [{batch}, {rows}, {cols}] is past the kernel's int32 range"
+    if rows // QUANTIZE_TILE > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        # The grid is (cols / 128, rows / 128, batch); CUDA's y and z extents stop at 65535.
+        return f"[{batch}, {rows}, {cols}] needs a grid past CUDA's {MAX_GRID_YZ} y or z blocks"
     return None
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +37,14 @@ from jax import lax
 
 from jax_sm100._src import dot_general as dg
 from jax_sm100._src import primitive as P
-from jax_sm100._src import scaled
+from jax_sm100._src import quantize_both, scaled
 
 # DeepSeek-V3's fp8 training recipe (lhs = activations, rhs = weights, cotangents), on the
 # sm_90a block-scaled kernel.
 DEEPSEEK_V3 = ("fp8_block128", "fp8_block128x128", "fp8_block128")
 # nvfp4's largest magnitude under a global scale of 1: e2m1's 6 times e4m3's 448.
 _NVFP4_TOP = float(jnp.finfo(jnp.float4_e2m1fn).max) * float(jnp.finfo(jnp.float8_e4m3fn).max)
+_BLOCK = scaled.RECIPES["fp8_block128"].block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,31 +266,60 @@ def _quantize(x3, axis: int, c: _Config):
     return data, scales, c.global_scale
 
 
-def _scaled(a, b, out_dtype):
-    """scaled_matmul of two 3-D operands `a` and `b`, each (array, contracting axis, config),
-    quantized by their configs: [B, a's rows, b's rows]. A contraction that a block does not
-    divide is padded with zeros (its last block partial, scaled by its own values: zeros add
-    nothing to it or to the product)."""
-    (a3, a_axis, ca), (b3, b_axis, cb) = a, b
-    block = max(scaled.RECIPES[ca.recipe].block, scaled.RECIPES[cb.recipe].block)
-    if pad := -a3.shape[a_axis] % block:
-        a3, b3 = (
-            jnp.pad(x, [(0, pad) if d == axis else (0, 0) for d in range(3)])
-            for x, axis in ((a3, a_axis), (b3, b_axis))
+class _Side(NamedTuple):
+    """One operand of a scaled product: `x3` (3-D) contracting along `axis` (1 or 2),
+    quantized by `config`; or, with `pre`, quantized already ((data [B, rows, contraction],
+    scales, global scale or None), `_both`'s), `x3` then unused (None)."""
+
+    x3: Any
+    axis: int
+    config: _Config
+    pre: tuple | None = None
+
+    @property
+    def contraction(self) -> int:
+        return self.pre[0].shape[2] if self.pre is not None else self.x3.shape[self.axis]
+
+    def quantized(self):
+        return self.pre if self.pre is not None else _quantize(self.x3, self.axis, self.config)
+
+
+def _both(x3, c: _Config):
+    """{axis: (data, scales, None)} of `x3` quantized along its axes 1 and 2 in one pass
+    (`quantize_both`: a kernel reading x3 once where it runs), or None where that does not
+    apply: a recipe other than fp8_block128, Explicit axes (`quantize`'s sharding rules), or
+    rows or contraction not whole blocks (padded per product instead)."""
+    if (c.recipe != "fp8_block128" or P.explicit_type(x3) is not None or not x3.size
+            or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK):  # fmt: skip
+        return None
+    (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
+    return {2: (q, s, None), 1: (qt, st, None)}
+
+
+def _scaled(a: _Side, b: _Side, out_dtype):
+    """scaled_matmul of two operands, quantized by their configs (where not already): [B, a's
+    rows, b's rows]. A contraction that a block does not divide is padded with zeros (its last
+    block partial, scaled by its own values: zeros add nothing to it or to the product)."""
+    block = max(scaled.RECIPES[a.config.recipe].block, scaled.RECIPES[b.config.recipe].block)
+    if pad := -a.contraction % block:
+        # `_both` quantizes whole 128-blocks only, which every recipe's block divides.
+        assert a.pre is None and b.pre is None, (a.contraction, block)
+        a, b = (
+            x._replace(x3=jnp.pad(x.x3, [(0, pad) if d == x.axis else (0, 0) for d in range(3)]))
+            for x in (a, b)
         )
-    qa, sa, ga = _quantize(a3, a_axis, ca)
-    qb, sb, gb = _quantize(b3, b_axis, cb)
+    qa, sa, ga = a.quantized()
+    qb, sb, gb = b.quantized()
     if ga is None:
         return scaled.scaled_matmul(qa, qb, sa, sb, preferred_element_type=out_dtype)
     out = scaled.scaled_matmul(qa, qb, sa, sb, preferred_element_type=jnp.float32)
     return (out * ga * gb).astype(out_dtype)  # in this order: ga * gb alone can underflow
 
 
-def _plain(a, b):
+def _plain(a: _Side, b: _Side):
     """The unquantized float32 product of two operands as `_scaled` takes them."""
-    (a3, a_axis, _), (b3, b_axis, _) = a, b
-    dn = (((a_axis,), (b_axis,)), ((0,), (0,)))
-    return dg.dot_general(a3, b3, dn, preferred_element_type=jnp.float32)
+    dn = (((a.axis,), (b.axis,)), ((0,), (0,)))
+    return dg.dot_general(a.x3, b.x3, dn, preferred_element_type=jnp.float32)
 
 
 def _unclipped(x3, d3, c: _Config):
@@ -327,28 +358,47 @@ def _grad_dtype(dtype) -> np.dtype:
 
 def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     L = layout
+    (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = ((x.shape, x.dtype) for x in (lhs, rhs))
 
     def forward(lhs, rhs):
-        a = (L.lhs.fold(lhs), L.lhs.axis(True), cfg[0])
-        b = (L.rhs.fold(rhs), L.rhs.axis(True), cfg[1])
-        return P.typed_reshape(_scaled(a, b, out_dtype), L.out_shape)
+        """The product, and each operand's quantization along its free dims where `_both`
+        made it with the forward's (what its weight gradient reads; else None)."""
+        a3, b3 = L.lhs.fold(lhs), L.rhs.fold(rhs)
+        a_both, b_both = _both(a3, cfg[0]), _both(b3, cfg[1])
+        a_axis, b_axis = L.lhs.axis(True), L.rhs.axis(True)
+        out = _scaled(
+            _Side(a3, a_axis, cfg[0], a_both and a_both[a_axis]),
+            _Side(b3, b_axis, cfg[1], b_both and b_both[b_axis]),
+            out_dtype,
+        )
+        a_keep = a_both and a_both[L.lhs.axis(False)]
+        b_keep = b_both and b_both[L.rhs.axis(False)]
+        return P.typed_reshape(out, L.out_shape), a_keep, b_keep
 
     @jax.custom_vjp
     def product(lhs, rhs):
-        return forward(lhs, rhs)
+        return forward(lhs, rhs)[0]
 
     def fwd(lhs, rhs):
-        return forward(lhs, rhs), (lhs, rhs)
+        # An operand quantized both ways is kept as its other orientation's fp8 data and
+        # scales (under half its own bytes) in place of itself.
+        out, a_keep, b_keep = forward(lhs, rhs)
+        return out, (None if a_keep else lhs, None if b_keep else rhs, a_keep, b_keep)
 
     def bwd(res, g):
         return _first_order_only(gradients)(*res, g)
 
-    def gradients(lhs, rhs, g):
-        a3, b3, g3 = L.lhs.fold(lhs), L.rhs.fold(rhs), P.typed_reshape(g, L.out3)
+    def gradients(lhs, rhs, a_keep, b_keep, g):
+        a3 = None if lhs is None else L.lhs.fold(lhs)
+        b3 = None if rhs is None else L.rhs.fold(rhs)
+        g3 = P.typed_reshape(g, L.out3)
+        g_both = _both(g3, cfg[2]) or {}
         # Each gradient contracts the other operand's free dims with the cotangent's, and
         # comes out in its operand's folded order (its rows first where they lie first).
-        over_n = (g3, 2, cfg[2]), (b3, L.rhs.axis(False), cfg[1])
-        over_m = (g3, 1, cfg[2]), (a3, L.lhs.axis(False), cfg[0])
+        over_n = (_Side(g3, 2, cfg[2], g_both.get(2)),
+                  _Side(b3, L.rhs.axis(False), cfg[1], b_keep))  # fmt: skip
+        over_m = (_Side(g3, 1, cfg[2], g_both.get(1)),
+                  _Side(a3, L.lhs.axis(False), cfg[0], a_keep))  # fmt: skip
         if L.lhs.contract_first:
             over_n = over_n[::-1]
         if L.rhs.contract_first:
@@ -358,12 +408,15 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
             da = _unclipped(a3, _plain(*over_n), cfg[0])
             db = _unclipped(b3, _plain(*over_m), cfg[1])
         else:
-            da = _scaled(*over_n, _grad_dtype(lhs.dtype))
-            db = _scaled(*over_m, _grad_dtype(rhs.dtype))
-        # A custom_vjp's cotangents must be typed as its primals (under Explicit axes).
+            da = _scaled(*over_n, _grad_dtype(lhs_dtype))
+            db = _scaled(*over_m, _grad_dtype(rhs_dtype))
+        # A custom_vjp's cotangents must be typed as its primals (under Explicit axes; an
+        # operand kept quantized was untyped).
+        da = L.lhs.unfold(da, lhs_shape).astype(lhs_dtype)
+        db = L.rhs.unfold(db, rhs_shape).astype(rhs_dtype)
         return (
-            P.cotangent_like(L.lhs.unfold(da, lhs.shape).astype(lhs.dtype), lhs),
-            P.cotangent_like(L.rhs.unfold(db, rhs.shape).astype(rhs.dtype), rhs),
+            da if lhs is None else P.cotangent_like(da, lhs),
+            db if rhs is None else P.cotangent_like(db, rhs),
         )
 
     product.defvjp(fwd, bwd)

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 from jax_sm100._src import constraints as C
 from jax_sm100._src.kernels.spec import KernelSpec
 
-# GemmPlan.kernel -> the family that compiles it.
+# GemmPlan.kernel (or QuantizePlan.kernel) -> the family that compiles it.
 FAMILIES = {
     C.KERNEL_SM90: "sm90_gemm:Sm90GemmKernel",
     C.KERNEL_SM90_SPLITK: "sm90_gemm:Sm90GemmKernel",
@@ -35,6 +35,7 @@ FAMILIES = {
     C.KERNEL_SM100: "sm100_gemm:Sm100GemmKernel",
     C.KERNEL_SM100_BLOCKSCALED: "sm100_blockscaled:Sm100BlockScaledGemmKernel",
     C.KERNEL_SM100_GROUPED: "sm100_grouped:Sm100GroupedGemmKernel",
+    C.KERNEL_QUANTIZE_BOTH: "quantize:QuantizeBothKernel",
 }
 
 

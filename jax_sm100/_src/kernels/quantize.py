@@ -1,0 +1,191 @@
+"""One pass that quantizes a matrix along both of its dims: DeepSeek-V3's activation recipe
+(fp8 data, float32 scales per 128) for a training step's two products of one operand.
+
+A training step contracts each activation along its k in the forward product and along its
+rows in the weight's gradient, and the cotangent along its n and along its rows: each operand is
+quantized twice, per 1 x 128 block of each orientation. As XLA fusions that is two reads of
+the operand and a reduction pass each; this kernel reads each 128 x 128 tile once and writes
+
+    q   [L, R, C]        fp8, blocks of 128 along C   (`scaled.quantize(x)`)
+    s   [L, C / 128, R]  float32, their scales, R contiguous
+    qt  [L, C, R]        fp8, blocks of 128 along R, transposed   (`scaled.quantize_transposed(x)`)
+    st  [L, R / 128, C]  float32, their scales, C contiguous
+
+with `scaled.quantize`'s arithmetic operation for operation (amax, amax / top floored at
+float32's least normal number, 1 for a zero block and NaN for a block holding a NaN or an
+infinity, x / scale clipped to the format's range and rounded to nearest), so the two paths
+give the same bits. The scales are written with the rows contiguous because the sm_90a
+block-scaled kernel reads them so (scaled_gpu.py's transposed scales): the caller's swapaxes
+and that lowering's cancel in XLA.
+
+Background / Algorithm. A CTA of 256 threads owns one 128 x 128 tile of one batch. Along C,
+16 threads share a row, each loading 8 contiguous elements (16 bytes for 16-bit input) over 8
+passes of 16 rows; a row's largest magnitude is reduced over its 16 threads by butterfly
+shuffles, its data stored as 8 fp8 bytes a thread. The tile also goes to shared memory (rows
+padded by 16 bytes), from which the transposed pass reads columns: 16 threads share a column,
+thread j taking rows j, j + 16, ... (2-way bank conflicts at most, where contiguous rows per
+thread gave 16-way), and storing each byte of the transposed row. Both passes are bound by
+global memory; the reads of x are the one pass over it.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.memory
+import ml_dtypes
+from cutlass import cute
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+from jax_sm100._src import constraints
+from jax_sm100._src.kernels import common
+from jax_sm100._src.kernels.family import CompileInputs, KernelFamily
+
+TILE = constraints.QUANTIZE_TILE  # the recipe's block, both ways
+THREADS = 256
+VEC = 8  # elements a thread loads at once along a row
+LANES = TILE // VEC  # threads sharing a row (a column in the transposed pass)
+GROUPS = THREADS // LANES  # rows (columns) one pass covers
+PASSES = TILE // GROUPS
+PAD_BYTES = 16  # shared rows padded by 16 bytes: vector stores stay aligned
+
+
+class QuantizeBothKernel(KernelFamily):
+    """The kernel of the module docstring for a `planning.QuantizePlan` (its input and data
+    dtypes; the sizes are runtime values)."""
+
+    HOST_OPERANDS = ("x", "q", "s", "qt", "st")
+
+    def __init__(self, plan, spec=None):
+        super().__init__(plan, spec)
+        self.in_dtype = common.cutlass_dtype(plan.in_dtype)
+        self.data_dtype = common.cutlass_dtype(plan.data_dtype)
+        # The data format's largest finite value, as `scaled.quantize` takes it.
+        self.top = float(ml_dtypes.finfo(getattr(ml_dtypes, plan.data_dtype)).max)
+        self.pad = PAD_BYTES * 8 // self.in_dtype.width
+
+    @classmethod
+    def why_not(cls, plan, spec=None) -> str | None:
+        if getattr(plan, "kernel", None) != constraints.KERNEL_QUANTIZE_BOTH:
+            return f"plan.kernel is {getattr(plan, 'kernel', None)!r}, not quantize_both"
+        return constraints.quantize_both_support(
+            plan.rows, plan.cols, plan.batch, plan.in_dtype, plan.data_dtype
+        )
+
+    @classmethod
+    def compile_inputs(cls, plan, spec) -> CompileInputs:
+        """Symbolic rows and cols (multiples of 128) and batch: x and q [L, R, C], s
+        [L, C / 128, R], qt [L, C, R], st [L, R / 128, C], row-major, as (rows, cols, L)
+        modes."""
+        rows, cols = (cute.sym_int(divisibility=TILE) for _ in range(2))
+        batch = cute.sym_int()
+
+        def tensor(dtype, shape, order):
+            return make_fake_compact_tensor(common.cutlass_dtype(dtype), shape,
+                                            stride_order=order, assumed_align=16)  # fmt: skip
+
+        data, f32 = plan.data_dtype, "float32"
+        operands = (
+            tensor(plan.in_dtype, (rows, cols, batch), (1, 0, 2)),
+            tensor(data, (rows, cols, batch), (1, 0, 2)),
+            tensor(f32, (rows, cols // TILE, batch), (0, 1, 2)),
+            tensor(data, (cols, rows, batch), (1, 0, 2)),
+            tensor(f32, (cols, rows // TILE, batch), (0, 1, 2)),
+        )
+        return CompileInputs(plan, spec, operands)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor,
+                 mST: cute.Tensor, stream):  # fmt: skip
+        # mX, mQ (R, C, L); mS (R, C / 128, L); mQT (C, R, L); mST (C, R / 128, L).
+        rows, cols, batch = mX.shape
+        grid = (cols // TILE, rows // TILE, batch)
+        smem = TILE * (TILE + self.pad) * self.in_dtype.width // 8
+        self.kernel(mX, mQ, mS, mQT, mST).launch(
+            grid=grid, block=(THREADS, 1, 1), smem=smem, stream=stream
+        )
+
+    @cute.jit
+    def _scale(self, amax: cutlass.Float32) -> cutlass.Float32:
+        """`scaled._scale` for float32 scales: amax / top, floored at float32's least normal
+        number; 1 for a zero block; NaN where amax is not finite (a NaN read as one)."""
+        f32 = cutlass.Float32
+        scale = cute.arch.fmax(amax / f32(self.top), f32(1.1754943508222875e-38))
+        if amax == f32(0.0):
+            scale = f32(1.0)
+        if not amax < f32(float("inf")):
+            scale = f32(float("nan"))
+        return scale
+
+    @cute.jit
+    def _quantized(self, x, scale: cutlass.Float32):
+        """The data of the Float32 TensorSSA `x` under `scale`: x / scale clipped to the
+        format's range, 0 where the scale is NaN (a block holding a NaN or an infinity)."""
+        f32 = cutlass.Float32
+        r = cute.make_rmem_tensor(x.shape, f32)
+        r.store(x / scale)
+        top = f32(self.top)
+        for i in cutlass.range_constexpr(cute.size(r)):
+            r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -top), top)
+        if not scale > f32(0.0):
+            r.store(cute.full_like(x, 0.0))
+        return r.load().to(self.data_dtype)
+
+    @cute.jit
+    def _block_amax(self, r) -> cutlass.Float32:
+        """The largest magnitude of the Float32 register tensor `r` and the 15 other threads
+        of its half warp (NaN if any is NaN)."""
+        f32 = cutlass.Float32
+        amax = f32(0.0)
+        for i in cutlass.range_constexpr(cute.size(r)):
+            amax = cute.arch.fmax(amax, cute.arch.fmax(r[i], -r[i], nan=True), nan=True)
+        for offset in (1, 2, 4, 8):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
+        return amax
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor,
+               mST: cute.Tensor):  # fmt: skip
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, bz = cute.arch.block_idx()
+        allocator = cutlass.memory.SmemAllocator()
+        sX = allocator.allocate_tensor(
+            self.in_dtype, cute.make_layout((TILE, TILE), stride=(TILE + self.pad, 1)),
+            byte_alignment=16,
+        )  # fmt: skip
+        gX = cute.local_tile(mX[None, None, bz], (TILE, TILE), (by, bx))
+        gQ = cute.local_tile(mQ[None, None, bz], (TILE, TILE), (by, bx))
+        gQT = cute.local_tile(mQT[None, None, bz], (TILE, TILE), (bx, by))
+        lane = tidx % LANES
+        group = tidx // LANES
+        f32 = cutlass.Float32
+
+        # Along C: row `r` of the tile, elements [8 lane, 8 lane + 8).
+        for p in cutlass.range_constexpr(PASSES):
+            r = group + GROUPS * p
+            rx = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+            cute.autovec_copy(cute.local_tile(gX, (1, VEC), (r, lane)), rx)
+            cute.autovec_copy(rx, cute.local_tile(sX, (1, VEC), (r, lane)))
+            rf = cute.make_rmem_tensor((1, VEC), f32)
+            rf.store(rx.load().to(f32))
+            scale = self._scale(self._block_amax(rf))
+            if lane == 0:
+                mS[by * TILE + r, bx, bz] = scale
+            rq = cute.make_rmem_tensor((1, VEC), self.data_dtype)
+            rq.store(self._quantized(rf.load(), scale))
+            cute.autovec_copy(rq, cute.local_tile(gQ, (1, VEC), (r, lane)))
+
+        cute.arch.sync_threads()
+
+        # Along R, transposed: column `c` of the tile, rows lane, lane + 16, ...
+        for p in cutlass.range_constexpr(PASSES):
+            c = group + GROUPS * p
+            rf = cute.make_rmem_tensor((VEC,), f32)
+            for i in cutlass.range_constexpr(VEC):
+                rf[i] = sX[lane + LANES * i, c].to(f32)
+            scale = self._scale(self._block_amax(rf))
+            if lane == 0:
+                mST[bx * TILE + c, by, bz] = scale
+            rq = cute.make_rmem_tensor((VEC,), self.data_dtype)
+            rq.store(self._quantized(rf.load(), scale))
+            for i in cutlass.range_constexpr(VEC):
+                gQT[c, lane + LANES * i] = rq[i]

@@ -1,0 +1,195 @@
+"""`jax_sm100.quantize_both`: an operand quantized along both of its dims in one pass.
+
+    quantize_both_p   x [L, R, C]  ->  q [L, R, C], s [L, R, C / 128],
+                                       qt [L, C, R], st [L, C, R / 128]
+
+(q, s) is `scaled.quantize(x, "fp8_block128")` (blocks of 128 along C) and (qt, st) is
+`scaled.quantize_transposed(x, "fp8_block128")` (blocks of 128 along R, the data written
+transposed), bit for bit. A training step needs both of each activation and each cotangent:
+the forward product contracts an activation along its k and the weight's gradient along its
+rows, and the two gradients contract the cotangent along its n and its rows
+(`scaled_dot_general`). As XLA fusions that is two passes over the operand; on an sm_90a or
+sm_100a device (or target) the `quantize_both` kernel (kernels/quantize.py) reads it once.
+
+CPU, and CUDA where the kernel does not take the call (`constraints.quantize_both_support`:
+R and C whole 128-blocks, bfloat16, float16 or float32 input; or no sm_90a/sm_100a target, or
+`jax.export`'s symbolic dims, or a program sharded over several devices, whose partitioner
+then splits XLA's ops), lower to those two functions; each CUDA lowering records its path
+(`jax_sm100.lowerings()`). Under Explicit mesh axes `quantize_both` calls the two functions
+directly (their sharding rules). Quantization has no useful derivative: differentiating the
+primitive raises NotImplementedError (`scaled_dot_general` quantizes inside its own gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import dispatch as jax_dispatch
+from jax.interpreters import ad, batching, mlir
+
+from jax_sm100._src import constraints, dispatch, scaled, sharding
+from jax_sm100._src import primitive as P
+
+quantize_both_p = P.Primitive("jax_sm100_quantize_both")
+quantize_both_p.multiple_results = True
+
+_RECIPE = "fp8_block128"
+_BLOCK = scaled.RECIPES[_RECIPE].block
+
+
+def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
+    """x [..., rows, cols] quantized per block of 128 along its cols and along its rows, in
+    one pass over x where the kernel runs (the module docstring).
+
+    Args:
+      x: a floating array of 2 or more dims; rows and cols multiples of 128.
+      recipe: "fp8_block128" (DeepSeek-V3's activations and gradients), the one recipe whose
+        blocks run along either dim.
+      data_dtype: float8_e4m3fn (the default) or float8_e5m2.
+
+    Returns:
+      ((data, scales), (data_t, scales_t)): data [..., rows, cols] and scales [..., rows,
+      cols / 128], `jax_sm100.quantize(x, recipe)`; data_t [..., cols, rows] and scales_t
+      [..., cols, rows / 128], `quantize(swapaxes(x, -1, -2), recipe)`, bit for bit.
+
+    Raises:
+      ValueError: another recipe, x of fewer than 2 dims, or rows or cols not multiples of
+        128 (pad them with zeros: zeros add nothing to a product).
+      TypeError: x not floating, or a `data_dtype` the recipe does not take.
+    """
+    if recipe != _RECIPE:
+        raise ValueError(
+            f"jax_sm100.quantize_both: {recipe=} is not {_RECIPE!r}, the recipe with blocks "
+            "along either dim; for the others call jax_sm100.quantize once per orientation"
+        )
+    r = scaled.recipe_with(recipe, data_dtype, "jax_sm100.quantize_both")
+    x = P.as_array(x, "quantize_both", "x")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"jax_sm100.quantize_both: x is {x.dtype}; it quantizes real floats")
+    if x.ndim < 2:
+        raise ValueError(f"jax_sm100.quantize_both: x is {x.ndim}-D; it takes [..., rows, cols]")
+    *lead, rows, cols = x.shape
+    for length in (rows, cols):
+        scaled._check_divides(length, recipe, _BLOCK)
+    if P.explicit_type(x) is not None:
+        return _reference(x, data_dtype=r.data_dtype)
+    x3 = x.reshape(-1, rows, cols)
+    q, s, qt, st = quantize_both_p.bind(x3, data_dtype=r.data_dtype)
+    return (
+        (q.reshape(x.shape), s.reshape(*lead, rows, cols // _BLOCK)),
+        (qt.reshape(*lead, cols, rows), st.reshape(*lead, cols, rows // _BLOCK)),
+    )
+
+
+def _reference(x, *, data_dtype):
+    """XLA's two quantizations."""
+    q, s = scaled.quantize(x, _RECIPE, data_dtype=data_dtype)
+    qt, st = scaled.quantize_transposed(x, _RECIPE, data_dtype=data_dtype)
+    return (q, s), (qt, st)
+
+
+def _flat_reference(x3, *, data_dtype):
+    (q, s), (qt, st) = _reference(x3, data_dtype=data_dtype)
+    return [q, s, qt, st]
+
+
+def _abstract(x, *, data_dtype):
+    L, R, C = x.shape
+    data = np.dtype(data_dtype)
+    return [
+        jax.core.ShapedArray((L, R, C), data),
+        jax.core.ShapedArray((L, R, C // _BLOCK), np.float32),
+        jax.core.ShapedArray((L, C, R), data),
+        jax.core.ShapedArray((L, C, R // _BLOCK), np.float32),
+    ]
+
+
+def _xla(why: str, plan, x3, data_dtype):
+    dispatch.record(dispatch.Lowered(plan, f"quantize_both: XLA ops ({why})"))
+    return _flat_reference(x3, data_dtype=data_dtype)
+
+
+def _cuda(x3, *, data_dtype):
+    """The kernel where the plan takes the call, else XLA's quantizations (recorded)."""
+    from jax_sm100._src import compile as compile_mod  # noqa: PLC0415
+    from jax_sm100._src import ffi, gpu_lowering  # noqa: PLC0415
+    from jax_sm100._src.planning.quantize import plan_quantize_both  # noqa: PLC0415
+
+    target = dispatch.lowering_target()
+    if target is None:
+        return _xla("no sm_90a/sm_100a device", None, x3, data_dtype)
+    if dispatch.symbolic_dims(x3):
+        return _xla(f"symbolic dims {x3.shape}", None, x3, data_dtype)
+    L, R, C = x3.shape
+    in_dtype = np.dtype(x3.dtype).name
+    plan = plan_quantize_both(R, C, L, in_dtype, np.dtype(data_dtype).name, target.arch)
+    if plan.kernel != constraints.KERNEL_QUANTIZE_BOTH:
+        return _xla(plan.reason.removeprefix("XLA ops: "), plan, x3, data_dtype)
+    dispatch.record(dispatch.Lowered(plan, "quantize_both: kernel (one pass, both ways)"))
+    ffi.register()
+    compiled = compile_mod.compile_plan(plan)
+    Cb, Rb = C // _BLOCK, R // _BLOCK
+    # The kernel's modes (rows, cols, L) of each row-major buffer (kernels/quantize.py); the
+    # scales are written with the rows contiguous ([L, C / 128, R] and [L, R / 128, C]).
+    modes = {
+        "x": ((R, C, L), (C, 1, R * C)),
+        "q": ((R, C, L), (C, 1, R * C)),
+        "s": ((R, Cb, L), (1, R, R * Cb)),
+        "qt": ((C, R, L), (R, 1, R * C)),
+        "st": ((C, Rb, L), (1, C, C * Rb)),
+    }
+    data = np.dtype(data_dtype)
+    out_types = [
+        jax.ShapeDtypeStruct((L, R, C), data),
+        jax.ShapeDtypeStruct((L, Cb, R), np.float32),
+        jax.ShapeDtypeStruct((L, C, R), data),
+        jax.ShapeDtypeStruct((L, Rb, C), np.float32),
+    ]
+    dtypes = {"x": in_dtype, "q": data.name, "s": "float32", "qt": data.name, "st": "float32"}
+    index = {"x": 0, "q": -1, "s": -2, "qt": -3, "st": -4}
+    q, s, qt, st = gpu_lowering.launch(compiled, [x3], index, out_types, modes, dtypes)
+    return [q, jnp.swapaxes(s, 1, 2), qt, jnp.swapaxes(st, 1, 2)]
+
+
+def _cuda_rule(ctx, x3, *, data_dtype):
+    if sharding._is_sharded(ctx.module_context.axis_context) or sharding.typed_over_explicit_axes(
+        ctx
+    ):
+        # XLA's ops, which the partitioner splits (the kernel's custom call it would run whole
+        # on every device).
+        def fn(x3):
+            return _xla("a program sharded over devices", None, x3, data_dtype)
+    else:
+        fn = functools.partial(_cuda, data_dtype=data_dtype)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, x3)
+
+
+def _jvp(primals, tangents, *, data_dtype):
+    del primals, tangents, data_dtype
+    raise NotImplementedError(
+        "jax_sm100.quantize_both is not differentiable (its data is piecewise constant and its "
+        "scales follow block maxima); jax_sm100.scaled_dot_general, which quantizes with it, "
+        "has a gradient of its own: differentiate it once, or use configs=None (unquantized) "
+        "for higher-order derivatives"
+    )
+
+
+def _batch(args, dims, *, data_dtype):
+    (x,), (d,) = args, dims
+    x = jnp.moveaxis(x, d, 0)
+    size, L = x.shape[:2]
+    outs = quantize_both_p.bind(x.reshape(size * L, *x.shape[2:]), data_dtype=data_dtype)
+    return [o.reshape(size, L, *o.shape[1:]) for o in outs], [0] * 4
+
+
+quantize_both_p.def_abstract_eval(_abstract)
+quantize_both_p.def_impl(functools.partial(jax_dispatch.apply_primitive, quantize_both_p))
+mlir.register_lowering(
+    quantize_both_p, mlir.lower_fun(_flat_reference, multiple_results=True), platform="cpu"
+)
+mlir.register_lowering(quantize_both_p, _cuda_rule, platform="cuda")
+batching.primitive_batchers[quantize_both_p] = _batch
+ad.primitive_jvps[quantize_both_p] = _jvp

@@ -1,0 +1,182 @@
+"""Tests of `jax_sm100.quantize_both` (quantize_both.py) and its kernel (kernels/quantize.py).
+
+On CPU the primitive lowers to XLA's two quantizations, so the values are checked bit for bit
+against `quantize` and `quantize_transposed` here, and on the device against the same functions
+run by XLA there (tests/test_gpu_scaled.py). The kernel is compiled for sm_90a and sm_100a with
+no GPU, and its PTX checked for what makes it one pass and bit-exact (IEEE division, 16-byte
+loads, round-to-nearest fp8 conversion).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+import jax_sm100
+from jax_sm100._src import compile as compile_mod
+from jax_sm100._src import constraints, ffi, scaled
+from jax_sm100._src.planning.quantize import QuantizePlan, plan_quantize_both
+from tests.test_sm100_ptx import ptxas_spill_bytes
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype.itemsize == 1 else x.view(np.uint32)
+
+
+def special_values(shape, dtype, seed=0):
+    """Normal data of changing magnitude with the cases the recipe treats apart: a NaN, both
+    infinities, an all-zero tile, subnormal and huge blocks (each in a different 128 x 128
+    tile where the shape has one)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x *= np.exp2(rng.integers(-6, 7, size=shape[:-1] + (1,)))
+    rows, cols = shape[-2:]
+    x[..., 0, 5] = np.nan
+    x[..., rows - 1, cols - 1] = np.inf
+    x[..., rows // 2, 3] = -np.inf
+    if rows >= 256 and cols >= 256:
+        x[..., :128, 128:256] = 0.0
+        finfo = jnp.finfo(dtype)
+        x[..., 128:256, 128:256] *= float(finfo.tiny) * 4  # subnormal quotients, small scales
+        # Near the top of the input's range (normal values under 8, times max / 64).
+        x[..., 128:256, :128] = np.clip(rng.standard_normal(x[..., 128:256, :128].shape), -8, 8)
+        x[..., 128:256, :128] *= float(finfo.max) / 64
+    return jnp.asarray(x, dtype)
+
+
+class QuantizeBothTest(parameterized.TestCase):
+    @parameterized.product(
+        shape=[(128, 128), (256, 384), (2, 384, 256), (2, 1, 256, 128)],
+        dtype=[jnp.bfloat16, jnp.float32, jnp.float16],
+        data_dtype=[None, jnp.float8_e5m2],
+    )
+    def test_both_orientations_bit_for_bit(self, shape, dtype, data_dtype):
+        x = special_values(shape, dtype)
+        (q, s), (qt, st) = jax.jit(
+            lambda x: jax_sm100.quantize_both(x, data_dtype=data_dtype)
+        )(x)  # fmt: skip
+        want_q, want_s = scaled.quantize(x, "fp8_block128", data_dtype=data_dtype)
+        want_qt, want_st = scaled.quantize(jnp.swapaxes(x, -1, -2), "fp8_block128",
+                                           data_dtype=data_dtype)  # fmt: skip
+        for got, want in ((q, want_q), (s, want_s), (qt, want_qt), (st, want_st)):
+            self.assertEqual((got.shape, got.dtype), (want.shape, want.dtype))
+            np.testing.assert_array_equal(_bits(got), _bits(want))
+        # The non-finite blocks dequantize to NaN, the zero tile to zeros.
+        self.assertTrue(np.isnan(np.asarray(s)[..., 0, 0]).all())
+        if shape[-1] >= 256 and shape[-2] >= 256:
+            np.testing.assert_array_equal(np.asarray(q[..., :128, 128:256], np.float32), 0.0)
+
+    def test_vmap_and_eager(self):
+        x = special_values((3, 256, 128), jnp.bfloat16)
+        got = jax.vmap(jax_sm100.quantize_both, in_axes=1, out_axes=1)(jnp.swapaxes(x, 0, 1))
+        want = jax_sm100.quantize_both(x)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(_bits(jnp.swapaxes(g, 0, 1)), _bits(w))
+        eager = jax_sm100.quantize_both(x[0])
+        jitted = jax.jit(jax_sm100.quantize_both)(x[0])
+        for g, w in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+            np.testing.assert_array_equal(_bits(g), _bits(w))
+
+    def test_errors_name_the_fix(self):
+        x = jnp.ones((256, 256), jnp.bfloat16)
+        with self.assertRaisesRegex(ValueError, "quantize once per orientation"):
+            jax_sm100.quantize_both(x, "mxfp8")
+        with self.assertRaisesRegex(ValueError, "pad it with zeros"):
+            jax_sm100.quantize_both(jnp.ones((200, 256)))
+        with self.assertRaisesRegex(ValueError, "pad it with zeros"):
+            jax_sm100.quantize_both(jnp.ones((256, 100)))
+        with self.assertRaisesRegex(ValueError, r"\[..., rows, cols\]"):
+            jax_sm100.quantize_both(jnp.ones((256,)))
+        with self.assertRaisesRegex(TypeError, "real floats"):
+            jax_sm100.quantize_both(jnp.ones((256, 256), jnp.int32))
+        with self.assertRaisesRegex(TypeError, "data is one of"):
+            jax_sm100.quantize_both(x, data_dtype=jnp.bfloat16)
+        with self.assertRaisesRegex(NotImplementedError, "not differentiable"):
+            jax.grad(lambda x: jax_sm100.quantize_both(x)[0][1].sum())(x.astype(jnp.float32))
+
+    def test_plan_says_which_path(self):
+        p = plan_quantize_both(8192, 4096, 1, "bfloat16", "float8_e4m3fn", "sm_90a")
+        self.assertEqual(p.kernel, constraints.KERNEL_QUANTIZE_BOTH)
+        for rows, cols, batch, dtype, why in (
+            (200, 256, 1, "bfloat16", "128 x 128 tiles"),
+            (256, 256, 0, "bfloat16", "non-empty"),
+            (256, 256, 1, "float64", "reads"),
+            (128 * 65536, 128, 1, "bfloat16", "65535"),
+            (128, 128, 65536, "bfloat16", "65535"),
+        ):
+            p = plan_quantize_both(rows, cols, batch, dtype, "float8_e4m3fn", "sm_100a")
+            self.assertEqual(p.kernel, constraints.KERNEL_XLA)
+            self.assertIn(why, p.reason)
+        with self.assertRaisesRegex(ValueError, "cannot run this plan"):
+            QuantizePlan(200, 256, 1, "bfloat16", "float8_e4m3fn", "sm_90a",
+                         constraints.KERNEL_QUANTIZE_BOTH)  # fmt: skip
+        # Plans of one dtype pair and arch share a binary: the sizes are runtime values.
+        a = plan_quantize_both(256, 128, 1, "float32", "float8_e5m2", "sm_90a")
+        b = plan_quantize_both(8192, 1024, 3, "float32", "float8_e5m2", "sm_90a")
+        self.assertEqual(a.binary_fields(), b.binary_fields())
+        self.assertEqual(compile_mod.binary_key(a, compile_mod.KernelSpec.for_plan(a)),
+                         compile_mod.binary_key(b, compile_mod.KernelSpec.for_plan(b)))  # fmt: skip
+
+    @parameterized.product(arch=["sm_90a", "sm_100a"], dtype=["bfloat16", "float32"],
+                           data_dtype=["float8_e4m3fn", "float8_e5m2"])  # fmt: skip
+    def test_kernel_ptx(self, arch, dtype, data_dtype):
+        plan = plan_quantize_both(256, 256, 1, dtype, data_dtype, arch)
+        ptx = compile_mod.compile_plan(plan).ptx
+
+        def count(pattern):
+            return len(re.findall(pattern, ptx))
+
+        self.assertEqual(count(rf"\.target {arch}\b"), 1)
+        # x read once, 16 bytes a load; the tile kept in shared memory for the transposed pass.
+        loads = 8 * (2 if dtype == "float32" else 1)
+        self.assertEqual(count(r"ld\.global\.(v4\.b32|v2\.b64)"), loads)
+        self.assertEqual(count(r"ld\.global"), loads)
+        self.assertEqual(count(r"st\.shared\.(v4\.b32|v2\.b64)"), loads)
+        # x / scale and amax / top by IEEE division, as XLA divides: the same bits.
+        self.assertEqual(count(r"div\.rn\.f32"), 2 * 8 * (8 + 1))
+        self.assertEqual(count(r"div\.(approx|full)"), 0)
+        # Rounded to nearest, saturating (the quotient is clipped first).
+        fmt = "e4m3" if data_dtype == "float8_e4m3fn" else "e5m2"
+        self.assertEqual(count(rf"cvt\.rn\.satfinite\.{fmt}x2\.f32"), 2 * 8 * 4)
+        # A row's and a column's maxima over the 16 threads sharing them, NaN kept.
+        self.assertEqual(count(r"shfl\.sync\.bfly"), 2 * 8 * 4)
+        self.assertEqual(count(r"max\.NaN\.f32"), 2 * 8 * (8 + 4))
+        spills = ptxas_spill_bytes(ptx, arch)
+        if spills is not None:
+            self.assertEqual(spills, (0, 0))
+
+    def test_cuda_lowering_runs_the_kernel(self):
+        s = jax.ShapeDtypeStruct
+        for arch in ("sm_90a", "sm_100a"):
+            with (mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                  jax_sm100.lowerings() as seen):  # fmt: skip
+                text = jax.export.export(
+                    jax.jit(lambda x: jax_sm100.quantize_both(x)), platforms=["cuda"],
+                    disabled_checks=ffi.export_safety_checks(),
+                )(s((2, 512, 256), jnp.bfloat16)).mlir_module()  # fmt: skip
+            self.assertEqual([x.plan.kernel for x in seen], ["quantize_both"])
+            self.assertEqual(seen[0].plan.arch, arch)
+            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 1)
+            self.assertIn('names = "x,q,s,qt,st"', text)
+            self.assertNotIn("stablehlo.reduce", text)  # no XLA quantization beside it
+            # A shape the kernel does not take runs XLA's quantizations, and says why.
+            with (mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                  jax_sm100.lowerings() as seen):  # fmt: skip
+                text = jax.export.export(
+                    jax.jit(lambda x: jax_sm100.quantize_both(x)), platforms=["cuda"],
+                    disabled_checks=ffi.export_safety_checks(),
+                )(s((512, 256), jnp.float8_e5m2)).mlir_module()  # fmt: skip
+            self.assertEqual([x.plan.kernel for x in seen], ["xla_dot"])
+            self.assertIn("XLA ops (the kernel reads", seen[0].note)
+            self.assertNotIn("custom_call", text)
+
+
+if __name__ == "__main__":
+    absltest.main()
