@@ -470,7 +470,11 @@ class GpuScaledTest(parameterized.TestCase):
         with jax_sm100.lowerings() as seen:
             y, dl, dr = step(x, w, g=g)
         kernels = [lw.plan.kernel for lw in seen if lw.plan is not None]
-        self.assertEqual(kernels, [planning.KERNEL_SM90_SCALED] * 3, [lw.note for lw in seen])
+        products = [kernel for kernel in kernels if kernel != "quantize_both"]
+        self.assertEqual(products, [planning.KERNEL_SM90_SCALED] * 3, [lw.note for lw in seen])
+        # x (forward) and the cotangent (backward) each quantized both ways in one kernel pass
+        # where their dims are whole 128-blocks.
+        self.assertEqual(kernels.count("quantize_both"), 0 if k % 128 else 2, kernels)
         self.assertEqual((dl.dtype, dr.dtype), (dtype, dtype))
         padded = lambda a: np.pad(np.asarray(a, np.float32),  # noqa: E731
                                   [(0, -s % 128) for s in a.shape])  # fmt: skip
@@ -479,6 +483,35 @@ class GpuScaledTest(parameterized.TestCase):
         _assert_close(self, y, want[0][0, :m, :n], jnp.float32, k)
         _assert_close(self, dl, want[1][0, :m, :k], dtype, n)
         _assert_close(self, dr, want[2][0, :n, :k].T, dtype, m)
+
+
+@absltest.skipIf(_arch() not in ("sm_90a", "sm_100a"), "needs an SM90 or SM100 CUDA device")
+class GpuQuantizeBothTest(parameterized.TestCase):
+    @parameterized.product(
+        shape=[(1024, 2048), (2, 384, 256), (8192, 4096)],
+        dtype=[jnp.bfloat16, jnp.float32, jnp.float16],
+        data_dtype=[E4M3, E5M2],
+    )
+    def test_kernel_equals_xla_bit_for_bit(self, shape, dtype, data_dtype):
+        # The quantize_both kernel against XLA's two quantizations on the same device, bit for
+        # bit: NaN and infinite blocks, a zero tile, subnormal quotients and values near the
+        # top of the input's range included (tests/test_quantize_both.py `special_values`).
+        from jax_sm100._src import quantize_both  # noqa: PLC0415
+        from tests.test_quantize_both import _bits, special_values  # noqa: PLC0415
+
+        x = special_values(shape, dtype, seed=len(shape))
+        with jax_sm100.lowerings() as seen:
+            got = jax.jit(lambda x: jax_sm100.quantize_both(x, data_dtype=data_dtype))(x)
+        self.assertEqual([lw.plan.kernel for lw in seen], ["quantize_both"])
+        want = jax.jit(lambda x: quantize_both._reference(x, data_dtype=data_dtype))(x)
+        for name, g, w in zip(("data", "scales", "data_t", "scales_t"), jax.tree.leaves(got),
+                              jax.tree.leaves(want), strict=True):  # fmt: skip
+            self.assertEqual((g.shape, g.dtype), (w.shape, w.dtype), name)
+            gb, wb = _bits(g), _bits(w)
+            bad = np.argwhere(gb != wb)
+            self.assertEqual(len(bad), 0, f"{name}: {len(bad)} differ, first at "
+                             f"{bad[:3].tolist()}: {gb[tuple(bad[0])] if len(bad) else ''} "
+                             f"against {wb[tuple(bad[0])] if len(bad) else ''}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -269,16 +269,16 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         if arch == "sm_90a":
             # x (in the forward) and the cotangent (in the backward) are each quantized both
             # ways by one pass of the quantize_both kernel, whose scales come out with the rows
-            # contiguous, as the product reads them: no bfloat16 operand or cotangent is
-            # transposed, and a whole operand's float32 view only once, where
-            # `scaled.quantize_transposed` writes the weight's fp8 data transposed for the
-            # forward; the rest are scales.
+            # contiguous, as the product reads them; the weight is quantized once, its fp8
+            # data written transposed for the forward (`scaled.quantize_transposed`, a float32
+            # view) and transposed back as fp8 for the input's gradient. No bfloat16 operand
+            # or cotangent is transposed; the rest are scales.
             self.assertEqual(kernels.count("quantize_both"), 2, kernels)
             types = re.findall(r"stablehlo.transpose .* : \(tensor<([^>]*)>\)", text)
             for t in types:
                 self.assertTrue(t.endswith("f8E4M3FN") or t.endswith("f32"), t)
             whole = [t for t in types if min(map(int, t.split("x")[1:3])) >= 512]
-            self.assertLen(whole, 1, types)
+            self.assertEqual(whole, ["1x2048x512xf32", "1x512x2048xf8E4M3FN"], types)
             self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 5)
 
     @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)

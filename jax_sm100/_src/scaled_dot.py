@@ -12,7 +12,12 @@ a training step all run block-scaled:
     d rhs  = scaled_matmul(q2(g along m),   q0(lhs along m))
 
 with the gradients passed straight through the quantization (a straight-through estimator), as
-JAX's rule does. The residuals are the unquantized operands, as JAX keeps them.
+JAX's rule does. With DeepSeek-V3's recipes, where an operand's dims are whole 128-blocks, it
+is quantized both ways at once in the forward, and the residual is its other orientation's fp8
+data and scales (under half its bytes) rather than the operand: an activation (and, in the
+backward, the cotangent) by one pass of the `quantize_both` kernel, a weight's 128 x 128
+tiles (the same both ways) quantized once and transposed as fp8. Otherwise the residuals are
+the unquantized operands, as JAX keeps them.
 
 Each config is a `quantize` recipe name ("fp8_block128", "fp8_block128x128", "mxfp8",
 "nvfp4"), a (recipe, data dtype) pair ("fp8_block128", jnp.float8_e5m2), or a
@@ -284,14 +289,23 @@ class _Side(NamedTuple):
         return self.pre if self.pre is not None else _quantize(self.x3, self.axis, self.config)
 
 
-def _both(x3, c: _Config):
-    """{axis: (data, scales, None)} of `x3` quantized along its axes 1 and 2 in one pass
-    (`quantize_both`: a kernel reading x3 once where it runs), or None where that does not
-    apply: a recipe other than fp8_block128, Explicit axes (`quantize`'s sharding rules), or
-    rows or contraction not whole blocks (padded per product instead)."""
-    if (c.recipe != "fp8_block128" or P.explicit_type(x3) is not None or not x3.size
-            or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK):  # fmt: skip
+def _both(x3, c: _Config, axis: int):
+    """{axis: (data, scales, None)} of `x3` quantized along both its axes 1 and 2, `axis` the
+    one the forward contracts, or None where that does not apply: a recipe other than
+    DeepSeek-V3's two, Explicit axes (`quantize`'s sharding rules), or rows or contraction not
+    whole blocks (padded per product instead).
+
+    fp8_block128 runs `quantize_both` (a kernel reading x3 once, where it runs).
+    fp8_block128x128's tiles are the same both ways, so its other orientation is the
+    transpose of the forward's fp8 data and tile scales, bit for bit: a weight is quantized
+    once a step, not again for the input's gradient."""
+    if (c.recipe not in ("fp8_block128", "fp8_block128x128") or P.explicit_type(x3) is not None
+            or not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK):  # fmt: skip
         return None
+    if c.recipe == "fp8_block128x128":
+        data, scales, _ = _quantize(x3, axis, c)
+        other = (jnp.swapaxes(data, 1, 2), jnp.swapaxes(scales, 1, 2), None)
+        return {axis: (data, scales, None), 3 - axis: other}
     (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
     return {2: (q, s, None), 1: (qt, st, None)}
 
@@ -364,8 +378,8 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         """The product, and each operand's quantization along its free dims where `_both`
         made it with the forward's (what its weight gradient reads; else None)."""
         a3, b3 = L.lhs.fold(lhs), L.rhs.fold(rhs)
-        a_both, b_both = _both(a3, cfg[0]), _both(b3, cfg[1])
         a_axis, b_axis = L.lhs.axis(True), L.rhs.axis(True)
+        a_both, b_both = _both(a3, cfg[0], a_axis), _both(b3, cfg[1], b_axis)
         out = _scaled(
             _Side(a3, a_axis, cfg[0], a_both and a_both[a_axis]),
             _Side(b3, b_axis, cfg[1], b_both and b_both[b_axis]),
@@ -392,7 +406,7 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         a3 = None if lhs is None else L.lhs.fold(lhs)
         b3 = None if rhs is None else L.rhs.fold(rhs)
         g3 = P.typed_reshape(g, L.out3)
-        g_both = _both(g3, cfg[2]) or {}
+        g_both = _both(g3, cfg[2], 2) or {}
         # Each gradient contracts the other operand's free dims with the cotangent's, and
         # comes out in its operand's folded order (its rows first where they lie first).
         over_n = (_Side(g3, 2, cfg[2], g_both.get(2)),
