@@ -584,17 +584,18 @@ ffi::ErrorOr<std::unique_ptr<GemmState>> Instantiate(std::string_view key,
   return state;
 }
 
-// XLA's buffers: a and b typed, the optional inputs after them; d typed, the others after it.
+// XLA's buffers: the first input and the first result typed, the others after them. One input
+// at least: the quantize_both kernel reads one (x), the GEMMs two or more (a, b, ...).
 class CallBuffers {
  public:
-  CallBuffers(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::RemainingArgs& args,
-              const ffi::AnyBuffer& d, const ffi::RemainingRets& rets)
-      : a_(a), b_(b), args_(args), d_(d), rets_(rets) {}
+  CallBuffers(const ffi::AnyBuffer& first, const ffi::RemainingArgs& args, const ffi::AnyBuffer& d,
+              const ffi::RemainingRets& rets)
+      : first_(first), args_(args), d_(d), rets_(rets) {}
 
   bool Input(size_t i, BufferRef* out) const {
-    if (i < 2) return Set(i == 0 ? a_ : b_, out);
-    if (i - 2 >= args_.size()) return false;
-    auto buf = args_.get<ffi::AnyBuffer>(i - 2);
+    if (i == 0) return Set(first_, out);
+    if (i - 1 >= args_.size()) return false;
+    auto buf = args_.get<ffi::AnyBuffer>(i - 1);
     return buf.has_value() && Set(*buf, out);
   }
   bool Result(size_t j, BufferRef* out) const {
@@ -603,7 +604,7 @@ class CallBuffers {
     auto buf = rets_.get<ffi::AnyBuffer>(j - 1);
     return buf.has_value() && Set(**buf, out);
   }
-  size_t num_inputs() const { return 2 + args_.size(); }
+  size_t num_inputs() const { return 1 + args_.size(); }
   size_t num_results() const { return 1 + rets_.size(); }
 
  private:
@@ -613,18 +614,16 @@ class CallBuffers {
     return true;
   }
 
-  const ffi::AnyBuffer& a_;
-  const ffi::AnyBuffer& b_;
+  const ffi::AnyBuffer& first_;
   const ffi::RemainingArgs& args_;
   const ffi::AnyBuffer& d_;
   const ffi::RemainingRets& rets_;
 };
 
-ffi::Error Execute(void* stream, GemmState* state, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                   ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> d,
-                   ffi::RemainingRets rets) {
+ffi::Error Execute(void* stream, GemmState* state, ffi::AnyBuffer first, ffi::RemainingArgs args,
+                   ffi::Result<ffi::AnyBuffer> d, ffi::RemainingRets rets) {
   LaunchArgs launch;
-  ffi::Error prepared = PrepareLaunch(state->call, CallBuffers(a, b, args, *d, rets), &launch);
+  ffi::Error prepared = PrepareLaunch(state->call, CallBuffers(first, args, *d, rets), &launch);
   if (prepared.failure()) return prepared;
   int32_t launch_status = 0;
   const size_t n = state->call.num_tensors;
@@ -741,9 +740,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSm100GemmExecute, Execute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()  // XLA's stream
                                   .Ctx<ffi::State<GemmState>>()       // from Instantiate
-                                  .Arg<ffi::AnyBuffer>()              // a
-                                  .Arg<ffi::AnyBuffer>()              // b
-                                  .RemainingArgs()                    // c, bias, scales, sizes...
-                                  .Ret<ffi::AnyBuffer>()              // d
-                                  .RemainingRets(),                   // z, ws, flags, counter...
+                                  .Arg<ffi::AnyBuffer>()              // a (quantize_both: x)
+                                  .RemainingArgs()                    // b, c, bias, scales...
+                                  .Ret<ffi::AnyBuffer>()              // d (quantize_both: q)
+                                  .RemainingRets(),                   // z, ws, flags, scales...
                               {ffi::Traits::kCmdBufferCompatible});

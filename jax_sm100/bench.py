@@ -74,7 +74,7 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import dispatch
+from jax_sm100._src import constraints, dispatch
 from jax_sm100._src.kernels.spec import KernelSpec
 
 SHAPES = (
@@ -213,8 +213,9 @@ class _Instr:
         if self.opcode == "dot":
             return True
         target = _TARGET.search(self.text)
+        quantize = ",".join(constraints.QUANTIZE_TENSORS)  # the quantize_both kernel's call
         return self.opcode == "custom-call" and bool(
-            target and _PRODUCT_TARGETS.search(target.group(1))
+            target and _PRODUCT_TARGETS.search(target.group(1)) and quantize not in self.text
         )
 
     @property

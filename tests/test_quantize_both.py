@@ -22,7 +22,6 @@ import jax_sm100
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import constraints, ffi, scaled
 from jax_sm100._src.planning.quantize import QuantizePlan, plan_quantize_both
-from tests.test_sm100_ptx import ptxas_spill_bytes
 
 
 def _bits(x):
@@ -139,15 +138,18 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertEqual(count(r"ld\.global\.(v4\.b32|v2\.b64)"), loads)
         self.assertEqual(count(r"ld\.global"), loads)
         self.assertEqual(count(r"st\.shared\.(v4\.b32|v2\.b64)"), loads)
-        # x / scale and amax / top by IEEE division, as XLA divides: the same bits.
-        self.assertEqual(count(r"div\.rn\.f32"), 2 * 8 * (8 + 1))
-        self.assertEqual(count(r"div\.(approx|full)"), 0)
+        # One correctly rounded reciprocal a block (the scale's), as `scaled._data` writes it,
+        # and no division or approximation.
+        self.assertEqual(count(r"rcp\.rn\.f32"), 2 * 8)
+        self.assertEqual(count(r"\bdiv\.|rcp\.approx|\.ftz\."), 0)
         # Rounded to nearest, saturating (the quotient is clipped first).
         fmt = "e4m3" if data_dtype == "float8_e4m3fn" else "e5m2"
         self.assertEqual(count(rf"cvt\.rn\.satfinite\.{fmt}x2\.f32"), 2 * 8 * 4)
         # A row's and a column's maxima over the 16 threads sharing them, NaN kept.
         self.assertEqual(count(r"shfl\.sync\.bfly"), 2 * 8 * 4)
         self.assertEqual(count(r"max\.NaN\.f32"), 2 * 8 * (8 + 4))
+        from tests.test_sm100_ptx import ptxas_spill_bytes  # noqa: PLC0415
+
         spills = ptxas_spill_bytes(ptx, arch)
         if spills is not None:
             self.assertEqual(spills, (0, 0))

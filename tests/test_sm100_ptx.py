@@ -19,12 +19,14 @@ need an SM100 GPU.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import shutil
 import subprocess
 import tempfile
 
+import cuda.bindings.driver as cuda
 from absl.testing import absltest, parameterized
 
 from jax_sm100._src import constraints, planning
@@ -332,6 +334,14 @@ class Sm100PtxTest(parameterized.TestCase):
             set(family.FAMILIES), set(planning.KERNELS) - {planning.KERNEL_XLA} | {"quantize_both"}
         )
         self.assertTrue(issubclass(family.family("quantize_both"), family.KernelFamily))
+        # Each host entry point's stream is typed as a CUstream: the DSL exports an untyped one
+        # (a fake stream at compile time) into the object's argument spec untyped, and
+        # `export_to_c` refuses it ("Unsupported argument ... stream = FakeStream").
+        for kernel in family.FAMILIES:
+            call = family.family(kernel).__call__
+            call = getattr(call, "__wrapped__", call)
+            annotation = inspect.signature(call).parameters["stream"].annotation
+            self.assertIn(annotation, ("cuda.CUstream", cuda.CUstream), kernel)
 
     def test_rejects_other_plans(self):
         sm90 = planning.plan(

@@ -108,8 +108,8 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
     from jax_sm100._src.planning.quantize import QuantizePlan  # noqa: PLC0415
 
     if not isinstance(plan, (GemmPlan, QuantizePlan)):
-        raise TypeError(f"plan must be a jax_sm100.GemmPlan (from jax_sm100.plan), got "
-                        f"{type(plan).__name__}")  # fmt: skip
+        raise TypeError(f"plan must be a jax_sm100.GemmPlan (from jax_sm100.plan) or a "
+                        f"QuantizePlan, got {type(plan).__name__}")  # fmt: skip
     if spec is not None and not isinstance(spec, KernelSpec):
         raise TypeError(f"spec must be a KernelSpec or None, got {type(spec).__name__}")
     spec = spec or KernelSpec.for_plan(plan)

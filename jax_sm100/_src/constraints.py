@@ -665,6 +665,9 @@ def blockscaled_support(
 # The input dtypes the quantize_both kernel reads and the block it quantizes (both dims).
 QUANTIZE_IN_DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZE_TILE = 128
+# Its tensor arguments (input, data, scales, transposed data, their scales): the custom call's
+# `names` attribute, by which a compiled module's quantizations are told from its products.
+QUANTIZE_TENSORS = ("x", "q", "s", "qt", "st")
 MAX_GRID_YZ = 65535
 
 

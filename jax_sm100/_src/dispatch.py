@@ -24,6 +24,7 @@ import functools
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -264,9 +265,12 @@ def symbolic_dims(*arrays) -> bool:
 class Lowered:
     """How one product was lowered (a CUDA lowering of `matmul`, `ragged_dot` or
     `scaled_matmul`, or a call traced onto XLA's ops on any platform): its plan (None where no
-    plan was made) and a note (the path, batch handling, split-K fitting, or why XLA's ops)."""
+    plan was made) and a note (the path, batch handling, split-K fitting, or why XLA's ops).
+    The CUDA lowering of `quantize_both` is recorded too, with its `QuantizePlan` (whose
+    kernel is "quantize_both", or "xla_dot" where XLA's quantizations ran) and a note that
+    starts "quantize_both"."""
 
-    plan: planning.GemmPlan | None
+    plan: Any
     note: str
 
 

@@ -232,4 +232,11 @@ def check_call(
                 f"jax_sm100: tensor '{t.name}' ({_buffer_name(which)}) spans {t.span} elements "
                 f"({t.modes_text()}) but its buffer holds {count}"
             )
+    if not inputs or not results:
+        # The handler binds its first input and first result as typed buffers (gemm_ffi.cc):
+        # XLA refuses a call without them before the handler runs.
+        raise LayoutError(
+            f"jax_sm100: the handler takes one input and one result at least; the call has "
+            f"{len(inputs)} inputs and {len(results)} results"
+        )
     return layouts

@@ -16,7 +16,9 @@ R and C whole 128-blocks, bfloat16, float16 or float32 input; or no sm_90a/sm_10
 `jax.export`'s symbolic dims, or a program sharded over several devices, whose partitioner
 then splits XLA's ops), lower to those two functions; each CUDA lowering records its path
 (`jax_sm100.lowerings()`). Under Explicit mesh axes `quantize_both` calls the two functions
-directly (their sharding rules). Quantization has no useful derivative: differentiating the
+directly (their sharding rules). Inside a `shard_map` every axis of which is manual the kernel
+runs on the local blocks; one that leaves some axes automatic runs it unpartitioned over those
+(as the products do). Quantization has no useful derivative: differentiating the
 primitive raises NotImplementedError (`scaled_dot_general` quantizes inside its own gradient).
 """
 
@@ -73,7 +75,7 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
         raise ValueError(f"jax_sm100.quantize_both: x is {x.ndim}-D; it takes [..., rows, cols]")
     *lead, rows, cols = x.shape
     for length in (rows, cols):
-        scaled._check_divides(length, recipe, _BLOCK)
+        scaled._check_divides(length, recipe, _BLOCK, "jax_sm100.quantize_both")
     if P.explicit_type(x) is not None:
         return _reference(x, data_dtype=r.data_dtype)
     x3 = x.reshape(-1, rows, cols)
@@ -98,6 +100,8 @@ def _flat_reference(x3, *, data_dtype):
 
 def _abstract(x, *, data_dtype):
     L, R, C = x.shape
+    if R % _BLOCK or C % _BLOCK:
+        raise ValueError(f"quantize_both_p takes [L, R, C] of whole {_BLOCK}-blocks, not {x.shape}")
     data = np.dtype(data_dtype)
     return [
         jax.core.ShapedArray((L, R, C), data),
@@ -155,13 +159,16 @@ def _cuda(x3, *, data_dtype):
 
 
 def _cuda_rule(ctx, x3, *, data_dtype):
-    if sharding._is_sharded(ctx.module_context.axis_context) or sharding.typed_over_explicit_axes(
-        ctx
-    ):
+    if sharding._is_sharded(ctx.module_context.axis_context):
         # XLA's ops, which the partitioner splits (the kernel's custom call it would run whole
         # on every device).
         def fn(x3):
             return _xla("a program sharded over devices", None, x3, data_dtype)
+    elif sharding.typed_over_explicit_axes(ctx):
+        # Typed over a one-device mesh with Explicit axes (`quantize_both` itself calls XLA's
+        # ops under Explicit axes): nothing is split, XLA's ops as the types ask.
+        def fn(x3):
+            return _xla("operands typed over Explicit mesh axes", None, x3, data_dtype)
     else:
         fn = functools.partial(_cuda, data_dtype=data_dtype)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, x3)

@@ -262,10 +262,10 @@ def recipe_with(recipe: str, data_dtype, who: str) -> Recipe:
     return dataclasses.replace(r, data_dtype=name)
 
 
-def _check_divides(length: int, recipe: str, block: int):
+def _check_divides(length: int, recipe: str, block: int, who: str = "jax_sm100.quantize"):
     if length % block:
         raise ValueError(
-            f"jax_sm100.quantize: the axis has {length} elements, not a multiple of the "
+            f"{who}: the axis has {length} elements, not a multiple of the "
             f"{recipe} block of {block}; pad it with zeros to a multiple (zeros add nothing "
             "to the product) in both operands"
         )
@@ -288,7 +288,11 @@ def _block_max(x, axis: int):
 def _data(blocks, scale, top: float):
     """The data of `blocks` (float32) under their broadcast float32 `scale`: zero where the
     scale is not positive (NaN, or rounded to zero), else clipped to the format's range."""
-    return jnp.where(scale > 0, jnp.clip(blocks / jnp.where(scale > 0, scale, 1.0), -top, top), 0.0)
+    # x times the scale's reciprocal, written so (XLA's simplifier makes x / scale that on some
+    # backends and not others): the quantize_both kernel computes the same two roundings, so
+    # the two paths agree bit for bit.
+    recip = 1.0 / jnp.where(scale > 0, scale, 1.0)
+    return jnp.where(scale > 0, jnp.clip(blocks * recip, -top, top), 0.0)
 
 
 def _quantize_in_place(x, r: Recipe, axis: int):
@@ -350,8 +354,12 @@ def _tile_max(amax, row_block):
 def _scale(amax, r: Recipe, top: float):
     """The scale of blocks of largest magnitude `amax`, in the recipe's scale dtype."""
     # No smaller than float32's least normal number: for blocks of tiny magnitudes amax / top
-    # is subnormal, which XLA flushes to zero (a zero scale, then inf / NaN data).
-    scale = jnp.where(amax > 0, jnp.maximum(amax / top, float(jnp.finfo(jnp.float32).tiny)), 1.0)
+    # is subnormal, which XLA flushes to zero (a zero scale, then inf / NaN data). amax times
+    # 1 / top rounded to float32, as XLA's simplifier rewrites a division by a constant (and
+    # as the quantize_both kernel computes it).
+    inv_top = float(np.float32(1.0 / top))
+    scale = jnp.where(amax > 0, jnp.maximum(amax * inv_top, float(jnp.finfo(jnp.float32).tiny)),
+                      1.0)  # fmt: skip
     if r.scale_dtype == "float8_e8m0fnu":
         # The power of two at or above the scale, read off its float32 bits (a normal number:
         # the exponent, one more for any mantissa bit) and built from exponent bits. log2 is

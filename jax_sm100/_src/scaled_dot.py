@@ -12,12 +12,13 @@ a training step all run block-scaled:
     d rhs  = scaled_matmul(q2(g along m),   q0(lhs along m))
 
 with the gradients passed straight through the quantization (a straight-through estimator), as
-JAX's rule does. With DeepSeek-V3's recipes, where an operand's dims are whole 128-blocks, it
-is quantized both ways at once in the forward, and the residual is its other orientation's fp8
-data and scales (under half its bytes) rather than the operand: an activation (and, in the
-backward, the cotangent) by one pass of the `quantize_both` kernel, a weight's 128 x 128
-tiles (the same both ways) quantized once and transposed as fp8. Otherwise the residuals are
-the unquantized operands, as JAX keeps them.
+JAX's rule does. Under a gradient, an operand quantized per 1 x 128 block (fp8_block128:
+DeepSeek-V3's activations) whose dims are whole 128-blocks is quantized both ways at once in
+the forward, by one pass of the `quantize_both` kernel, and the residual is its other
+orientation's fp8 data and scales rather than the operand: about half a bfloat16 operand's
+bytes where the operand would be kept only for the backward, and that much more where it is
+live anyway (a jit argument). The cotangent is quantized both ways in one pass likewise.
+Otherwise the residuals are the unquantized operands, as JAX keeps them.
 
 Each config is a `quantize` recipe name ("fp8_block128", "fp8_block128x128", "mxfp8",
 "nvfp4"), a (recipe, data dtype) pair ("fp8_block128", jnp.float8_e5m2), or a
@@ -289,23 +290,16 @@ class _Side(NamedTuple):
         return self.pre if self.pre is not None else _quantize(self.x3, self.axis, self.config)
 
 
-def _both(x3, c: _Config, axis: int):
-    """{axis: (data, scales, None)} of `x3` quantized along both its axes 1 and 2, `axis` the
-    one the forward contracts, or None where that does not apply: a recipe other than
-    DeepSeek-V3's two, Explicit axes (`quantize`'s sharding rules), or rows or contraction not
-    whole blocks (padded per product instead).
-
-    fp8_block128 runs `quantize_both` (a kernel reading x3 once, where it runs).
-    fp8_block128x128's tiles are the same both ways, so its other orientation is the
-    transpose of the forward's fp8 data and tile scales, bit for bit: a weight is quantized
-    once a step, not again for the input's gradient."""
-    if (c.recipe not in ("fp8_block128", "fp8_block128x128") or P.explicit_type(x3) is not None
-            or not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK):  # fmt: skip
+def _both(x3, c: _Config):
+    """{axis: (data, scales, None)} of `x3` quantized along its axes 1 and 2 in one pass
+    (`quantize_both`: a kernel reading x3 once where it runs), or None where that does not
+    apply: a recipe other than fp8_block128, Explicit axes (`quantize`'s sharding rules), or
+    rows or contraction not whole blocks (padded per product instead). Weights (128 x 128
+    tiles) are quantized per product instead: keeping their fp8 data for the backward would
+    hold half a weight's bytes more per weight through the step."""
+    if (c.recipe != "fp8_block128" or P.explicit_type(x3) is not None or not x3.size
+            or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK):  # fmt: skip
         return None
-    if c.recipe == "fp8_block128x128":
-        data, scales, _ = _quantize(x3, axis, c)
-        other = (jnp.swapaxes(data, 1, 2), jnp.swapaxes(scales, 1, 2), None)
-        return {axis: (data, scales, None), 3 - axis: other}
     (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
     return {2: (q, s, None), 1: (qt, st, None)}
 
@@ -374,12 +368,14 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     L = layout
     (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = ((x.shape, x.dtype) for x in (lhs, rhs))
 
-    def forward(lhs, rhs):
-        """The product, and each operand's quantization along its free dims where `_both`
-        made it with the forward's (what its weight gradient reads; else None)."""
+    def forward(lhs, rhs, keep: bool):
+        """The product and, with `keep` (the forward of a gradient), each operand's
+        quantization along its free dims where `_both` made it with the forward's (what its
+        weight gradient reads; else None)."""
         a3, b3 = L.lhs.fold(lhs), L.rhs.fold(rhs)
         a_axis, b_axis = L.lhs.axis(True), L.rhs.axis(True)
-        a_both, b_both = _both(a3, cfg[0], a_axis), _both(b3, cfg[1], b_axis)
+        a_both = _both(a3, cfg[0]) if keep else None
+        b_both = _both(b3, cfg[1]) if keep else None
         out = _scaled(
             _Side(a3, a_axis, cfg[0], a_both and a_both[a_axis]),
             _Side(b3, b_axis, cfg[1], b_both and b_both[b_axis]),
@@ -391,12 +387,13 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
 
     @jax.custom_vjp
     def product(lhs, rhs):
-        return forward(lhs, rhs)[0]
+        # Without a gradient, each operand is quantized the one way its product reads it.
+        return forward(lhs, rhs, keep=False)[0]
 
     def fwd(lhs, rhs):
         # An operand quantized both ways is kept as its other orientation's fp8 data and
-        # scales (under half its own bytes) in place of itself.
-        out, a_keep, b_keep = forward(lhs, rhs)
+        # scales in place of itself.
+        out, a_keep, b_keep = forward(lhs, rhs, keep=True)
         return out, (None if a_keep else lhs, None if b_keep else rhs, a_keep, b_keep)
 
     def bwd(res, g):
@@ -406,7 +403,7 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         a3 = None if lhs is None else L.lhs.fold(lhs)
         b3 = None if rhs is None else L.rhs.fold(rhs)
         g3 = P.typed_reshape(g, L.out3)
-        g_both = _both(g3, cfg[2], 2) or {}
+        g_both = _both(g3, cfg[2]) or {}
         # Each gradient contracts the other operand's free dims with the cotangent's, and
         # comes out in its operand's folded order (its rows first where they lie first).
         over_n = (_Side(g3, 2, cfg[2], g_both.get(2)),

@@ -11,28 +11,31 @@ the operand and a reduction pass each; this kernel reads each 128 x 128 tile onc
     qt  [L, C, R]        fp8, blocks of 128 along R, transposed   (`scaled.quantize_transposed(x)`)
     st  [L, R / 128, C]  float32, their scales, C contiguous
 
-with `scaled.quantize`'s arithmetic operation for operation (amax, amax / top floored at
-float32's least normal number, 1 for a zero block and NaN for a block holding a NaN or an
-infinity, x / scale clipped to the format's range and rounded to nearest), so the two paths
-give the same bits. The scales are written with the rows contiguous because the sm_90a
-block-scaled kernel reads them so (scaled_gpu.py's transposed scales): the caller's swapaxes
-and that lowering's cancel in XLA.
+with `scaled.quantize`'s arithmetic operation for operation (amax; amax times 1 / top rounded
+to float32, floored at float32's least normal number, 1 for a zero block and NaN for a block
+holding a NaN or an infinity; x times 1 / scale, clipped to the format's range and rounded to
+nearest), so the two paths give the same bits. The scales are written with the rows
+contiguous because the sm_90a block-scaled kernel reads them so (scaled_gpu.py's transposed
+scales): the caller's swapaxes and that lowering's cancel in XLA.
 
 Background / Algorithm. A CTA of 256 threads owns one 128 x 128 tile of one batch. Along C,
 16 threads share a row, each loading 8 contiguous elements (16 bytes for 16-bit input) over 8
-passes of 16 rows; a row's largest magnitude is reduced over its 16 threads by butterfly
-shuffles, its data stored as 8 fp8 bytes a thread. The tile also goes to shared memory (rows
-padded by 16 bytes), from which the transposed pass reads columns: 16 threads share a column,
-thread j taking rows j, j + 16, ... (2-way bank conflicts at most, where contiguous rows per
-thread gave 16-way), and storing each byte of the transposed row. Both passes are bound by
-global memory; the reads of x are the one pass over it.
+passes of 16 rows (the 8 loads issued before any is used); a row's largest magnitude is
+reduced over its 16 threads by butterfly shuffles, its data stored as 8 fp8 bytes a thread.
+The tile also goes to shared memory (rows padded by 16 bytes), from which the transposed pass
+reads columns: 16 threads share a column, thread j taking rows j, j + 16, ... (2-way bank
+conflicts at most, where contiguous rows per thread gave 16-way), and storing each byte of the
+transposed row. Both passes are bound by global memory; the reads of x are the one pass over
+it.
 """
 
 from __future__ import annotations
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.memory
 import ml_dtypes
+import numpy as np
 from cutlass import cute
 from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -53,7 +56,7 @@ class QuantizeBothKernel(KernelFamily):
     """The kernel of the module docstring for a `planning.QuantizePlan` (its input and data
     dtypes; the sizes are runtime values)."""
 
-    HOST_OPERANDS = ("x", "q", "s", "qt", "st")
+    HOST_OPERANDS = constraints.QUANTIZE_TENSORS
 
     def __init__(self, plan, spec=None):
         super().__init__(plan, spec)
@@ -61,6 +64,7 @@ class QuantizeBothKernel(KernelFamily):
         self.data_dtype = common.cutlass_dtype(plan.data_dtype)
         # The data format's largest finite value, as `scaled.quantize` takes it.
         self.top = float(ml_dtypes.finfo(getattr(ml_dtypes, plan.data_dtype)).max)
+        self.inv_top = float(np.float32(1.0 / self.top))
         self.pad = PAD_BYTES * 8 // self.in_dtype.width
 
     @classmethod
@@ -95,7 +99,7 @@ class QuantizeBothKernel(KernelFamily):
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor,
-                 mST: cute.Tensor, stream):  # fmt: skip
+                 mST: cute.Tensor, stream: cuda.CUstream):  # fmt: skip
         # mX, mQ (R, C, L); mS (R, C / 128, L); mQT (C, R, L); mST (C, R / 128, L).
         rows, cols, batch = mX.shape
         grid = (cols // TILE, rows // TILE, batch)
@@ -106,10 +110,11 @@ class QuantizeBothKernel(KernelFamily):
 
     @cute.jit
     def _scale(self, amax: cutlass.Float32) -> cutlass.Float32:
-        """`scaled._scale` for float32 scales: amax / top, floored at float32's least normal
-        number; 1 for a zero block; NaN where amax is not finite (a NaN read as one)."""
+        """`scaled._scale` for float32 scales: amax times 1 / top (rounded to float32),
+        floored at float32's least normal number; 1 for a zero block; NaN where amax is not
+        finite (a NaN read as one)."""
         f32 = cutlass.Float32
-        scale = cute.arch.fmax(amax / f32(self.top), f32(1.1754943508222875e-38))
+        scale = cute.arch.fmax(amax * f32(self.inv_top), f32(1.1754943508222875e-38))
         if amax == f32(0.0):
             scale = f32(1.0)
         if not amax < f32(float("inf")):
@@ -118,11 +123,13 @@ class QuantizeBothKernel(KernelFamily):
 
     @cute.jit
     def _quantized(self, x, scale: cutlass.Float32):
-        """The data of the Float32 TensorSSA `x` under `scale`: x / scale clipped to the
-        format's range, 0 where the scale is NaN (a block holding a NaN or an infinity)."""
+        """The data of the Float32 TensorSSA `x` under `scale` (`scaled._data`): x times the
+        scale's reciprocal (one IEEE division a block) clipped to the format's range, 0 where
+        the scale is NaN (a block holding a NaN or an infinity)."""
         f32 = cutlass.Float32
+        recip = f32(1.0) / scale
         r = cute.make_rmem_tensor(x.shape, f32)
-        r.store(x / scale)
+        r.store(x * recip)
         top = f32(self.top)
         for i in cutlass.range_constexpr(cute.size(r)):
             r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -top), top)
@@ -159,11 +166,20 @@ class QuantizeBothKernel(KernelFamily):
         group = tidx // LANES
         f32 = cutlass.Float32
 
+        # The tile's 8 loads of each thread issued before any is used (each a register
+        # fragment of its own): with the data stores between them, the compiler could not
+        # move a later load above a store to q (it may alias x), and one 16-byte load in
+        # flight per thread does not cover the memory's latency.
+        loaded = []
+        for p in cutlass.range_constexpr(PASSES):
+            rx = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+            cute.autovec_copy(cute.local_tile(gX, (1, VEC), (group + GROUPS * p, lane)), rx)
+            loaded.append(rx)
+
         # Along C: row `r` of the tile, elements [8 lane, 8 lane + 8).
         for p in cutlass.range_constexpr(PASSES):
             r = group + GROUPS * p
-            rx = cute.make_rmem_tensor((1, VEC), self.in_dtype)
-            cute.autovec_copy(cute.local_tile(gX, (1, VEC), (r, lane)), rx)
+            rx = loaded[p]
             cute.autovec_copy(rx, cute.local_tile(sX, (1, VEC), (r, lane)))
             rf = cute.make_rmem_tensor((1, VEC), f32)
             rf.store(rx.load().to(f32))

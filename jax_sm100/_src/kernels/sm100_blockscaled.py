@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.experimental.cuda as tensormap
@@ -147,7 +148,7 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
         c: cute.Tensor | None,
         bias: cute.Tensor | None,
         z: cute.Tensor | None,
-        stream,
+        stream: cuda.CUstream,
     ):
         """The scale factors' TMA descriptors, then the dense family's host work and launch."""
         self._setup()

@@ -35,6 +35,7 @@ no SM100 GPU has run this code.
 
 from typing import Any
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -227,7 +228,7 @@ class Sm100GemmKernel(family.KernelFamily):
         c: cute.Tensor | None,
         bias: cute.Tensor | None,
         z: cute.Tensor | None,
-        stream,
+        stream: cuda.CUstream,
     ):
         """Build the TMA atoms and the tile schedule for these operands, then launch."""
         self._setup()
