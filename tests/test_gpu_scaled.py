@@ -493,10 +493,16 @@ class GpuQuantizeBothTest(parameterized.TestCase):
         dtype=[jnp.bfloat16, jnp.float32, jnp.float16],
         data_dtype=[E4M3, E5M2],
     )
-    def test_kernel_equals_xla_bit_for_bit(self, shape, dtype, data_dtype):
-        # The quantize_both kernel against XLA's two quantizations on the same device, bit for
-        # bit: NaN and infinite blocks, a zero tile, subnormal quotients and values near the
-        # top of the input's range included (tests/test_quantize_both.py `special_values`).
+    def test_kernel_against_xla_and_the_exact_quotient(self, shape, dtype, data_dtype):
+        # The quantize_both kernel on special values (NaN and infinite blocks, a zero tile,
+        # subnormal quotients, values near the top of the input's range: tests/
+        # test_quantize_both.py `special_values`): its scales are XLA's bit for bit; its data
+        # is the correctly rounded x / scale's (a float32 IEEE division in numpy, rounded to
+        # the fp8 format) bit for bit; XLA's data, whose division is not correctly rounded
+        # (div.full), is within one fp8 unit of it and equal in all but a few elements (XLA's
+        # CPU quantization, for one, differs in 0.3 % of a transposed quantization's).
+        import ml_dtypes  # noqa: PLC0415
+
         from jax_sm100._src import quantize_both  # noqa: PLC0415
         from tests.test_quantize_both import _bits, special_values  # noqa: PLC0415
 
@@ -505,14 +511,28 @@ class GpuQuantizeBothTest(parameterized.TestCase):
             got = jax.jit(lambda x: jax_sm100.quantize_both(x, data_dtype=data_dtype))(x)
         self.assertEqual([lw.plan.kernel for lw in seen], ["quantize_both"])
         want = jax.jit(lambda x: quantize_both._reference(x, data_dtype=data_dtype))(x)
-        for name, g, w in zip(("data", "scales", "data_t", "scales_t"), jax.tree.leaves(got),
-                              jax.tree.leaves(want), strict=True):  # fmt: skip
-            self.assertEqual((g.shape, g.dtype), (w.shape, w.dtype), name)
-            gb, wb = _bits(g), _bits(w)
-            bad = np.argwhere(gb != wb)
-            self.assertEqual(len(bad), 0, f"{name}: {len(bad)} differ, first at "
-                             f"{bad[:3].tolist()}: {gb[tuple(bad[0])] if len(bad) else ''} "
-                             f"against {wb[tuple(bad[0])] if len(bad) else ''}")  # fmt: skip
+        (q, s), (qt, st) = got
+        (wq, ws), (wqt, wst) = want
+        np.testing.assert_array_equal(_bits(s), _bits(ws))
+        np.testing.assert_array_equal(_bits(st), _bits(wst))
+        xf = np.asarray(x, np.float32)
+        top = float(jnp.finfo(data_dtype).max)
+        fp8 = getattr(ml_dtypes, np.dtype(data_dtype).name)
+        for data, scales, xla, view in ((q, s, wq, xf), (qt, st, wqt, np.swapaxes(xf, -1, -2))):
+            blocks = view.reshape(*view.shape[:-1], -1, 128)
+            sc = np.asarray(scales, np.float32)[..., None]
+            with np.errstate(all="ignore"):
+                exact = np.where(sc > 0, np.clip(blocks / np.where(sc > 0, sc, 1), -top, top), 0)
+            exact = exact.astype(np.float32).reshape(view.shape).astype(fp8)
+            np.testing.assert_array_equal(_bits(data), exact.view(np.uint8))
+            d, w = (np.asarray(a, np.float32) for a in (data, xla))
+            off = np.flatnonzero(_bits(data) != _bits(xla))
+            self.assertLessEqual(len(off), max(4, d.size // 10**3), off[:5])
+            # One unit of the format apart (the neighbouring value).
+            units = np.abs(d.ravel()[off] - w.ravel()[off]) / np.exp2(
+                np.floor(np.log2(np.maximum(np.abs(w.ravel()[off]), 2.0**-6)))
+            )
+            self.assertTrue(np.all(units <= 2.0 ** -(3 if data_dtype == E4M3 else 2)), units)
 
 
 if __name__ == "__main__":

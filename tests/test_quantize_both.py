@@ -138,10 +138,10 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertEqual(count(r"ld\.global\.(v4\.b32|v2\.b64)"), loads)
         self.assertEqual(count(r"ld\.global"), loads)
         self.assertEqual(count(r"st\.shared\.(v4\.b32|v2\.b64)"), loads)
-        # One correctly rounded reciprocal a block (the scale's), as `scaled._data` writes it,
-        # and no division or approximation.
-        self.assertEqual(count(r"rcp\.rn\.f32"), 2 * 8)
-        self.assertEqual(count(r"\bdiv\.|rcp\.approx|\.ftz\."), 0)
+        # x / scale correctly rounded (IEEE), no approximate division or reciprocal, and no
+        # flush to zero; the scales by a multiply (amax times 1 / top).
+        self.assertEqual(count(r"div\.rn\.f32"), 2 * 8 * 8)
+        self.assertEqual(count(r"div\.(full|approx)|rcp\.|\.ftz\."), 0)
         # Rounded to nearest, saturating (the quotient is clipped first).
         fmt = "e4m3" if data_dtype == "float8_e4m3fn" else "e5m2"
         self.assertEqual(count(rf"cvt\.rn\.satfinite\.{fmt}x2\.f32"), 2 * 8 * 4)

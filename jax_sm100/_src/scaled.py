@@ -288,11 +288,11 @@ def _block_max(x, axis: int):
 def _data(blocks, scale, top: float):
     """The data of `blocks` (float32) under their broadcast float32 `scale`: zero where the
     scale is not positive (NaN, or rounded to zero), else clipped to the format's range."""
-    # x times the scale's reciprocal, written so (XLA's simplifier makes x / scale that on some
-    # backends and not others): the quantize_both kernel computes the same two roundings, so
-    # the two paths agree bit for bit.
-    recip = 1.0 / jnp.where(scale > 0, scale, 1.0)
-    return jnp.where(scale > 0, jnp.clip(blocks * recip, -top, top), 0.0)
+    # x / scale in float32. The quantize_both kernel divides correctly rounded; XLA divides by
+    # div.full on GPUs (`-nvptx-prec-divf32=1`, within 2 units of float32) and by the
+    # reciprocal's product on CPU (its simplifier's x / broadcast(s)), so its data can differ
+    # from the kernel's by one fp8 unit where the quotient lies at a rounding boundary.
+    return jnp.where(scale > 0, jnp.clip(blocks / jnp.where(scale > 0, scale, 1.0), -top, top), 0.0)
 
 
 def _quantize_in_place(x, r: Recipe, axis: int):

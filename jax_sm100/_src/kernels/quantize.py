@@ -13,8 +13,11 @@ the operand and a reduction pass each; this kernel reads each 128 x 128 tile onc
 
 with `scaled.quantize`'s arithmetic operation for operation (amax; amax times 1 / top rounded
 to float32, floored at float32's least normal number, 1 for a zero block and NaN for a block
-holding a NaN or an infinity; x times 1 / scale, clipped to the format's range and rounded to
-nearest), so the two paths give the same bits. The scales are written with the rows
+holding a NaN or an infinity; x / scale, clipped to the format's range and rounded to
+nearest). The scales are XLA's bit for bit. The data is the correctly rounded quotient's;
+XLA's division is not correctly rounded (div.full on GPUs, a reciprocal's product on CPU), so
+XLA's data can be one fp8 unit away where a quotient lies at a rounding boundary (about one
+element in 10^5 to 10^6 on the H100). The scales are written with the rows
 contiguous because the sm_90a block-scaled kernel reads them so (scaled_gpu.py's transposed
 scales): the caller's swapaxes and that lowering's cancel in XLA.
 
@@ -123,13 +126,12 @@ class QuantizeBothKernel(KernelFamily):
 
     @cute.jit
     def _quantized(self, x, scale: cutlass.Float32):
-        """The data of the Float32 TensorSSA `x` under `scale` (`scaled._data`): x times the
-        scale's reciprocal (one IEEE division a block) clipped to the format's range, 0 where
-        the scale is NaN (a block holding a NaN or an infinity)."""
+        """The data of the Float32 TensorSSA `x` under `scale` (`scaled._data`): x / scale
+        (IEEE division, correctly rounded) clipped to the format's range, 0 where the scale is
+        NaN (a block holding a NaN or an infinity)."""
         f32 = cutlass.Float32
-        recip = f32(1.0) / scale
         r = cute.make_rmem_tensor(x.shape, f32)
-        r.store(x * recip)
+        r.store(x / scale)
         top = f32(self.top)
         for i in cutlass.range_constexpr(cute.size(r)):
             r[i] = cute.arch.fmin(cute.arch.fmax(r[i], -top), top)
