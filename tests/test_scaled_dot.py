@@ -66,22 +66,25 @@ def _fold(x, batch, contract):
     return np.transpose(x, (*batch, *free, *contract)).reshape(size(batch), size(free), -1)
 
 
-def _product64(a3, b3, ca, cb):
-    """float64 of scaled_matmul(quantize(a3, ca), quantize(b3, cb)), each [B, rows, k]."""
-    qa = jax_sm100.quantize(jnp.asarray(a3, jnp.float32), _recipe(ca), data_dtype=_data_dtype(ca))
-    qb = jax_sm100.quantize(jnp.asarray(b3, jnp.float32), _recipe(cb), data_dtype=_data_dtype(cb))
+def _product64(a3, b3, ca, cb, quantize=None):
+    """float64 of scaled_matmul(quantize(a3, ca), quantize(b3, cb)), each [B, rows, k]
+    (`quantize(x, recipe, data_dtype=...)`: `jax_sm100.quantize` unless given)."""
+    quantize = quantize or jax_sm100.quantize
+    qa = quantize(jnp.asarray(a3, jnp.float32), _recipe(ca), data_dtype=_data_dtype(ca))
+    qb = quantize(jnp.asarray(b3, jnp.float32), _recipe(cb), data_dtype=_data_dtype(cb))
     return test_scaled._reference64(qa[0], qb[0], qa[1], qb[1])
 
 
-def _expected(lhs, rhs, dn, configs, g):
-    """(y, d lhs, d rhs) of the module docstring's math in float64, folded [B, rows, cols]."""
+def _expected(lhs, rhs, dn, configs, g, quantize=None):
+    """(y, d lhs, d rhs) of the module docstring's math in float64, folded [B, rows, cols]
+    (operands quantized by `quantize`, `_product64`'s)."""
     (lc, rc), (lb, rb) = dn
     a = _fold(np.asarray(lhs, np.float32), lb, lc)
     b = _fold(np.asarray(rhs, np.float32), rb, rc)
     g3 = np.asarray(g, np.float32).reshape(a.shape[0], a.shape[1], b.shape[1])
-    y = _product64(a, b, configs[0], configs[1])
-    da = _product64(g3, b.transpose(0, 2, 1), configs[2], configs[1])
-    db = _product64(g3.transpose(0, 2, 1), a.transpose(0, 2, 1), configs[2], configs[0])
+    y = _product64(a, b, configs[0], configs[1], quantize)
+    da = _product64(g3, b.transpose(0, 2, 1), configs[2], configs[1], quantize)
+    db = _product64(g3.transpose(0, 2, 1), a.transpose(0, 2, 1), configs[2], configs[0], quantize)
     return y, da, db
 
 
