@@ -31,7 +31,9 @@ def _bits(x):
 
 def special_values(shape, dtype, seed=0):
     """Normal data of changing magnitude with the cases the recipe treats apart: a NaN, both
-    infinities, an all-zero tile, subnormal and huge blocks (each in a different 128 x 128
+    infinities, an all-zero tile, a tile of subnormal float32 values (for bfloat16 and float32
+    input: scales floored at float32's least normal number, power-of-two scales whose
+    quotients tie) and one near the top of the input's range (each in a different 128 x 128
     tile where the shape has one)."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)
@@ -43,7 +45,7 @@ def special_values(shape, dtype, seed=0):
     if rows >= 256 and cols >= 256:
         x[..., :128, 128:256] = 0.0
         finfo = jnp.finfo(dtype)
-        x[..., 128:256, 128:256] *= float(finfo.tiny) * 4  # subnormal quotients, small scales
+        x[..., 128:256, 128:256] *= float(finfo.tiny) * 4  # subnormal inputs, floored scales
         # Near the top of the input's range (normal values under 8, times max / 64).
         x[..., 128:256, :128] = np.clip(rng.standard_normal(x[..., 128:256, :128].shape), -8, 8)
         x[..., 128:256, :128] *= float(finfo.max) / 64
@@ -97,6 +99,11 @@ class QuantizeBothTest(parameterized.TestCase):
             jax_sm100.quantize_both(jnp.ones((256, 256), jnp.int32))
         with self.assertRaisesRegex(TypeError, "data is one of"):
             jax_sm100.quantize_both(x, data_dtype=jnp.bfloat16)
+        # Empty arrays (rows or cols 0 are whole blocks) give empty results.
+        for shape in ((0, 128), (2, 0, 128), (0, 256, 128)):
+            (q, s), (qt, st) = jax_sm100.quantize_both(jnp.zeros(shape))
+            self.assertEqual((q.shape, qt.shape), (shape, (*shape[:-2], shape[-1], shape[-2])))
+            self.assertEqual(s.shape, (*shape[:-1], shape[-1] // 128))
         with self.assertRaisesRegex(NotImplementedError, "not differentiable"):
             jax.grad(lambda x: jax_sm100.quantize_both(x)[0][1].sum())(x.astype(jnp.float32))
 

@@ -5,8 +5,11 @@
 
 (q, s) is `scaled.quantize(x, "fp8_block128")` (blocks of 128 along C) and (qt, st) is
 `scaled.quantize_transposed(x, "fp8_block128")` (blocks of 128 along R, the data written
-transposed), bit for bit. A training step needs both of each activation and each cotangent:
-the forward product contracts an activation along its k and the weight's gradient along its
+transposed): on CPU and wherever XLA's ops run, those two functions themselves; on the kernel,
+their scales bit for bit (XLA's on the GPU) and their data as the correctly rounded quotient
+x / scale gives it, which XLA's GPU division (div.full, not correctly rounded) misses by one
+fp8 unit in a few elements a million. A training step needs both of each activation and
+each cotangent: the forward product contracts an activation along its k and the weight's gradient along its
 rows, and the two gradients contract the cotangent along its n and its rows
 (`scaled_dot_general`). As XLA fusions that is two passes over the operand; on an sm_90a or
 sm_100a device (or target) the `quantize_both` kernel (kernels/quantize.py) reads it once.
@@ -25,6 +28,7 @@ primitive raises NotImplementedError (`scaled_dot_general` quantizes inside its 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +59,8 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
     Returns:
       ((data, scales), (data_t, scales_t)): data [..., rows, cols] and scales [..., rows,
       cols / 128], `jax_sm100.quantize(x, recipe)`; data_t [..., cols, rows] and scales_t
-      [..., cols, rows / 128], `quantize(swapaxes(x, -1, -2), recipe)`, bit for bit.
+      [..., cols, rows / 128], `quantize(swapaxes(x, -1, -2), recipe)` (on the kernel: the
+      scales bit for bit, the data the correctly rounded quotient's; module docstring).
 
     Raises:
       ValueError: another recipe, x of fewer than 2 dims, or rows or cols not multiples of
@@ -78,7 +83,7 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
         scaled._check_divides(length, recipe, _BLOCK, "jax_sm100.quantize_both")
     if P.explicit_type(x) is not None:
         return _reference(x, data_dtype=r.data_dtype)
-    x3 = x.reshape(-1, rows, cols)
+    x3 = x.reshape(math.prod(lead), rows, cols)  # (-1 cannot be inferred for an empty x)
     q, s, qt, st = quantize_both_p.bind(x3, data_dtype=r.data_dtype)
     return (
         (q.reshape(x.shape), s.reshape(*lead, rows, cols // _BLOCK)),
