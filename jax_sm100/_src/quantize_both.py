@@ -9,8 +9,8 @@ transposed): on CPU and wherever XLA's ops run, those two functions themselves; 
 their scales bit for bit (XLA's on the GPU) and their data as the correctly rounded quotient
 x / scale gives it, which XLA's GPU division (div.full, not correctly rounded) misses by one
 fp8 unit in a few elements a million. A training step needs both of each activation and
-each cotangent: the forward product contracts an activation along its k and the weight's gradient along its
-rows, and the two gradients contract the cotangent along its n and its rows
+each cotangent: the forward product contracts an activation along its k and the weight's
+gradient along its rows, and the two gradients contract the cotangent along its n and its rows
 (`scaled_dot_general`). As XLA fusions that is two passes over the operand; on an sm_90a or
 sm_100a device (or target) the `quantize_both` kernel (kernels/quantize.py) reads it once.
 
