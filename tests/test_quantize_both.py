@@ -3,8 +3,9 @@
 On CPU the primitive lowers to XLA's two quantizations, so the values are checked bit for bit
 against `quantize` and `quantize_transposed` here, and on the device against the same functions
 run by XLA there (tests/test_gpu_scaled.py). The kernel is compiled for sm_90a and sm_100a with
-no GPU, and its PTX checked for what makes it one pass and bit-exact (IEEE division, 16-byte
-loads, round-to-nearest fp8 conversion).
+no GPU, and its PTX checked for what makes it one pass and bit-exact (a reciprocal's product
+with one correction, 16-byte loads, round-to-nearest fp8 conversion); that division is
+emulated operation for operation in numpy and checked against IEEE division here.
 """
 
 from __future__ import annotations
@@ -52,6 +53,36 @@ def special_values(shape, dtype, seed=0):
     return jnp.asarray(x, dtype)
 
 
+def _rn32_sum(p, q):
+    """float32 round-to-nearest of p + q, for a float64 p and a float32 q: the float64 sum and
+    its exact error (TwoSum), then float32 ties decided by the error's sign."""
+    q = q.astype(np.float64)
+    t = p + q
+    bp = t - q
+    err = (p - bp) + (q - (t - bp))
+    r = t.astype(np.float32)
+    d = t - r
+    other = np.nextafter(r, np.where(d > 0, np.inf, -np.inf).astype(np.float32))
+    tie = (d != 0) & (np.abs(d) == np.abs(other - t))
+    return np.where(tie & (err != 0) & (np.sign(err) == np.sign(d)), other, r)
+
+
+def _emulated_division(x, s, correct=True, rescale=True):
+    """The kernel's x / s (QuantizeBothKernel._quantized) in numpy, operation for operation:
+    x and s times 2^64 where s < 2^-80; y = 1 / s; q0 = x y; r = fma(q0, s, -x); q = fma(-r, y,
+    q0). The FMAs are exact in float64 here: q0 s has 48 bits within a few units of x, and r y
+    48 bits (`_rn32_sum` rounds their sum with q0 once)."""
+    f32 = np.float32
+    c = np.where(rescale & (s < f32(2.0**-80)), f32(2.0**64), f32(1))
+    x, s = x * c, s * c
+    y = f32(1) / s
+    q0 = x * y
+    if not correct:
+        return q0
+    r = (q0.astype(np.float64) * s - x).astype(f32)
+    return _rn32_sum(-(r.astype(np.float64) * y), q0)
+
+
 class QuantizeBothTest(parameterized.TestCase):
     @parameterized.product(
         shape=[(128, 128), (256, 384), (2, 384, 256), (2, 1, 256, 128)],
@@ -73,6 +104,48 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertTrue(np.isnan(np.asarray(s)[..., 0, 0]).all())
         if shape[-1] >= 256 and shape[-2] >= 256:
             np.testing.assert_array_equal(np.asarray(q[..., :128, 128:256], np.float32), 0.0)
+
+    def test_division_against_ieee(self):
+        """The kernel's division, emulated, equals numpy's correctly rounded x / s on blocks as
+        the recipe makes them (any exponent, bfloat16 values, the largest element's quotient at
+        the top, quotients at float32 ties, signed zeros): every fp8 byte, and every float32
+        quotient from 2^-18 (below it, each format rounds to zero). Without the correction or
+        the rescaling of tiny blocks, the same data shows differences: the check can fail."""
+        import ml_dtypes  # noqa: PLC0415
+
+        f32 = np.float32
+        rng = np.random.default_rng(0)
+        blocks = 1 << 13
+        amax = np.exp2(rng.uniform(-149, 127, blocks)).astype(f32)
+        amax = np.maximum(amax.astype(ml_dtypes.bfloat16).astype(f32), f32(2.0**-149))
+        amax[::2] = np.exp2(rng.uniform(-125, -40, blocks // 2))  # tiny blocks, rescaled
+        # The recipe's scale: amax times 1 / 448 or 1 / 57344, floored at the least normal.
+        for top, fp8 in ((448.0, ml_dtypes.float8_e4m3fn), (57344.0, ml_dtypes.float8_e5m2)):
+            s = np.repeat(np.maximum(amax * (f32(1) / f32(top)), f32(2.0**-126)), 128)
+            a = np.repeat(amax, 128).astype(np.float64)
+            n = s.size
+            sign = rng.choice([-1.0, 1.0], n)
+            x = np.stack([
+                a * rng.uniform(-1, 1, n),
+                a * np.exp2(rng.uniform(-40, 0, n)) * sign,
+                a * (1 - rng.uniform(0, 1e-3, n)) * sign,
+                (rng.integers(1 << 23, 1 << 24, n) + 0.5) * np.exp2(rng.integers(-45, -15, n))
+                * s * sign,
+            ]).astype(f32)  # fmt: skip
+            x[1:3] = x[1:3].astype(ml_dtypes.bfloat16).astype(f32)
+            x[:, ::97], x[:, ::101] = 0.0, -0.0
+            x = np.where(np.abs(x) > a, np.copysign(a, x), x).astype(f32)
+            exact = x / s
+
+            def differences(q, exact=exact, top=top, fp8=fp8):
+                big = np.abs(exact) >= 2.0**-18
+                bits = int(np.sum((q.view(np.uint32) != exact.view(np.uint32)) & big))
+                data = [np.clip(v, -top, top).astype(fp8).view(np.uint8) for v in (q, exact)]
+                return bits, int(np.sum(data[0] != data[1]))
+
+            self.assertEqual(differences(_emulated_division(x, s)), (0, 0))
+            self.assertGreater(differences(_emulated_division(x, s, correct=False))[0], 0)
+            self.assertGreater(differences(_emulated_division(x, s, rescale=False))[0], 0)
 
     def test_vmap_and_eager(self):
         x = special_values((3, 256, 128), jnp.bfloat16)
@@ -145,10 +218,13 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertEqual(count(r"ld\.global\.(v4\.b32|v2\.b64)"), loads)
         self.assertEqual(count(r"ld\.global"), loads)
         self.assertEqual(count(r"st\.shared\.(v4\.b32|v2\.b64)"), loads)
-        # x / scale correctly rounded (IEEE), no approximate division or reciprocal, and no
-        # flush to zero; the scales by a multiply (amax times 1 / top).
-        self.assertEqual(count(r"div\.rn\.f32"), 2 * 8 * 8)
-        self.assertEqual(count(r"div\.(full|approx)|rcp\.|\.ftz\."), 0)
+        # x / scale as `_emulated_division`: one IEEE reciprocal a block row (8 a pass), a
+        # product, rounded apart (mul.rn: not fused), and two FMAs an element; no
+        # approximation and no flush to zero.
+        self.assertEqual(count(r"rcp\.rn\.f32"), 2 * 8)
+        self.assertEqual(count(r"mul\.rn\.f32"), 2 * 8 * 8 * 2)
+        self.assertEqual(count(r"fma\.rn\.f32"), 2 * 8 * 8 * 2)
+        self.assertEqual(count(r"div\.|\.approx|\.ftz\."), 0)
         # Rounded to nearest, saturating (the quotient is clipped first).
         fmt = "e4m3" if data_dtype == "float8_e4m3fn" else "e5m2"
         self.assertEqual(count(rf"cvt\.rn\.satfinite\.{fmt}x2\.f32"), 2 * 8 * 4)
