@@ -74,7 +74,7 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import constraints, dispatch
+from jax_sm100._src import dispatch
 from jax_sm100._src.kernels.spec import KernelSpec
 
 SHAPES = (
@@ -212,10 +212,9 @@ class _Instr:
     def is_product(self) -> bool:
         if self.opcode == "dot":
             return True
-        target = _TARGET.search(self.text)
-        quantize = ",".join(constraints.QUANTIZE_TENSORS)  # the quantize_both kernel's call
+        target = _TARGET.search(self.text)  # not jax_sm100_quantize (ffi.QUANTIZE_TARGET)
         return self.opcode == "custom-call" and bool(
-            target and _PRODUCT_TARGETS.search(target.group(1)) and quantize not in self.text
+            target and _PRODUCT_TARGETS.search(target.group(1))
         )
 
     @property

@@ -51,7 +51,7 @@ from jax import lax
 
 import jax_sm100
 from jax_sm100 import bench
-from jax_sm100._src import constraints
+from jax_sm100._src import ffi
 from jax_sm100._src import primitive as P
 
 MLP = dict(tokens=8192, d_model=4096, d_ff=14336)
@@ -148,10 +148,8 @@ class Side:
 
 def _products(hlo: str) -> tuple[int, int]:
     """(our kernels, XLA's products) among the compiled module's instructions."""
-    # The quantize_both kernel's calls (scaled_dot_general's quantizations) are not products.
-    quantize = ",".join(constraints.QUANTIZE_TENSORS)
-    ours = sum('custom_call_target="jax_sm100_gemm"' in line and quantize not in line
-               for line in hlo.splitlines())  # fmt: skip
+    # The quantize_both kernel's calls have their own target (`ffi.QUANTIZE_TARGET`).
+    ours = sum(f'custom_call_target="{ffi.TARGET}"' in line for line in hlo.splitlines())
     xla = sum(
         1
         for line in hlo.splitlines()

@@ -140,7 +140,7 @@ class LayoutTest(parameterized.TestCase):
 
 @dataclasses.dataclass(frozen=True)
 class _Call:
-    """One `jax_sm100_gemm` custom call of an exported module."""
+    """One custom call of an exported module to the handler (`ffi.TARGETS`)."""
 
     dims: list[int]
     order: list[int]
@@ -160,7 +160,7 @@ def _custom_calls(text: str) -> list[_Call]:
                     for o in block.operations:
                         target = o.attributes["call_target_name"] if (
                             o.operation.name == "stablehlo.custom_call") else None  # fmt: skip
-                        if target is not None and ir.StringAttr(target).value == ffi.TARGET:
+                        if target is not None and ir.StringAttr(target).value in ffi.TARGETS:
                             calls.append(_parse(o))
                         walk(o.operation)
 
@@ -278,6 +278,12 @@ _CASES = [
               (_s(1, 128, 512, dtype=jnp.float4_e2m1fn), _s(1, 256, 512, dtype=jnp.float4_e2m1fn),
                _s(1, 1, 8, 32, 4, 4, dtype=jnp.float8_e4m3fn),
                _s(1, 2, 8, 32, 4, 4, dtype=jnp.float8_e4m3fn)))),
+    # One input, four results (jax_sm100_quantize): the scales written rows-contiguous.
+    ("sm90_quantize_both", "sm_90a",
+     lambda: (jax_sm100.quantize_both, (_s(2, 256, 384),))),
+    ("sm100_quantize_both", "sm_100a",
+     lambda: (lambda x: jax_sm100.quantize_both(x, data_dtype=jnp.float8_e5m2),
+              (_s(384, 128, dtype=jnp.float32),))),
 ]  # fmt: skip
 
 

@@ -248,7 +248,8 @@ class QuantizeBothTest(parameterized.TestCase):
                 )(s((2, 512, 256), jnp.bfloat16)).mlir_module()  # fmt: skip
             self.assertEqual([x.plan.kernel for x in seen], ["quantize_both"])
             self.assertEqual(seen[0].plan.arch, arch)
-            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 1)
+            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_quantize"), 1)
+            self.assertNotIn("custom_call @jax_sm100_gemm", text)  # not counted as a product
             self.assertIn('names = "x,q,s,qt,st"', text)
             self.assertNotIn("stablehlo.reduce", text)  # no XLA quantization beside it
             # A shape the kernel does not take runs XLA's quantizations, and says why.

@@ -282,7 +282,10 @@ class ScaledDotGeneralTest(parameterized.TestCase):
                 self.assertTrue(t.endswith("f8E4M3FN") or t.endswith("f32"), t)
             whole = [t for t in types if min(map(int, t.split("x")[1:3])) >= 512]
             self.assertEqual(whole, ["1x2048x512xf32"], types)
-            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 5)
+            # The quantizations' calls have their own target: counting products counts
+            # jax_sm100_gemm's.
+            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 3)
+            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_quantize"), 2)
             # Without a gradient each operand is quantized only the way its product reads it.
             with (
                 mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
@@ -295,6 +298,7 @@ class ScaledDotGeneralTest(parameterized.TestCase):
                 )(*args).mlir_module()  # fmt: skip
             self.assertEqual([lw.plan.kernel for lw in seen], [kernel])
             self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 1)
+            self.assertNotIn("custom_call @jax_sm100_quantize", text)
 
     @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)
     def test_partial_blocks_are_padded_with_zeros(self, *configs):

@@ -33,9 +33,20 @@ import threading
 import jax
 import numpy as np
 
-from jax_sm100._src import disk_cache
+from jax_sm100._src import constraints, disk_cache
 
 TARGET = "jax_sm100_gemm"
+# The same handler under a second name for the calls that are not products (the quantize_both
+# kernel), so that whoever counts products in a compiled program counts `TARGET`'s calls.
+QUANTIZE_TARGET = "jax_sm100_quantize"
+TARGETS = (TARGET, QUANTIZE_TARGET)
+
+
+def target_for(kernel: str) -> str:
+    """The custom call target of a plan's kernel family (`GemmPlan.kernel` and alike)."""
+    return QUANTIZE_TARGET if kernel == constraints.KERNEL_QUANTIZE_BOTH else TARGET
+
+
 # The handler's per-instance state type (GemmState in gemm_ffi.cc).
 STATE_TYPE = "jax_sm100_gemm_state"
 _LIB_NAME = "libjax_sm100_ffi.so"
@@ -198,7 +209,7 @@ def check_call(dims, order, names: str, inputs, results, repeats: int = 1):
 
 
 def register() -> None:
-    """Builds/loads the handler and registers the `jax_sm100_gemm` target for CUDA (once)."""
+    """Builds/loads the handler and registers its targets (`TARGETS`) for CUDA (once)."""
     with _lock:
         _register_locked()
 
@@ -215,14 +226,15 @@ def _register_locked() -> None:
         },
         platform="CUDA",
     )
-    jax.ffi.register_ffi_target(
-        TARGET,
-        {
-            "instantiate": jax.ffi.pycapsule(lib.JaxSm100GemmInstantiate),
-            "execute": jax.ffi.pycapsule(lib.JaxSm100GemmExecute),
-        },
-        platform="CUDA",
-    )
+    for target in TARGETS:
+        jax.ffi.register_ffi_target(
+            target,
+            {
+                "instantiate": jax.ffi.pycapsule(lib.JaxSm100GemmInstantiate),
+                "execute": jax.ffi.pycapsule(lib.JaxSm100GemmExecute),
+            },
+            platform="CUDA",
+        )
 
 
 def cuda_plugin_installed() -> bool:
@@ -272,4 +284,4 @@ def register_if_cuda() -> bool:
 
 def export_safety_checks() -> list:
     """`disabled_checks` for `jax.export.export` of functions that call our kernels."""
-    return [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(target) for target in TARGETS]

@@ -172,7 +172,8 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
 
 
 def _ffi(compiled, out_type, operands, layouts, order, aliases=None):
-    """The `jax_sm100_gemm` custom call of `compiled` (`launch`'s last step): `layouts` (one
+    """The custom call of `compiled` (`launch`'s last step; `jax_sm100_gemm`, or
+    `jax_sm100_quantize` for the quantize_both kernel: `ffi.target_for`): `layouts` (one
     `ffi_checks.TensorLayout` per tensor argument, in the kernel's order) encoded as the
     handler's attributes and checked against the buffers first, `order[i]` the input (>= 0) or
     result (-1 - j) that tensor argument i is, `aliases` input -> result as `jax.ffi.ffi_call`
@@ -186,7 +187,8 @@ def _ffi(compiled, out_type, operands, layouts, order, aliases=None):
     ins = [(x.shape, x.dtype) for x in operands]
     outs = [(o.shape, o.dtype) for o in (out_type if isinstance(out_type, tuple) else (out_type,))]
     ffi_checks.check_call(dims, order, names, ins, outs)
-    call = jax.ffi.ffi_call(ffi.TARGET, out_type, input_output_aliases=aliases)
+    target = ffi.target_for(compiled.plan.kernel)
+    call = jax.ffi.ffi_call(target, out_type, input_output_aliases=aliases)
     return call(
         *operands,
         key=compiled.digest,
