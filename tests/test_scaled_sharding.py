@@ -341,6 +341,43 @@ class AutoAxesTest(ScaledCase):
         self.assertIn("sdy.sharding_rule", text)
         self.assertNotIn("CustomSPMDPartitioning", jax.jit(product).lower(*args).as_text())
 
+    @parameterized.parameters(True, False)
+    def test_quantize_both_is_local(self, shardy):
+        # Each device quantizes its block of x both ways where the block holds whole
+        # 128-blocks along R and C: no collective, the results split as x (the transposed
+        # ones transposed). A split that would cut a block is dropped (x gathered along it).
+        # Bit for bit the unsharded values either way, and a custom_partitioning call (on a
+        # GPU, the kernel's custom call would otherwise run whole on every device).
+        f = jax.jit(lambda x: jax_sm100.quantize_both(x))
+        x = data(2, rows=256, k=512).astype(jnp.bfloat16)  # 2 x 4 blocks of 128 x 128
+        want = [np.asarray(w).view(np.uint8) for w in jax.tree.leaves(f(x))]
+
+        def devices(entry):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            return math.prod(ts.axis_size(a) for a in axes)
+
+        for spec in (PS("data", None, "model"), PS(None, "model", "data"),
+                     PS(None, ("data", "model"))):  # fmt: skip
+            lead, rows, cols = (*spec, None, None)[:3]
+            whole = all(n % devices(e) == 0
+                        for n, e in zip((2, 2, 4), (lead, rows, cols), strict=True))  # fmt: skip
+            transposed = PS(lead, cols, rows)
+
+            def check(spec=spec, whole=whole, transposed=transposed):
+                xs = self.put(x, spec)
+                got = f(xs)
+                for g, w in zip(jax.tree.leaves(got), want, strict=True):
+                    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w)
+                if whole:
+                    hlo = f.lower(xs).compile().as_text()
+                    self.assertEqual(ts.collectives(hlo), counts(), spec)
+                    (q, _), (qt, _) = got
+                    self.assertEqual(same_spec(q.sharding.spec), same_spec(spec))
+                    self.assertEqual(same_spec(qt.sharding.spec), same_spec(transposed))
+
+            self.run_with(shardy, check)
+        self.assertIn("@CustomSPMDPartitioning", f.lower(self.put(x, PS("data"))).as_text())
+
     @parameterized.parameters(*RECIPES)
     def test_grads(self, *recipes):
         lq, rq, ls, rs = quantized(recipes)

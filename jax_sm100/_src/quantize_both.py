@@ -16,9 +16,10 @@ sm_100a device (or target) the `quantize_both` kernel (kernels/quantize.py) read
 
 CPU, and CUDA where the kernel does not take the call (`constraints.quantize_both_support`:
 R and C whole 128-blocks, bfloat16, float16 or float32 input; or no sm_90a/sm_100a target, or
-`jax.export`'s symbolic dims, or a program sharded over several devices, whose partitioner
-then splits XLA's ops), lower to those two functions; each CUDA lowering records its path
-(`jax_sm100.lowerings()`). Under Explicit mesh axes `quantize_both` calls the two functions
+`jax.export`'s symbolic dims), lower to those two functions; each CUDA lowering records its
+path (`jax_sm100.lowerings()`). In a program sharded over several devices the primitive is
+partitioned (`custom_partitioning` with a Shardy rule, below): each device quantizes its block
+of x, on the kernel or XLA's ops as above. Under Explicit mesh axes `quantize_both` calls the two functions
 directly (their sharding rules). Inside a `shard_map` every axis of which is manual the kernel
 runs on the local blocks; one that leaves some axes automatic runs it unpartitioned over those
 (as the products do). Quantization has no useful derivative: differentiating the
@@ -34,7 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch as jax_dispatch
+from jax.experimental.custom_partitioning import ArrayMapping, CompoundFactor, SdyShardingRule
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 from jax_sm100._src import constraints, dispatch, scaled, sharding
 from jax_sm100._src import primitive as P
@@ -163,13 +167,113 @@ def _cuda(x3, *, data_dtype):
     return [q, jnp.swapaxes(s, 1, 2), qt, jnp.swapaxes(st, 1, 2)]
 
 
+# --- partitioning ------------------------------------------------------------------------------
+#
+# In a program sharded over devices the primitive is wrapped in `custom_partitioning`, as the
+# products are (sharding.py): XLA would run the kernel's custom call whole on every device.
+# Each device quantizes its block of x where that block holds whole 128-blocks both ways, so
+# its scales are a block of the scales and nothing moves between devices. Factors: L, and R
+# and C each as (blocks, 128) with the scales' dim the blocks alone; a mesh axis (of x's
+# sharding) that does not divide a dim's blocks evenly is dropped, x gathered along it
+# (replicated rather than wrong); R or C of one block stays whole.
+
+
+def _factors(shape):
+    """(data dims, scale dims, minor factors, whole factors) of R and C."""
+    _, R, C = shape
+    data, scales, minor, whole = {}, {}, {}, []
+    for f, extent in (("r", R), ("c", C)):
+        if extent // _BLOCK > 1:
+            data[f], scales[f] = (f, f"{f}_in"), (f,)
+            minor[f"{f}_in"] = _BLOCK
+            whole.append(f"{f}_in")
+        else:  # one block: never split (a compound factor of size 1 is not a rule Shardy takes)
+            data[f], scales[f] = (f,), (f"{f}_s",)
+            whole += [f, f"{f}_s"]
+    return data, scales, minor, whole
+
+
+def _sharding_rule(shape) -> SdyShardingRule:
+    data, scales, minor, whole = _factors(shape)
+    mappings = (
+        (("l",), data["r"], data["c"]),  # x
+        (("l",), data["r"], data["c"]),  # q
+        (("l",), data["r"], scales["c"]),  # s
+        (("l",), data["c"], data["r"]),  # qt
+        (("l",), data["c"], scales["r"]),  # st
+    )
+
+    def mapping(dims):
+        return ArrayMapping(*(CompoundFactor(*d) if len(d) > 1 else d[0] for d in dims))
+
+    # Shardy wants the special factors in the order the rule first names them.
+    named = list(dict.fromkeys(f for dims in mappings for d in dims for f in d))
+    return SdyShardingRule(
+        operand_mappings=(mapping(mappings[0]),),
+        result_mappings=tuple(mapping(m) for m in mappings[1:]),
+        need_replication_factors=tuple(sorted(whole, key=named.index)),
+        **minor,
+    )
+
+
+def _local_axes(shape, mesh, x_sharding):
+    """The mesh axes each of x's dims (L, R, C) is split over for the per-device kernels."""
+    L, R, C = shape
+    sizes = dict(mesh.shape)
+    axes = sharding._spec_axes(x_sharding, 3)
+    return (
+        sharding._even_prefix(axes[0], L, sizes),
+        sharding._even_prefix(axes[1], R // _BLOCK, sizes) if R > _BLOCK else (),
+        sharding._even_prefix(axes[2], C // _BLOCK, sizes) if C > _BLOCK else (),
+    )
+
+
+def _result_shardings(mesh, local):
+    lx, rx, cx = (P.spec_entry(a) for a in local)
+    specs = (PS(lx, rx, cx), PS(lx, rx, cx), PS(lx, cx, rx), PS(lx, cx, rx))
+    return tuple(NamedSharding(mesh, s) for s in specs)
+
+
+def _infer(shape, mesh, arg_shapes):
+    return _result_shardings(mesh, _local_axes(shape, mesh, arg_shapes[0].sharding))
+
+
+def _partition(shape, data_dtype, mesh, arg_shapes, result_shapes):
+    del result_shapes  # each result's blocks are x's: its sharding follows x's
+    local = _local_axes(shape, mesh, arg_shapes[0].sharding)
+    x_sharding = NamedSharding(mesh, PS(*(P.spec_entry(a) for a in local)))
+
+    def lower_fn(x3):
+        return tuple(quantize_both_p.bind(x3, data_dtype=data_dtype))
+
+    return mesh, lower_fn, _result_shardings(mesh, local), (x_sharding,)
+
+
+def _lowering(local_rule):
+    """The lowering of `quantize_both_p` whose one-device computation is `local_rule(ctx, x3,
+    data_dtype=...)`: partitioned where the program is sharded over devices."""
+
+    def rule(ctx, x3, *, data_dtype):
+        if not sharding._is_sharded(ctx.module_context.axis_context):
+            return local_rule(ctx, x3, data_dtype=data_dtype)
+        shape = ctx.avals_in[0].shape
+        wrapped = sharding.partitioned(
+            lambda x: tuple(quantize_both_p.bind(x, data_dtype=data_dtype)),
+            partition=lambda mesh, args, result: _partition(shape, data_dtype, mesh, args, result),
+            infer=lambda mesh, args: _infer(shape, mesh, args),
+            rule=_sharding_rule(shape),
+        )
+        return sharding.lower_partitioned(wrapped, ctx, x3, multiple_results=True)
+
+    return rule
+
+
+def _cpu_rule(ctx, x3, *, data_dtype):
+    return mlir.lower_fun(_flat_reference, multiple_results=True)(ctx, x3, data_dtype=data_dtype)
+
+
 def _cuda_rule(ctx, x3, *, data_dtype):
-    if sharding._is_sharded(ctx.module_context.axis_context):
-        # XLA's ops, which the partitioner splits (the kernel's custom call it would run whole
-        # on every device).
-        def fn(x3):
-            return _xla("a program sharded over devices", None, x3, data_dtype)
-    elif sharding.typed_over_explicit_axes(ctx):
+    if sharding.typed_over_explicit_axes(ctx):
         # Typed over a one-device mesh with Explicit axes (`quantize_both` itself calls XLA's
         # ops under Explicit axes): nothing is split, XLA's ops as the types ask.
         def fn(x3):
@@ -199,9 +303,9 @@ def _batch(args, dims, *, data_dtype):
 
 quantize_both_p.def_abstract_eval(_abstract)
 quantize_both_p.def_impl(functools.partial(jax_dispatch.apply_primitive, quantize_both_p))
-mlir.register_lowering(
-    quantize_both_p, mlir.lower_fun(_flat_reference, multiple_results=True), platform="cpu"
-)
-mlir.register_lowering(quantize_both_p, _cuda_rule, platform="cuda")
+# custom_partitioning needs the device assignment while lowering (as for the products).
+jax_dispatch.prim_requires_devices_during_lowering.add(quantize_both_p)
+mlir.register_lowering(quantize_both_p, _lowering(_cpu_rule), platform="cpu")
+mlir.register_lowering(quantize_both_p, _lowering(_cuda_rule), platform="cuda")
 batching.primitive_batchers[quantize_both_p] = _batch
 ad.primitive_jvps[quantize_both_p] = _jvp
