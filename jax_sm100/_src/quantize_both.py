@@ -19,11 +19,12 @@ R and C whole 128-blocks, bfloat16, float16 or float32 input; or no sm_90a/sm_10
 `jax.export`'s symbolic dims), lower to those two functions; each CUDA lowering records its
 path (`jax_sm100.lowerings()`). In a program sharded over several devices the primitive is
 partitioned (`custom_partitioning` with a Shardy rule, below): each device quantizes its block
-of x, on the kernel or XLA's ops as above. Under Explicit mesh axes `quantize_both` calls the two functions
-directly (their sharding rules). Inside a `shard_map` every axis of which is manual the kernel
-runs on the local blocks; one that leaves some axes automatic runs it unpartitioned over those
-(as the products do). Quantization has no useful derivative: differentiating the
-primitive raises NotImplementedError (`scaled_dot_general` quantizes inside its own gradient).
+of x, on the kernel or XLA's ops as above. Under Explicit mesh axes `quantize_both` calls the
+two functions directly (their sharding rules). Inside a `shard_map` every axis of which is
+manual the kernel runs on the local blocks; one that leaves some axes automatic runs it
+unpartitioned over those (as the products do). Quantization has no useful derivative:
+differentiating the primitive raises NotImplementedError (`scaled_dot_general` quantizes
+inside its own gradient).
 """
 
 from __future__ import annotations
