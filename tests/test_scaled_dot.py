@@ -195,6 +195,30 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         self.assertEqual(float(dl[3, 5]), 0.0)
         self.assertGreater(int(jnp.count_nonzero(dl)), dl.size - 2)
 
+    @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)
+    def test_a_frozen_operand_gets_no_gradient_and_no_residual(self, *configs):
+        # Differentiating one operand only (a frozen weight; the input data) gives that
+        # gradient bit for bit as differentiating both does, and computes nothing for the
+        # other: its product is absent from the jaxpr, and the operand the gradient does not
+        # read is not kept (with the weight frozen, no residual holds the activation's size).
+        x, w = _normal(0, (256, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
+        dn = (((1,), (0,)), ((), ()))
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(x, w, dn, jnp.float32, configs)
+            return jnp.sum(jnp.sin(y))
+
+        dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+        np.testing.assert_array_equal(jax.jit(jax.grad(loss, 0))(x, w), dx)
+        np.testing.assert_array_equal(jax.jit(jax.grad(loss, 1))(x, w), dw)
+        for fn, primal in ((lambda x: loss(x, w), x), (lambda w: loss(x, w), w)):
+            _, vjp = jax.vjp(fn, primal)
+            jaxpr = jax.make_jaxpr(vjp)(1.0)
+            self.assertEqual(str(jaxpr).count("scaled_matmul"), 1, jaxpr)  # one gradient's
+            kept = [v.shape for v in jax.tree.leaves(vjp)]  # the residuals
+            if primal is x:  # none of the activation's (or its fp8 data's) size
+                self.assertNotIn(x.shape, kept)
+
     def test_without_configs_it_is_dot_general(self):
         lhs, rhs = _normal(0, (64, 96), jnp.bfloat16), _normal(1, (96, 32), jnp.bfloat16)
         dn = (((1,), (0,)), ((), ()))
