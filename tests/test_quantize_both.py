@@ -225,6 +225,22 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertEqual(count(r"mul\.rn\.f32"), 2 * 8 * 8 * 2)
         self.assertEqual(count(r"fma\.rn\.f32"), 2 * 8 * 8 * 2)
         self.assertEqual(count(r"div\.|\.approx|\.ftz\."), 0)
+        # Register for register: per block row c = 2^64 where the scale is below 2^-80 (else
+        # 1), s = scale c, y = 1 / s; per element x' = x c, q0 = x' y, r = fma(q0, s, -x'),
+        # q = fma(-r, y, q0), with that row's c, s and y.
+        rows = re.findall(
+            r"setp\.lt\.f32\s+(%p\d+), %r\d+, 0f17800000;\s*"
+            r"selp\.f32\s+(%r\d+), 0f5F800000, 0f3F800000, \1;\s*"
+            r"mul\.f32\s+(%r\d+), %r\d+, \2;\s*rcp\.rn\.f32\s+(%r\d+), \3;", ptx)  # fmt: skip
+        self.assertLen(rows, 2 * 8)
+        elements = re.findall(
+            r"mul\.rn\.f32\s+(%r\d+), %r\d+, (%r\d+);\s*mul\.rn\.f32\s+(%r\d+), \1, (%r\d+);\s*"
+            r"neg\.f32\s+(%r\d+), \1;\s*fma\.rn\.f32\s+(%r\d+), \3, (%r\d+), \5;\s*"
+            r"neg\.f32\s+(%r\d+), \6;\s*fma\.rn\.f32\s+%r\d+, \8, \4, \3;", ptx)  # fmt: skip
+        self.assertLen(elements, 2 * 8 * 8)
+        per_row = {(c, s, y) for _, c, s, y in rows}
+        for _, c, _, y, _, _, s, _ in elements:
+            self.assertIn((c, s, y), per_row)
         # Rounded to nearest, saturating (the quotient is clipped first).
         fmt = "e4m3" if data_dtype == "float8_e4m3fn" else "e5m2"
         self.assertEqual(count(rf"cvt\.rn\.satfinite\.{fmt}x2\.f32"), 2 * 8 * 4)

@@ -213,7 +213,7 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         np.testing.assert_array_equal(jax.jit(jax.grad(loss, 1))(x, w), dw)
         for fn, primal in ((lambda x: loss(x, w), x), (lambda w: loss(x, w), w)):
             _, vjp = jax.vjp(fn, primal)
-            jaxpr = jax.make_jaxpr(vjp)(1.0)
+            jaxpr = jax.make_jaxpr(vjp)(jnp.float32(1.0))
             self.assertEqual(str(jaxpr).count("scaled_matmul"), 1, jaxpr)  # one gradient's
             kept = [v.shape for v in jax.tree.leaves(vjp)]  # the residuals
             if primal is x:  # none of the activation's (or its fp8 data's) size

@@ -345,25 +345,33 @@ class AutoAxesTest(ScaledCase):
     def test_quantize_both_is_local(self, shardy):
         # Each device quantizes its block of x both ways where the block holds whole
         # 128-blocks along R and C: no collective, the results split as x (the transposed
-        # ones transposed). A split that would cut a block is dropped (x gathered along it).
-        # Bit for bit the unsharded values either way, and a custom_partitioning call (on a
-        # GPU, the kernel's custom call would otherwise run whole on every device).
+        # ones transposed). A split that would cut a block is dropped, x
+        # gathered along it; R or C of one block is never split. Bit for bit the unsharded
+        # values either way, and a custom_partitioning call (on a GPU, the kernel's custom call
+        # would otherwise run whole on every device).
         f = jax.jit(lambda x: jax_sm100.quantize_both(x))
-        x = data(2, rows=256, k=512).astype(jnp.bfloat16)  # 2 x 4 blocks of 128 x 128
-        want = [np.asarray(w).view(np.uint8) for w in jax.tree.leaves(f(x))]
 
         def devices(entry):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
             return math.prod(ts.axis_size(a) for a in axes)
 
-        for spec in (PS("data", None, "model"), PS(None, "model", "data"),
-                     PS(None, ("data", "model"))):  # fmt: skip
+        for shape, spec in (
+            ((2, 256, 512), PS("data", None, "model")),
+            ((2, 256, 512), PS(None, "model", "data")),
+            ((2, 256, 512), PS(None, "data", "model")),
+            ((2, 256, 512), PS(None, ("data", "model"))),
+            ((4, 128, 1024), PS("data", "model")),  # one block of rows
+            ((3, 256, 256), PS(None, None, "model")),  # 4 devices on 2 blocks
+        ):
+            x = jnp.asarray(np.random.default_rng(3).standard_normal(shape), jnp.bfloat16)
+            want = [np.asarray(w).view(np.uint8) for w in jax.tree.leaves(f(x))]
             lead, rows, cols = (*spec, None, None)[:3]
-            whole = all(n % devices(e) == 0
-                        for n, e in zip((2, 2, 4), (lead, rows, cols), strict=True))  # fmt: skip
+            blocks = (shape[0], shape[1] // 128, shape[2] // 128)
+            splits = (lead, rows, cols)
+            whole = all(n % devices(e) == 0 for n, e in zip(blocks, splits, strict=True))
             transposed = PS(lead, cols, rows)
 
-            def check(spec=spec, whole=whole, transposed=transposed):
+            def check(x=x, want=want, spec=spec, whole=whole, transposed=transposed):
                 xs = self.put(x, spec)
                 got = f(xs)
                 for g, w in zip(jax.tree.leaves(got), want, strict=True):
@@ -376,6 +384,7 @@ class AutoAxesTest(ScaledCase):
                     self.assertEqual(same_spec(qt.sharding.spec), same_spec(transposed))
 
             self.run_with(shardy, check)
+        x = jnp.zeros((2, 256, 512), jnp.bfloat16)
         self.assertIn("@CustomSPMDPartitioning", f.lower(self.put(x, PS("data"))).as_text())
 
     @parameterized.parameters(*RECIPES)

@@ -260,7 +260,7 @@ def cuda_excluded(platforms: str | None) -> bool:
 
 
 def register_if_cuda() -> bool:
-    """Registers the target when JAX can run on CUDA here; True when registered.
+    """Registers the targets when JAX can run on CUDA here; True when registered.
 
     For processes that run a deserialised `jax.export` artifact or a persistent-cache hit
     without lowering jax_sm100.matmul themselves. On a machine without a CUDA plugin, or where

@@ -16,7 +16,7 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 3. The plan that runs that problem on the target (`dispatch.plan_call`: the planner's or the
    caller's, split-K fitted to k).
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
-   `jax_sm100_gemm` target, carrying the object file, its function name and the runtime extents
+   `jax_sm100_gemm` target (`jax_sm100_quantize` for the quantize kernel), carrying the object file, its function name and the runtime extents
    and strides as attributes; the binary travels inside the HLO.
 5. A split-K plan runs the kernel on (M, K/s, s) views of A and B. With `split_reduce="xla"`
    (the planner's) it writes float32 partials, summed by XLA with the epilogue fused into that
@@ -253,7 +253,7 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
 
 
 def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
-    """One `jax_sm100_gemm` call of `compiled`: every lowering's way to its kernel.
+    """One custom call of `compiled` (`_ffi`): every lowering's way to its kernel.
 
     Args:
       compiled: the `compile.CompiledGemm` to run.

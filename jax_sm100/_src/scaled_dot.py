@@ -122,8 +122,8 @@ def scaled_dot_general(
     Returns:
       `[batch..., lhs free..., rhs free...]` in `preferred_element_type`, as `lax.dot_general`.
       Differentiable once in reverse mode (`grad`, `vjp`), under `vmap` and `jit`, and on
-      sharded operands (the quantization is XLA ops, the products `scaled_matmul`'s partitioned
-      lowering); forward mode (`jvp`) is not defined, as for JAX's, and a second derivative
+      sharded operands (`quantize_both` and the products `scaled_matmul` partitioned per
+      device; other quantizations XLA ops); forward mode (`jvp`) is not defined, as for JAX's, and a second derivative
       raises NotImplementedError (the backward's quantization has none).
 
     A contraction (k, or for the gradients n and m) that a block does not divide is padded

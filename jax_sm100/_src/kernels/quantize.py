@@ -133,8 +133,8 @@ class QuantizeBothKernel(KernelFamily):
 
         The quotient is the reciprocal's product corrected once (Markstein): with y = 1 / s
         correctly rounded (one IEEE division a block), q0 = x y, r = q0 s - x (exact, an FMA)
-        and q = q0 - r y (an FMA). Four operations an element where an IEEE division takes
-        about ten and a range check. The correction holds while the remainder r is a normal
+        and q = q0 - r y (an FMA): with x's rescaling below, five an element (the negations
+        fold into the FMAs) where an IEEE division takes about ten and a range check. The correction holds while the remainder r is a normal
         number, so a block whose scale is below 2^-80 has x and s multiplied by 2^64 first
         (exact; the quotient is unchanged); quotients below 2^-18, which every fp8 format
         rounds to zero, may then be a unit off in float32. The remainder's sign is taken so
