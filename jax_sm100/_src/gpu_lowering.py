@@ -16,8 +16,9 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 3. The plan that runs that problem on the target (`dispatch.plan_call`: the planner's or the
    caller's, split-K fitted to k).
 4. `compile_plan` (once per process per binary) and one `jax.ffi.ffi_call` to the
-   `jax_sm100_gemm` target (`jax_sm100_quantize` for the quantize kernel), carrying the object file, its function name and the runtime extents
-   and strides as attributes; the binary travels inside the HLO.
+   `jax_sm100_gemm` target (`jax_sm100_quantize` for the quantize kernel), carrying the object
+   file, its function name and the runtime extents and strides as attributes; the binary
+   travels inside the HLO.
 5. A split-K plan runs the kernel on (M, K/s, s) views of A and B. With `split_reduce="xla"`
    (the planner's) it writes float32 partials, summed by XLA with the epilogue fused into that
    reduction; with "cluster" each output tile's s CTAs sum their partials in the cluster and

@@ -123,8 +123,9 @@ def scaled_dot_general(
       `[batch..., lhs free..., rhs free...]` in `preferred_element_type`, as `lax.dot_general`.
       Differentiable once in reverse mode (`grad`, `vjp`), under `vmap` and `jit`, and on
       sharded operands (`quantize_both` and the products `scaled_matmul` partitioned per
-      device; other quantizations XLA ops); forward mode (`jvp`) is not defined, as for JAX's, and a second derivative
-      raises NotImplementedError (the backward's quantization has none).
+      device; other quantizations XLA ops); forward mode (`jvp`) is not defined, as for
+      JAX's, and a second derivative raises NotImplementedError (the backward's quantization
+      has none). An operand that is not differentiated gets no gradient computed.
 
     A contraction (k, or for the gradients n and m) that a block does not divide is padded
     with zeros: its last block is partial, scaled by its own largest magnitude (where

@@ -132,16 +132,17 @@ class QuantizeBothKernel(KernelFamily):
         holding a NaN or an infinity).
 
         The quotient is the reciprocal's product corrected once (Markstein): with y = 1 / s
-        correctly rounded (one IEEE division a block), q0 = x y, r = q0 s - x (exact, an FMA)
-        and q = q0 - r y (an FMA): with x's rescaling below, five an element (the negations
-        fold into the FMAs) where an IEEE division takes about ten and a range check. The correction holds while the remainder r is a normal
-        number, so a block whose scale is below 2^-80 has x and s multiplied by 2^64 first
-        (exact; the quotient is unchanged); quotients below 2^-18, which every fp8 format
-        rounds to zero, may then be a unit off in float32. The remainder's sign is taken so
-        that a zero x keeps its sign. tests/test_quantize_both.py emulates this in numpy
-        against IEEE division (every fp8 byte, and every float32 quotient from 2^-18 up,
-        equal; 300 million cases when written, 8 million in the suite), and the GPU test
-        checks the kernel's data against the exact quotient.
+        correctly rounded (one IEEE reciprocal a block row), q0 = x y, r = q0 s - x (exact, an
+        FMA) and q = q0 - r y (an FMA): five operations an element with x's rescaling below
+        (the negations fold into the FMAs), where an IEEE division takes about ten and a range
+        check. The correction holds while the remainder r is a normal number, so a block whose
+        scale is below 2^-80 has x and s multiplied by 2^64 first (exact; the quotient is
+        unchanged). Quotients below 2^-18, which every fp8 format rounds to zero, may still be
+        a unit off in float32. The remainder's sign is taken so that a zero x keeps its sign.
+        tests/test_quantize_both.py emulates this in numpy against IEEE division (every fp8
+        byte, and every float32 quotient from 2^-18 up, equal: 300 million cases when written,
+        8 million in the suite), and the GPU test checks the kernel's data against the exact
+        quotient (H100: equal, and 0.19 against 0.23 ms for IEEE division at 8192 x 14336).
         """
         f32 = cutlass.Float32
         rn = cute.math.RoundingMode.NEAREST_EVEN  # mul.rn: ptxas may not fuse it into an FMA
