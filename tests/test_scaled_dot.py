@@ -196,28 +196,25 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         self.assertGreater(int(jnp.count_nonzero(dl)), dl.size - 2)
 
     @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)
-    def test_a_frozen_operand_gets_no_gradient_and_no_residual(self, *configs):
-        # Differentiating one operand only (a frozen weight; the input data) gives that
-        # gradient bit for bit as differentiating both does, and computes nothing for the
-        # other: its product is absent from the jaxpr, and the operand the gradient does not
-        # read is not kept (with the weight frozen, no residual holds the activation's size).
-        x, w = _normal(0, (256, 384), jnp.bfloat16), _normal(1, (384, 128), jnp.bfloat16)
+    def test_either_gradient_alone_under_checkpoint(self, *configs):
+        # One operand's gradient, then the other's, then the first's again, under
+        # jax.checkpoint with a dots policy (JAX reuses the traced forward across those
+        # calls), equals the gradients taken together. A forward whose residuals depended on
+        # which operand is differentiated (custom_vjp's symbolic_zeros) returned an all-zero
+        # gradient or failed here (JAX pairs the cached forward with the last pattern's
+        # residual layout; jax-ml/jax#16614's class), so the residuals are the same for every
+        # pattern and a gradient not asked for is left to XLA's dead-code elimination.
+        x, w = _normal(0, (256, 256), jnp.bfloat16), _normal(1, (256, 256), jnp.bfloat16)
         dn = (((1,), (0,)), ((), ()))
 
         def loss(x, w):
-            y = jax_sm100.scaled_dot_general(x, w, dn, jnp.float32, configs)
-            return jnp.sum(jnp.sin(y))
+            return jnp.sum(jnp.sin(jax_sm100.scaled_dot_general(x, w, dn, jnp.float32, configs)))
 
-        dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
-        np.testing.assert_array_equal(jax.jit(jax.grad(loss, 0))(x, w), dx)
-        np.testing.assert_array_equal(jax.jit(jax.grad(loss, 1))(x, w), dw)
-        for fn, primal in ((lambda x: loss(x, w), x), (lambda w: loss(x, w), w)):
-            _, vjp = jax.vjp(fn, primal)
-            jaxpr = jax.make_jaxpr(vjp)(jnp.float32(1.0))
-            self.assertEqual(str(jaxpr).count("scaled_matmul"), 1, jaxpr)  # one gradient's
-            kept = [v.shape for v in jax.tree.leaves(vjp)]  # the residuals
-            if primal is x:  # none of the activation's (or its fp8 data's) size
-                self.assertNotIn(x.shape, kept)
+        want = jax.grad(loss, (0, 1))(x, w)
+        for policy in ("dots_saveable", "everything_saveable"):
+            ck = jax.checkpoint(loss, policy=getattr(jax.checkpoint_policies, policy))
+            for argnum in (1, 0, 1, 0):
+                np.testing.assert_array_equal(jax.grad(ck, argnum)(x, w), want[argnum])
 
     def test_without_configs_it_is_dot_general(self):
         lhs, rhs = _normal(0, (64, 96), jnp.bfloat16), _normal(1, (96, 32), jnp.bfloat16)

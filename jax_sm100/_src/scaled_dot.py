@@ -125,7 +125,7 @@ def scaled_dot_general(
       sharded operands (`quantize_both` and the products `scaled_matmul` partitioned per
       device; other quantizations XLA ops); forward mode (`jvp`) is not defined, as for
       JAX's, and a second derivative raises NotImplementedError (the backward's quantization
-      has none). An operand that is not differentiated gets no gradient computed.
+      has none).
 
     A contraction (k, or for the gradients n and m) that a block does not divide is padded
     with zeros: its last block is partial, scaled by its own largest magnitude (where
@@ -331,10 +331,6 @@ def _plain(a: _Side, b: _Side):
     return dg.dot_general(a.x3, b.x3, dn, preferred_element_type=jnp.float32)
 
 
-def _folded(side, x):
-    return None if x is None else side.fold(x)
-
-
 def _unclipped(x3, d3, c: _Config):
     """JAX's nvfp4 straight-through rule: the gradient `d3` zeroed where the forward clipped
     `x3` (past the config's global scale x 6 x 448; none with a scale computed per call)."""
@@ -373,14 +369,14 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     L = layout
     (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = ((x.shape, x.dtype) for x in (lhs, rhs))
 
-    def forward(lhs, rhs, keep_a: bool, keep_b: bool):
-        """The product and, with `keep_a` (`keep_b`), lhs's (rhs's) quantization along its
-        free dims where `_both` made it with the forward's (what the other operand's gradient
-        reads; else None)."""
+    def forward(lhs, rhs, keep: bool):
+        """The product and, with `keep` (the forward of a gradient), each operand's
+        quantization along its free dims where `_both` made it with the forward's (what its
+        weight gradient reads; else None)."""
         a3, b3 = L.lhs.fold(lhs), L.rhs.fold(rhs)
         a_axis, b_axis = L.lhs.axis(True), L.rhs.axis(True)
-        a_both = _both(a3, cfg[0]) if keep_a else None
-        b_both = _both(b3, cfg[1]) if keep_b else None
+        a_both = _both(a3, cfg[0]) if keep else None
+        b_both = _both(b3, cfg[1]) if keep else None
         out = _scaled(
             _Side(a3, a_axis, cfg[0], a_both and a_both[a_axis]),
             _Side(b3, b_axis, cfg[1], b_both and b_both[b_axis]),
@@ -393,42 +389,22 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     @jax.custom_vjp
     def product(lhs, rhs):
         # Without a gradient, each operand is quantized the one way its product reads it.
-        return forward(lhs, rhs, keep_a=False, keep_b=False)[0]
+        return forward(lhs, rhs, keep=False)[0]
 
     def fwd(lhs, rhs):
-        # (symbolic_zeros: each primal comes with whether it is differentiated.) lhs's
-        # gradient reads rhs, rhs's reads lhs: an operand is kept only for a gradient that is
-        # asked for, and then, quantized both ways, as its other orientation's fp8 data and
-        # scales in place of itself. A frozen weight's product (fine-tuning) so neither
-        # quantizes the activation twice nor keeps it; the input data's gradient is not made.
-        d_lhs, d_rhs = lhs.perturbed, rhs.perturbed
-        lhs, rhs = lhs.value, rhs.value
-        out, a_keep, b_keep = forward(lhs, rhs, keep_a=d_rhs, keep_b=d_lhs)
-        a_res = (None if a_keep else lhs, a_keep) if d_rhs else None
-        b_res = (None if b_keep else rhs, b_keep) if d_lhs else None
-        # What an operand's own gradient reads of it: where the forward clipped it (nvfp4 with
-        # a global scale) and its type under Explicit axes.
-        own = tuple(
-            x if d and (c.global_scale is not None or P.explicit_type(x) is not None) else None
-            for x, d, c in ((lhs, d_lhs, cfg[0]), (rhs, d_rhs, cfg[1]))
-        )
-        return out, (a_res, b_res, own)
+        # An operand quantized both ways is kept as its other orientation's fp8 data and
+        # scales in place of itself.
+        out, a_keep, b_keep = forward(lhs, rhs, keep=True)
+        return out, (None if a_keep else lhs, None if b_keep else rhs, a_keep, b_keep)
 
     def bwd(res, g):
-        if isinstance(g, jax.custom_derivatives.SymbolicZero):
-            return None, None
         return _first_order_only(gradients)(*res, g)
 
-    def gradients(a_res, b_res, own, g):
-        """(lhs's gradient where `b_res` is kept for it, rhs's where `a_res` is; else None)."""
-        lhs, a_keep = a_res if a_res is not None else (None, None)
-        rhs, b_keep = b_res if b_res is not None else (None, None)
-        a3 = _folded(L.lhs, lhs)
-        b3 = _folded(L.rhs, rhs)
+    def gradients(lhs, rhs, a_keep, b_keep, g):
+        a3 = None if lhs is None else L.lhs.fold(lhs)
+        b3 = None if rhs is None else L.rhs.fold(rhs)
         g3 = P.typed_reshape(g, L.out3)
-        # The cotangent quantized both ways where both gradients read it.
-        both = a_res is not None and b_res is not None
-        g_both = (_both(g3, cfg[2]) if both else None) or {}
+        g_both = _both(g3, cfg[2]) or {}
         # Each gradient contracts the other operand's free dims with the cotangent's, and
         # comes out in its operand's folded order (its rows first where they lie first).
         over_n = (_Side(g3, 2, cfg[2], g_both.get(2)),
@@ -439,24 +415,21 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
             over_n = over_n[::-1]
         if L.rhs.contract_first:
             over_m = over_m[::-1]
-        da = db = None
-        if b_res is not None:
-            if cfg[2].recipe == "nvfp4":
-                # JAX's nvfp4 rule: plain products, zeroed where the forward clipped lhs.
-                da = _unclipped(_folded(L.lhs, own[0]), _plain(*over_n), cfg[0])
-            else:
-                da = _scaled(*over_n, _grad_dtype(lhs_dtype))
-            # A custom_vjp's cotangents must be typed as its primals (under Explicit axes).
-            da = L.lhs.unfold(da, lhs_shape).astype(lhs_dtype)
-            da = da if own[0] is None else P.cotangent_like(da, own[0])
-        if a_res is not None:
-            if cfg[2].recipe == "nvfp4":
-                db = _unclipped(_folded(L.rhs, own[1]), _plain(*over_m), cfg[1])
-            else:
-                db = _scaled(*over_m, _grad_dtype(rhs_dtype))
-            db = L.rhs.unfold(db, rhs_shape).astype(rhs_dtype)
-            db = db if own[1] is None else P.cotangent_like(db, own[1])
-        return da, db
+        if cfg[2].recipe == "nvfp4":
+            # JAX's nvfp4 rule: plain products, zeroed where the forward clipped the operand.
+            da = _unclipped(a3, _plain(*over_n), cfg[0])
+            db = _unclipped(b3, _plain(*over_m), cfg[1])
+        else:
+            da = _scaled(*over_n, _grad_dtype(lhs_dtype))
+            db = _scaled(*over_m, _grad_dtype(rhs_dtype))
+        # A custom_vjp's cotangents must be typed as its primals (under Explicit axes; an
+        # operand kept quantized was untyped).
+        da = L.lhs.unfold(da, lhs_shape).astype(lhs_dtype)
+        db = L.rhs.unfold(db, rhs_shape).astype(rhs_dtype)
+        return (
+            da if lhs is None else P.cotangent_like(da, lhs),
+            db if rhs is None else P.cotangent_like(db, rhs),
+        )
 
-    product.defvjp(fwd, bwd, symbolic_zeros=True)
+    product.defvjp(fwd, bwd)
     return product(lhs, rhs)
