@@ -54,6 +54,8 @@ Options: --dtypes bfloat16,float16  --shapes 4096x4096x4096,...  --method wall|d
          --ragged: grouped GEMMs beside lax.ragged_dot (jax_sm100/bench_ragged.py)
          --scaled: block-scaled fp8 GEMMs beside jax.nn.scaled_matmul and unscaled fp8
          (jax_sm100/bench_scaled.py)
+         --quantize: jax_sm100.quantize_both beside XLA's two quantizations
+         (jax_sm100/bench_quantize.py)
 """
 
 from __future__ import annotations
@@ -826,6 +828,10 @@ def main(argv=None) -> int:
         from jax_sm100 import bench_scaled  # noqa: PLC0415
 
         return bench_scaled.main([a for a in argv if a != "--scaled"])
+    if "--quantize" in argv:
+        from jax_sm100 import bench_quantize  # noqa: PLC0415
+
+        return bench_quantize.main([a for a in argv if a != "--quantize"])
     ap = argparse.ArgumentParser(
         prog="python -m jax_sm100.bench",
         description=__doc__,

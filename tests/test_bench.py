@@ -19,6 +19,7 @@ from absl.testing import absltest, parameterized
 
 import jax_sm100
 from jax_sm100 import bench, bench_train
+from jax_sm100._src import quantize_both
 from jax_sm100._src.planning import sm90_scaled as scaled_planning
 from tests import test_util as tu
 
@@ -499,6 +500,38 @@ class RaggedBenchTest(absltest.TestCase):
         # lower after the equal row of the same shapes (the forward's went missing on the H200).
         rows = self._rows_with_a_noted_step("_D_LHS", "the d lhs plan", kinds=("equal", "skewed"))
         self.assertEqual([row[-1] for row in rows], ["the d lhs plan"] * 2)
+
+
+class QuantizeBenchTest(absltest.TestCase):
+    def test_small_shapes_print_a_row_each(self):
+        # `python -m jax_sm100.bench --quantize --small`: a row per shape, both sides' data
+        # against the exact quotient and ours' scales against XLA's (all equal on CPU, where
+        # both sides are XLA's ops), and ours' path.
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(bench.main(["--quantize", "--small"]), 0)
+        text = out.getvalue()
+        self.assertEqual(text.count("    ours: "), 2, text)
+        for shape in ("256x384", "512x256"):
+            self.assertRegex(text, rf"\n{shape} +\|( +[\d.]+ \|){{4}} +0 / 0 +\| 0\n")
+
+    def test_mismatches_counts_a_wrong_byte_and_scale(self):
+        # The check the table reports can fail: one data byte and one scale changed are found.
+        from jax_sm100 import bench_quantize  # noqa: PLC0415
+
+        x = jax.random.normal(jax.random.key(0), (256, 256), jnp.bfloat16)
+        (q, s), (qt, st) = quantize_both._reference(x, data_dtype=jnp.float8_e4m3fn)
+        x32 = np.asarray(x.astype(jnp.float32))
+        want = (np.asarray(s), np.asarray(st))
+        self.assertEqual(bench_quantize._mismatches(((q, s), (qt, st)), x32, want), (0, 0))
+        q = np.asarray(q).copy()
+        q.view(np.uint8)[3, 5] ^= 1
+        self.assertEqual(bench_quantize._mismatches(((q, s), (qt, st)), x32, want), (1, 0))
+        s = np.asarray(s).copy()
+        s[7, 1] *= 2  # its block's data then differs from that scale's quotients too
+        data, scales = bench_quantize._mismatches(((q, s), (qt, st)), x32, want)
+        self.assertEqual(scales, 1)
+        self.assertGreater(data, 100)
 
 
 class ScaledBenchTest(absltest.TestCase):
