@@ -475,6 +475,44 @@ class ExplicitAxesTest(ScaledCase):
                     np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
                 )
 
+    def test_quantize_both_typed_and_local(self):
+        # quantize_both binds its primitive under Explicit axes too (it ran XLA's two
+        # quantizations there): its results typed as the partitioned kernels write them (x's
+        # split where it holds whole 128-blocks, else whole; the transposed results' last two
+        # dims swapped; the scales split as the data), bit for bit the unsharded values, and
+        # no collective where every split holds whole blocks.
+        f = jax.jit(jax_sm100.quantize_both)
+        for shape, spec in (
+            ((2, 256, 512), PS("data", None, "model")),
+            ((2, 256, 512), PS(None, "model", "data")),
+            ((4, 128, 1024), PS(None, None, "model")),
+            ((2, 2, 256, 512), PS("data", None, None, "model")),
+            ((256, 512), PS("data", "model")),
+            ((3, 256, 256), PS(None, None, "model")),
+        ):
+            x = jnp.asarray(np.random.default_rng(3).standard_normal(shape), jnp.bfloat16)
+            want = [np.asarray(w).view(np.uint8) for w in jax.tree.leaves(f(x))]
+            # A dim keeps its split where its blocks (of 128 along the last two) divide evenly.
+            entries = (*spec, *(None,) * len(shape))[: len(shape)]
+            blocks = (*shape[:-2], shape[-2] // 128, shape[-1] // 128)
+            kept = tuple(e if e is None or n % ts.axis_size(e) == 0 else None
+                         for n, e in zip(blocks, entries, strict=True))  # fmt: skip
+            swapped = (*kept[:-2], kept[-1], kept[-2])
+            with jax.sharding.set_mesh(self.mesh):
+                xs = jax.device_put(x, spec)
+                got = f(xs)
+                partitioned = "@CustomSPMDPartitioning" in f.lower(xs).as_text()
+                self.assertTrue(partitioned, f"{shape} {spec}: the primitive, partitioned")
+                if kept == entries:
+                    hlo = f.lower(xs).compile().as_text()
+                    self.assertEqual(ts.collectives(hlo), counts(), f"{shape} {spec}")
+            for g, w in zip(jax.tree.leaves(got), want, strict=True):
+                np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w)
+            (q, s), (qt, st) = got
+            for result, spec_want in ((q, kept), (s, kept), (qt, swapped), (st, swapped)):
+                typed = same_spec(jax.typeof(result).sharding.spec)
+                self.assertEqual(typed, same_spec(spec_want), f"{shape} {spec}")
+
     @parameterized.parameters(*RECIPES)
     def test_forward_typed(self, *recipes):
         args = quantized(recipes)

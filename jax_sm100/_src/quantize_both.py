@@ -19,8 +19,10 @@ R and C whole 128-blocks, bfloat16, float16 or float32 input; or no sm_90a/sm_10
 `jax.export`'s symbolic dims), lower to those two functions; each CUDA lowering records its
 path (`jax_sm100.lowerings()`). In a program sharded over several devices the primitive is
 partitioned (`custom_partitioning` with a Shardy rule, below): each device quantizes its block
-of x, on the kernel or XLA's ops as above. Under Explicit mesh axes `quantize_both` calls the
-two functions directly (their sharding rules). Inside a `shard_map` every axis of which is
+of x, on the kernel or XLA's ops as above. Under Explicit mesh axes the results are typed as
+that partitioning writes them (x's split where it holds whole 128-blocks); where merging x's
+leading dims would move data between devices, `quantize_both` calls the two functions
+directly (their sharding rules). Inside a `shard_map` every axis of which is
 manual the kernel runs on the local blocks; one that leaves some axes automatic runs it
 unpartitioned over those (as the products do). Quantization has no useful derivative:
 differentiating the primitive raises NotImplementedError (`scaled_dot_general` quantizes
@@ -86,13 +88,16 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
     *lead, rows, cols = x.shape
     for length in (rows, cols):
         scaled._check_divides(length, recipe, _BLOCK, "jax_sm100.quantize_both")
-    if P.explicit_type(x) is not None:
+    # (-1 cannot be inferred for an empty x.) Under Explicit axes the merge of the leading dims
+    # is typed where it moves no data; where it would, XLA's two quantizations run instead.
+    x3 = P.reshape_in_place(x, (math.prod(lead), rows, cols))
+    if x3 is None:
         return _reference(x, data_dtype=r.data_dtype)
-    x3 = x.reshape(math.prod(lead), rows, cols)  # (-1 cannot be inferred for an empty x)
     q, s, qt, st = quantize_both_p.bind(x3, data_dtype=r.data_dtype)
+    back = P.typed_reshape
     return (
-        (q.reshape(x.shape), s.reshape(*lead, rows, cols // _BLOCK)),
-        (qt.reshape(*lead, cols, rows), st.reshape(*lead, cols, rows // _BLOCK)),
+        (back(q, x.shape), back(s, (*lead, rows, cols // _BLOCK))),
+        (back(qt, (*lead, cols, rows)), back(st, (*lead, cols, rows // _BLOCK))),
     )
 
 
@@ -113,11 +118,17 @@ def _abstract(x, *, data_dtype):
     if R % _BLOCK or C % _BLOCK:
         raise ValueError(f"quantize_both_p takes [L, R, C] of whole {_BLOCK}-blocks, not {x.shape}")
     data = np.dtype(data_dtype)
+    shapes = [((L, R, C), data), ((L, R, C // _BLOCK), np.float32),
+              ((L, C, R), data), ((L, C, R // _BLOCK), np.float32)]  # fmt: skip
+    # Under Explicit axes each result is typed as the partitioned kernels write it: split as x
+    # is where x's split holds whole 128-blocks (`_local_axes`), else whole there.
+    typed = P.explicit_type(x)
+    if typed is None:
+        return [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
+    results = _result_shardings(typed.mesh, _local_axes(x.shape, typed.mesh, typed))
     return [
-        jax.core.ShapedArray((L, R, C), data),
-        jax.core.ShapedArray((L, R, C // _BLOCK), np.float32),
-        jax.core.ShapedArray((L, C, R), data),
-        jax.core.ShapedArray((L, C, R // _BLOCK), np.float32),
+        jax.core.ShapedArray(shape, dtype, sharding=sh)
+        for (shape, dtype), sh in zip(shapes, results, strict=True)
     ]
 
 
@@ -269,19 +280,17 @@ def _lowering(local_rule):
     return rule
 
 
-def _cpu_rule(ctx, x3, *, data_dtype):
-    return mlir.lower_fun(_flat_reference, multiple_results=True)(ctx, x3, data_dtype=data_dtype)
+def _local(fn):
+    """The one-device lowering of `fn(x3, *, data_dtype)`; typed over a mesh of Explicit axes
+    of size 1, nothing is split and `fn` is traced untyped."""
 
+    def rule(ctx, x3, *, data_dtype):
+        local = functools.partial(fn, data_dtype=data_dtype)
+        if sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context():
+            ctx, local = sharding.untyped_context(ctx), sharding.untyped(local)
+        return mlir.lower_fun(local, multiple_results=True)(ctx, x3)
 
-def _cuda_rule(ctx, x3, *, data_dtype):
-    if sharding.typed_over_explicit_axes(ctx):
-        # Typed over a one-device mesh with Explicit axes (`quantize_both` itself calls XLA's
-        # ops under Explicit axes): nothing is split, XLA's ops as the types ask.
-        def fn(x3):
-            return _xla("operands typed over Explicit mesh axes", None, x3, data_dtype)
-    else:
-        fn = functools.partial(_cuda, data_dtype=data_dtype)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, x3)
+    return rule
 
 
 def _jvp(primals, tangents, *, data_dtype):
@@ -298,15 +307,15 @@ def _batch(args, dims, *, data_dtype):
     (x,), (d,) = args, dims
     x = jnp.moveaxis(x, d, 0)
     size, L = x.shape[:2]
-    outs = quantize_both_p.bind(x.reshape(size * L, *x.shape[2:]), data_dtype=data_dtype)
-    return [o.reshape(size, L, *o.shape[1:]) for o in outs], [0] * 4
+    outs = quantize_both_p.bind(P.typed_reshape(x, (size * L, *x.shape[2:])), data_dtype=data_dtype)
+    return [P.typed_reshape(o, (size, L, *o.shape[1:])) for o in outs], [0] * 4
 
 
 quantize_both_p.def_abstract_eval(_abstract)
 quantize_both_p.def_impl(functools.partial(jax_dispatch.apply_primitive, quantize_both_p))
 # custom_partitioning needs the device assignment while lowering (as for the products).
 jax_dispatch.prim_requires_devices_during_lowering.add(quantize_both_p)
-mlir.register_lowering(quantize_both_p, _lowering(_cpu_rule), platform="cpu")
-mlir.register_lowering(quantize_both_p, _lowering(_cuda_rule), platform="cuda")
+mlir.register_lowering(quantize_both_p, _lowering(_local(_flat_reference)), platform="cpu")
+mlir.register_lowering(quantize_both_p, _lowering(_local(_cuda)), platform="cuda")
 batching.primitive_batchers[quantize_both_p] = _batch
 ad.primitive_jvps[quantize_both_p] = _jvp
