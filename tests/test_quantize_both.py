@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
+from jax.sharding import PartitionSpec as PS
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
@@ -218,6 +219,12 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertEqual(count(r"ld\.global\.(v4\.b32|v2\.b64)"), loads)
         self.assertEqual(count(r"ld\.global"), loads)
         self.assertEqual(count(r"st\.shared\.(v4\.b32|v2\.b64)"), loads)
+        # The transposed data staged in shared memory and stored 16 bytes a thread, no byte
+        # stores to global memory (q's rows: 8 bytes a thread, as 4 pairs).
+        self.assertEqual(count(r"st\.global\.v4\.b32"), 4)
+        self.assertEqual(count(r"ld\.shared\.v4\.b32"), 4)
+        self.assertEqual(count(r"st\.global\.v4\.b16"), 8)
+        self.assertEqual(count(r"st\.global\.[su]?8|st\.global\.b8"), 0)
         # x / scale as `_emulated_division`: one IEEE reciprocal a block row (8 a pass), a
         # product, rounded apart (mul.rn: not fused), and two FMAs an element; no
         # approximation and no flush to zero.
@@ -268,6 +275,23 @@ class QuantizeBothTest(parameterized.TestCase):
             self.assertNotIn("custom_call @jax_sm100_gemm", text)  # not counted as a product
             self.assertIn('names = "x,q,s,qt,st"', text)
             self.assertNotIn("stablehlo.reduce", text)  # no XLA quantization beside it
+            # Typed over a one-device mesh of Explicit axes: the kernel, its results typed.
+            mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
+                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip
+            with (mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                  jax.sharding.set_mesh(mesh), jax_sm100.lowerings() as seen):  # fmt: skip
+                x = jax.device_put(jnp.zeros((2, 512, 256), jnp.bfloat16), PS("data", "model"))
+                exported = jax.export.export(
+                    jax.jit(lambda x: jax_sm100.quantize_both(x)), platforms=["cuda"],
+                    disabled_checks=ffi.export_safety_checks(),
+                )(x)  # fmt: skip
+            self.assertEqual([x.plan.kernel for x in seen], ["quantize_both"])
+            text = exported.mlir_module()
+            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_quantize"), 1)
+            self.assertNotIn("stablehlo.reduce", text)
+            (_, _), (qt, st) = exported.out_avals[:2], exported.out_avals[2:]
+            self.assertEqual(tuple(qt.sharding.spec)[:3], ("data", None, "model"))
+            self.assertEqual(tuple(st.sharding.spec)[:3], ("data", None, "model"))
             # A shape the kernel does not take runs XLA's quantizations, and says why.
             with (mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
                   jax_sm100.lowerings() as seen):  # fmt: skip
