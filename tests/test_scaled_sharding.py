@@ -513,6 +513,62 @@ class ExplicitAxesTest(ScaledCase):
                 typed = same_spec(jax.typeof(result).sharding.spec)
                 self.assertEqual(typed, same_spec(spec_want), f"{shape} {spec}")
 
+    def test_quantize_both_vmapped_and_beside_a_size_one_axis(self):
+        # vmap's merge of its dim with x's leading one is typed where it moves no data, else
+        # runs XLA's quantizations (it raised ShardingTypeError on a split leading dim); the
+        # split back is typed from x's leading dims (JAX's rule asserted beside an axis of
+        # size 1, which the merge moves last). Bit for bit the unsharded values, and typed as
+        # x's leading dims.
+        devices = ts.platform_devices()
+        if len(devices) < 8:
+            self.skipTest("needs 8 devices")
+        mesh = jax.make_mesh((2, 1, 4), ("a", "b", "c"), devices=devices[:8],
+                             axis_types=(AxisType.Explicit,) * 3)  # fmt: skip
+        x = jnp.asarray(np.random.default_rng(6).standard_normal((2, 4, 256, 256)), jnp.bfloat16)
+        for fn in (jax_sm100.quantize_both, jax.vmap(jax_sm100.quantize_both)):
+            f = jax.jit(fn)
+            want = [np.asarray(w).view(np.uint8) for w in jax.tree.leaves(f(x))]
+            for spec in (PS(("a", "b"), "c"), PS("a", ("b", "c")), PS(("b", "a"), "c"),
+                         PS(None, "c")):  # fmt: skip
+                with jax.sharding.set_mesh(mesh):
+                    got = f(jax.device_put(x, spec))
+                for g, w in zip(jax.tree.leaves(got), want, strict=True):
+                    np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w)
+                    self.assertEqual(tuple(jax.typeof(g).sharding.spec)[:2], tuple(spec)[:2])
+
+    def test_scaled_dot_general_quantizes_both_ways_once(self):
+        # Under Explicit axes too, each activation and cotangent goes through quantize_both
+        # (the fp8 residual kept), and a gradient of an operand kept quantized is typed as the
+        # operand (it was untyped: a custom_vjp type error with rows split over "model").
+        x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 256, 512)), jnp.float32)
+        w = jnp.asarray(np.random.default_rng(8).standard_normal((512, 256)), jnp.float32)
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(x, w, (((2,), (0,)), ((), ())), jnp.float32,
+                                             jax_sm100.DEEPSEEK_V3)  # fmt: skip
+            return jnp.sum(jnp.sin(y))
+
+        step = jax.value_and_grad(loss, (0, 1))
+        want = jax.jit(step)(x, w)
+        for x_spec in (PS("data"), PS("data", "model")):
+            with jax.sharding.set_mesh(self.mesh):
+                typed = (jax.device_put(x, x_spec), jax.device_put(w, PS()))
+                got = jax.jit(step)(*typed)
+                jaxpr = str(jax.make_jaxpr(step)(*typed))
+            self.assertEqual(jaxpr.count("jax_sm100_quantize_both["), 2)  # x, and the cotangent
+            assert_close(got, want, rtol=10 * RTOL)
+            for g, t in zip(got[1], typed, strict=True):
+                self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
+        # Per-example gradients, the examples split (the fold of an unsplit operand under that
+        # vmap raised ShardingTypeError in JAX's reshape rule).
+        grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))
+        xb = jnp.stack([x, 2 * x])
+        want = grads(xb, w)
+        with jax.sharding.set_mesh(self.mesh):
+            got = grads(jax.device_put(xb, PS("data")), jax.device_put(w, PS()))
+        assert_close(got, want, rtol=10 * RTOL)
+        self.assertEqual(same_spec(jax.typeof(got).sharding.spec), ("data",))
+
     @parameterized.parameters(*RECIPES)
     def test_forward_typed(self, *recipes):
         args = quantized(recipes)

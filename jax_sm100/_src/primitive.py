@@ -356,8 +356,13 @@ def reshape_in_place(x, shape):
     a split dim has no such type: the reshape would move data between devices."""
     shape = tuple(shape)
     axes = explicit_axes(x)
-    if tuple(x.shape) == shape or axes is None or not any(axes):
+    if tuple(x.shape) == shape or axes is None:
         return x.reshape(shape)
+    if not any(axes):
+        # Whole: typed so. (JAX's own rule cannot type every such reshape under a `vmap` of a
+        # split dim, e.g. a merge beside a new dim of 1.)
+        whole = jax.sharding.PartitionSpec()
+        return lax.reshape(x, shape, out_sharding=explicit_type(x).update(spec=whole))
     spec = _data_free_reshape_spec(x, shape)
     if spec is None:
         return None
@@ -438,10 +443,15 @@ def cotangent_like(ct, primal):
     cotangent of the primal's type, so a mismatch is resharded (a local slice where the primal
     is split and the cotangent whole, else a gather).
     """
-    want = explicit_type(primal)
-    if want is None or jax.typeof(ct).sharding == want:
-        return ct
-    return jax.sharding.reshard(ct, want)
+    return typed_as(ct, explicit_type(primal))
+
+
+def typed_as(x, want):
+    """`x` resharded to the sharding type `want` where its own differs (`x` where `want` is
+    None: no Explicit axes)."""
+    if want is None or jax.typeof(x).sharding == want:
+        return x
+    return jax.sharding.reshard(x, want)
 
 
 def explicit_mesh(aval) -> bool:

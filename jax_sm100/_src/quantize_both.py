@@ -93,12 +93,23 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
     x3 = P.reshape_in_place(x, (math.prod(lead), rows, cols))
     if x3 is None:
         return _reference(x, data_dtype=r.data_dtype)
-    q, s, qt, st = quantize_both_p.bind(x3, data_dtype=r.data_dtype)
-    back = P.typed_reshape
-    return (
-        (back(q, x.shape), back(s, (*lead, rows, cols // _BLOCK))),
-        (back(qt, (*lead, cols, rows)), back(st, (*lead, cols, rows // _BLOCK))),
+    q, s, qt, st = (
+        _split_lead(o, lead, x) for o in quantize_both_p.bind(x3, data_dtype=r.data_dtype)
     )
+    return (q, s), (qt, st)
+
+
+def _split_lead(out, lead, x):
+    """A result `out` [L, a, b] as [*lead, a, b]: the inverse of merging x's leading dims,
+    typed under Explicit axes with x's leading dims' axes (as the merge, it moves no data;
+    JAX's own rule cannot always type it, e.g. beside a mesh axis of size 1)."""
+    shape = (*lead, *out.shape[1:])
+    typed = P.explicit_type(out)
+    if typed is None:
+        return out.reshape(shape)
+    x_axes, out_axes = P.explicit_axes(x), P.explicit_axes(out)
+    spec = PS(*map(P.spec_entry, (*x_axes[: len(lead)], *out_axes[1:])))
+    return jax.lax.reshape(out, shape, out_sharding=typed.update(spec=spec))
 
 
 def _reference(x, *, data_dtype):
@@ -281,8 +292,9 @@ def _lowering(local_rule):
 
 
 def _local(fn):
-    """The one-device lowering of `fn(x3, *, data_dtype)`; typed over a mesh of Explicit axes
-    of size 1, nothing is split and `fn` is traced untyped."""
+    """The unpartitioned lowering of `fn(x3, *, data_dtype)`. Typed over Explicit axes there
+    (a one-device mesh, or automatic axes inside a `shard_map`: the call runs whole over them),
+    `fn` is traced untyped."""
 
     def rule(ctx, x3, *, data_dtype):
         local = functools.partial(fn, data_dtype=data_dtype)
@@ -307,8 +319,11 @@ def _batch(args, dims, *, data_dtype):
     (x,), (d,) = args, dims
     x = jnp.moveaxis(x, d, 0)
     size, L = x.shape[:2]
-    outs = quantize_both_p.bind(P.typed_reshape(x, (size * L, *x.shape[2:])), data_dtype=data_dtype)
-    return [P.typed_reshape(o, (size, L, *o.shape[1:])) for o in outs], [0] * 4
+    x3 = P.reshape_in_place(x, (size * L, *x.shape[2:]))
+    if x3 is None:  # under Explicit axes, a merge that would move data: XLA's quantizations
+        return _flat_reference(x, data_dtype=data_dtype), [0] * 4
+    outs = quantize_both_p.bind(x3, data_dtype=data_dtype)
+    return [_split_lead(o, (size, L), x) for o in outs], [0] * 4
 
 
 quantize_both_p.def_abstract_eval(_abstract)

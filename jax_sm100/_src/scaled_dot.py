@@ -294,12 +294,11 @@ class _Side(NamedTuple):
 def _both(x3, c: _Config):
     """{axis: (data, scales, None)} of `x3` quantized along its axes 1 and 2 in one pass
     (`quantize_both`: a kernel reading x3 once where it runs), or None where that does not
-    apply: a recipe other than fp8_block128, Explicit axes (`quantize`'s sharding rules), or
-    rows or contraction not whole blocks (padded per product instead). Weights (128 x 128
+    apply: a recipe other than fp8_block128, or rows or contraction not whole blocks (padded
+    per product instead). Weights (128 x 128
     tiles) are quantized per product instead: keeping their fp8 data for the backward would
     hold half a weight's bytes more per weight through the step."""
-    if (c.recipe != "fp8_block128" or P.explicit_type(x3) is not None or not x3.size
-            or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK):  # fmt: skip
+    if c.recipe != "fp8_block128" or not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK:
         return None
     (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
     return {2: (q, s, None), 1: (qt, st, None)}
@@ -368,6 +367,9 @@ def _grad_dtype(dtype) -> np.dtype:
 def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     L = layout
     (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = ((x.shape, x.dtype) for x in (lhs, rhs))
+    # Each primal's sharding type under Explicit axes (None elsewhere): an operand kept as its
+    # quantization is not in the residuals, and its cotangent must be typed as it is.
+    lhs_type, rhs_type = P.explicit_type(lhs), P.explicit_type(rhs)
 
     def forward(lhs, rhs, keep: bool):
         """The product and, with `keep` (the forward of a gradient), each operand's
@@ -422,14 +424,10 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         else:
             da = _scaled(*over_n, _grad_dtype(lhs_dtype))
             db = _scaled(*over_m, _grad_dtype(rhs_dtype))
-        # A custom_vjp's cotangents must be typed as its primals (under Explicit axes; an
-        # operand kept quantized was untyped).
+        # A custom_vjp's cotangents must be typed as its primals (under Explicit axes).
         da = L.lhs.unfold(da, lhs_shape).astype(lhs_dtype)
         db = L.rhs.unfold(db, rhs_shape).astype(rhs_dtype)
-        return (
-            da if lhs is None else P.cotangent_like(da, lhs),
-            db if rhs is None else P.cotangent_like(db, rhs),
-        )
+        return P.typed_as(da, lhs_type), P.typed_as(db, rhs_type)
 
     product.defvjp(fwd, bwd)
     return product(lhs, rhs)
