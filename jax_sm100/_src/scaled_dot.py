@@ -295,9 +295,9 @@ def _both(x3, c: _Config):
     """{axis: (data, scales, None)} of `x3` quantized along its axes 1 and 2 in one pass
     (`quantize_both`: a kernel reading x3 once where it runs), or None where that does not
     apply: a recipe other than fp8_block128, or rows or contraction not whole blocks (padded
-    per product instead). Weights (128 x 128
-    tiles) are quantized per product instead: keeping their fp8 data for the backward would
-    hold half a weight's bytes more per weight through the step."""
+    per product instead). Weights (128 x 128 tiles) are quantized per product instead: keeping
+    their fp8 data for the backward would hold half a weight's bytes more per weight through
+    the step."""
     if c.recipe != "fp8_block128" or not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK:
         return None
     (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
