@@ -204,7 +204,7 @@ class QuantizeBothTest(parameterized.TestCase):
         self.assertEqual(compile_mod.binary_key(a, compile_mod.KernelSpec.for_plan(a)),
                          compile_mod.binary_key(b, compile_mod.KernelSpec.for_plan(b)))  # fmt: skip
 
-    @parameterized.product(arch=["sm_90a", "sm_100a"], dtype=["bfloat16", "float32"],
+    @parameterized.product(arch=["sm_90a", "sm_100a"], dtype=["bfloat16", "float16", "float32"],
                            data_dtype=["float8_e4m3fn", "float8_e5m2"])  # fmt: skip
     def test_kernel_ptx(self, arch, dtype, data_dtype):
         plan = plan_quantize_both(256, 256, 1, dtype, data_dtype, arch)
