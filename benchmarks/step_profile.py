@@ -1,7 +1,7 @@
 """Where a training step's time goes, ours beside `jnp.dot`: round lengths and the GPU's kernels.
 
     python benchmarks/step_profile.py [--model transformer|mlp] [--top 25] [--small] [--fp8]
-                                      [--rounds 10,50,200]
+                                      [--rounds 10,50,200] [--gaps 12]
 
 `--fp8` profiles our side with fp8 training products (`bench_train.FP8_SIDES`, through
 `jax_sm100.scaled_dot_general`) instead of our bfloat16 ones.
@@ -80,7 +80,25 @@ def _profile(step, args):
     return wall, streams
 
 
-def _report(name, wall, streams, top):
+def _gaps(evs, count):
+    """The `count` largest idle gaps of one stream's step, by position in the step (averaged
+    over the profiled steps; the last position is the gap into the next step), with the
+    kernels on either side."""
+    per_step = len(evs) // STEPS
+    if per_step < 2 or len(evs) % STEPS:
+        print(f"    (gaps: {len(evs)} kernels over {STEPS} steps, not one sequence a step)")
+        return
+    rows = []
+    for i in range(per_step):
+        gaps = [evs[s * per_step + i + 1][0] - sum(evs[s * per_step + i][:2])
+                for s in range(STEPS) if s * per_step + i + 1 < len(evs)]  # fmt: skip
+        after = evs[(i + 1) % per_step][2]
+        rows.append((sum(gaps) / len(gaps) / 1e3, i, evs[i][2], after))
+    for gap, i, before, after in sorted(rows, reverse=True)[:count]:
+        print(f"    gap {gap:8.1f} us after kernel {i:3d} {before[:60]} -> {after[:60]}")
+
+
+def _report(name, wall, streams, top, gaps=0):
     print(f"{name}: wall {wall * 1e3:.3f} ms a step under the profiler")
     events = sorted(e for evs in streams.values() for e in evs)
     if not events:
@@ -94,6 +112,8 @@ def _report(name, wall, streams, top):
         idle = sum(g for g in gaps if g > 0) / STEPS / 1e3
         print(f"  {stream}: {len(evs) // STEPS} kernels a step, busy {busy:.3f} ms, idle "
               f"between them {idle:.1f} us")  # fmt: skip
+        if gaps:
+            _gaps(evs, gaps)
     by_name = collections.defaultdict(lambda: [0, 0])
     for _, d, kernel in events:
         by_name[kernel][0] += d
@@ -111,6 +131,8 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="our side with fp8 training products (bench_train.FP8_SIDES)")  # fmt: skip
     ap.add_argument("--rounds", default="10,50,200", help="round lengths timed ('' for none)")
+    ap.add_argument("--gaps", type=int, default=0,
+                    help="a stream's largest idle gaps a step, with their kernels")  # fmt: skip
     args = ap.parse_args()
     ours = "ours fp8" if args.fp8 else "ours"
     p, x, model = _models(args.small)[args.model]
@@ -127,7 +149,8 @@ def main() -> None:
         print(f"rounds of {n:3d} steps ({rounds}): {ours} {ours_s * 1e3:.3f} ms, jnp.dot "
               f"{theirs * 1e3:.3f} ms, ratio {theirs / ours_s:.3f}")  # fmt: skip
     for impl in (ours, "jnp"):
-        _report(impl if impl != "jnp" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top)
+        _report(impl if impl != "jnp" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top,
+                args.gaps)  # fmt: skip
 
 
 if __name__ == "__main__":
