@@ -534,6 +534,31 @@ class QuantizeBenchTest(absltest.TestCase):
         self.assertGreater(data, 100)
 
 
+class StepProfileTest(absltest.TestCase):
+    def test_gaps_by_position(self):
+        # benchmarks/step_profile.py's gap table: each position's gap averaged over the steps,
+        # the largest first, with the kernels on either side (the last into the next step).
+        import importlib.util  # noqa: PLC0415
+
+        path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_profile.py")
+        spec = importlib.util.spec_from_file_location("step_profile", path)
+        sp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sp)
+        events, t = [], 0
+        for step in range(sp.STEPS):
+            for name, length, gap in (("gemm", 100_000, 4_000), ("fusion", 2_000, 30_000 + step),
+                                      ("quantize", 50_000, 1_000)):  # fmt: skip
+                events.append((t, length, name))
+                t += length + gap
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            sp._gaps(events, 2)
+        lines = out.getvalue().splitlines()
+        self.assertLen(lines, 2)
+        self.assertIn("30.0 us after kernel   1 fusion -> quantize", lines[0])  # 30 us + 9.5 ns
+        self.assertIn("4.0 us after kernel   0 gemm -> fusion", lines[1])
+
+
 class ScaledBenchTest(absltest.TestCase):
     def test_small_problems_print_a_row_each(self):
         # `python -m jax_sm100.bench --scaled --small`: one row, ours' path and the ratios per
