@@ -569,6 +569,29 @@ class ExplicitAxesTest(ScaledCase):
         assert_close(got, want, rtol=10 * RTOL)
         self.assertEqual(same_spec(jax.typeof(got).sharding.spec), ("data",))
 
+    def test_forward_typed_alike_with_and_without_a_gradient(self):
+        # Rows split inside 128-blocks (384 over 2 devices): quantize_both would type its
+        # results whole there, so the forward keeps quantizing per product, and its result is
+        # typed as without a gradient (it was gathered under vjp, and jax.checkpoint raised a
+        # custom_vjp type error).
+        x = jnp.asarray(np.random.default_rng(9).standard_normal((384, 512)), jnp.float32)
+        w = jnp.asarray(np.random.default_rng(10).standard_normal((512, 256)), jnp.float32)
+
+        def f(x, w):
+            return jax_sm100.scaled_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.float32,
+                                                jax_sm100.DEEPSEEK_V3)  # fmt: skip
+
+        loss = jax.checkpoint(lambda x, w: jnp.sum(jnp.sin(f(x, w))))
+        want = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+        with jax.sharding.set_mesh(self.mesh):
+            typed = (jax.device_put(x, PS("data")), jax.device_put(w, PS()))
+            plain = jax.eval_shape(f, *typed)
+            under_vjp = jax.eval_shape(lambda x, w: jax.vjp(f, x, w)[0], *typed)
+            got = jax.jit(jax.grad(loss, (0, 1)))(*typed)
+        self.assertEqual(under_vjp.sharding.spec, plain.sharding.spec)
+        self.assertEqual(same_spec(plain.sharding.spec), ("data",))
+        assert_close(got, want, rtol=10 * RTOL)
+
     @parameterized.parameters(*RECIPES)
     def test_forward_typed(self, *recipes):
         args = quantized(recipes)

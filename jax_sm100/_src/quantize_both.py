@@ -112,6 +112,17 @@ def _split_lead(out, lead, x):
     return jax.lax.reshape(out, shape, out_sharding=typed.update(spec=spec))
 
 
+def keeps_type(x3) -> bool:
+    """Whether `quantize_both_p`'s results keep every split of `x3`'s type (True without
+    Explicit axes): under Explicit axes, a split that cuts a 128-block is typed whole."""
+    typed = P.explicit_type(x3)
+    if typed is None:
+        return True
+    kept = _local_axes(x3.shape, typed.mesh, typed)
+    have = P.explicit_axes(x3)
+    return all(tuple(k) == tuple(h) for k, h in zip(kept, have, strict=True))
+
+
 def _reference(x, *, data_dtype):
     """XLA's two quantizations."""
     q, s = scaled.quantize(x, _RECIPE, data_dtype=data_dtype)

@@ -300,6 +300,11 @@ def _both(x3, c: _Config):
     the step."""
     if c.recipe != "fp8_block128" or not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK:
         return None
+    if not quantize_both.keeps_type(x3):
+        # Under Explicit axes, a split inside 128-blocks: quantize_both's results would be
+        # typed whole there, and the forward's result then not typed as without a gradient
+        # (which a custom_vjp, jax.checkpoint and lax.scan require to agree).
+        return None
     (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
     return {2: (q, s, None), 1: (qt, st, None)}
 
