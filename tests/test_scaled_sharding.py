@@ -592,6 +592,27 @@ class ExplicitAxesTest(ScaledCase):
         self.assertEqual(same_spec(plain.sharding.spec), ("data",))
         assert_close(got, want, rtol=10 * RTOL)
 
+    def test_nvfp4_gradients_typed(self):
+        # nvfp4's gradients are plain products (JAX's rule) that contract a split m or n: lax
+        # asked for an out_sharding there and raised ShardingTypeError.
+        x = jnp.asarray(np.random.default_rng(11).standard_normal((256, 512)), jnp.float32)
+        w = jnp.asarray(np.random.default_rng(12).standard_normal((512, 256)), jnp.float32)
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.float32,
+                                             ("nvfp4",) * 3)  # fmt: skip
+            return jnp.sum(jnp.sin(y))
+
+        grad = jax.jit(jax.grad(loss, (0, 1)))
+        want = grad(x, w)
+        for x_spec, w_spec in ((PS("data"), PS()), (PS(), PS(None, "model"))):
+            with jax.sharding.set_mesh(self.mesh):
+                typed = (jax.device_put(x, x_spec), jax.device_put(w, w_spec))
+                got = grad(*typed)
+            assert_close(got, want, rtol=10 * RTOL)
+            for g, t in zip(got, typed, strict=True):
+                self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
+
     @parameterized.parameters(*RECIPES)
     def test_forward_typed(self, *recipes):
         args = quantized(recipes)

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as PS
 
 from jax_sm100._src import dot_general as dg
 from jax_sm100._src import primitive as P
@@ -330,9 +331,18 @@ def _scaled(a: _Side, b: _Side, out_dtype):
 
 
 def _plain(a: _Side, b: _Side):
-    """The unquantized float32 product of two operands as `_scaled` takes them."""
+    """The unquantized float32 product of two operands as `_scaled` takes them. Under Explicit
+    axes its result is typed as a dot's would be (the batch as either operand splits it, rows
+    as a's, columns as b's), which lax asks for where both split the contraction."""
     dn = (((a.axis,), (b.axis,)), ((0,), (0,)))
-    return dg.dot_general(a.x3, b.x3, dn, preferred_element_type=jnp.float32)
+    out_sharding = None
+    if (typed := P.explicit_type(a.x3) or P.explicit_type(b.x3)) is not None:
+        axes = [P.explicit_axes(x.x3) or [()] * 3 for x in (a, b)]
+        batch = axes[0][0] or axes[1][0]
+        parts = P.first_use([batch, axes[0][3 - a.axis], axes[1][3 - b.axis]])
+        out_sharding = typed.update(spec=PS(*map(P.spec_entry, parts)))
+    return dg.dot_general(a.x3, b.x3, dn, preferred_element_type=jnp.float32,
+                          out_sharding=out_sharding)  # fmt: skip
 
 
 def _unclipped(x3, d3, c: _Config):
