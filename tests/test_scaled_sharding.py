@@ -613,6 +613,28 @@ class ExplicitAxesTest(ScaledCase):
             for g, t in zip(got, typed, strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
 
+    @parameterized.parameters("fp8_block128", "mxfp8")
+    def test_sequence_split_activations(self, recipe):
+        # x [batch, seq, d] with the sequence split: folding batch and seq into rows would move
+        # data, so seq is gathered first (it raised ShardingTypeError in the fold).
+        x = jnp.asarray(np.random.default_rng(13).standard_normal((2, 256, 512)), jnp.float32)
+        w = jnp.asarray(np.random.default_rng(14).standard_normal((512, 256)), jnp.float32)
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(x, w, (((2,), (0,)), ((), ())), jnp.float32,
+                                             (recipe,) * 3)  # fmt: skip
+            return jnp.sum(jnp.sin(y))
+
+        step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        want = step(x, w)
+        for x_spec in (PS(None, "model"), PS(None, ("data", "model"))):
+            with jax.sharding.set_mesh(self.mesh):
+                typed = (jax.device_put(x, x_spec), jax.device_put(w, PS()))
+                got = step(*typed)
+            assert_close(got, want, rtol=10 * RTOL)
+            for g, t in zip(got[1], typed, strict=True):
+                self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)
+
     @parameterized.parameters(*RECIPES)
     def test_forward_typed(self, *recipes):
         args = quantized(recipes)

@@ -221,7 +221,27 @@ class _Operand:
     def fold(self, x):
         if self.perm != tuple(range(x.ndim)):
             x = lax.transpose(x, self.perm)
-        return P.typed_reshape(x, self.shape3)
+        folded = P.reshape_in_place(x, self.shape3)
+        if folded is None:
+            # Under Explicit axes, a merge that would move data between devices (a sequence
+            # split under a whole batch): each merged group is gathered but along its first
+            # dim (slower, never wrong; lax's products reshard such layouts too).
+            folded = P.typed_reshape(P.unsplit(x, *self._minor_dims(x.shape)), self.shape3)
+        return folded
+
+    def _minor_dims(self, shape) -> list[int]:
+        """The dims of the permuted operand that `shape3` merges under another dim."""
+        minor, d = [], 0
+        for extent in self.shape3:
+            first, got = True, 1
+            while d < len(shape) and (got < extent or shape[d] == 1):
+                if shape[d] != 1:
+                    if not first:
+                        minor.append(d)
+                    first = False
+                got *= shape[d]
+                d += 1
+        return minor
 
     def unfold(self, x3, shape):
         x = P.typed_reshape(x3, tuple(shape[d] for d in self.perm))
