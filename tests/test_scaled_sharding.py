@@ -616,21 +616,25 @@ class ExplicitAxesTest(ScaledCase):
     @parameterized.parameters("fp8_block128", "mxfp8")
     def test_sequence_split_activations(self, recipe):
         # x [batch, seq, d] with the sequence split: folding batch and seq into rows would move
-        # data, so seq is gathered first (it raised ShardingTypeError in the fold).
+        # data, so seq is gathered first (it raised ShardingTypeError in the fold). With the
+        # batch split too the fold moves no data, and the result's rows split back into batch
+        # and seq, typed as x (the unfold raised ShardingTypeError).
         x = jnp.asarray(np.random.default_rng(13).standard_normal((2, 256, 512)), jnp.float32)
         w = jnp.asarray(np.random.default_rng(14).standard_normal((512, 256)), jnp.float32)
 
-        def loss(x, w):
-            y = jax_sm100.scaled_dot_general(x, w, (((2,), (0,)), ((), ())), jnp.float32,
-                                             (recipe,) * 3)  # fmt: skip
-            return jnp.sum(jnp.sin(y))
+        def product(x, w):
+            return jax_sm100.scaled_dot_general(x, w, (((2,), (0,)), ((), ())), jnp.float32,
+                                                (recipe,) * 3)  # fmt: skip
 
-        step = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        step = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(product(x, w))), (0, 1)))
         want = step(x, w)
-        for x_spec in (PS(None, "model"), PS(None, ("data", "model"))):
+        for x_spec, out_spec in ((PS(None, "model"), ()), (PS(None, ("data", "model")), ()),
+                                 (PS("data", "model"), ("data", "model"))):  # fmt: skip
             with jax.sharding.set_mesh(self.mesh):
                 typed = (jax.device_put(x, x_spec), jax.device_put(w, PS()))
                 got = step(*typed)
+                out = jax.eval_shape(product, *typed)
+            self.assertEqual(same_spec(out.sharding.spec), out_spec)
             assert_close(got, want, rtol=10 * RTOL)
             for g, t in zip(got[1], typed, strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(t).sharding.spec)

@@ -404,9 +404,22 @@ def _data_free_reshape_spec(x, shape: tuple):
             return None
         merged = tuple(a for ax in split[: last + 1] for a in ax)
         merged += tuple(a for d, _ in group for a in axes[d] if sizes[a] == 1)
-        if firsts[0][1] % math.prod(sizes[a] for a in merged):
+        # The axes go to the group's result dims major first: each dim takes the next axes
+        # while they divide it, and must be split whole (one index a device) before the
+        # next dim takes any (a split [b * s] back into [b, s] over the batch's and the
+        # sequence's axes; where the first dim takes them all, as for a merge, that is it).
+        rest = list(merged)
+        for d, n in firsts:
+            take = []
+            while rest and n % (math.prod(sizes[a] for a in take) * sizes[rest[0]]) == 0:
+                take.append(rest.pop(0))
+            new[d] = tuple(take)
+            if not rest:
+                break
+            if math.prod(sizes[a] for a in take) != n:
+                return None
+        if rest:
             return None
-        new[firsts[0][0]] = merged
     if any(axes[d] for d, n in enumerate(x.shape) if n == 1):
         return None
     return jax.sharding.PartitionSpec(*map(spec_entry, new))
