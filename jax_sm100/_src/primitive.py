@@ -346,8 +346,8 @@ def typed_reshape(x, shape):
     group's first result dim (heads split for tensor parallelism merged with the head dim, batch
     split merged with the sequence, a batch's and a sequence's blocks moved to the front and
     merged), or on its result dims major first, each but the last of a device index each (rows
-    split over a batch's and a sequence's axes split back into the two). Elsewhere JAX's own rule decides (and raises a ShardingTypeError where it cannot
-    type the result)."""
+    split over a batch's and a sequence's axes split back into the two). Elsewhere JAX's own
+    rule decides (and raises a ShardingTypeError where it cannot type the result)."""
     out = reshape_in_place(x, shape)
     return x.reshape(tuple(shape)) if out is None else out
 
