@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as PS
 
 from jax_sm100._src import dot_general as dg
 from jax_sm100._src import primitive as P
@@ -355,12 +354,10 @@ def _plain(a: _Side, b: _Side):
     axes its result is typed as a dot's would be (the batch as either operand splits it, rows
     as a's, columns as b's), which lax asks for where both split the contraction."""
     dn = (((a.axis,), (b.axis,)), ((0,), (0,)))
-    out_sharding = None
-    if (typed := P.explicit_type(a.x3) or P.explicit_type(b.x3)) is not None:
-        axes = [P.explicit_axes(x.x3) or [()] * 3 for x in (a, b)]
-        batch = axes[0][0] or axes[1][0]
-        parts = P.first_use([batch, axes[0][3 - a.axis], axes[1][3 - b.axis]])
-        out_sharding = typed.update(spec=PS(*map(P.spec_entry, parts)))
+    out3 = (a.x3.shape[0], a.x3.shape[3 - a.axis], b.x3.shape[3 - b.axis])
+    # The matmul primitive's rule, its a [B, k, m] and b [B, n, k] being transposed operands.
+    a3, b3 = jax.typeof(a.x3), jax.typeof(b.x3)
+    out_sharding = P.out_sharding(a3, b3, None, None, out3, a.axis == 1, b.axis == 2)
     return dg.dot_general(a.x3, b.x3, dn, preferred_element_type=jnp.float32,
                           out_sharding=out_sharding)  # fmt: skip
 
