@@ -1,13 +1,16 @@
-"""`python -m jax_sm100.bench --quantize [--shapes RxC,...] [--small]`: `jax_sm100.quantize_both`
-beside XLA's two quantizations.
+"""`python -m jax_sm100.bench --quantize [--shapes RxC,...] [--recipes R,...] [--small]`:
+`jax_sm100.quantize_both` beside XLA's two quantizations.
 
-For each shape, a bfloat16 operand of normal random data quantized per 1 x 128 block along its
-columns and, written transposed, along its rows (DeepSeek-V3's activation recipe, e4m3 data,
-float32 scales), both ways:
+For each shape and recipe, a bfloat16 operand of normal random data quantized along its columns
+and, written transposed, along its rows (e4m3 data, float32 scales), per 1 x 128 block
+(fp8_block128, DeepSeek-V3's activation recipe) or per 128 x 128 tile (fp8_block128x128, its
+weights' recipe: one scale a tile for both orientations), both ways:
 
-- ours: `jax_sm100.quantize_both(x)` (on sm_90a/sm_100a the one-pass kernel, kernels/quantize.py);
-- XLA: `jax_sm100.quantize(x)` and `scaled.quantize_transposed(x)`, the two fusions the kernel
-  replaces (`quantize_both`'s reference, and what runs where the kernel does not).
+- ours: `jax_sm100.quantize_both(x, recipe)` (on sm_90a/sm_100a the one-pass kernel,
+  kernels/quantize.py);
+- XLA: `jax_sm100.quantize(x, recipe)` and `scaled.quantize_transposed(x, recipe)`, the two
+  fusions the kernel replaces (`quantize_both`'s reference, and what runs where the kernel does
+  not).
 
 Timed by the wall clock (bench_train.py's `time_steps_alike`: 6 rounds of 50 asynchronously
 dispatched calls blocked once, the two sides' rounds interleaved, median), with GB/s as the
@@ -37,12 +40,17 @@ SMALL = ((256, 384), (512, 256))
 _TOP = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 
 
+RECIPES = ("fp8_block128", "fp8_block128x128")
+
+
 def _exact_data(x, scales):
-    """numpy's x / scale per 1 x 128 block, correctly rounded, clipped and cast to e4m3."""
-    rows, cols = x.shape
-    q = x.reshape(rows, cols // 128, 128) / scales[..., None]
-    q = np.where(np.isfinite(scales[..., None]), q, 0.0)
-    return np.clip(q, -_TOP, _TOP).astype(ml_dtypes.float8_e4m3fn).reshape(rows, cols)
+    """numpy's x / scale per block (1 x 128, or 128 x 128 where `scales` has a row per 128 of
+    x's), correctly rounded, clipped and cast to e4m3."""
+    per_element = np.repeat(scales, 128, -1)
+    if per_element.shape != x.shape:
+        per_element = np.repeat(per_element, 128, -2)
+    q = np.where(np.isfinite(per_element), x / per_element, 0.0)
+    return np.clip(q, -_TOP, _TOP).astype(ml_dtypes.float8_e4m3fn)
 
 
 def _mismatches(got, x32, want_scales):
@@ -58,9 +66,17 @@ def _mismatches(got, x32, want_scales):
     return data, scales
 
 
-def run(shapes, rounds: int = 6, steps: int = 50) -> list[dict]:
-    ours = jax.jit(lambda x: jax_sm100.quantize_both(x))
-    xla = jax.jit(lambda x: quantize_both._reference(x, data_dtype=jnp.float8_e4m3fn))
+def run(shapes, recipes=RECIPES, rounds: int = 6, steps: int = 50) -> list[dict]:
+    rows = []
+    for recipe in recipes:
+        rows += _run(shapes, recipe, rounds, steps)
+    return rows
+
+
+def _run(shapes, recipe: str, rounds: int, steps: int) -> list[dict]:
+    ours = jax.jit(lambda x: jax_sm100.quantize_both(x, recipe))
+    xla = jax.jit(lambda x: quantize_both._reference(x, data_dtype=jnp.float8_e4m3fn,
+                                                     recipe=recipe))  # fmt: skip
     rows = []
     for r, c in shapes:
         x = jax.random.normal(jax.random.key(r * 7 + c), (r, c), jnp.bfloat16)
@@ -70,9 +86,10 @@ def run(shapes, rounds: int = 6, steps: int = 50) -> list[dict]:
         x32 = np.asarray(x.astype(jnp.float32))
         ref = xla(x)
         want = tuple(np.asarray(pair[1]) for pair in ref)  # XLA's scales, both orientations
-        nbytes = x.size * x.dtype.itemsize + 2 * x.size + 2 * 4 * x.size // 128
+        nbytes = x.size * x.dtype.itemsize + 2 * x.size + sum(4 * a.size for a in want)
         rows.append({
-            "shape": f"{r}x{c}", "ours": t_ours, "xla": t_xla, "gbps": nbytes / t_ours / 1e9,
+            "shape": f"{r}x{c}", "recipe": recipe, "ours": t_ours, "xla": t_xla,
+            "gbps": nbytes / t_ours / 1e9,
             "path": "; ".join(lw.note for lw in seen) or "XLA ops (no GPU)",
             "ours_off": _mismatches(got, x32, want), "xla_off": _mismatches(ref, x32, want),
         })  # fmt: skip
@@ -80,10 +97,11 @@ def run(shapes, rounds: int = 6, steps: int = 50) -> list[dict]:
 
 
 def report(rows) -> None:
-    print("shape        |  ours ms |   XLA ms | XLA/ours | ours GB/s | data != exact quotient "
-          "(ours / XLA) | ours' scales != XLA's")  # fmt: skip
+    print("shape        | recipe           |  ours ms |   XLA ms | XLA/ours | ours GB/s | data "
+          "!= exact quotient (ours / XLA) | ours' scales != XLA's")  # fmt: skip
     for w in rows:
-        print(f"{w['shape']:<13}| {w['ours'] * 1e3:8.3f} | {w['xla'] * 1e3:8.3f} | "
+        print(f"{w['shape']:<13}| {w['recipe']:<17}| {w['ours'] * 1e3:8.3f} | "
+              f"{w['xla'] * 1e3:8.3f} | "
               f"{w['xla'] / w['ours']:8.2f} | {w['gbps']:9.0f} | "
               f"{w['ours_off'][0]:>13} / {w['xla_off'][0]:<13} | {w['ours_off'][1]}")  # fmt: skip
         print(f"    ours: {w['path']}")
@@ -95,17 +113,21 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None,
                     help="RxC,... (default: " + ",".join(
                         "x".join(map(str, s)) for s in SHAPES) + ")")  # fmt: skip
+    ap.add_argument("--recipes", default=",".join(RECIPES), help="of " + ", ".join(RECIPES))
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test)")
     args = ap.parse_args(argv)
+    recipes = args.recipes.split(",")
+    if bad := [r for r in recipes if r not in RECIPES]:
+        ap.error(f"--recipes: {bad} not in {RECIPES}")
     shapes = SMALL if args.small else SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     dev = jax.devices()[0]
     steps = 5 if args.small else 50
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16 in, "
-          "float8_e4m3fn data with float32 scales per 128, both ways; wall clock, interleaved "
+          "float8_e4m3fn data with float32 scales per block, both ways; wall clock, interleaved "
           f"rounds, median of 6 x {steps} calls")  # fmt: skip
-    report(run(shapes, steps=steps))
+    report(run(shapes, recipes, steps=steps))
     return 0
 
 

@@ -504,16 +504,20 @@ class RaggedBenchTest(absltest.TestCase):
 
 class QuantizeBenchTest(absltest.TestCase):
     def test_small_shapes_print_a_row_each(self):
-        # `python -m jax_sm100.bench --quantize --small`: a row per shape, both sides' data
-        # against the exact quotient and ours' scales against XLA's (all equal on CPU, where
-        # both sides are XLA's ops), and ours' path.
+        # `python -m jax_sm100.bench --quantize --small`: a row per shape and recipe, both
+        # sides' data against the exact quotient and ours' scales against XLA's (all equal on
+        # CPU, where both sides are XLA's ops), and ours' path.
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             self.assertEqual(bench.main(["--quantize", "--small"]), 0)
         text = out.getvalue()
-        self.assertEqual(text.count("    ours: "), 2, text)
+        self.assertEqual(text.count("    ours: "), 4, text)
         for shape in ("256x384", "512x256"):
-            self.assertRegex(text, rf"\n{shape} +\|( +[\d.]+ \|){{4}} +0 / 0 +\| 0\n")
+            for recipe in ("fp8_block128", "fp8_block128x128"):
+                self.assertRegex(text, rf"\n{shape} +\| {recipe} +\|( +[\d.]+ \|){{4}} +0 / 0 "
+                                       r"+\| 0\n")  # fmt: skip
+        with self.assertRaises(SystemExit):
+            bench.main(["--quantize", "--small", "--recipes", "mxfp8"])
 
     def test_mismatches_counts_a_wrong_byte_and_scale(self):
         # The check the table reports can fail: one data byte and one scale changed are found.
@@ -532,6 +536,16 @@ class QuantizeBenchTest(absltest.TestCase):
         data, scales = bench_quantize._mismatches(((q, s), (qt, st)), x32, want)
         self.assertEqual(scales, 1)
         self.assertGreater(data, 100)
+        # Per 128 x 128 tile: a changed tile scale changes its whole tile's quotients.
+        (q, s), (qt, st) = quantize_both._reference(x, data_dtype=jnp.float8_e4m3fn,
+                                                    recipe="fp8_block128x128")  # fmt: skip
+        want = (np.asarray(s), np.asarray(st))
+        self.assertEqual(bench_quantize._mismatches(((q, s), (qt, st)), x32, want), (0, 0))
+        st = np.asarray(st).copy()
+        st[1, 0] *= 2
+        data, scales = bench_quantize._mismatches(((q, s), (qt, st)), x32, want)
+        self.assertEqual(scales, 1)
+        self.assertGreater(data, 128 * 128 // 2)
 
 
 class StepProfileTest(absltest.TestCase):

@@ -506,14 +506,16 @@ class GpuQuantizeBothTest(parameterized.TestCase):
         shape=[(1024, 2048), (2, 384, 256), (8192, 4096)],
         dtype=[jnp.bfloat16, jnp.float32, jnp.float16],
         data_dtype=[E4M3, E5M2],
+        recipe=["fp8_block128", "fp8_block128x128"],
     )
-    def test_kernel_against_xla_and_the_exact_quotient(self, shape, dtype, data_dtype):
+    def test_kernel_against_xla_and_the_exact_quotient(self, shape, dtype, data_dtype, recipe):
         # The quantize_both kernel on special values (NaN and infinite blocks, a zero tile,
         # subnormal quotients, values near the top of the input's range: tests/
         # test_quantize_both.py `special_values`): its scales are XLA's bit for bit; its data
         # is the correctly rounded x / scale's (a float32 IEEE division in numpy, rounded to
         # the fp8 format) bit for bit; XLA's data, whose division is not correctly rounded
-        # (div.full), is within one fp8 unit of it and equal in all but a few elements.
+        # (div.full), is within one fp8 unit of it and equal in all but a few elements. Per 1 x
+        # 128 block (activations) and per 128 x 128 tile (weights: one scale, both ways).
         import ml_dtypes  # noqa: PLC0415
 
         from jax_sm100._src import quantize_both  # noqa: PLC0415
@@ -521,9 +523,11 @@ class GpuQuantizeBothTest(parameterized.TestCase):
 
         x = special_values(shape, dtype, seed=len(shape))
         with jax_sm100.lowerings() as seen:
-            got = jax.jit(lambda x: jax_sm100.quantize_both(x, data_dtype=data_dtype))(x)
+            got = jax.jit(lambda x: jax_sm100.quantize_both(x, recipe, data_dtype=data_dtype))(x)
         self.assertEqual([lw.plan.kernel for lw in seen], ["quantize_both"])
-        want = jax.jit(lambda x: quantize_both._reference(x, data_dtype=data_dtype))(x)
+        self.assertEqual([lw.plan.recipe for lw in seen], [recipe])
+        want = jax.jit(lambda x: quantize_both._reference(x, data_dtype=data_dtype,
+                                                           recipe=recipe))(x)  # fmt: skip
         (q, s), (qt, st) = got
         (wq, ws), (wqt, wst) = want
         np.testing.assert_array_equal(_bits(s), _bits(ws))
@@ -532,11 +536,12 @@ class GpuQuantizeBothTest(parameterized.TestCase):
         top = float(jnp.finfo(data_dtype).max)
         fp8 = getattr(ml_dtypes, np.dtype(data_dtype).name)
         for data, scales, xla, view in ((q, s, wq, xf), (qt, st, wqt, np.swapaxes(xf, -1, -2))):
-            blocks = view.reshape(*view.shape[:-1], -1, 128)
-            sc = np.asarray(scales, np.float32)[..., None]
+            sc = np.repeat(np.asarray(scales, np.float32), 128, -1)  # per element
+            if recipe == "fp8_block128x128":
+                sc = np.repeat(sc, 128, -2)
             with np.errstate(all="ignore"):
-                exact = np.where(sc > 0, np.clip(blocks / np.where(sc > 0, sc, 1), -top, top), 0)
-            exact = exact.astype(np.float32).reshape(view.shape).astype(fp8)
+                exact = np.where(sc > 0, np.clip(view / np.where(sc > 0, sc, 1), -top, top), 0)
+            exact = exact.astype(np.float32).astype(fp8)
             np.testing.assert_array_equal(_bits(data), exact.view(np.uint8))
             d, w = (np.asarray(a, np.float32) for a in (data, xla))
             off = np.flatnonzero(_bits(data) != _bits(xla))

@@ -10,6 +10,7 @@ emulated operation for operation in numpy and checked against IEEE division here
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from unittest import mock
@@ -89,18 +90,21 @@ class QuantizeBothTest(parameterized.TestCase):
         shape=[(128, 128), (256, 384), (2, 384, 256), (2, 1, 256, 128)],
         dtype=[jnp.bfloat16, jnp.float32, jnp.float16],
         data_dtype=[None, jnp.float8_e5m2],
+        recipe=["fp8_block128", "fp8_block128x128"],
     )
-    def test_both_orientations_bit_for_bit(self, shape, dtype, data_dtype):
+    def test_both_orientations_bit_for_bit(self, shape, dtype, data_dtype, recipe):
         x = special_values(shape, dtype)
         (q, s), (qt, st) = jax.jit(
-            lambda x: jax_sm100.quantize_both(x, data_dtype=data_dtype)
+            lambda x: jax_sm100.quantize_both(x, recipe, data_dtype=data_dtype)
         )(x)  # fmt: skip
-        want_q, want_s = scaled.quantize(x, "fp8_block128", data_dtype=data_dtype)
-        want_qt, want_st = scaled.quantize(jnp.swapaxes(x, -1, -2), "fp8_block128",
+        want_q, want_s = scaled.quantize(x, recipe, data_dtype=data_dtype)
+        want_qt, want_st = scaled.quantize(jnp.swapaxes(x, -1, -2), recipe,
                                            data_dtype=data_dtype)  # fmt: skip
         for got, want in ((q, want_q), (s, want_s), (qt, want_qt), (st, want_st)):
             self.assertEqual((got.shape, got.dtype), (want.shape, want.dtype))
             np.testing.assert_array_equal(_bits(got), _bits(want))
+        if recipe == "fp8_block128x128":  # one scale a tile, for both orientations
+            np.testing.assert_array_equal(_bits(st), _bits(jnp.swapaxes(s, -1, -2)))
         # The non-finite blocks dequantize to NaN, the zero tile to zeros.
         self.assertTrue(np.isnan(np.asarray(s)[..., 0, 0]).all())
         if shape[-1] >= 256 and shape[-2] >= 256:
@@ -148,10 +152,12 @@ class QuantizeBothTest(parameterized.TestCase):
             self.assertGreater(differences(_emulated_division(x, s, correct=False))[0], 0)
             self.assertGreater(differences(_emulated_division(x, s, rescale=False))[0], 0)
 
-    def test_vmap_and_eager(self):
+    @parameterized.parameters("fp8_block128", "fp8_block128x128")
+    def test_vmap_and_eager(self, recipe):
         x = special_values((3, 256, 128), jnp.bfloat16)
-        got = jax.vmap(jax_sm100.quantize_both, in_axes=1, out_axes=1)(jnp.swapaxes(x, 0, 1))
-        want = jax_sm100.quantize_both(x)
+        got = jax.vmap(lambda x: jax_sm100.quantize_both(x, recipe), in_axes=1,
+                       out_axes=1)(jnp.swapaxes(x, 0, 1))  # fmt: skip
+        want = jax_sm100.quantize_both(x, recipe)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(_bits(jnp.swapaxes(g, 0, 1)), _bits(w))
         eager = jax_sm100.quantize_both(x[0])
@@ -178,6 +184,9 @@ class QuantizeBothTest(parameterized.TestCase):
             (q, s), (qt, st) = jax_sm100.quantize_both(jnp.zeros(shape))
             self.assertEqual((q.shape, qt.shape), (shape, (*shape[:-2], shape[-1], shape[-2])))
             self.assertEqual(s.shape, (*shape[:-1], shape[-1] // 128))
+            (q, s), (qt, st) = jax_sm100.quantize_both(jnp.zeros(shape), "fp8_block128x128")
+            self.assertEqual(s.shape, (*shape[:-2], shape[-2] // 128, shape[-1] // 128))
+            self.assertEqual(st.shape, (*shape[:-2], shape[-1] // 128, shape[-2] // 128))
         with self.assertRaisesRegex(NotImplementedError, "not differentiable"):
             jax.grad(lambda x: jax_sm100.quantize_both(x)[0][1].sum())(x.astype(jnp.float32))
 
@@ -201,8 +210,13 @@ class QuantizeBothTest(parameterized.TestCase):
         a = plan_quantize_both(256, 128, 1, "float32", "float8_e5m2", "sm_90a")
         b = plan_quantize_both(8192, 1024, 3, "float32", "float8_e5m2", "sm_90a")
         self.assertEqual(a.binary_fields(), b.binary_fields())
-        self.assertEqual(compile_mod.binary_key(a, compile_mod.KernelSpec.for_plan(a)),
-                         compile_mod.binary_key(b, compile_mod.KernelSpec.for_plan(b)))  # fmt: skip
+        key = lambda p: compile_mod.binary_key(p, compile_mod.KernelSpec.for_plan(p))  # noqa: E731
+        self.assertEqual(key(a), key(b))
+        # The tile recipe is a binary of its own.
+        t = plan_quantize_both(256, 128, 1, "float32", "float8_e5m2", "sm_90a", "fp8_block128x128")
+        self.assertNotEqual(key(a), key(t))
+        with self.assertRaisesRegex(ValueError, "recipe"):
+            dataclasses.replace(t, recipe="mxfp8")
 
     @parameterized.product(arch=["sm_90a", "sm_100a"], dtype=["bfloat16", "float16", "float32"],
                            data_dtype=["float8_e4m3fn", "float8_e5m2"])  # fmt: skip
@@ -254,6 +268,34 @@ class QuantizeBothTest(parameterized.TestCase):
         if spills is not None:
             self.assertEqual(spills, (0, 0))
 
+    @parameterized.product(arch=["sm_90a", "sm_100a"], dtype=["bfloat16", "float32"])
+    def test_kernel_ptx_per_tile(self, arch, dtype):
+        # fp8_block128x128: x read once, one scale for the 128 x 128 tile (its warps' maxima
+        # met in shared memory behind the one barrier the transposed pass needs), both
+        # orientations' data under it, the tile's scale stored once each way.
+        plan = plan_quantize_both(256, 256, 1, dtype, "float8_e4m3fn", arch, "fp8_block128x128")
+        ptx = compile_mod.compile_plan(plan).ptx
+
+        def count(pattern):
+            return len(re.findall(pattern, ptx))
+
+        loads = 8 * (2 if dtype == "float32" else 1)
+        self.assertEqual(count(r"ld\.global"), loads)
+        self.assertEqual(count(r"bar\.sync"), 1)
+        self.assertEqual(count(r"rcp\.rn\.f32"), 1)  # one scale, one reciprocal
+        self.assertEqual(count(r"fma\.rn\.f32"), 2 * 8 * 8 * 2)
+        self.assertEqual(count(r"div\.|\.approx|\.ftz\."), 0)
+        self.assertEqual(count(r"cvt\.rn\.satfinite\.e4m3x2\.f32"), 2 * 8 * 4)
+        # 64 elements a thread, its warp (5 shuffles), the 8 warps.
+        self.assertEqual(count(r"shfl\.sync\.bfly"), 5)
+        self.assertEqual(count(r"max\.NaN\.f32"), 64 + 5 + 7)
+        self.assertEqual(count(r"st\.global\.b32"), 2)
+        from tests.test_sm100_ptx import ptxas_spill_bytes  # noqa: PLC0415
+
+        spills = ptxas_spill_bytes(ptx, arch)
+        if spills is not None:
+            self.assertEqual(spills, (0, 0))
+
     def test_cuda_lowering_runs_the_kernel(self):
         s = jax.ShapeDtypeStruct
         for arch in ("sm_90a", "sm_100a"):
@@ -269,6 +311,20 @@ class QuantizeBothTest(parameterized.TestCase):
             self.assertNotIn("custom_call @jax_sm100_gemm", text)  # not counted as a product
             self.assertIn('names = "x,q,s,qt,st"', text)
             self.assertNotIn("stablehlo.reduce", text)  # no XLA quantization beside it
+            with (mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),
+                  jax_sm100.lowerings() as seen):  # fmt: skip
+                exported = jax.export.export(
+                    jax.jit(lambda x: jax_sm100.quantize_both(x, "fp8_block128x128")),
+                    platforms=["cuda"], disabled_checks=ffi.export_safety_checks(),
+                )(s((2, 512, 256), jnp.bfloat16))  # fmt: skip
+            self.assertEqual([(x.plan.kernel, x.plan.recipe) for x in seen],
+                             [("quantize_both", "fp8_block128x128")])  # fmt: skip
+            self.assertEqual([a.shape for a in exported.out_avals],
+                             [(2, 512, 256), (2, 4, 2), (2, 256, 512), (2, 2, 4)])  # fmt: skip
+            tile_text = exported.mlir_module()
+            self.assertEqual(tile_text.count("stablehlo.custom_call @jax_sm100_quantize"), 1)
+            self.assertNotIn("stablehlo.reduce", tile_text)
+            self.assertNotIn("stablehlo.transpose", tile_text)  # its scales are written as read
             # Typed over a one-device mesh of Explicit axes: the kernel, its results typed.
             mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1],
                                  axis_types=(jax.sharding.AxisType.Explicit,) * 2)  # fmt: skip

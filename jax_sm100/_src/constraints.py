@@ -665,6 +665,11 @@ def blockscaled_support(
 # The input dtypes the quantize_both kernel reads and the block it quantizes (both dims).
 QUANTIZE_IN_DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZE_TILE = 128
+# The recipes the quantize_both kernel writes: scales per 1 x 128 block of each orientation
+# (activations, cotangents), or one per 128 x 128 tile for both (weights).
+QUANTIZE_ROW_RECIPE = "fp8_block128"
+QUANTIZE_TILE_RECIPE = "fp8_block128x128"
+QUANTIZE_RECIPES = (QUANTIZE_ROW_RECIPE, QUANTIZE_TILE_RECIPE)
 # Its tensor arguments (input, data, scales, transposed data, their scales): the custom call's
 # `names` attribute, by which a compiled module's quantizations are told from its products.
 QUANTIZE_TENSORS = ("x", "q", "s", "qt", "st")

@@ -59,25 +59,29 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
 
     Args:
       x: a floating array of 2 or more dims; rows and cols multiples of 128.
-      recipe: "fp8_block128" (DeepSeek-V3's activations and gradients), the one recipe whose
-        blocks run along either dim.
+      recipe: "fp8_block128" (DeepSeek-V3's activations and gradients: a scale per 1 x 128
+        block of each orientation) or "fp8_block128x128" (its weights: one scale per 128 x 128
+        tile, which serves both orientations), the recipes whose blocks run along either dim.
       data_dtype: float8_e4m3fn (the default) or float8_e5m2.
 
     Returns:
-      ((data, scales), (data_t, scales_t)): data [..., rows, cols] and scales [..., rows,
-      cols / 128], `jax_sm100.quantize(x, recipe)`; data_t [..., cols, rows] and scales_t
-      [..., cols, rows / 128], `quantize(swapaxes(x, -1, -2), recipe)` (on the kernel: the
-      scales bit for bit, the data the correctly rounded quotient's; module docstring).
+      ((data, scales), (data_t, scales_t)): data [..., rows, cols] and its scales,
+      `jax_sm100.quantize(x, recipe)`; data_t [..., cols, rows] and its scales,
+      `quantize(swapaxes(x, -1, -2), recipe)` (on the kernel: the scales bit for bit, the data
+      the correctly rounded quotient's; module docstring). The scales are [..., rows, cols /
+      128] and [..., cols, rows / 128] for fp8_block128, [..., rows / 128, cols / 128] and
+      its transpose for fp8_block128x128.
 
     Raises:
       ValueError: another recipe, x of fewer than 2 dims, or rows or cols not multiples of
         128 (pad them with zeros: zeros add nothing to a product).
       TypeError: x not floating, or a `data_dtype` the recipe does not take.
     """
-    if recipe != _RECIPE:
+    if recipe not in constraints.QUANTIZE_RECIPES:
         raise ValueError(
-            f"jax_sm100.quantize_both: {recipe=} is not {_RECIPE!r}, the recipe with blocks "
-            "along either dim; for the others call jax_sm100.quantize once per orientation"
+            f"jax_sm100.quantize_both: {recipe=} is not one of {constraints.QUANTIZE_RECIPES}, "
+            "the recipes with blocks along either dim; for the others call jax_sm100.quantize "
+            "once per orientation"
         )
     r = scaled.recipe_with(recipe, data_dtype, "jax_sm100.quantize_both")
     x = P.as_array(x, "quantize_both", "x")
@@ -92,10 +96,9 @@ def quantize_both(x, recipe: str = _RECIPE, *, data_dtype=None):
     # is typed where it moves no data; where it would, XLA's two quantizations run instead.
     x3 = P.reshape_in_place(x, (math.prod(lead), rows, cols))
     if x3 is None:
-        return _reference(x, data_dtype=r.data_dtype)
-    q, s, qt, st = (
-        _split_lead(o, lead, x) for o in quantize_both_p.bind(x3, data_dtype=r.data_dtype)
-    )
+        return _reference(x, data_dtype=r.data_dtype, recipe=recipe)
+    outs = quantize_both_p.bind(x3, data_dtype=r.data_dtype, recipe=recipe)
+    q, s, qt, st = (_split_lead(o, lead, x) for o in outs)
     return (q, s), (qt, st)
 
 
@@ -123,25 +126,34 @@ def keeps_type(x3) -> bool:
     return all(tuple(k) == tuple(h) for k, h in zip(kept, have, strict=True))
 
 
-def _reference(x, *, data_dtype):
+def _reference(x, *, data_dtype, recipe=_RECIPE):
     """XLA's two quantizations."""
-    q, s = scaled.quantize(x, _RECIPE, data_dtype=data_dtype)
-    qt, st = scaled.quantize_transposed(x, _RECIPE, data_dtype=data_dtype)
+    q, s = scaled.quantize(x, recipe, data_dtype=data_dtype)
+    qt, st = scaled.quantize_transposed(x, recipe, data_dtype=data_dtype)
     return (q, s), (qt, st)
 
 
-def _flat_reference(x3, *, data_dtype):
-    (q, s), (qt, st) = _reference(x3, data_dtype=data_dtype)
+def _flat_reference(x3, *, data_dtype, recipe):
+    (q, s), (qt, st) = _reference(x3, data_dtype=data_dtype, recipe=recipe)
     return [q, s, qt, st]
 
 
-def _abstract(x, *, data_dtype):
+def _scale_shapes(L, R, C, recipe):
+    """The shapes of s and st for x [L, R, C]."""
+    Rb, Cb = R // _BLOCK, C // _BLOCK
+    if recipe == constraints.QUANTIZE_TILE_RECIPE:
+        return (L, Rb, Cb), (L, Cb, Rb)
+    return (L, R, Cb), (L, C, Rb)
+
+
+def _abstract(x, *, data_dtype, recipe):
     L, R, C = x.shape
     if R % _BLOCK or C % _BLOCK:
         raise ValueError(f"quantize_both_p takes [L, R, C] of whole {_BLOCK}-blocks, not {x.shape}")
     data = np.dtype(data_dtype)
-    shapes = [((L, R, C), data), ((L, R, C // _BLOCK), np.float32),
-              ((L, C, R), data), ((L, C, R // _BLOCK), np.float32)]  # fmt: skip
+    s_shape, st_shape = _scale_shapes(L, R, C, recipe)
+    shapes = [((L, R, C), data), (s_shape, np.float32),
+              ((L, C, R), data), (st_shape, np.float32)]  # fmt: skip
     # Under Explicit axes each result is typed as the partitioned kernels write it: split as x
     # is where x's split holds whole 128-blocks (`_local_axes`), else whole there.
     typed = P.explicit_type(x)
@@ -154,12 +166,12 @@ def _abstract(x, *, data_dtype):
     ]
 
 
-def _xla(why: str, plan, x3, data_dtype):
+def _xla(why: str, plan, x3, data_dtype, recipe):
     dispatch.record(dispatch.Lowered(plan, f"quantize_both: XLA ops ({why})"))
-    return _flat_reference(x3, data_dtype=data_dtype)
+    return _flat_reference(x3, data_dtype=data_dtype, recipe=recipe)
 
 
-def _cuda(x3, *, data_dtype):
+def _cuda(x3, *, data_dtype, recipe):
     """The kernel where the plan takes the call, else XLA's quantizations (recorded)."""
     from jax_sm100._src import compile as compile_mod  # noqa: PLC0415
     from jax_sm100._src import ffi, gpu_lowering  # noqa: PLC0415
@@ -167,37 +179,43 @@ def _cuda(x3, *, data_dtype):
 
     target = dispatch.lowering_target()
     if target is None:
-        return _xla("no sm_90a/sm_100a device", None, x3, data_dtype)
+        return _xla("no sm_90a/sm_100a device", None, x3, data_dtype, recipe)
     if dispatch.symbolic_dims(x3):
-        return _xla(f"symbolic dims {x3.shape}", None, x3, data_dtype)
+        return _xla(f"symbolic dims {x3.shape}", None, x3, data_dtype, recipe)
     L, R, C = x3.shape
     in_dtype = np.dtype(x3.dtype).name
-    plan = plan_quantize_both(R, C, L, in_dtype, np.dtype(data_dtype).name, target.arch)
+    plan = plan_quantize_both(R, C, L, in_dtype, np.dtype(data_dtype).name, target.arch, recipe)
     if plan.kernel != constraints.KERNEL_QUANTIZE_BOTH:
-        return _xla(plan.reason.removeprefix("XLA ops: "), plan, x3, data_dtype)
+        return _xla(plan.reason.removeprefix("XLA ops: "), plan, x3, data_dtype, recipe)
     dispatch.record(dispatch.Lowered(plan, "quantize_both: kernel (one pass, both ways)"))
     ffi.register()
     compiled = compile_mod.compile_plan(plan)
     Cb, Rb = C // _BLOCK, R // _BLOCK
-    # The kernel's modes (rows, cols, L) of each row-major buffer (kernels/quantize.py); the
-    # scales are written with the rows contiguous ([L, C / 128, R] and [L, R / 128, C]).
+    tiles = recipe == constraints.QUANTIZE_TILE_RECIPE
+    # The kernel's modes (rows, cols, L) of each row-major buffer (kernels/quantize.py). Per 1
+    # x 128 block the scales are written with the rows contiguous ([L, C / 128, R] and [L, R /
+    # 128, C]); per tile as they are returned ([L, R / 128, C / 128] and its transpose).
+    s_modes = ((Rb, Cb, L), (Cb, 1, Rb * Cb)) if tiles else ((R, Cb, L), (1, R, R * Cb))
+    st_modes = ((Cb, Rb, L), (Rb, 1, Rb * Cb)) if tiles else ((C, Rb, L), (1, C, C * Rb))
     modes = {
         "x": ((R, C, L), (C, 1, R * C)),
         "q": ((R, C, L), (C, 1, R * C)),
-        "s": ((R, Cb, L), (1, R, R * Cb)),
+        "s": s_modes,
         "qt": ((C, R, L), (R, 1, R * C)),
-        "st": ((C, Rb, L), (1, C, C * Rb)),
+        "st": st_modes,
     }
     data = np.dtype(data_dtype)
     out_types = [
         jax.ShapeDtypeStruct((L, R, C), data),
-        jax.ShapeDtypeStruct((L, Cb, R), np.float32),
+        jax.ShapeDtypeStruct((L, Rb, Cb) if tiles else (L, Cb, R), np.float32),
         jax.ShapeDtypeStruct((L, C, R), data),
-        jax.ShapeDtypeStruct((L, Rb, C), np.float32),
+        jax.ShapeDtypeStruct((L, Cb, Rb) if tiles else (L, Rb, C), np.float32),
     ]
     dtypes = {"x": in_dtype, "q": data.name, "s": "float32", "qt": data.name, "st": "float32"}
     index = {"x": 0, "q": -1, "s": -2, "qt": -3, "st": -4}
     q, s, qt, st = gpu_lowering.launch(compiled, [x3], index, out_types, modes, dtypes)
+    if tiles:
+        return [q, s, qt, st]
     return [q, jnp.swapaxes(s, 1, 2), qt, jnp.swapaxes(st, 1, 2)]
 
 
@@ -272,28 +290,28 @@ def _infer(shape, mesh, arg_shapes):
     return _result_shardings(mesh, _local_axes(shape, mesh, arg_shapes[0].sharding))
 
 
-def _partition(shape, data_dtype, mesh, arg_shapes, result_shapes):
+def _partition(shape, params, mesh, arg_shapes, result_shapes):
     del result_shapes  # each result's blocks are x's: its sharding follows x's
     local = _local_axes(shape, mesh, arg_shapes[0].sharding)
     x_sharding = NamedSharding(mesh, PS(*(P.spec_entry(a) for a in local)))
 
     def lower_fn(x3):
-        return tuple(quantize_both_p.bind(x3, data_dtype=data_dtype))
+        return tuple(quantize_both_p.bind(x3, **params))
 
     return mesh, lower_fn, _result_shardings(mesh, local), (x_sharding,)
 
 
 def _lowering(local_rule):
     """The lowering of `quantize_both_p` whose one-device computation is `local_rule(ctx, x3,
-    data_dtype=...)`: partitioned where the program is sharded over devices."""
+    **params)`: partitioned where the program is sharded over devices."""
 
-    def rule(ctx, x3, *, data_dtype):
+    def rule(ctx, x3, **params):
         if not sharding._is_sharded(ctx.module_context.axis_context):
-            return local_rule(ctx, x3, data_dtype=data_dtype)
+            return local_rule(ctx, x3, **params)
         shape = ctx.avals_in[0].shape
         wrapped = sharding.partitioned(
-            lambda x: tuple(quantize_both_p.bind(x, data_dtype=data_dtype)),
-            partition=lambda mesh, args, result: _partition(shape, data_dtype, mesh, args, result),
+            lambda x: tuple(quantize_both_p.bind(x, **params)),
+            partition=lambda mesh, args, result: _partition(shape, params, mesh, args, result),
             infer=lambda mesh, args: _infer(shape, mesh, args),
             rule=_sharding_rule(shape),
         )
@@ -303,12 +321,12 @@ def _lowering(local_rule):
 
 
 def _local(fn):
-    """The unpartitioned lowering of `fn(x3, *, data_dtype)`. Typed over Explicit axes there
+    """The unpartitioned lowering of `fn(x3, **params)`. Typed over Explicit axes there
     (a one-device mesh, or automatic axes inside a `shard_map`: the call runs whole over them),
     `fn` is traced untyped."""
 
-    def rule(ctx, x3, *, data_dtype):
-        local = functools.partial(fn, data_dtype=data_dtype)
+    def rule(ctx, x3, **params):
+        local = functools.partial(fn, **params)
         if sharding.typed_over_explicit_axes(ctx) or sharding.explicit_context():
             ctx, local = sharding.untyped_context(ctx), sharding.untyped(local)
         return mlir.lower_fun(local, multiple_results=True)(ctx, x3)
@@ -316,8 +334,8 @@ def _local(fn):
     return rule
 
 
-def _jvp(primals, tangents, *, data_dtype):
-    del primals, tangents, data_dtype
+def _jvp(primals, tangents, **params):
+    del primals, tangents, params
     raise NotImplementedError(
         "jax_sm100.quantize_both is not differentiable (its data is piecewise constant and its "
         "scales follow block maxima); jax_sm100.scaled_dot_general, which quantizes with it, "
@@ -326,14 +344,14 @@ def _jvp(primals, tangents, *, data_dtype):
     )
 
 
-def _batch(args, dims, *, data_dtype):
+def _batch(args, dims, **params):
     (x,), (d,) = args, dims
     x = jnp.moveaxis(x, d, 0)
     size, L = x.shape[:2]
     x3 = P.reshape_in_place(x, (size * L, *x.shape[2:]))
     if x3 is None:  # under Explicit axes, a merge that would move data: XLA's quantizations
-        return _flat_reference(x, data_dtype=data_dtype), [0] * 4
-    outs = quantize_both_p.bind(x3, data_dtype=data_dtype)
+        return _flat_reference(x, **params), [0] * 4
+    outs = quantize_both_p.bind(x3, **params)
     return [_split_lead(o, (size, L), x) for o in outs], [0] * 4
 
 

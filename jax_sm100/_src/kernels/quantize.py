@@ -56,6 +56,7 @@ LANES = TILE // VEC  # threads sharing a row (a column in the transposed pass)
 GROUPS = THREADS // LANES  # rows (columns) one pass covers
 PASSES = TILE // GROUPS
 PAD_BYTES = 16  # shared rows padded by 16 bytes: vector stores stay aligned
+WARPS = THREADS // 32
 
 
 class QuantizeBothKernel(KernelFamily):
@@ -72,6 +73,8 @@ class QuantizeBothKernel(KernelFamily):
         self.top = float(ml_dtypes.finfo(getattr(ml_dtypes, plan.data_dtype)).max)
         self.inv_top = float(np.float32(1.0 / self.top))
         self.pad = PAD_BYTES * 8 // self.in_dtype.width
+        # fp8_block128x128 (weights): one scale a 128 x 128 tile, both orientations.
+        self.tiles = plan.recipe == constraints.QUANTIZE_TILE_RECIPE
 
     @classmethod
     def why_not(cls, plan, spec=None) -> str | None:
@@ -85,7 +88,7 @@ class QuantizeBothKernel(KernelFamily):
     def compile_inputs(cls, plan, spec) -> CompileInputs:
         """Symbolic rows and cols (multiples of 128) and batch: x and q [L, R, C], s
         [L, C / 128, R], qt [L, C, R], st [L, R / 128, C], row-major, as (rows, cols, L)
-        modes."""
+        modes; for 128 x 128 tiles s [L, R / 128, C / 128] and st [L, C / 128, R / 128]."""
         rows, cols = (cute.sym_int(divisibility=TILE) for _ in range(2))
         batch = cute.sym_int()
 
@@ -94,22 +97,30 @@ class QuantizeBothKernel(KernelFamily):
                                             stride_order=order, assumed_align=16)  # fmt: skip
 
         data, f32 = plan.data_dtype, "float32"
+        if plan.recipe == constraints.QUANTIZE_TILE_RECIPE:
+            s = tensor(f32, (rows // TILE, cols // TILE, batch), (1, 0, 2))
+            st = tensor(f32, (cols // TILE, rows // TILE, batch), (1, 0, 2))
+        else:
+            s = tensor(f32, (rows, cols // TILE, batch), (0, 1, 2))
+            st = tensor(f32, (cols, rows // TILE, batch), (0, 1, 2))
         operands = (
             tensor(plan.in_dtype, (rows, cols, batch), (1, 0, 2)),
             tensor(data, (rows, cols, batch), (1, 0, 2)),
-            tensor(f32, (rows, cols // TILE, batch), (0, 1, 2)),
+            s,
             tensor(data, (cols, rows, batch), (1, 0, 2)),
-            tensor(f32, (cols, rows // TILE, batch), (0, 1, 2)),
+            st,
         )
         return CompileInputs(plan, spec, operands)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mQT: cute.Tensor,
                  mST: cute.Tensor, stream: cuda.CUstream):  # fmt: skip
-        # mX, mQ (R, C, L); mS (R, C / 128, L); mQT (C, R, L); mST (C, R / 128, L).
+        # mX, mQ (R, C, L); mS (R, C / 128, L); mQT (C, R, L); mST (C, R / 128, L); for
+        # tiles mS (R / 128, C / 128, L) and mST (C / 128, R / 128, L).
         rows, cols, batch = mX.shape
         grid = (cols // TILE, rows // TILE, batch)
-        smem = TILE * (TILE + self.pad) * self.in_dtype.width // 8
+        # The tile (rows padded), then one float32 a warp for the tiles' largest magnitude.
+        smem = TILE * (TILE + self.pad) * self.in_dtype.width // 8 + WARPS * 4
         self.kernel(mX, mQ, mS, mQT, mST).launch(
             grid=grid, block=(THREADS, 1, 1), smem=smem, stream=stream
         )
@@ -167,13 +178,18 @@ class QuantizeBothKernel(KernelFamily):
         return r.load().to(self.data_dtype)
 
     @cute.jit
+    def _amax(self, r, amax: cutlass.Float32) -> cutlass.Float32:
+        """The largest of `amax` and the magnitudes of the Float32 register tensor `r` (NaN if
+        any is NaN)."""
+        for i in cutlass.range_constexpr(cute.size(r)):
+            amax = cute.arch.fmax(amax, cute.arch.fmax(r[i], -r[i], nan=True), nan=True)
+        return amax
+
+    @cute.jit
     def _block_amax(self, r) -> cutlass.Float32:
         """The largest magnitude of the Float32 register tensor `r` and the 15 other threads
         of its half warp (NaN if any is NaN)."""
-        f32 = cutlass.Float32
-        amax = f32(0.0)
-        for i in cutlass.range_constexpr(cute.size(r)):
-            amax = cute.arch.fmax(amax, cute.arch.fmax(r[i], -r[i], nan=True), nan=True)
+        amax = self._amax(r, cutlass.Float32(0.0))
         for offset in (1, 2, 4, 8):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset), nan=True)
         return amax
@@ -188,6 +204,8 @@ class QuantizeBothKernel(KernelFamily):
             self.in_dtype, cute.make_layout((TILE, TILE), stride=(TILE + self.pad, 1)),
             byte_alignment=16,
         )  # fmt: skip
+        sAmax = allocator.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS),
+                                          byte_alignment=4)  # fmt: skip
         gX = cute.local_tile(mX[None, None, bz], (TILE, TILE), (by, bx))
         gQ = cute.local_tile(mQ[None, None, bz], (TILE, TILE), (by, bx))
         gQT = cute.local_tile(mQT[None, None, bz], (TILE, TILE), (bx, by))
@@ -205,21 +223,50 @@ class QuantizeBothKernel(KernelFamily):
             cute.autovec_copy(cute.local_tile(gX, (1, VEC), (group + GROUPS * p, lane)), rx)
             loaded.append(rx)
 
+        tile_scale = f32(0.0)
+        if cutlass.const_expr(self.tiles):
+            # One scale for the tile: each thread's largest magnitude, then its warp's (by
+            # shuffles), then the 8 warps' (through shared memory, after the barrier that
+            # the transposed pass needs anyway).
+            amax = f32(0.0)
+            for p in cutlass.range_constexpr(PASSES):
+                cute.autovec_copy(loaded[p], cute.local_tile(sX, (1, VEC), (group + GROUPS * p,
+                                                                           lane)))  # fmt: skip
+                rf = cute.make_rmem_tensor((1, VEC), f32)
+                rf.store(loaded[p].load().to(f32))
+                amax = self._amax(rf, amax)
+            for offset in (1, 2, 4, 8, 16):
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=offset),
+                                      nan=True)  # fmt: skip
+            if tidx % 32 == 0:
+                sAmax[tidx // 32] = amax
+            cute.arch.sync_threads()
+            amax = sAmax[0]
+            for w in cutlass.range_constexpr(1, WARPS):
+                amax = cute.arch.fmax(amax, sAmax[w], nan=True)
+            tile_scale = self._scale(amax)
+            if tidx == 0:
+                mS[by, bx, bz] = tile_scale
+                mST[bx, by, bz] = tile_scale
+
         # Along C: row `r` of the tile, elements [8 lane, 8 lane + 8).
         for p in cutlass.range_constexpr(PASSES):
             r = group + GROUPS * p
             rx = loaded[p]
-            cute.autovec_copy(rx, cute.local_tile(sX, (1, VEC), (r, lane)))
             rf = cute.make_rmem_tensor((1, VEC), f32)
             rf.store(rx.load().to(f32))
-            scale = self._scale(self._block_amax(rf))
-            if lane == 0:
-                mS[by * TILE + r, bx, bz] = scale
+            scale = tile_scale
+            if cutlass.const_expr(not self.tiles):
+                cute.autovec_copy(rx, cute.local_tile(sX, (1, VEC), (r, lane)))
+                scale = self._scale(self._block_amax(rf))
+                if lane == 0:
+                    mS[by * TILE + r, bx, bz] = scale
             rq = cute.make_rmem_tensor((1, VEC), self.data_dtype)
             rq.store(self._quantized(rf.load(), scale))
             cute.autovec_copy(rq, cute.local_tile(gQ, (1, VEC), (r, lane)))
 
-        cute.arch.sync_threads()
+        if cutlass.const_expr(not self.tiles):
+            cute.arch.sync_threads()
 
         # Along R, transposed: column `c` of the tile, rows lane, lane + 16, ...
         for p in cutlass.range_constexpr(PASSES):
@@ -227,9 +274,11 @@ class QuantizeBothKernel(KernelFamily):
             rf = cute.make_rmem_tensor((VEC,), f32)
             for i in cutlass.range_constexpr(VEC):
                 rf[i] = sX[lane + LANES * i, c].to(f32)
-            scale = self._scale(self._block_amax(rf))
-            if lane == 0:
-                mST[bx * TILE + c, by, bz] = scale
+            scale = tile_scale
+            if cutlass.const_expr(not self.tiles):
+                scale = self._scale(self._block_amax(rf))
+                if lane == 0:
+                    mST[bx * TILE + c, by, bz] = scale
             rq = cute.make_rmem_tensor((VEC,), self.data_dtype)
             rq.store(self._quantized(rf.load(), scale))
             for i in cutlass.range_constexpr(VEC):

@@ -24,6 +24,8 @@ class QuantizePlan:
       kernel: `C.KERNEL_QUANTIZE_BOTH`, or `C.KERNEL_XLA` where the kernel does not take the
         problem (XLA's quantizations run, `reason` says why).
       reason: why this path.
+      recipe: "fp8_block128" (a scale per 1 x 128 block of each orientation) or
+        "fp8_block128x128" (one per 128 x 128 tile, for both).
     """
 
     rows: int
@@ -34,6 +36,7 @@ class QuantizePlan:
     arch: str
     kernel: str
     reason: str = ""
+    recipe: str = C.QUANTIZE_ROW_RECIPE
 
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("rows", "cols", "batch", "reason")
     # What the shared compile and launch paths read of a plan: one launch, no workspace.
@@ -42,6 +45,8 @@ class QuantizePlan:
 
     def __post_init__(self):
         C.check_arch(self.arch)
+        if self.recipe not in C.QUANTIZE_RECIPES:
+            raise ValueError(f"{self.recipe=} must be one of {C.QUANTIZE_RECIPES}")
         if self.kernel not in (C.KERNEL_QUANTIZE_BOTH, C.KERNEL_XLA):
             raise ValueError(f"{self.kernel=} must be {C.KERNEL_QUANTIZE_BOTH!r} or "
                              f"{C.KERNEL_XLA!r}")  # fmt: skip
@@ -75,9 +80,10 @@ class QuantizePlan:
 
 
 def plan_quantize_both(rows: int, cols: int, batch: int, in_dtype: str, data_dtype: str,
-                       arch: str) -> QuantizePlan:  # fmt: skip
-    """The plan for quantizing [batch, rows, cols] of `in_dtype` to `data_dtype` on `arch`."""
+                       arch: str, recipe: str = C.QUANTIZE_ROW_RECIPE) -> QuantizePlan:  # fmt: skip
+    """The plan for quantizing [batch, rows, cols] of `in_dtype` to `data_dtype` by `recipe`
+    on `arch`."""
     why = C.quantize_both_support(rows, cols, batch, in_dtype, data_dtype)
     kernel = C.KERNEL_QUANTIZE_BOTH if why is None else C.KERNEL_XLA
     reason = "one pass, both orientations" if why is None else f"XLA ops: {why}"
-    return QuantizePlan(rows, cols, batch, in_dtype, data_dtype, arch, kernel, reason)
+    return QuantizePlan(rows, cols, batch, in_dtype, data_dtype, arch, kernel, reason, recipe)
