@@ -472,15 +472,15 @@ class GpuScaledTest(parameterized.TestCase):
         products = [lw.plan.kernel for lw in seen
                     if lw.plan is not None and not lw.note.startswith("quantize_both")]  # fmt: skip
         self.assertEqual(products, [planning.KERNEL_SM90_SCALED] * 3, [lw.note for lw in seen])
-        # x (forward) and the cotangent (backward) each quantized both ways in one kernel pass
-        # where their dims are whole 128-blocks.
+        # x and w (forward) and the cotangent (backward) each quantized both ways in one kernel
+        # pass where their dims are whole 128-blocks.
         quantized = [lw.plan.kernel for lw in seen if lw.note.startswith("quantize_both")]
-        self.assertEqual(quantized, [] if k % 128 else ["quantize_both"] * 2, quantized)
+        self.assertEqual(quantized, [] if k % 128 else ["quantize_both"] * 3, quantized)
         self.assertEqual((dl.dtype, dr.dtype), (dtype, dtype))
         padded = lambda a: np.pad(np.asarray(a, np.float32),  # noqa: E731
                                   [(0, -s % 128) for s in a.shape])  # fmt: skip
 
-        # Operands of whole 128-blocks (x and the cotangent) are quantized by the quantize_both
+        # Operands of whole 128-blocks (x, w and the cotangent) are quantized by the quantize_both
         # kernel in the step: the reference quantizes them so too (its data is the correctly
         # rounded quotient's, which XLA's division, div.full, misses by one fp8 unit in a few
         # elements: a float32 case's gradient then missed the float64 product by 13.6 against
@@ -489,7 +489,7 @@ class GpuScaledTest(parameterized.TestCase):
         whole = not (m % 128 or k % 128 or n % 128)  # these cases: all dims whole, or none
 
         def quantize(x, recipe, data_dtype=None):
-            if recipe == "fp8_block128" and whole:
+            if whole:
                 return jax_sm100.quantize_both(x, recipe, data_dtype=data_dtype)[0]
             return jax_sm100.quantize(x, recipe, data_dtype=data_dtype)
 

@@ -291,22 +291,22 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         self.assertEqual(products, [kernel] * 3, [lw.note for lw in seen])
         self.assertNotIn("stablehlo.dot_general", text)
         if arch == "sm_90a":
-            # x (in the forward) and the cotangent (in the backward) are each quantized both
-            # ways by one pass of the quantize_both kernel, whose scales come out with the rows
-            # contiguous, as the product reads them. No bfloat16 operand or cotangent is
-            # transposed, and a whole operand's float32 view only once, where
-            # `scaled.quantize_transposed` writes the weight's fp8 data transposed for the
-            # forward; the rest are scales.
-            self.assertEqual(kernels.count("quantize_both"), 2, kernels)
+            # x and the weight (in the forward) and the cotangent (in the backward) are each
+            # quantized both ways by one pass of the quantize_both kernel (the weight per 128
+            # x 128 tile), whose scales come out as the product reads them. No operand or
+            # cotangent is transposed whole; the transposes left are of scales.
+            self.assertEqual(kernels.count("quantize_both"), 3, kernels)
+            recipes = [lw.plan.recipe for lw in seen if lw.note.startswith("quantize_both")]
+            self.assertEqual(sorted(recipes), ["fp8_block128"] * 2 + ["fp8_block128x128"])
             types = re.findall(r"stablehlo.transpose .* : \(tensor<([^>]*)>\)", text)
             for t in types:
-                self.assertTrue(t.endswith("f8E4M3FN") or t.endswith("f32"), t)
+                self.assertTrue(t.endswith("f32"), t)
             whole = [t for t in types if min(map(int, t.split("x")[1:3])) >= 512]
-            self.assertEqual(whole, ["1x2048x512xf32"], types)
+            self.assertEqual(whole, [], types)
             # The quantizations' calls have their own target: counting products counts
             # jax_sm100_gemm's.
             self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_gemm"), 3)
-            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_quantize"), 2)
+            self.assertEqual(text.count("stablehlo.custom_call @jax_sm100_quantize"), 3)
             # Without a gradient each operand is quantized only the way its product reads it.
             with (
                 mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": arch}),

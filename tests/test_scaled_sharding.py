@@ -341,15 +341,15 @@ class AutoAxesTest(ScaledCase):
         self.assertIn("sdy.sharding_rule", text)
         self.assertNotIn("CustomSPMDPartitioning", jax.jit(product).lower(*args).as_text())
 
-    @parameterized.parameters(True, False)
-    def test_quantize_both_is_local(self, shardy):
+    @parameterized.product(shardy=[True, False], recipe=["fp8_block128", "fp8_block128x128"])
+    def test_quantize_both_is_local(self, shardy, recipe):
         # Each device quantizes its block of x both ways where the block holds whole
         # 128-blocks along R and C: no collective, the results split as x (the transposed
         # ones transposed). A split that would cut a block is dropped, x
         # gathered along it; R or C of one block is never split. Bit for bit the unsharded
         # values either way, and a custom_partitioning call (on a GPU, the kernel's custom call
-        # would otherwise run whole on every device).
-        f = jax.jit(lambda x: jax_sm100.quantize_both(x))
+        # would otherwise run whole on every device). Per 1 x 128 block and per 128 x 128 tile.
+        f = jax.jit(lambda x: jax_sm100.quantize_both(x, recipe))
 
         def devices(entry):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
@@ -475,13 +475,14 @@ class ExplicitAxesTest(ScaledCase):
                     np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
                 )
 
-    def test_quantize_both_typed_and_local(self):
+    @parameterized.parameters("fp8_block128", "fp8_block128x128")
+    def test_quantize_both_typed_and_local(self, recipe):
         # quantize_both binds its primitive under Explicit axes too (it ran XLA's two
         # quantizations there): its results typed as the partitioned kernels write them (x's
         # split where it holds whole 128-blocks, else whole; the transposed results' last two
         # dims swapped; the scales split as the data), bit for bit the unsharded values, and
         # no collective where every split holds whole blocks.
-        f = jax.jit(jax_sm100.quantize_both)
+        f = jax.jit(lambda x: jax_sm100.quantize_both(x, recipe))
         for shape, spec in (
             ((2, 256, 512), PS("data", None, "model")),
             ((2, 256, 512), PS(None, "model", "data")),
@@ -537,9 +538,10 @@ class ExplicitAxesTest(ScaledCase):
                     self.assertEqual(tuple(jax.typeof(g).sharding.spec)[:2], tuple(spec)[:2])
 
     def test_scaled_dot_general_quantizes_both_ways_once(self):
-        # Under Explicit axes too, each activation and cotangent goes through quantize_both
-        # (the fp8 residual kept), and a gradient of an operand kept quantized is typed as the
-        # operand (it was untyped: a custom_vjp type error with rows split over "model").
+        # Under Explicit axes too, each activation, weight and cotangent goes through
+        # quantize_both (the fp8 residual kept), and a gradient of an operand kept quantized is
+        # typed as the operand (it was untyped: a custom_vjp type error with rows split over
+        # "model").
         x = jnp.asarray(np.random.default_rng(7).standard_normal((2, 256, 512)), jnp.float32)
         w = jnp.asarray(np.random.default_rng(8).standard_normal((512, 256)), jnp.float32)
 
@@ -550,10 +552,11 @@ class ExplicitAxesTest(ScaledCase):
 
         step = jax.value_and_grad(loss, (0, 1))
         want = jax.jit(step)(x, w)
-        # x, and the cotangent; with the rows (2 x 256) split 8 ways, inside 128-blocks, each
-        # product quantizes x itself (`_both`: quantize_both's results would be typed whole).
-        binds = 2 if 4 % (ts.axis_size("data") * ts.axis_size("model")) == 0 else 0
-        for x_spec, want_binds in ((PS("data"), 2), (PS("data", "model"), binds)):
+        # x, w and the cotangent; with the rows (2 x 256) split 8 ways, inside 128-blocks, each
+        # product quantizes x and the cotangent itself (`_both`: quantize_both's results would
+        # be typed whole).
+        binds = 3 if 4 % (ts.axis_size("data") * ts.axis_size("model")) == 0 else 1
+        for x_spec, want_binds in ((PS("data"), 3), (PS("data", "model"), binds)):
             with jax.sharding.set_mesh(self.mesh):
                 typed = (jax.device_put(x, x_spec), jax.device_put(w, PS()))
                 got = jax.jit(step)(*typed)

@@ -8,11 +8,14 @@
 transposed): on CPU and wherever XLA's ops run, those two functions themselves; on the kernel,
 their scales bit for bit (XLA's on the GPU) and their data as the correctly rounded quotient
 x / scale gives it, which XLA's GPU division (div.full, not correctly rounded) misses by one
-fp8 unit in a few elements a million. A training step needs both of each activation and
-each cotangent: the forward product contracts an activation along its k and the weight's
-gradient along its rows, and the two gradients contract the cotangent along its n and its rows
-(`scaled_dot_general`). As XLA fusions that is two passes over the operand; on an sm_90a or
-sm_100a device (or target) the `quantize_both` kernel (kernels/quantize.py) reads it once.
+fp8 unit in a few elements a million. With recipe "fp8_block128x128" (weights) the scales are
+one per 128 x 128 tile, s [L, R / 128, C / 128] and st its transpose, the same scale for both
+orientations. A training step needs both of each activation, weight and cotangent: the forward
+product contracts an activation along its k and the weight's gradient along its rows, the
+weight is read along its k forward and along its n for the input's gradient, and the two
+gradients contract the cotangent along its n and its rows (`scaled_dot_general`). As XLA
+fusions that is two passes over the operand; on an sm_90a or sm_100a device (or target) the
+`quantize_both` kernel (kernels/quantize.py) reads it once.
 
 CPU, and CUDA where the kernel does not take the call (`constraints.quantize_both_support`:
 R and C whole 128-blocks, bfloat16, float16 or float32 input; or no sm_90a/sm_100a target, or
@@ -245,14 +248,17 @@ def _factors(shape):
     return data, scales, minor, whole
 
 
-def _sharding_rule(shape) -> SdyShardingRule:
+def _sharding_rule(shape, recipe) -> SdyShardingRule:
     data, scales, minor, whole = _factors(shape)
+    # A scale's first dim: per 1 x 128 block, the rows of its orientation (s's R, st's C);
+    # per tile, their blocks.
+    lead = scales if recipe == constraints.QUANTIZE_TILE_RECIPE else data
     mappings = (
         (("l",), data["r"], data["c"]),  # x
         (("l",), data["r"], data["c"]),  # q
-        (("l",), data["r"], scales["c"]),  # s
+        (("l",), lead["r"], scales["c"]),  # s
         (("l",), data["c"], data["r"]),  # qt
-        (("l",), data["c"], scales["r"]),  # st
+        (("l",), lead["c"], scales["r"]),  # st
     )
 
     def mapping(dims):
@@ -313,7 +319,7 @@ def _lowering(local_rule):
             lambda x: tuple(quantize_both_p.bind(x, **params)),
             partition=lambda mesh, args, result: _partition(shape, params, mesh, args, result),
             infer=lambda mesh, args: _infer(shape, mesh, args),
-            rule=_sharding_rule(shape),
+            rule=_sharding_rule(shape, params["recipe"]),
         )
         return sharding.lower_partitioned(wrapped, ctx, x3, multiple_results=True)
 

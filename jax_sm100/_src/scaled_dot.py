@@ -13,12 +13,15 @@ a training step all run block-scaled:
 
 with the gradients passed straight through the quantization (a straight-through estimator), as
 JAX's rule does. Under a gradient, an operand quantized per 1 x 128 block (fp8_block128:
-DeepSeek-V3's activations) whose dims are whole 128-blocks is quantized both ways at once in
-the forward, by one pass of the `quantize_both` kernel, and the residual is its other
-orientation's fp8 data and scales rather than the operand: about half a bfloat16 operand's
-bytes where the operand would be kept only for the backward, and that much more where it is
-live anyway (a jit argument). The cotangent is quantized both ways in one pass likewise.
-Otherwise the residuals are the unquantized operands, as JAX keeps them.
+DeepSeek-V3's activations) or per 128 x 128 tile (fp8_block128x128: its weights) whose dims
+are whole 128-blocks is quantized both ways at once in the forward, by one pass of the
+`quantize_both` kernel, and the residual is its other orientation's fp8 data and scales rather
+than the operand: about half a bfloat16 operand's bytes where the operand would be kept only
+for the backward (an activation; a weight gathered inside the step, as under FSDP), and that
+much more where it is live anyway (a weight passed as a jit argument: one byte a parameter
+held from the forward to the backward, as TransformerEngine keeps its fp8 weights' transposes).
+The cotangent is quantized both ways in one pass likewise. Otherwise the residuals are the
+unquantized operands, as JAX keeps them.
 
 Each config is a `quantize` recipe name ("fp8_block128", "fp8_block128x128", "mxfp8",
 "nvfp4"), a (recipe, data dtype) pair ("fp8_block128", jnp.float8_e5m2), or a
@@ -41,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_sm100._src import constraints, quantize_both, scaled
 from jax_sm100._src import dot_general as dg
 from jax_sm100._src import primitive as P
-from jax_sm100._src import quantize_both, scaled
 
 # DeepSeek-V3's fp8 training recipe (lhs = activations, rhs = weights, cotangents), on the
 # sm_90a block-scaled kernel.
@@ -314,18 +317,19 @@ class _Side(NamedTuple):
 def _both(x3, c: _Config):
     """{axis: (data, scales, None)} of `x3` quantized along its axes 1 and 2 in one pass
     (`quantize_both`: a kernel reading x3 once where it runs), or None where that does not
-    apply: a recipe other than fp8_block128, or rows or contraction not whole blocks (padded
-    per product instead). Weights (128 x 128 tiles) are quantized per product instead: keeping
-    their fp8 data for the backward would hold half a weight's bytes more per weight through
-    the step."""
-    if c.recipe != "fp8_block128" or not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK:
+    apply: a recipe other than fp8_block128 (activations, cotangents) and fp8_block128x128
+    (weights: one scale a tile serves both orientations), or rows or contraction not whole
+    blocks (padded per product instead)."""
+    if c.recipe not in constraints.QUANTIZE_RECIPES:
+        return None
+    if not x3.size or x3.shape[1] % _BLOCK or x3.shape[2] % _BLOCK:
         return None
     if not quantize_both.keeps_type(x3):
         # Under Explicit axes, a split inside 128-blocks: quantize_both's results would be
         # typed whole there, and the forward's result then not typed as without a gradient
         # (which a custom_vjp, jax.checkpoint and lax.scan require to agree).
         return None
-    (q, s), (qt, st) = quantize_both.quantize_both(x3, data_dtype=c.data_dtype)
+    (q, s), (qt, st) = quantize_both.quantize_both(x3, c.recipe, data_dtype=c.data_dtype)
     return {2: (q, s, None), 1: (qt, st, None)}
 
 

@@ -1,26 +1,30 @@
-"""One pass that quantizes a matrix along both of its dims: DeepSeek-V3's activation recipe
-(fp8 data, float32 scales per 128) for a training step's two products of one operand.
+"""One pass that quantizes a matrix along both of its dims: DeepSeek-V3's recipes (fp8 data,
+float32 scales per 1 x 128 block for activations, per 128 x 128 tile for weights) for a
+training step's two products of one operand.
 
 A training step contracts each activation along its k in the forward product and along its
-rows in the weight's gradient, and the cotangent along its n and along its rows: each operand is
-quantized twice, per 1 x 128 block of each orientation. As XLA fusions that is two reads of
-the operand and a reduction pass each; this kernel reads each 128 x 128 tile once and writes
+rows in the weight's gradient, each weight along its k forward and along its n for the input's
+gradient, and the cotangent along its n and along its rows: each operand is quantized twice,
+once per orientation. As XLA fusions that is two reads of the operand and a reduction pass
+each; this kernel reads each 128 x 128 tile once and writes
 
     q   [L, R, C]        fp8, blocks of 128 along C   (`scaled.quantize(x)`)
     s   [L, C / 128, R]  float32, their scales, R contiguous
     qt  [L, C, R]        fp8, blocks of 128 along R, transposed   (`scaled.quantize_transposed(x)`)
     st  [L, R / 128, C]  float32, their scales, C contiguous
 
-with `scaled.quantize`'s arithmetic operation for operation (amax; amax times 1 / top rounded
-to float32, floored at float32's least normal number, 1 for a zero block and NaN for a block
-holding a NaN or an infinity; x / scale, clipped to the format's range and rounded to
-nearest). The scales are XLA's bit for bit. The data is the correctly rounded quotient's
-(computed as a corrected reciprocal's product, `_quantized`);
-XLA's division is not correctly rounded (div.full on GPUs, a reciprocal's product on CPU), so
-XLA's data can be one fp8 unit away where a quotient lies at a rounding boundary (about one
-element in 10^5 to 10^6 on the H100). The scales are written with the rows
-contiguous because the sm_90a block-scaled kernel reads them so (scaled_gpu.py's transposed
-scales): the caller's swapaxes and that lowering's cancel in XLA.
+or, per tile (fp8_block128x128), s [L, R / 128, C / 128] and st [L, C / 128, R / 128]: one
+scale a tile, the same for both orientations. It computes `scaled.quantize`'s arithmetic
+operation for operation (amax; amax times 1 / top rounded to float32, floored at float32's
+least normal number, 1 for a zero block and NaN for a block holding a NaN or an infinity; x /
+scale, clipped to the format's range and rounded to nearest). The scales are XLA's bit for
+bit. The data is the correctly rounded quotient's (computed as a corrected reciprocal's
+product, `_quantized`); XLA's division is not correctly rounded (div.full on GPUs, a
+reciprocal's product on CPU), so XLA's data can be one fp8 unit away where a quotient lies at a
+rounding boundary (about one element in 10^5 to 10^6 on the H100). Per 1 x 128 block the
+scales are written with the rows contiguous because the sm_90a block-scaled kernel reads them
+so (scaled_gpu.py's transposed scales): the caller's swapaxes and that lowering's cancel in
+XLA.
 
 Background / Algorithm. A CTA of 256 threads owns one 128 x 128 tile of one batch. Along C,
 16 threads share a row, each loading 8 contiguous elements (16 bytes for 16-bit input) over 8
@@ -29,10 +33,13 @@ reduced over its 16 threads by butterfly shuffles, its data stored as 8 fp8 byte
 The tile also goes to shared memory (rows padded by 16 bytes), from which the transposed pass
 reads columns: 16 threads share a column, thread j taking rows j, j + 16, ... (2-way bank
 conflicts at most, where contiguous rows per thread gave 16-way), and storing each byte of the
-transposed row. Both passes are bound by global memory; the reads of x are the one pass over
-it. (Staging the transposed bytes in shared memory to store them 16 bytes a thread read no
-faster on an H100: 0.197-0.202 against 0.195 ms at 8192 x 14336, where one byte a store
-writes 32 bytes a warp instruction; the L2 merges them.)
+transposed row. Per tile, the rows' pass first takes each thread's largest magnitude of its 64
+elements, its warp's by shuffles and the 8 warps' through shared memory behind the barrier
+the transposed pass needs anyway, and both passes quantize under that one scale. Both passes
+are bound by global memory; the reads of x are the one pass over it. (Staging the transposed
+bytes in shared memory to store them 16 bytes a thread read no faster on an H100: 0.197-0.202
+against 0.195 ms at 8192 x 14336, where one byte a store writes 32 bytes a warp instruction;
+the L2 merges them.)
 """
 
 from __future__ import annotations
