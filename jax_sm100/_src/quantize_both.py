@@ -2,6 +2,8 @@
 
     quantize_both_p   x [L, R, C]  ->  q [L, R, C], s [L, R, C / 128],
                                        qt [L, C, R], st [L, C, R / 128]
+                      (recipe="fp8_block128x128": s [L, R / 128, C / 128],
+                                                  st [L, C / 128, R / 128])
 
 (q, s) is `scaled.quantize(x, "fp8_block128")` (blocks of 128 along C) and (qt, st) is
 `scaled.quantize_transposed(x, "fp8_block128")` (blocks of 128 along R, the data written

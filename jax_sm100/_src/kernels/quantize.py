@@ -126,8 +126,10 @@ class QuantizeBothKernel(KernelFamily):
         # tiles mS (R / 128, C / 128, L) and mST (C / 128, R / 128, L).
         rows, cols, batch = mX.shape
         grid = (cols // TILE, rows // TILE, batch)
-        # The tile (rows padded), then one float32 a warp for the tiles' largest magnitude.
-        smem = TILE * (TILE + self.pad) * self.in_dtype.width // 8 + WARPS * 4
+        # The tile (rows padded); per tile, then one float32 a warp for its largest magnitude.
+        smem = TILE * (TILE + self.pad) * self.in_dtype.width // 8
+        if cutlass.const_expr(self.tiles):
+            smem += WARPS * 4
         self.kernel(mX, mQ, mS, mQT, mST).launch(
             grid=grid, block=(THREADS, 1, 1), smem=smem, stream=stream
         )
@@ -211,8 +213,6 @@ class QuantizeBothKernel(KernelFamily):
             self.in_dtype, cute.make_layout((TILE, TILE), stride=(TILE + self.pad, 1)),
             byte_alignment=16,
         )  # fmt: skip
-        sAmax = allocator.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS),
-                                          byte_alignment=4)  # fmt: skip
         gX = cute.local_tile(mX[None, None, bz], (TILE, TILE), (by, bx))
         gQ = cute.local_tile(mQ[None, None, bz], (TILE, TILE), (by, bx))
         gQT = cute.local_tile(mQT[None, None, bz], (TILE, TILE), (bx, by))
@@ -230,11 +230,13 @@ class QuantizeBothKernel(KernelFamily):
             cute.autovec_copy(cute.local_tile(gX, (1, VEC), (group + GROUPS * p, lane)), rx)
             loaded.append(rx)
 
-        tile_scale = f32(0.0)
+        tile_scale = None
         if cutlass.const_expr(self.tiles):
             # One scale for the tile: each thread's largest magnitude, then its warp's (by
             # shuffles), then the 8 warps' (through shared memory, after the barrier that
             # the transposed pass needs anyway).
+            sAmax = allocator.allocate_tensor(cutlass.Float32, cute.make_layout(WARPS),
+                                              byte_alignment=4)  # fmt: skip
             amax = f32(0.0)
             for p in cutlass.range_constexpr(PASSES):
                 cute.autovec_copy(loaded[p], cute.local_tile(sX, (1, VEC), (group + GROUPS * p,
@@ -260,11 +262,13 @@ class QuantizeBothKernel(KernelFamily):
         for p in cutlass.range_constexpr(PASSES):
             r = group + GROUPS * p
             rx = loaded[p]
-            rf = cute.make_rmem_tensor((1, VEC), f32)
-            rf.store(rx.load().to(f32))
-            scale = tile_scale
             if cutlass.const_expr(not self.tiles):
                 cute.autovec_copy(rx, cute.local_tile(sX, (1, VEC), (r, lane)))
+            rf = cute.make_rmem_tensor((1, VEC), f32)
+            rf.store(rx.load().to(f32))
+            if cutlass.const_expr(self.tiles):
+                scale = tile_scale
+            else:
                 scale = self._scale(self._block_amax(rf))
                 if lane == 0:
                     mS[by * TILE + r, bx, bz] = scale
@@ -281,8 +285,9 @@ class QuantizeBothKernel(KernelFamily):
             rf = cute.make_rmem_tensor((VEC,), f32)
             for i in cutlass.range_constexpr(VEC):
                 rf[i] = sX[lane + LANES * i, c].to(f32)
-            scale = tile_scale
-            if cutlass.const_expr(not self.tiles):
+            if cutlass.const_expr(self.tiles):
+                scale = tile_scale
+            else:
                 scale = self._scale(self._block_amax(rf))
                 if lane == 0:
                     mST[bx * TILE + c, by, bz] = scale
