@@ -4,8 +4,10 @@ under the transformations and Flax, lowered for CUDA, and its errors."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import os
 import re
 from unittest import mock
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 from jax import lax
+from jax.ad_checkpoint import print_saved_residuals
 
 import jax_sm100
 from jax_sm100._src import ffi
@@ -215,6 +218,32 @@ class ScaledDotGeneralTest(parameterized.TestCase):
             ck = jax.checkpoint(loss, policy=getattr(jax.checkpoint_policies, policy))
             for argnum in (1, 0, 1, 0):
                 np.testing.assert_array_equal(jax.grad(ck, argnum)(x, w), want[argnum])
+
+    def test_residuals_are_the_fp8_data_or_under_checkpoint_the_arguments(self):
+        # Under a gradient the forward keeps each operand's other orientation quantized (x
+        # per 1 x 128 block, the weight per 128 x 128 tile: fp8 data and float32 scales), not
+        # the bfloat16 operands; under jax.checkpoint with a policy that saves nothing, the
+        # arguments alone (the quantizations recomputed in the backward).
+        x, w = _normal(0, (256, 512), jnp.bfloat16), _normal(1, (512, 384), jnp.bfloat16)
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.float32,
+                                             jax_sm100.DEEPSEEK_V3)  # fmt: skip
+            return jnp.sum(jnp.sin(y))
+
+        def saved(f):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                print_saved_residuals(f, x, w)
+            return sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
+
+        self.assertEqual(saved(loss), sorted([
+            "f8_e4m3fn[1,512,256]", "f32[1,512,2]",  # x along its rows
+            "f8_e4m3fn[1,512,384]", "f32[1,4,3]",  # w along its n
+            "f32[256,384]",  # the product, for sin's derivative
+        ]))  # fmt: skip
+        nothing = jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable)
+        self.assertEqual(saved(nothing), ["bf16[256,512]", "bf16[512,384]"])
 
     def test_without_configs_it_is_dot_general(self):
         lhs, rhs = _normal(0, (64, 96), jnp.bfloat16), _normal(1, (96, 32), jnp.bfloat16)

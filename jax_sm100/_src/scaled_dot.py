@@ -19,9 +19,10 @@ are whole 128-blocks is quantized both ways at once in the forward, by one pass 
 than the operand: about half a bfloat16 operand's bytes where the operand would be kept only
 for the backward (an activation; a weight gathered inside the step, as under FSDP), and that
 much more where it is live anyway (a weight passed as a jit argument: one byte a parameter
-held from the forward to the backward, as TransformerEngine keeps its fp8 weights' transposes).
-The cotangent is quantized both ways in one pass likewise. Otherwise the residuals are the
-unquantized operands, as JAX keeps them.
+held from the forward to the backward, as TransformerEngine keeps its fp8 weights' transposes;
+under `jax.checkpoint` it is a residual like any other, which a policy that does not save it
+recomputes in the backward). The cotangent is quantized both ways in one pass likewise.
+Otherwise the residuals are the unquantized operands, as JAX keeps them.
 
 Each config is a `quantize` recipe name ("fp8_block128", "fp8_block128x128", "mxfp8",
 "nvfp4"), a (recipe, data dtype) pair ("fp8_block128", jnp.float8_e5m2), or a
