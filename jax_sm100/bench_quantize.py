@@ -33,14 +33,14 @@ import numpy as np
 
 import jax_sm100
 from jax_sm100 import bench_train
-from jax_sm100._src import quantize_both
+from jax_sm100._src import constraints, quantize_both
 
 SHAPES = ((8192, 14336), (8192, 4096), (8192, 12288), (14336, 4096))
 SMALL = ((256, 384), (512, 256))
 _TOP = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 
 
-RECIPES = ("fp8_block128", "fp8_block128x128")
+RECIPES = constraints.QUANTIZE_RECIPES
 
 
 def _exact_data(x, scales):
