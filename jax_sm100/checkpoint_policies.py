@@ -17,6 +17,20 @@ activation reads). Both are saved, where `jnp.dot(x, w) + b` followed by `jax.nn
 the dot's output alone and recomputes the rest in the backward pass: more memory, less
 recomputation. To save the dot's output alone, call `matmul` without the activation and apply
 it after.
+
+`scaled_dot_general` under a gradient names what it keeps of each operand for the backward
+(`jax.ad_checkpoint.checkpoint_name`): `SCALED_DOT_LHS` and `SCALED_DOT_RHS`, whether that is
+the operand's other orientation quantized (fp8 data and scales) or the operand itself. JAX's
+name policies then choose per operand: save the activations' fp8 residuals and recompute the
+weights' quantization in the backward (the memory a weight passed as an argument otherwise
+holds from the forward to the backward), or offload them to the host:
+
+>>> from jax_sm100.checkpoint_policies import SCALED_DOT_LHS
+>>> P = jax.checkpoint_policies
+>>> policy = P.save_only_these_names(SCALED_DOT_LHS)
+>>> policy = P.save_and_offload_only_these_names(
+...     names_which_can_be_saved=[], names_which_can_be_offloaded=[SCALED_DOT_LHS],
+...     offload_src="device", offload_dst="pinned_host")
 """
 
 from __future__ import annotations
@@ -25,6 +39,8 @@ import jax
 
 from jax_sm100._src import primitive as P
 from jax_sm100._src import ragged, scaled
+from jax_sm100._src.scaled_dot import LHS_RESIDUAL as SCALED_DOT_LHS
+from jax_sm100._src.scaled_dot import RHS_RESIDUAL as SCALED_DOT_RHS
 
 # The forward products a policy sees (the backward's own binds run outside the saved region).
 _PRODUCTS = (P.matmul_p, ragged.ragged_dot_p, scaled.scaled_matmul_p)
@@ -58,4 +74,10 @@ def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
     return False
 
 
-__all__ = ["checkpoint_dots", "dots_saveable", "dots_with_no_batch_dims_saveable"]
+__all__ = [
+    "SCALED_DOT_LHS",
+    "SCALED_DOT_RHS",
+    "checkpoint_dots",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+]

@@ -245,6 +245,50 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         nothing = jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable)
         self.assertEqual(saved(nothing), ["bf16[256,512]", "bf16[512,384]"])
 
+    def test_residuals_are_named_for_checkpoint_policies(self):
+        # Each operand's residual carries its name (jax_sm100.checkpoint_policies'
+        # SCALED_DOT_LHS / _RHS) in either form: the fp8 data and scales where the forward
+        # quantized it both ways (256 rows), the operand itself where not (200 rows). JAX's
+        # name policies save or offload one operand's and recompute the other's, and the
+        # gradients stay those without jax.checkpoint.
+        names = jax_sm100.checkpoint_policies
+        policies = jax.checkpoint_policies
+        w = _normal(1, (512, 384), jnp.bfloat16)
+
+        def loss(x, w):
+            x = jnp.cos(x)  # x's residual then is not an argument of the checkpoint
+            y = jax_sm100.scaled_dot_general(x, w, (((1,), (0,)), ((), ())), jnp.float32,
+                                             jax_sm100.DEEPSEEK_V3)  # fmt: skip
+            return jnp.sum(jnp.sin(y))
+
+        def saved(f, x):
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                print_saved_residuals(f, x, w)
+            return sorted(
+                line.split(" ")[0] for line in out.getvalue().splitlines() if "argument" not in line
+            )
+
+        cases = (
+            (256, names.SCALED_DOT_LHS, ["f32[1,512,2]", "f8_e4m3fn[1,512,256]"]),
+            (256, names.SCALED_DOT_RHS, ["f32[1,4,3]", "f8_e4m3fn[1,512,384]"]),
+            (200, names.SCALED_DOT_LHS, ["bf16[200,512]"]),  # cos(x), unquantized
+        )
+        for rows, name, want in cases:
+            x = _normal(0, (rows, 512), jnp.bfloat16)
+            grads = jax.grad(loss, (0, 1))(x, w)
+            kept = jax.checkpoint(loss, policy=policies.save_only_these_names(name))
+            self.assertEqual(saved(kept, x), want, (rows, name))
+            offload = policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[], names_which_can_be_offloaded=[name],
+                offload_src="device", offload_dst="pinned_host",
+            )  # fmt: skip
+            hosted = jax.checkpoint(loss, policy=offload)
+            self.assertEqual(saved(hosted, x), [t.replace("[", "<host>[", 1) for t in want])
+            for f in (kept, hosted):
+                for got, ref in zip(jax.jit(jax.grad(f, (0, 1)))(x, w), grads, strict=True):
+                    np.testing.assert_array_equal(got, ref)
+
     def test_without_configs_it_is_dot_general(self):
         lhs, rhs = _normal(0, (64, 96), jnp.bfloat16), _normal(1, (96, 32), jnp.bfloat16)
         dn = (((1,), (0,)), ((), ()))

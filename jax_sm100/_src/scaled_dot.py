@@ -22,7 +22,10 @@ much more where it is live anyway (a weight passed as a jit argument: one byte a
 held from the forward to the backward, as TransformerEngine keeps its fp8 weights' transposes;
 under `jax.checkpoint` it is a residual like any other, which a policy that does not save it
 recomputes in the backward). The cotangent is quantized both ways in one pass likewise.
-Otherwise the residuals are the unquantized operands, as JAX keeps them.
+Otherwise the residuals are the unquantized operands, as JAX keeps them. Either form is named
+per operand (`LHS_RESIDUAL`, `RHS_RESIDUAL`; public as `jax_sm100.checkpoint_policies`'
+SCALED_DOT_LHS and SCALED_DOT_RHS), so that JAX's name policies save, offload or recompute
+each.
 
 Each config is a `quantize` recipe name ("fp8_block128", "fp8_block128x128", "mxfp8",
 "nvfp4"), a (recipe, data dtype) pair ("fp8_block128", jnp.float8_e5m2), or a
@@ -44,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_sm100._src import constraints, quantize_both, scaled
 from jax_sm100._src import dot_general as dg
@@ -55,6 +59,11 @@ DEEPSEEK_V3 = ("fp8_block128", "fp8_block128x128", "fp8_block128")
 # nvfp4's largest magnitude under a global scale of 1: e2m1's 6 times e4m3's 448.
 _NVFP4_TOP = float(jnp.finfo(jnp.float4_e2m1fn).max) * float(jnp.finfo(jnp.float8_e4m3fn).max)
 _BLOCK = scaled.RECIPES["fp8_block128"].block
+# The names (`jax.ad_checkpoint.checkpoint_name`) of what a gradient keeps of each operand from
+# the forward (its other orientation's fp8 data and scales, or the operand itself), which
+# `jax.checkpoint_policies.save_only_these_names` and its offloading kin select.
+LHS_RESIDUAL = "jax_sm100.scaled_dot_general.lhs"
+RHS_RESIDUAL = "jax_sm100.scaled_dot_general.rhs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +443,10 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         # An operand quantized both ways is kept as its other orientation's fp8 data and
         # scales in place of itself.
         out, a_keep, b_keep = forward(lhs, rhs, keep=True)
-        return out, (None if a_keep else lhs, None if b_keep else rhs, a_keep, b_keep)
+        # Each operand's residual, in whichever form, under its name for checkpoint policies.
+        a_res = checkpoint_name((None, a_keep) if a_keep else (lhs, None), LHS_RESIDUAL)
+        b_res = checkpoint_name((None, b_keep) if b_keep else (rhs, None), RHS_RESIDUAL)
+        return out, (a_res[0], b_res[0], a_res[1], b_res[1])
 
     def bwd(res, g):
         return _first_order_only(gradients)(*res, g)
