@@ -499,6 +499,40 @@ class GpuScaledTest(parameterized.TestCase):
         _assert_close(self, dl, want[1][0, :m, :k], dtype, n)
         _assert_close(self, dr, want[2][0, :n, :k].T, dtype, m)
 
+    def test_scaled_dot_general_under_name_policies(self):
+        # Under jax.checkpoint with JAX's name policies (jax_sm100.checkpoint_policies'
+        # SCALED_DOT_LHS / _RHS saved, or offloaded to the host, the other operand's
+        # quantization recomputed in the backward by the quantize_both kernel), the step's
+        # gradients equal those without jax.checkpoint bit for bit: the kernels are
+        # deterministic and the recomputation is the forward's.
+        keys = jax.random.split(jax.random.key(7), 2)
+        x = jax.random.normal(keys[0], (512, 1024), jnp.float32).astype(jnp.bfloat16)
+        w = jax.random.normal(keys[1], (1024, 768), jnp.float32).astype(jnp.bfloat16)
+        dn = (((1,), (0,)), ((), ()))
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(jnp.cos(x), w, dn, jnp.float32,
+                                             jax_sm100.DEEPSEEK_V3)  # fmt: skip
+            return jnp.sum(jnp.sin(y))
+
+        want = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+        names = jax_sm100.checkpoint_policies
+        policies = jax.checkpoint_policies
+        for name in (names.SCALED_DOT_LHS, names.SCALED_DOT_RHS):
+            offload = policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[], names_which_can_be_offloaded=[name],
+                offload_src="device", offload_dst="pinned_host",
+            )  # fmt: skip
+            for policy in (policies.save_only_these_names(name), offload):
+                step = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy), (0, 1)))
+                with jax_sm100.lowerings() as seen:
+                    got = step(x, w)
+                kernels = {lw.plan.kernel for lw in seen if lw.plan is not None}
+                self.assertEqual(kernels, {planning.KERNEL_SM90_SCALED, "quantize_both"},
+                                 [lw.note for lw in seen])  # fmt: skip
+                for g, ref in zip(got, want, strict=True):
+                    np.testing.assert_array_equal(np.asarray(g), np.asarray(ref), name)
+
 
 @absltest.skipIf(_arch() not in ("sm_90a", "sm_100a"), "needs an SM90 or SM100 CUDA device")
 class GpuQuantizeBothTest(parameterized.TestCase):
