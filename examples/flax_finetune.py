@@ -4,6 +4,7 @@
     python examples/flax_finetune.py --small         # a size a CPU runs in seconds
     python examples/flax_finetune.py --only ours     # or --only lax: one model
     python examples/flax_finetune.py --no-fused      # nnx.Linear + nnx.gelu for the MLP too
+    python examples/flax_finetune.py --fp8           # ours in fp8 (DeepSeek-V3's recipe)
 
 The model is what a Flax user writes: pre-LayerNorm blocks of `nnx.MultiHeadAttention` and an
 MLP of `nnx.Linear` layers, bfloat16 compute on float32 parameters, AdamW. The only change for
@@ -13,19 +14,26 @@ attention projections), and, unless `--no-fused`, the MLP's up-projection as
 (and gelu' in the backward GEMM's). The attention scores and their weighted sum stay
 `jnp.einsum` (Flax's `dot_product_attention`) in both models.
 
+With `--fp8` every projection of our model is `jax_sm100.scaled_dot_general` with
+`jax_sm100.DEEPSEEK_V3` (`dot_general=functools.partial(...)`; each product and both of its
+gradients quantized to fp8 inside, on the block-scaled kernel; the up-projection then
+`nnx.Linear` + `nnx.gelu`), beside the same bfloat16 model on lax.
+
 Both models start from the same weights (a "pretrained" model) and are fine-tuned to match a
 fixed teacher of the same architecture on random inputs, so their losses agree step by step to
-bfloat16 rounding. Printed: the device, date and versions; per model, the first step's time
-(tracing, kernel and XLA compiles, one step), the median step time (each step waited for, the
-first `--warmup` timed steps left out), the products of the compiled step on our kernels and on
-XLA's (counted in its HLO), and how the CUDA lowerings went (`jax_sm100.lowerings()`); then a
-summary table with the step-time ratio, and the two loss curves.
+bfloat16 rounding (with `--fp8`, to fp8's: about a per cent). Printed: the device, date and
+versions; per model, the first step's time (tracing, kernel and XLA compiles, one step), the
+median step time (each step waited for, the first `--warmup` timed steps left out), the
+products of the compiled step on our kernels and on XLA's (counted in its HLO), and how the
+CUDA lowerings went (`jax_sm100.lowerings()`); then a summary table with the step-time ratio,
+and the two loss curves.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import statistics
 import time
 
@@ -161,6 +169,9 @@ def main():
     parser.add_argument("--only", choices=["ours", "lax"], help="run one model")
     parser.add_argument("--no-fused", dest="fused", action="store_false",
                         help="the MLP's up-projection as nnx.Linear + nnx.gelu too")  # fmt: skip
+    parser.add_argument("--fp8", action="store_true",
+                        help="our model's products in fp8: jax_sm100.scaled_dot_general with "
+                             "DEEPSEEK_V3 (no fused up-projection)")  # fmt: skip
     parser.add_argument("--small", action="store_true",
                         help="smaller defaults (2 layers, d_model 128, 4 heads, d_ff 512, 4 x 64 "
                              "tokens, 8 steps, warmup 1, lr 1e-3): seconds on a CPU; flags "
@@ -187,7 +198,11 @@ def main():
     data = (x, y)
 
     results = {}
-    if args.only in (None, "ours"):
+    if args.only in (None, "ours") and args.fp8:
+        label = "ours fp8 (jax_sm100.scaled_dot_general, DEEPSEEK_V3)"
+        fp8_dot = functools.partial(jax_sm100.scaled_dot_general, configs=jax_sm100.DEEPSEEK_V3)
+        results[label] = run(label, args, fp8_dot, False, data)
+    elif args.only in (None, "ours"):
         label = "ours (jax_sm100.dot_general" + (", fused up-projection)" if args.fused else ")")
         results[label] = run(label, args, jax_sm100.dot_general, args.fused, data)
     if args.only in (None, "lax"):

@@ -10,6 +10,8 @@ import functools
 import io
 import os
 import re
+import subprocess
+import sys
 from unittest import mock
 
 import jax
@@ -338,6 +340,25 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         g = 2 * (np.asarray(model(x), np.float64) - np.asarray(t, np.float64)) / y.size
         self.assertLess(_rel_err(grads.kernel[...], np.asarray(x, np.float64).T @ g), 2**-3)
         np.testing.assert_allclose(grads.bias[...], g.sum(0), rtol=1e-2, atol=1e-6)
+
+    def test_flax_finetune_example_trains_in_fp8(self):
+        # examples/flax_finetune.py --fp8: an nnx transformer (attention projections through
+        # LinearGeneral, MLP, head) with every projection on scaled_dot_general, AdamW; its
+        # loss falls and stays within fp8's rounding of the same bfloat16 model on lax.
+        proc = subprocess.run(
+            [sys.executable, str(tu.REPO_ROOT / "examples" / "flax_finetune.py"), "--small",
+             "--fp8", "--steps", "5"],
+            env=tu.subprocess_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        self.assertEqual(proc.returncode, 0, proc.stderr[-4000:])
+        self.assertIn(
+            "ours fp8 (jax_sm100.scaled_dot_general, DEEPSEEK_V3): first step", proc.stdout
+        )
+        rows = re.findall(r"^ +\d+ +(\d+\.\d+) +(\d+\.\d+)$", proc.stdout, re.MULTILINE)
+        ours, ref = np.array(rows, np.float64).T
+        self.assertEqual(len(ours), 5, proc.stdout)
+        self.assertLess(ours[-1], 0.8 * ours[0])
+        np.testing.assert_allclose(ours, ref, rtol=2e-2)
 
     @parameterized.parameters(
         ("sm_90a", jax_sm100.DEEPSEEK_V3, "sm90_wgmma_scaled"),
