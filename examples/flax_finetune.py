@@ -21,7 +21,7 @@ gradients quantized to fp8 inside, on the block-scaled kernel; the up-projection
 
 Both models start from the same weights (a "pretrained" model) and are fine-tuned to match a
 fixed teacher of the same architecture on random inputs, so their losses agree step by step to
-bfloat16 rounding (with `--fp8`, to fp8's: about a per cent). Printed: the device, date and
+bfloat16 rounding (with `--fp8`, to fp8's: within a per cent). Printed: the device, date and
 versions; per model, the first step's time (tracing, kernel and XLA compiles, one step), the
 median step time (each step waited for, the first `--warmup` timed steps left out), the
 products of the compiled step on our kernels and on XLA's (counted in its HLO), and how the
