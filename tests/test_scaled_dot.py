@@ -109,6 +109,16 @@ def _rel_err(got, want):
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
+def _saved_residuals(f, args, arguments=True) -> list[str]:
+    """The types of what `f`'s gradient saves at `args` (`print_saved_residuals`), sorted;
+    without `arguments`, those that are not `f`'s arguments."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    lines = out.getvalue().splitlines()
+    return sorted(line.split(" ")[0] for line in lines if arguments or "argument" not in line)
+
+
 class ScaledDotGeneralTest(parameterized.TestCase):
     @parameterized.product(case=_CASES, configs=(jax_sm100.DEEPSEEK_V3, _MXFP8, _E5M2_GRADS))
     def test_forward_and_gradients_are_the_quantized_products(self, case, configs):
@@ -233,12 +243,7 @@ class ScaledDotGeneralTest(parameterized.TestCase):
                                              jax_sm100.DEEPSEEK_V3)  # fmt: skip
             return jnp.sum(jnp.sin(y))
 
-        def saved(f):
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                print_saved_residuals(f, x, w)
-            return sorted(line.split(" ")[0] for line in out.getvalue().splitlines())
-
+        saved = functools.partial(_saved_residuals, args=(x, w))
         self.assertEqual(saved(loss), sorted([
             "f8_e4m3fn[1,512,256]", "f32[1,512,2]",  # x along its rows
             "f8_e4m3fn[1,512,384]", "f32[1,4,3]",  # w along its n
@@ -264,12 +269,7 @@ class ScaledDotGeneralTest(parameterized.TestCase):
             return jnp.sum(jnp.sin(y))
 
         def saved(f, x):
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                print_saved_residuals(f, x, w)
-            return sorted(
-                line.split(" ")[0] for line in out.getvalue().splitlines() if "argument" not in line
-            )
+            return _saved_residuals(f, (x, w), arguments=False)
 
         cases = (
             (256, names.SCALED_DOT_LHS, ["f32[1,512,2]", "f8_e4m3fn[1,512,256]"]),

@@ -444,9 +444,9 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         # scales in place of itself.
         out, a_keep, b_keep = forward(lhs, rhs, keep=True)
         # Each operand's residual, in whichever form, under its name for checkpoint policies.
-        a_res = checkpoint_name((None, a_keep) if a_keep else (lhs, None), LHS_RESIDUAL)
-        b_res = checkpoint_name((None, b_keep) if b_keep else (rhs, None), RHS_RESIDUAL)
-        return out, (a_res[0], b_res[0], a_res[1], b_res[1])
+        lhs_res, a_keep = checkpoint_name((None if a_keep else lhs, a_keep), LHS_RESIDUAL)
+        rhs_res, b_keep = checkpoint_name((None if b_keep else rhs, b_keep), RHS_RESIDUAL)
+        return out, (lhs_res, rhs_res, a_keep, b_keep)
 
     def bwd(res, g):
         return _first_order_only(gradients)(*res, g)
