@@ -1,7 +1,7 @@
 """Where a training step's time goes, ours beside `jnp.dot`: round lengths and the GPU's kernels.
 
     python benchmarks/step_profile.py [--model transformer|mlp] [--top 25] [--small] [--fp8]
-                                      [--rounds 10,50,200] [--gaps 12]
+                                      [--rounds 10,50,200] [--gaps 12] [--host 20]
 
 `--fp8` profiles our side with fp8 training products (`bench_train.FP8_SIDES`, through
 `jax_sm100.scaled_dot_general`) instead of our bfloat16 ones.
@@ -16,6 +16,11 @@ side it prints:
 * under `jax.profiler`, 20 steps: the wall time a step, the GPU's span a step (first kernel's
   start to last kernel's end, over every stream), each stream's busy time and the idle gaps
   between its kernels, and the `--top` kernels by time a step (name, time, launches a step).
+
+`--host N` also lists the host's N busiest event names a step (CUDA API calls and XLA's thunks
+among them: a synchronizing call such as `cuStreamSynchronize` or `cuMemFree` shows there), and
+each side prints its dispatch time a step (the loop's time before it waits): a dispatch as long
+as the GPU's span means the host, not the GPU, sets the step's pace.
 
 Where a side's kernels run on one stream (as both did on the H200, forty-third session), span
 minus busy is the time the GPU waited for the host. `--small` runs tiny models (a CPU smoke
@@ -58,26 +63,32 @@ def _models(small: bool):
 
 
 def _profile(step, args):
-    """(wall s a step, {stream: sorted (start ns, duration ns, name)}) over STEPS steps."""
+    """(wall s a step, dispatch s a step, {stream: sorted (start ns, duration ns, name)},
+    {host event name: [total ns, count, longest ns]}) over STEPS steps."""
     jax.block_until_ready(step(*args))
     with tempfile.TemporaryDirectory() as folder:
         jax.profiler.start_trace(folder)
         t = time.perf_counter()
         for _ in range(STEPS):
             out = step(*args)
+        dispatch = (time.perf_counter() - t) / STEPS
         jax.block_until_ready(out)
         wall = (time.perf_counter() - t) / STEPS
         jax.profiler.stop_trace()
-        streams = {}
+        streams, host = {}, collections.defaultdict(lambda: [0, 0, 0])
         for path in glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True):
             for plane in jax.profiler.ProfileData.from_file(path).planes:
-                if not plane.name.startswith("/device:GPU"):
-                    continue
+                on_gpu = plane.name.startswith("/device:GPU")
                 for line in plane.lines:
-                    if line.name.startswith("Stream"):
+                    if on_gpu and line.name.startswith("Stream"):
                         events = [(e.start_ns, e.duration_ns, e.name) for e in line.events]
                         streams[f"{plane.name} {line.name}"] = sorted(events)
-    return wall, streams
+                    elif plane.name.startswith("/host"):
+                        for e in line.events:
+                            total, count, longest = host[e.name]
+                            d = e.duration_ns
+                            host[e.name] = [total + d, count + 1, max(longest, d)]
+    return wall, dispatch, streams, host
 
 
 def _gaps(evs, count):
@@ -98,8 +109,12 @@ def _gaps(evs, count):
         print(f"    gap {gap:8.1f} us after kernel {i:3d} {before[:60]} -> {after[:60]}")
 
 
-def _report(name, wall, streams, top, gaps=0):
-    print(f"{name}: wall {wall * 1e3:.3f} ms a step under the profiler")
+def _report(name, wall, dispatch, streams, host, top, gaps=0, host_top=0):
+    print(f"{name}: wall {wall * 1e3:.3f} ms a step under the profiler, dispatched in "
+          f"{dispatch * 1e3:.3f} ms a step")  # fmt: skip
+    for event, (d, n, longest) in sorted(host.items(), key=lambda kv: -kv[1][0])[:host_top]:
+        print(f"  host {d / STEPS / 1e3:9.1f} us  x{n / STEPS:<6g} longest {longest / 1e3:8.1f} us "
+              f"{event[:80]}")  # fmt: skip
     events = sorted(e for evs in streams.values() for e in evs)
     if not events:
         print("  no device streams in the profile")
@@ -133,6 +148,7 @@ def main() -> None:
     ap.add_argument("--rounds", default="10,50,200", help="round lengths timed ('' for none)")
     ap.add_argument("--gaps", type=int, default=0,
                     help="a stream's largest idle gaps a step, with their kernels")  # fmt: skip
+    ap.add_argument("--host", type=int, default=0, help="the host's busiest events a step")
     args = ap.parse_args()
     ours = "ours fp8" if args.fp8 else "ours"
     p, x, model = _models(args.small)[args.model]
@@ -150,7 +166,7 @@ def main() -> None:
               f"{theirs * 1e3:.3f} ms, ratio {theirs / ours_s:.3f}")  # fmt: skip
     for impl in (ours, "jnp"):
         _report(impl if impl != "jnp" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top,
-                args.gaps)  # fmt: skip
+                args.gaps, args.host)  # fmt: skip
 
 
 if __name__ == "__main__":
