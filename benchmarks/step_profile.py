@@ -123,11 +123,11 @@ def _report(name, wall, dispatch, streams, host, top, gaps=0, host_top=0):
     print(f"  GPU span {span:.3f} ms a step over {len(streams)} stream(s)")
     for stream, evs in streams.items():
         busy = sum(d for _, d, _ in evs) / STEPS / 1e6
-        gaps = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:], strict=False)]
-        idle = sum(g for g in gaps if g > 0) / STEPS / 1e3
+        between = [b[0] - (a[0] + a[1]) for a, b in zip(evs, evs[1:], strict=False)]
+        idle = sum(g for g in between if g > 0) / STEPS / 1e3
         print(f"  {stream}: {len(evs) // STEPS} kernels a step, busy {busy:.3f} ms, idle "
               f"between them {idle:.1f} us")  # fmt: skip
-        if gaps:
+        if gaps and between:
             _gaps(evs, gaps)
     by_name = collections.defaultdict(lambda: [0, 0])
     for _, d, kernel in events:

@@ -548,16 +548,22 @@ class QuantizeBenchTest(absltest.TestCase):
         self.assertGreater(data, 128 * 128 // 2)
 
 
+def _step_profile():
+    """benchmarks/step_profile.py as a module (benchmarks/ is not a package)."""
+    import importlib.util  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_profile.py")
+    spec = importlib.util.spec_from_file_location("step_profile", path)
+    sp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sp)
+    return sp
+
+
 class StepProfileTest(absltest.TestCase):
     def test_gaps_by_position(self):
         # benchmarks/step_profile.py's gap table: each position's gap averaged over the steps,
         # the largest first, with the kernels on either side (the last into the next step).
-        import importlib.util  # noqa: PLC0415
-
-        path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_profile.py")
-        spec = importlib.util.spec_from_file_location("step_profile", path)
-        sp = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sp)
+        sp = _step_profile()
         events, t = [], 0
         for step in range(sp.STEPS):
             for name, length, gap in (("gemm", 100_000, 4_000), ("fusion", 2_000, 30_000 + step),
@@ -571,6 +577,27 @@ class StepProfileTest(absltest.TestCase):
         self.assertLen(lines, 2)
         self.assertIn("30.0 us after kernel   1 fusion -> quantize", lines[0])  # 30 us + 9.5 ns
         self.assertIn("4.0 us after kernel   0 gemm -> fusion", lines[1])
+
+    def test_report_with_gaps_and_host_events(self):
+        # `--gaps N --host M` together: the stream's idle total and its N largest gaps, then
+        # the host's M busiest events a step (total, count and longest of each name).
+        sp = _step_profile()
+        events, t = [], 0
+        for _ in range(sp.STEPS):
+            for name, length, gap in (("gemm", 100_000, 4_000), ("fusion", 2_000, 30_000)):
+                events.append((t, length, name))
+                t += length + gap
+        host = {"cuLaunchKernelEx": [sp.STEPS * 3_000, sp.STEPS, 5_000],
+                "cuStreamSynchronize": [sp.STEPS * 9_000, sp.STEPS, 12_000]}  # fmt: skip
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            sp._report("ours", 1e-3, 1e-4, {"Stream #1": events}, host, top=1, gaps=1, host_top=1)
+        text = out.getvalue()
+        self.assertIn("dispatched in 0.100 ms a step", text)
+        self.assertRegex(text, r"host +9\.0 us +x1 +longest +12\.0 us cuStreamSynchronize")
+        self.assertNotIn("cuLaunchKernelEx", text)
+        self.assertIn("idle between them 32.5 us", text)  # (20 x 4 + 19 x 30) us / 20 steps
+        self.assertIn("30.0 us after kernel   1 fusion -> gemm", text)
 
 
 class ScaledBenchTest(absltest.TestCase):
