@@ -2,6 +2,7 @@
 
     python benchmarks/step_profile.py [--model transformer|mlp] [--top 25] [--small] [--fp8]
                                       [--rounds 10,50,200] [--gaps 12] [--host 20]
+                                      [--sequence]
 
 `--fp8` profiles our side with fp8 training products (`bench_train.FP8_SIDES`, through
 `jax_sm100.scaled_dot_general`) instead of our bfloat16 ones.
@@ -17,10 +18,11 @@ side it prints:
   start to last kernel's end, over every stream), each stream's busy time and the idle gaps
   between its kernels, and the `--top` kernels by time a step (name, time, launches a step).
 
-`--host N` also lists the host's N busiest event names a step (CUDA API calls and XLA's thunks
-among them: a synchronizing call such as `cuStreamSynchronize` or `cuMemFree` shows there), and
-each side prints its dispatch time a step (the loop's time before it waits): a dispatch as long
-as the GPU's span means the host, not the GPU, sets the step's pace.
+`--sequence` lists every kernel of a step in order with its mean duration (which product is
+which, by position). `--host N` lists the host's N busiest event names a step (CUDA API calls
+and XLA's thunks among them: a synchronizing call such as `cuStreamSynchronize` or `cuMemFree`
+shows there), and each side prints its dispatch time a step (the loop's time before it waits):
+a dispatch as long as the GPU's span means the host, not the GPU, sets the step's pace.
 
 Where a side's kernels run on one stream (as both did on the H200, forty-third session), span
 minus busy is the time the GPU waited for the host. `--small` runs tiny models (a CPU smoke
@@ -109,7 +111,18 @@ def _gaps(evs, count):
         print(f"    gap {gap:8.1f} us after kernel {i:3d} {before[:60]} -> {after[:60]}")
 
 
-def _report(name, wall, dispatch, streams, host, top, gaps=0, host_top=0):
+def _sequence(evs, width=90):
+    """Each kernel of one stream's step in order, its duration averaged over the steps."""
+    per_step = len(evs) // STEPS
+    if len(evs) % STEPS:
+        print(f"    (sequence: {len(evs)} kernels over {STEPS} steps, not one sequence a step)")
+        return
+    for i in range(per_step):
+        mean = sum(evs[s * per_step + i][1] for s in range(STEPS)) / STEPS / 1e3
+        print(f"    kernel {i:3d} {mean:9.1f} us  {evs[i][2][:width]}")
+
+
+def _report(name, wall, dispatch, streams, host, top, gaps=0, host_top=0, sequence=False):
     print(f"{name}: wall {wall * 1e3:.3f} ms a step under the profiler, dispatched in "
           f"{dispatch * 1e3:.3f} ms a step")  # fmt: skip
     for event, (d, n, longest) in sorted(host.items(), key=lambda kv: -kv[1][0])[:host_top]:
@@ -129,6 +142,8 @@ def _report(name, wall, dispatch, streams, host, top, gaps=0, host_top=0):
               f"between them {idle:.1f} us")  # fmt: skip
         if gaps and between:
             _gaps(evs, gaps)
+        if sequence:
+            _sequence(evs)
     by_name = collections.defaultdict(lambda: [0, 0])
     for _, d, kernel in events:
         by_name[kernel][0] += d
@@ -149,6 +164,8 @@ def main() -> None:
     ap.add_argument("--gaps", type=int, default=0,
                     help="a stream's largest idle gaps a step, with their kernels")  # fmt: skip
     ap.add_argument("--host", type=int, default=0, help="the host's busiest events a step")
+    ap.add_argument("--sequence", action="store_true",
+                    help="every kernel of a step in order, with its mean duration")  # fmt: skip
     args = ap.parse_args()
     ours = "ours fp8" if args.fp8 else "ours"
     p, x, model = _models(args.small)[args.model]
@@ -166,7 +183,7 @@ def main() -> None:
               f"{theirs * 1e3:.3f} ms, ratio {theirs / ours_s:.3f}")  # fmt: skip
     for impl in (ours, "jnp"):
         _report(impl if impl != "jnp" else "jnp.dot", *_profile(steps[impl], (p, x)), args.top,
-                args.gaps, args.host)  # fmt: skip
+                args.gaps, args.host, args.sequence)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -598,6 +598,12 @@ class StepProfileTest(absltest.TestCase):
         self.assertNotIn("cuLaunchKernelEx", text)
         self.assertIn("idle between them 32.5 us", text)  # (20 x 4 + 19 x 30) us / 20 steps
         self.assertIn("30.0 us after kernel   1 fusion -> gemm", text)
+        self.assertNotIn("kernel   0", text)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            sp._report("ours", 1e-3, 1e-4, {"Stream #1": events}, {}, top=0, sequence=True)
+        self.assertIn("kernel   0     100.0 us  gemm\n    kernel   1       2.0 us  fusion",
+                      out.getvalue())  # fmt: skip
 
 
 class ScaledBenchTest(absltest.TestCase):
