@@ -32,7 +32,10 @@
 //   prefix  the name of its function
 //   dims    kDimsFormat, then per tensor in the kernel's argument order:
 //           dtype (XLA_FFI_DataType), rank, dynamic-shape mask, dynamic-stride mask,
-//           shape[rank], strides[rank] (elements; every mode, static ones included)
+//           shape[rank], strides[rank] (elements; every mode, static ones included);
+//           then the count of extent ties and per tie (i, a, j, b, d): tensor i's extent in
+//           mode a times d equals tensor j's in mode b (a kernel that indexes one tensor by
+//           another's extents without a TMA descriptor's bounds: quantize_both's stores)
 //   order   per tensor, its buffer: i >= 0 is input i, -1 - j is result j
 //   names   per tensor, its name ("a,b,d,bias"), for error messages
 
@@ -59,9 +62,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kDimsFormat = 2;
+constexpr int64_t kDimsFormat = 3;
 constexpr size_t kMaxTensors = 8;  // most of any family (dense: a, b, d, c, bias, z, ws, flags)
 constexpr int64_t kMaxRank = 4;
+constexpr int64_t kMaxTies = 16;
 // void* + int32 extents + padding + int64 strides, for kMaxRank modes each.
 constexpr size_t kMaxArgBytes = 64;
 // The kernels hold extents in int32 (the struct above); TMA needs 16-byte aligned buffers.
@@ -493,8 +497,34 @@ ffi::Error ParseCall(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> ord
     }
     t.arg_size = offset;
   }
-  if (at != dims.size()) return BadDims("trailing entries");
   if (more_names) return BadDims("names lists more tensors than order");
+  if (at >= dims.size()) return BadDims("no count of extent ties");
+  const int64_t ties = dims[at++];
+  if (ties < 0 || ties > kMaxTies || dims.size() - at != 5 * static_cast<size_t>(ties)) {
+    return BadDims(std::to_string(ties) + " extent ties in " + std::to_string(dims.size() - at) +
+                   " entries");
+  }
+  for (; at < dims.size(); at += 5) {
+    const int64_t i = dims[at], a = dims[at + 1], j = dims[at + 2], b = dims[at + 3];
+    const int64_t d = dims[at + 4];
+    if (i < 0 || j < 0 || static_cast<size_t>(i) >= count || static_cast<size_t>(j) >= count ||
+        a < 0 || b < 0 || a >= call->tensors[i].rank || b >= call->tensors[j].rank || d < 1) {
+      return BadDims("an extent tie names no mode of a tensor, or divides by " +
+                     std::to_string(d));
+    }
+    const TensorSlot& ti = call->tensors[i];
+    const TensorSlot& tj = call->tensors[j];
+    int64_t times;
+    if (__builtin_mul_overflow(ti.shape[a], d, &times) || times != tj.shape[b]) {
+      return ffi::Error::InvalidArgument(
+          "jax_sm100: tensor '" + ti.name + "' has extent " + std::to_string(ti.shape[a]) +
+          " in mode " + std::to_string(a) + ", which times " + std::to_string(d) +
+          " is not tensor '" + tj.name + "''s extent " + std::to_string(tj.shape[b]) +
+          " in mode " + std::to_string(b) +
+          ": the kernel indexes one by the other's extents (a lowering bug, or an edited "
+          "module); refusing to launch");
+    }
+  }
   return ffi::Error::Success();
 }
 

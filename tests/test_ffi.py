@@ -89,15 +89,20 @@ class LayoutTest(parameterized.TestCase):
 
     @parameterized.named_parameters(
         ("format", lambda d: [1] + d[1:], "format"),
-        ("short", lambda d: d[:-1], "too short|rank"),
-        ("trailing", lambda d: d + [0], "trailing"),
+        ("short", lambda d: d[:-2], "too short|rank"),
+        ("no_tie_count", lambda d: d[:-1], "no count of extent ties"),
+        ("trailing", lambda d: d + [0], "0 extent ties in 1 entries"),
         ("dtype", lambda d: d[:1] + [13] + d[2:], "dtype code 13"),
         ("mask", lambda d: d[:3] + [0b1000] + d[4:], "masks"),
         ("negative", lambda d: d[:5] + [-1] + d[6:], "negative"),
         # A zero extent before a negative stride (the handler stopped at the zero).
         ("zero_then_negative", lambda d: d[:5] + [0, 8, 1, 8, -1, 32], "negative"),
         ("extent", lambda d: d[:5] + [2**31] + d[6:], "int32 index range"),
-    )
+        # A zero extent after a mode whose span overflows int64: the handler walks the modes
+        # in order and refuses the overflow before it reaches the zero.
+        ("zero_after_overflow", lambda d: d[:5] + [127, 0, 1, 2**63 - 1, 1, 1] + d[11:],
+         "overflowing"),
+    )  # fmt: skip
     def test_malformed_dims_are_refused(self, edit, message):
         layouts = [ffi_checks.TensorLayout("d", "bfloat16", (4, 8, 1), (8, 1, 32), (0, 1, 2))]
         dims, names = ffi_checks.encode(layouts)
@@ -108,6 +113,68 @@ class LayoutTest(parameterized.TestCase):
             code, text, _ = ffi.check_call(bad, [-1], names, [], [(16, 32)])
             self.assertEqual(code, _INVALID_ARGUMENT)
             self.assertRegex(text, message)
+
+    def _tied(self, q_shape=(256, 128), ties=None):
+        # quantize_both's x and q (both [R, C]) and s ([R, C / 128]), tied to x's extents.
+        x = ffi_checks.TensorLayout("x", "bfloat16", (256, 128), (128, 1), (0, 1), (0,))
+        q = ffi_checks.TensorLayout("q", "float8_e4m3fn", q_shape, (q_shape[1], 1), (0, 1), (0,))
+        s = ffi_checks.TensorLayout("s", "float32", (256, 1), (1, 256), (0, 1), (1,))
+        if ties is None:
+            tie = ffi_checks.Tie
+            ties = [tie("q", 0, "x", 0), tie("q", 1, "x", 1), tie("s", 0, "x", 0),
+                    tie("s", 1, "x", 1, 128)]  # fmt: skip
+        dims, names = ffi_checks.encode([x, q, s], ties)
+        return dims, names, [x, q, s], ties
+
+    def _refused_both_ways(self, dims, names, counts, message):
+        inputs = [((256, 128), "bfloat16")]
+        results = [(c, d) for c, d in zip(counts, ("float8_e4m3fn", "float32"), strict=True)]
+        with self.assertRaisesRegex(ffi_checks.LayoutError, message):
+            ffi_checks.check_call(dims, [0, -1, -2], names, inputs, results)
+        if _HAS_CXX:
+            code, text, _ = ffi.check_call(dims, [0, -1, -2], names, [(16, 256 * 128)],
+                                           [(20, int(np.prod(counts[0]))), (11, 256)])  # fmt: skip
+            self.assertEqual(code, _INVALID_ARGUMENT)
+            self.assertRegex(text, message)
+
+    def test_extent_ties_round_trip_and_pass(self):
+        dims, names, layouts, ties = self._tied()
+        self.assertEqual(dims[-21:], [4, 1, 0, 0, 0, 1, 1, 1, 0, 1, 1, 2, 0, 0, 0, 1, 2, 1, 0, 1,
+                                      128])  # fmt: skip
+        self.assertEqual(ffi_checks.decode_call(dims, names, 3), (layouts, ties))
+        inputs, results = [((256, 128), "bfloat16")], [((256, 128), "float8_e4m3fn"),
+                                                      ((1, 256), "float32")]  # fmt: skip
+        ffi_checks.check_call(dims, [0, -1, -2], names, inputs, results)
+        if _HAS_CXX:
+            code, text, _ = ffi.check_call(dims, [0, -1, -2], names, [(16, 256 * 128)],
+                                           [(20, 256 * 128), (11, 256)])  # fmt: skip
+            self.assertEqual((code, text), (0, ""))
+
+    def test_extents_that_break_a_tie_are_refused(self):
+        # The review's case: x declared larger than q, each tensor within its own buffer; the
+        # kernel's grid (x's) would store past q. Refused, naming both tensors.
+        dims, names, _, _ = self._tied(q_shape=(128, 128))
+        self._refused_both_ways(
+            dims, names, [(128, 128), (1, 256)],
+            r"tensor 'q' has extent 128 in mode 0, which times 1 is not tensor 'x''s extent 256",
+        )  # fmt: skip
+
+    @parameterized.named_parameters(
+        ("tensor", lambda d: d[:-5] + [3] + d[-4:]),
+        ("mode", lambda d: d[:-4] + [2] + d[-3:]),
+        ("divisor", lambda d: d[:-1] + [0]),
+    )
+    def test_malformed_ties_are_refused(self, edit):
+        dims, names, _, _ = self._tied()
+        self._refused_both_ways(edit(list(dims)), names, [(256, 128), (1, 256)],
+                                "names no mode of a tensor")  # fmt: skip
+
+    def test_too_many_ties_are_refused(self):
+        with self.assertRaisesRegex(ffi_checks.LayoutError, "17 extent ties"):
+            self._tied(ties=[ffi_checks.Tie("q", 0, "x", 0)] * 17)
+        dims, names, _, _ = self._tied(ties=[])
+        dims = dims[:-1] + [17] + [1, 0, 0, 0, 1] * 17
+        self._refused_both_ways(dims, names, [(256, 128), (1, 256)], "17 extent ties")
 
     @parameterized.parameters("d,", ",d", "d,,", "")
     def test_malformed_names_are_refused(self, names):
@@ -372,6 +439,31 @@ class LoweringDimsTest(parameterized.TestCase):
         self.assertEqual((n, kc * splits), (4096, 4096))
         self.assertEqual(strides, (1, n, kc * n))
         self.assertEqual(got["a"][1], (4096, 1, kc))
+
+    @parameterized.parameters("fp8_block128", "fp8_block128x128")
+    def test_quantize_call_ties_its_results_to_x(self, recipe):
+        # quantize_both's kernel stores q, s, qt and st over x's grid without a TMA descriptor's
+        # bounds: its call ties each of their extents to x's. x declared with twice its rows
+        # (and its buffer grown to match, so that x's own span check passes) breaks the ties.
+        (call,) = _exported_calls(
+            "sm_90a", lambda: (lambda x: jax_sm100.quantize_both(x, recipe), (_s(2, 256, 384),))
+        )
+        layouts, ties = ffi_checks.decode_call(call.dims, call.names, len(call.order))
+        self.assertLen(ties, 12)
+        self.assertEqual({t.other for t in ties}, {"x"})
+        self.assertEqual({t.name for t in ties}, {"q", "s", "qt", "st"})
+        x = layouts[0]
+        self.assertEqual((x.name, x.shape), ("x", (256, 384, 2)))
+        dims = list(call.dims)
+        dims[5] = 512  # x's rows (format, dtype, rank, masks, then its shape)
+        inputs = [((2, 512, 384), "bfloat16")]
+        with self.assertRaisesRegex(ffi_checks.LayoutError, "which times 1 is not tensor 'x''s"):
+            ffi_checks.check_call(dims, call.order, call.names, inputs, call.results)
+        code, message, _ = ffi.check_call(dims, call.order, call.names, _counts(inputs),
+                                          _counts(call.results))  # fmt: skip
+        self.assertEqual(code, _INVALID_ARGUMENT)
+        self.assertIn("tensor 'q' has extent 256 in mode 0, which times 1 is not tensor 'x''s "
+                      "extent 512", message)  # fmt: skip
 
     def test_checks_cost_under_a_microsecond(self):
         # The execute stage's checks of the call with the most tensors (stream-K: a, b, d, ws,

@@ -19,10 +19,16 @@ Attribute format (int64 values): `DIMS_FORMAT`, then per tensor in the kernel's 
 XLA_FFI_DataType code (xla/ffi/api/c_api.h), bit i of a mask says that mode i is a runtime
 value of the kernel (passed in its argument struct; the other modes are compile-time constants
 of the binary, included so the whole layout is checked), and extents and strides are in
-elements. `order` names each tensor's buffer (input i >= 0, result -1 - j) and `names` its name.
+elements. Then the count of extent ties and, per `Tie`, `i, mode, j, other_mode, divisor`
+(tensor positions). `order` names each tensor's buffer (input i >= 0, result -1 - j) and `names`
+its name.
 
 A tensor spans `1 + sum((extent - 1) * stride)` elements (0 when an extent is 0): the offset one
-past its last element. That must not exceed the element count of its buffer.
+past its last element. That must not exceed the element count of its buffer. That bounds a
+kernel's accesses where each tensor is indexed by its own extents, or through a TMA descriptor
+built from them (the GEMMs' operands and results); a kernel that indexes one tensor by another's
+extents with plain loads and stores (quantize_both writes q, s, qt and st over x's grid)
+declares `Tie`s, and a call whose extents break one is refused at instantiate.
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ import numpy as np
 
 from jax_sm100._src import constraints
 
-DIMS_FORMAT = 2
+DIMS_FORMAT = 3
 MAX_TENSORS = 8
 MAX_RANK = 4
+MAX_TIES = 16
+INT64_MAX = 2**63 - 1
 # The kernels hold extents as int32 (the argument struct of an exported CuTe DSL function).
 MAX_EXTENT = constraints.MAX_EXTENT
 
@@ -109,16 +117,43 @@ class TensorLayout:
             return 0
         return 1 + sum((e - 1) * s for e, s in zip(self.shape, self.strides, strict=True))
 
+    def fits_int64(self) -> bool:
+        """Whether the handler's int64 walk over the modes, in order, stops at a zero extent
+        or reaches `span` without overflow (gemm_ffi.cc `ElementSpan`): a zero extent after
+        an overflowing mode is refused there, so here too."""
+        last = 0
+        for e, s in zip(self.shape, self.strides, strict=True):
+            if e == 0:
+                return True
+            last += (e - 1) * s
+            if (e - 1) * s > INT64_MAX or last > INT64_MAX:
+                return False
+        return last + 1 <= INT64_MAX
+
     def modes_text(self) -> str:
         return f"shape {list(self.shape)}, strides {list(self.strides)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """Tensor `name`'s extent in `mode` times `divisor` equals tensor `other`'s in
+    `other_mode`: a kernel that indexes one tensor by another's extents outside a TMA
+    descriptor's bounds (quantize_both writes q, s, qt and st over x's grid) declares it, and the
+    handler refuses a call whose layouts disagree."""
+
+    name: str
+    mode: int
+    other: str
+    other_mode: int
+    divisor: int = 1
 
 
 def _mask(modes: Sequence[int]) -> int:
     return sum(1 << i for i in set(modes))
 
 
-def encode(layouts: Sequence[TensorLayout]) -> tuple[list[int], str]:
-    """The `dims` and `names` attributes of a kernel call.
+def encode(layouts: Sequence[TensorLayout], ties: Sequence[Tie] = ()) -> tuple[list[int], str]:
+    """The `dims` and `names` attributes of a kernel call (its tensors, then its ties).
 
     Raises:
       LayoutError: an extent past the kernels' index range (the planner sends such problems to
@@ -133,6 +168,12 @@ def encode(layouts: Sequence[TensorLayout]) -> tuple[list[int], str]:
                 raise LayoutError(_extent_message(t.name, e, i))
         dims += [FFI_DTYPES[t.dtype], len(t.shape), _mask(t.dynamic_shape_modes),
                  _mask(t.dynamic_stride_modes), *t.shape, *t.strides]  # fmt: skip
+    if len(ties) > MAX_TIES:
+        raise LayoutError(f"{len(ties)} extent ties; the handler takes up to {MAX_TIES}")
+    position = {t.name: i for i, t in enumerate(layouts)}
+    dims.append(len(ties))
+    for tie in ties:
+        dims += [position[tie.name], tie.mode, position[tie.other], tie.other_mode, tie.divisor]
     return dims, ",".join(t.name for t in layouts)
 
 
@@ -145,7 +186,15 @@ def _extent_message(name: str, extent: int, mode: int) -> str:
 
 
 def decode(dims: Sequence[int], names: str, count: int) -> list[TensorLayout]:
-    """The layouts `encode` wrote, checked as the handler's instantiate stage checks them.
+    """The layouts `encode` wrote (`decode_call`'s, without the ties)."""
+    return decode_call(dims, names, count)[0]
+
+
+def decode_call(
+    dims: Sequence[int], names: str, count: int
+) -> tuple[list[TensorLayout], list[Tie]]:
+    """The layouts and ties `encode` wrote, checked as the handler's instantiate stage checks
+    them.
 
     Raises:
       LayoutError: a malformed attribute, or an extent past the kernels' index range.
@@ -181,9 +230,31 @@ def decode(dims: Sequence[int], names: str, count: int) -> list[TensorLayout]:
             tuple(i for i in range(rank) if shape_mask >> i & 1),
             tuple(i for i in range(rank) if stride_mask >> i & 1),
         ))  # fmt: skip
-    if at != len(dims):
-        raise LayoutError("jax_sm100: the dims attribute has trailing entries")
-    return out
+        if not out[-1].fits_int64():
+            raise LayoutError(f"jax_sm100: tensor '{name}' has an overflowing "
+                              f"{out[-1].modes_text()}")  # fmt: skip
+    if at >= len(dims):
+        raise LayoutError("jax_sm100: the dims attribute has no count of extent ties")
+    count_ties, at = dims[at], at + 1
+    if not 0 <= count_ties <= MAX_TIES or len(dims) - at != 5 * count_ties:
+        raise LayoutError(f"jax_sm100: {count_ties} extent ties in {len(dims) - at} entries")
+    ties = []
+    for k in range(at, len(dims), 5):
+        i, a, j, b, d = dims[k : k + 5]
+        if not (0 <= i < count and 0 <= j < count and 0 <= a < len(out[i].shape)
+                and 0 <= b < len(out[j].shape) and d >= 1):  # fmt: skip
+            raise LayoutError(f"jax_sm100: an extent tie names no mode of a tensor, or divides "
+                              f"by {d}")  # fmt: skip
+        ti, tj = out[i], out[j]
+        if ti.shape[a] * d != tj.shape[b]:
+            raise LayoutError(
+                f"jax_sm100: tensor '{ti.name}' has extent {ti.shape[a]} in mode {a}, which times "
+                f"{d} is not tensor '{tj.name}''s extent {tj.shape[b]} in mode {b}: the kernel "
+                "indexes one by the other's extents (a lowering bug, or an edited module); "
+                "refusing to launch"
+            )
+        ties.append(Tie(ti.name, a, tj.name, b, d))
+    return out, ties
 
 
 def _buffer_name(which: int) -> str:

@@ -172,17 +172,17 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     return [x.reshape(out_shape) for x in outs]
 
 
-def _ffi(compiled, out_type, operands, layouts, order, aliases=None):
+def _ffi(compiled, out_type, operands, layouts, order, aliases=None, ties=()):
     """The custom call of `compiled` (`launch`'s last step; `jax_sm100_gemm`, or
     `jax_sm100_quantize` for the quantize_both kernel: `ffi.target_for`): `layouts` (one
     `ffi_checks.TensorLayout` per tensor argument, in the kernel's order) encoded as the
     handler's attributes and checked against the buffers first, `order[i]` the input (>= 0) or
     result (-1 - j) that tensor argument i is, `aliases` input -> result as `jax.ffi.ffi_call`
-    takes them."""
+    takes them, `ties` the `ffi_checks.Tie`s between the tensors' extents."""
     from jax_sm100._src import ffi_checks  # noqa: PLC0415
 
     # The attributes the handler reads (ffi/gemm_ffi.cc; ffi_checks.py states the format).
-    dims, names = ffi_checks.encode(layouts)
+    dims, names = ffi_checks.encode(layouts, ties)
     # The handler's own checks, at trace time: a lowering bug fails here, with a traceback into
     # this file, rather than as a refused launch.
     ins = [(x.shape, x.dtype) for x in operands]
@@ -253,7 +253,7 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
     return launch(compiled, operands, index, out_types, modes, dtypes)[:results]
 
 
-def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
+def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None, ties=()):
     """One custom call of `compiled` (`_ffi`): every lowering's way to its kernel.
 
     Args:
@@ -266,6 +266,8 @@ def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
       dtypes: name -> the dtype its binary reads or writes.
       zeroed: name -> (shape, dtype) of more buffers the kernel takes zeroed at each launch
         (the dynamic schedule's tile counter), passed as the stream-K flags are.
+      ties: `ffi_checks.Tie`s the handler checks between the tensors' extents (a kernel that
+        indexes one tensor by another's extents outside a TMA descriptor's bounds).
 
     The plan's stream-K workspace (`compile.workspace_shapes`) is added here: "ws" an extra
     result the kernel writes before it reads, "flags" zeros passed in and aliased to a result,
@@ -304,5 +306,5 @@ def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None):
     ]
     order = [index[arg.name] for arg in compiled.tensor_args]
     if len(out_types) == 1:
-        return [_ffi(compiled, out_types[0], operands, layouts, order)]
-    return list(_ffi(compiled, tuple(out_types), operands, layouts, order, aliases or None))
+        return [_ffi(compiled, out_types[0], operands, layouts, order, ties=ties)]
+    return list(_ffi(compiled, tuple(out_types), operands, layouts, order, aliases or None, ties))

@@ -48,7 +48,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from jax_sm100._src import constraints, dispatch, scaled, sharding
+from jax_sm100._src import constraints, dispatch, ffi_checks, scaled, sharding
 from jax_sm100._src import primitive as P
 
 quantize_both_p = P.Primitive("jax_sm100_quantize_both")
@@ -176,6 +176,25 @@ def _xla(why: str, plan, x3, data_dtype, recipe):
     return _flat_reference(x3, data_dtype=data_dtype, recipe=recipe)
 
 
+def _ties(tiles: bool) -> list:
+    """The kernel writes q, s, qt and st over x's grid of 128 x 128 tiles with plain stores
+    (kernels/quantize.py), so the handler checks each of their extents against x's (modes
+    (rows, cols, L)): q (R, C, L), qt (C, R, L), s (R, C / 128, L) or per tile (R / 128,
+    C / 128, L), st (C, R / 128, L) or (C / 128, R / 128, L)."""
+    b, r, c = _BLOCK, 0, 1
+    of_x = {  # name -> (x's mode, divisor) of its modes 0 and 1; mode 2 is L
+        "q": ((r, 1), (c, 1)),
+        "qt": ((c, 1), (r, 1)),
+        "s": ((r, b if tiles else 1), (c, b)),
+        "st": ((c, b if tiles else 1), (r, b)),
+    }
+    return [
+        ffi_checks.Tie(name, mode, "x", x_mode, divisor)
+        for name, modes in of_x.items()
+        for mode, (x_mode, divisor) in enumerate((*modes, (2, 1)))
+    ]
+
+
 def _cuda(x3, *, data_dtype, recipe):
     """The kernel where the plan takes the call, else XLA's quantizations (recorded)."""
     from jax_sm100._src import compile as compile_mod  # noqa: PLC0415
@@ -218,7 +237,8 @@ def _cuda(x3, *, data_dtype, recipe):
     ]
     dtypes = {"x": in_dtype, "q": data.name, "s": "float32", "qt": data.name, "st": "float32"}
     index = {"x": 0, "q": -1, "s": -2, "qt": -3, "st": -4}
-    q, s, qt, st = gpu_lowering.launch(compiled, [x3], index, out_types, modes, dtypes)
+    q, s, qt, st = gpu_lowering.launch(compiled, [x3], index, out_types, modes, dtypes,
+                                       ties=_ties(tiles))  # fmt: skip
     if tiles:
         return [q, s, qt, st]
     return [q, jnp.swapaxes(s, 1, 2), qt, jnp.swapaxes(st, 1, 2)]
