@@ -210,6 +210,35 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         self.assertEqual(float(dl[3, 5]), 0.0)
         self.assertGreater(int(jnp.count_nonzero(dl)), dl.size - 2)
 
+    def test_nvfp4_global_scale_may_be_traced(self):
+        # The config's global scale as a traced value: a jit argument under an outer grad,
+        # under jax.checkpoint, scanned per layer. It leaked from its trace (the custom_vjp
+        # captured it); the gradients now equal those with the scale concrete (within float32
+        # rounding: XLA fuses the jitted forms' elementwise math otherwise).
+        x, w = _normal(0, (128, 128)), _normal(1, (128, 128))
+        gs = jnp.array([0.01], jnp.float32)
+        dn = (((1,), (0,)), ((), ()))
+
+        def layer(h, w, gs):
+            cfg = [jax.nn.get_scaled_dot_general_config("nvfp4", gs)] * 3
+            return jnp.tanh(jax_sm100.scaled_dot_general(h, w, dn, configs=cfg))
+
+        def loss(x, w, gs):
+            return jnp.sum(layer(x, w, gs) ** 2)
+
+        def scanned(x, w, gs):
+            h, _ = lax.scan(lambda h, p: (layer(h, *p), None), x, (w[None], gs[None]))
+            return jnp.sum(h**2)
+
+        want = jax.grad(loss, (0, 1))(x, w, gs)
+        for f in (jax.grad(jax.jit(loss), (0, 1)), jax.grad(jax.checkpoint(loss), (0, 1)),
+                  jax.grad(scanned, (0, 1))):  # fmt: skip
+            for got, ref in zip(f(x, w, gs), want, strict=True):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5,
+                                           atol=1e-5)  # fmt: skip
+        # The scale's own cotangent is zero, as jax.nn's.
+        self.assertEqual(float(jax.grad(loss, 2)(x, w, gs)[0]), 0.0)
+
     @parameterized.parameters(jax_sm100.DEEPSEEK_V3, _MXFP8)
     def test_either_gradient_alone_under_checkpoint(self, *configs):
         # One operand's gradient, then the other's, then the first's again, under
@@ -470,6 +499,13 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         bad = jax.nn.get_scaled_dot_general_config("mxfp8")
         with self.assertRaisesRegex(ValueError, "BlockScaleConfigs taken"):
             f(x, w, configs=[dataclasses.replace(bad, block_size=16)] * 3)
+        # A BlockScaleConfig's other fields are read, not dropped: nvfp4's data dtype (it was
+        # quantized to float4 whatever it said) and mxfp8's global scale (it was ignored).
+        nv = jax.nn.get_scaled_dot_general_config("nvfp4", jnp.array([0.05], jnp.float32))
+        with self.assertRaisesRegex(TypeError, r"configs\[0\] \(lhs\): nvfp4 data is one of"):
+            f(x, w, configs=[dataclasses.replace(nv, data_type=jnp.float8_e4m3fn)] * 3)
+        with self.assertRaisesRegex(ValueError, "mxfp8 takes none"):
+            f(x, w, configs=[dataclasses.replace(bad, global_scale=jnp.float32(100.0))] * 3)
 
 
 if __name__ == "__main__":

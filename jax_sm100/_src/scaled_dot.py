@@ -95,10 +95,17 @@ def _config(c, position: int) -> _Config:
                 f"{c.mode!r}, block {got[0]}, {got[1]} scales; the BlockScaleConfigs taken are "
                 "jax.nn.get_scaled_dot_general_config('mxfp8') and ('nvfp4', global_scale)"
             )
+        who = f"jax_sm100.scaled_dot_general: configs[{position}] ({where})"
         if c.mode == "mxfp8":
+            if c.global_scale is not None:
+                raise ValueError(
+                    f"{who} is an mxfp8 BlockScaleConfig with a global_scale; mxfp8 takes none "
+                    "(jax.nn's quantization asserts it is None): drop it, or use nvfp4"
+                )
             return _config(("mxfp8", c.data_type), position)
+        recipe = scaled.recipe_with("nvfp4", c.data_type, who)
         gs = jnp.asarray(1.0 if c.global_scale is None else c.global_scale, jnp.float32)
-        return _Config("nvfp4", np.dtype(c.data_type).name, gs)
+        return _Config("nvfp4", recipe.data_dtype, gs)
     raise TypeError(
         f"jax_sm100.scaled_dot_general: configs[{position}] ({where}) is {type(c).__name__}; "
         "use a jax_sm100.quantize recipe name, a (recipe, data dtype) pair, or a "
@@ -146,7 +153,8 @@ def scaled_dot_general(
 
     Raises:
       ValueError: configs that are not three, unknown recipes, a BlockScaleConfig other than
-        jax.nn's mxfp8 and nvfp4, nvfp4 mixed with other recipes.
+        jax.nn's mxfp8 and nvfp4 (an mxfp8 one with a global scale among them), nvfp4 mixed
+        with other recipes.
       TypeError: non-floating operands, one config where three are due, a data dtype its
         recipe does not take, a `precision` with
         configs, or a `preferred_element_type` that is not floating; `lax.dot_general`'s
@@ -417,7 +425,15 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
     # quantization is not in the residuals, and its cotangent must be typed as it is.
     lhs_type, rhs_type = P.explicit_type(lhs), P.explicit_type(rhs)
 
-    def forward(lhs, rhs, keep: bool):
+    # The configs' global scales (nvfp4's, arrays or None) go through the custom_vjp as
+    # arguments: captured, a traced scale (a jit argument under an outer grad, a scanned
+    # per-layer scale, jax.checkpoint) would leak from its trace. Their cotangents are zeros.
+    scales = tuple(c.global_scale for c in cfg)
+
+    def configs(scales):
+        return [dataclasses.replace(c, global_scale=g) for c, g in zip(cfg, scales, strict=True)]
+
+    def forward(lhs, rhs, cfg, keep: bool):
         """The product and, with `keep` (the forward of a gradient), each operand's
         quantization along its free dims where `_both` made it with the forward's (what its
         weight gradient reads; else None)."""
@@ -435,23 +451,26 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         return P.typed_reshape(out, L.out_shape), a_keep, b_keep
 
     @jax.custom_vjp
-    def product(lhs, rhs):
+    def product(lhs, rhs, scales):
         # Without a gradient, each operand is quantized the one way its product reads it.
-        return forward(lhs, rhs, keep=False)[0]
+        return forward(lhs, rhs, configs(scales), keep=False)[0]
 
-    def fwd(lhs, rhs):
+    def fwd(lhs, rhs, scales):
         # An operand quantized both ways is kept as its other orientation's fp8 data and
         # scales in place of itself.
-        out, a_keep, b_keep = forward(lhs, rhs, keep=True)
+        out, a_keep, b_keep = forward(lhs, rhs, configs(scales), keep=True)
         # Each operand's residual, in whichever form, under its name for checkpoint policies.
         lhs_res, a_keep = checkpoint_name((None if a_keep else lhs, a_keep), LHS_RESIDUAL)
         rhs_res, b_keep = checkpoint_name((None if b_keep else rhs, b_keep), RHS_RESIDUAL)
-        return out, (lhs_res, rhs_res, a_keep, b_keep)
+        return out, (lhs_res, rhs_res, a_keep, b_keep, scales)
 
     def bwd(res, g):
-        return _first_order_only(gradients)(*res, g)
+        *res, scales = res
+        da, db = _first_order_only(gradients)(*res, scales, g)
+        return da, db, jax.tree.map(jnp.zeros_like, scales)
 
-    def gradients(lhs, rhs, a_keep, b_keep, g):
+    def gradients(lhs, rhs, a_keep, b_keep, scales, g):
+        cfg = configs(scales)
         a3 = None if lhs is None else L.lhs.fold(lhs)
         b3 = None if rhs is None else L.rhs.fold(rhs)
         g3 = P.typed_reshape(g, L.out3)
@@ -479,4 +498,4 @@ def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
         return P.typed_as(da, lhs_type), P.typed_as(db, rhs_type)
 
     product.defvjp(fwd, bwd)
-    return product(lhs, rhs)
+    return product(lhs, rhs, scales)
