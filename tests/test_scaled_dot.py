@@ -210,6 +210,28 @@ class ScaledDotGeneralTest(parameterized.TestCase):
         self.assertEqual(float(dl[3, 5]), 0.0)
         self.assertGreater(int(jnp.count_nonzero(dl)), dl.size - 2)
 
+    def test_gradient_exports_with_a_symbolic_row_count(self):
+        # The weight gradient contracts over x's rows, padded to whole blocks: with the rows
+        # symbolic (jax.export), -m % 128 added to m did not prove divisible and the export
+        # raised quantize's "pad it with zeros". The exported gradient equals the jitted one.
+        dn = (((1,), (0,)), ((), ()))
+
+        def loss(x, w):
+            y = jax_sm100.scaled_dot_general(x, w, dn, jnp.float32, jax_sm100.DEEPSEEK_V3)
+            return jnp.sum(jnp.sin(y))
+
+        grad = jax.jit(jax.grad(loss, (0, 1)))
+        (m,) = jax.export.symbolic_shape("m")
+        exp = jax.export.export(grad, platforms=["cpu"])(
+            jax.ShapeDtypeStruct((m, 256), jnp.float32),
+            jax.ShapeDtypeStruct((256, 128), jnp.float32),
+        )
+        w = _normal(1, (256, 128))
+        for rows in (200, 1):
+            x = _normal(0, (rows, 256))
+            for got, want in zip(exp.call(x, w), grad(x, w), strict=True):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
     def test_nvfp4_global_scale_may_be_traced(self):
         # The config's global scale as a traced value: a jit argument under an outer grad,
         # under jax.checkpoint, scanned per layer. It leaked from its trace (the custom_vjp

@@ -356,7 +356,9 @@ def _scaled(a: _Side, b: _Side, out_dtype):
     rows, b's rows]. A contraction that a block does not divide is padded with zeros (its last
     block partial, scaled by its own values: zeros add nothing to it or to the product)."""
     block = max(scaled.RECIPES[a.config.recipe].block, scaled.RECIPES[b.config.recipe].block)
-    if pad := -a.contraction % block:
+    # The padded length as a whole number of blocks, so that a symbolic contraction (jax.export)
+    # stays provably divisible (-k % block added to k does not simplify).
+    if pad := -(-a.contraction // block) * block - a.contraction:
         # `_both` quantizes whole 128-blocks only, which every recipe's block divides.
         assert a.pre is None and b.pre is None, (a.contraction, block)
         a, b = (
