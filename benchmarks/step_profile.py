@@ -19,10 +19,11 @@ side it prints:
   between its kernels, and the `--top` kernels by time a step (name, time, launches a step).
 
 `--sequence` lists every kernel of a step in order with its mean duration (which product is
-which, by position). `--host N` lists the host's N busiest event names a step (CUDA API calls
-and XLA's thunks among them: a synchronizing call such as `cuStreamSynchronize` or `cuMemFree`
-shows there), and each side prints its dispatch time a step (the loop's time before it waits):
-a dispatch as long as the GPU's span means the host, not the GPU, sets the step's pace.
+which, by position). `--host N` lists the host's N busiest event names of every step, a step
+(CUDA API calls and XLA's thunks among them: a synchronizing call such as `cuStreamSynchronize`
+or `cuMemFree` shows there), and each side prints its dispatch time a step (the loop's time
+before it waits): a dispatch as long as the GPU's span means the host, not the GPU, sets the
+step's pace.
 
 Where a side's kernels run on one stream (as both did on the H200, forty-third session), span
 minus busy is the time the GPU waited for the host. `--small` runs tiny models (a CPU smoke
@@ -125,7 +126,9 @@ def _sequence(evs, width=90):
 def _report(name, wall, dispatch, streams, host, top, gaps=0, host_top=0, sequence=False):
     print(f"{name}: wall {wall * 1e3:.3f} ms a step under the profiler, dispatched in "
           f"{dispatch * 1e3:.3f} ms a step")  # fmt: skip
-    for event, (d, n, longest) in sorted(host.items(), key=lambda kv: -kv[1][0])[:host_top]:
+    # Events of every step only: the trace also holds the closing wait and stop_trace.
+    per_step = {name: v for name, v in host.items() if v[1] >= STEPS}
+    for event, (d, n, longest) in sorted(per_step.items(), key=lambda kv: -kv[1][0])[:host_top]:
         print(f"  host {d / STEPS / 1e3:9.1f} us  x{n / STEPS:<6g} longest {longest / 1e3:8.1f} us "
               f"{event[:80]}")  # fmt: skip
     events = sorted(e for evs in streams.values() for e in evs)

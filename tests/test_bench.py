@@ -588,7 +588,8 @@ class StepProfileTest(absltest.TestCase):
                 events.append((t, length, name))
                 t += length + gap
         host = {"cuLaunchKernelEx": [sp.STEPS * 3_000, sp.STEPS, 5_000],
-                "cuStreamSynchronize": [sp.STEPS * 9_000, sp.STEPS, 12_000]}  # fmt: skip
+                "cuStreamSynchronize": [sp.STEPS * 9_000, sp.STEPS, 12_000],
+                "stop_trace": [10**9, 1, 10**9]}  # once, after the steps: not listed  # fmt: skip
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             sp._report("ours", 1e-3, 1e-4, {"Stream #1": events}, host, top=1, gaps=1, host_top=1)
@@ -596,6 +597,7 @@ class StepProfileTest(absltest.TestCase):
         self.assertIn("dispatched in 0.100 ms a step", text)
         self.assertRegex(text, r"host +9\.0 us +x1 +longest +12\.0 us cuStreamSynchronize")
         self.assertNotIn("cuLaunchKernelEx", text)
+        self.assertNotIn("stop_trace", text)
         self.assertIn("idle between them 32.5 us", text)  # (20 x 4 + 19 x 30) us / 20 steps
         self.assertIn("30.0 us after kernel   1 fusion -> gemm", text)
         self.assertNotIn("kernel   0", text)
