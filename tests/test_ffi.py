@@ -465,6 +465,29 @@ class LoweringDimsTest(parameterized.TestCase):
         self.assertIn("tensor 'q' has extent 256 in mode 0, which times 1 is not tensor 'x''s "
                       "extent 512", message)  # fmt: skip
 
+    @parameterized.parameters(("sm90_folded_batch", "bias"), ("sm90_batched_c", "c"))
+    def test_epilogue_operands_are_tied_to_d(self, case, name):
+        # The epilogue reads bias and an unstaged C by D's extents with plain loads: a module
+        # declaring either smaller than D (its buffer shrunk to match, so that its own span
+        # check passes) is refused rather than read past its buffer.
+        (call,) = _exported_calls("sm_90a", dict((n, m) for n, _, m in _CASES)[case])
+        layouts, ties = ffi_checks.decode_call(call.dims, call.names, len(call.order))
+        self.assertIn(name, {t.name for t in ties})
+        self.assertEqual({t.other for t in ties}, {"d"})
+        at = [t.name for t in layouts].index(name)
+        t = layouts[at]
+        small = dataclasses.replace(t, shape=(t.shape[0] // 2, *t.shape[1:]))
+        dims, names = ffi_checks.encode([*layouts[:at], small, *layouts[at + 1 :]], ties)
+        inputs = list(call.inputs)
+        which = call.order[at]
+        inputs[which] = ((small.span,), inputs[which][1])
+        with self.assertRaisesRegex(ffi_checks.LayoutError, f"tensor '{name}' has extent"):
+            ffi_checks.check_call(dims, call.order, names, inputs, call.results)
+        code, message, _ = ffi.check_call(dims, call.order, names, _counts(inputs),
+                                          _counts(call.results))  # fmt: skip
+        self.assertEqual(code, _INVALID_ARGUMENT)
+        self.assertIn(f"tensor '{name}' has extent {small.shape[0]} in mode 0", message)
+
     def test_checks_cost_under_a_microsecond(self):
         # The execute stage's checks of the call with the most tensors (stream-K: a, b, d, ws,
         # flags), the fastest of 20 rounds so that other processes on the machine do not count.

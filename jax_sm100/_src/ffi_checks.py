@@ -26,9 +26,11 @@ its name.
 A tensor spans `1 + sum((extent - 1) * stride)` elements (0 when an extent is 0): the offset one
 past its last element. That must not exceed the element count of its buffer. That bounds a
 kernel's accesses where each tensor is indexed by its own extents, or through a TMA descriptor
-built from them (the GEMMs' operands and results); a kernel that indexes one tensor by another's
-extents with plain loads and stores (quantize_both writes q, s, qt and st over x's grid)
-declares `Tie`s, and a call whose extents break one is refused at instantiate.
+built from them (the GEMMs' A, B and D). Where a kernel indexes one tensor by another's extents
+with plain loads and stores, the lowering declares `Tie`s and a call whose extents break one is
+refused at instantiate: quantize_both's q, s, qt and st against x (stored over x's grid), the
+dense GEMMs' bias, C and z against D (the epilogue's). Not tied: the block-scaled kernels'
+scales and the grouped kernels' group sizes and bias, read by the problem's extents.
 """
 
 from __future__ import annotations

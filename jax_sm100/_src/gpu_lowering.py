@@ -250,7 +250,15 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
     spec = compiled.spec
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "z": spec.out_dtype,
               "c": spec.c_dtype, "bias": spec.bias_dtype}  # fmt: skip
-    return launch(compiled, operands, index, out_types, modes, dtypes)[:results]
+    # The epilogue reads bias and (unstaged) C, and writes z, by D's extents with plain loads
+    # and stores: the handler checks they agree with D's.
+    from jax_sm100._src.ffi_checks import Tie  # noqa: PLC0415
+
+    ties = [Tie("bias", 0, "d", 0 if d_m_major else 1)]
+    ties += [Tie(name, mode, "d", mode) for name in ("c", "z") for mode in range(3)]
+    if partials:
+        ties = []  # the partials' d is (m, n, s); no bias, C or z then
+    return launch(compiled, operands, index, out_types, modes, dtypes, ties=ties)[:results]
 
 
 def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None, ties=()):
@@ -294,6 +302,8 @@ def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None, tie
         aliases[len(operands)] = len(out_types)
         operands.append(jnp.zeros(shape, dtype))
         out_types.append(jax.ShapeDtypeStruct(shape, dtype))
+    present = {arg.name for arg in compiled.tensor_args}
+    ties = [t for t in ties if t.name in present and t.other in present]  # optional tensors
     layouts = [
         ffi_checks.TensorLayout(
             arg.name,
