@@ -145,8 +145,9 @@ class ExportForSm100Test(parameterized.TestCase):
                    if "custom_call @jax_sm100_gemm" in ln]  # fmt: skip
         self.assertIn("(tensor<1x4096x2048xf8E4M3FN>, tensor<1x16384x2048xf8E4M3FN>) -> "
                       "tensor<1x16384x4096xbf16>", call)  # fmt: skip
-        # D's modes (extents, then strides): (4096, 16384, 1) with strides (1, 4096, m * n).
-        self.assertIn("4096, 16384, 1, 1, 4096, 67108864]", call)
+        # D's modes (extents, then strides): (4096, 16384, 1) with strides (1, 4096, m * n);
+        # then no extent tie (no bias, C or z here).
+        self.assertIn("4096, 16384, 1, 1, 4096, 67108864, 0]", call)
         # With bias, gelu and the pre-activation (the forward under grad): bias runs along the
         # kernel's M (the caller's n), and Z is a second M-major result.
         bias = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)
@@ -166,7 +167,10 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertIn("-> (tensor<1x16384x4096xbf16>, tensor<1x16384x4096xbf16>)", call)
         self.assertIn('names = "a,b,d,bias,z"', call)
         dims = re.search(r"dims = dense<\[([-\d, ]+)\]>", call)[1].split(",")
-        layouts = {t.name: (t.shape, t.strides) for t in ffi_checks.decode(dims, "a,b,d,bias,z", 5)}
+        decoded, ties = ffi_checks.decode_call(dims, "a,b,d,bias,z", 5)
+        layouts = {t.name: (t.shape, t.strides) for t in decoded}
+        # The epilogue reads bias along D's mode 0 here (the kernel's M): tied to it.
+        self.assertIn(ffi_checks.Tie("bias", 0, "d", 0), ties)
         m_major = ((4096, 16384, 1), (1, 4096, 16384 * 4096))
         self.assertEqual((layouts["d"], layouts["z"]), (m_major, m_major))
         self.assertEqual(layouts["bias"], ((4096,), (1,)))

@@ -1600,10 +1600,10 @@ class RaggedDotTest(parameterized.TestCase):
             problems.append((name, lhs, rhs, group_sizes.shape, dict(params)))
             return real_problem(name, lhs, rhs, group_sizes, params, segments)
 
-        def spy_ffi(compiled, out_type, operands, layouts, order, aliases=None):
+        def spy_ffi(compiled, out_type, operands, layouts, order, aliases=None, ties=()):
             out = out_type[0] if isinstance(out_type, tuple) else out_type
             calls.append((*problems[-1], compiled.spec, layouts, order, operands, out.shape))
-            return real_ffi(compiled, out_type, operands, layouts, order, aliases)
+            return real_ffi(compiled, out_type, operands, layouts, order, aliases, ties)
 
         bf = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
