@@ -35,7 +35,8 @@
 //           shape[rank], strides[rank] (elements; every mode, static ones included);
 //           then the count of extent ties and per tie (i, a, j, b, d): tensor i's extent in
 //           mode a times d equals tensor j's in mode b (a kernel that indexes one tensor by
-//           another's extents without a TMA descriptor's bounds: quantize_both's stores)
+//           another's extents without a TMA descriptor's bounds: quantize_both's stores by
+//           x's grid, a dense epilogue's bias, C and z by D's)
 //   order   per tensor, its buffer: i >= 0 is input i, -1 - j is result j
 //   names   per tensor, its name ("a,b,d,bias"), for error messages
 

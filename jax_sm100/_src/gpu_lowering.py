@@ -254,10 +254,11 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
     # and stores: the handler checks they agree with D's.
     from jax_sm100._src.ffi_checks import Tie  # noqa: PLC0415
 
-    ties = [Tie("bias", 0, "d", 0 if d_m_major else 1)]
-    ties += [Tie(name, mode, "d", mode) for name in ("c", "z") for mode in range(3)]
-    if partials:
-        ties = []  # the partials' d is (m, n, s); no bias, C or z then
+    # (None with the partials: their d is (m, n, s), and there is no bias, C or z then.)
+    ties = [] if partials else [
+        Tie("bias", 0, "d", 0 if d_m_major else 1),
+        *(Tie(name, mode, "d", mode) for name in ("c", "z") for mode in range(3)),
+    ]  # fmt: skip
     return launch(compiled, operands, index, out_types, modes, dtypes, ties=ties)[:results]
 
 
