@@ -34,9 +34,10 @@
 //           dtype (XLA_FFI_DataType), rank, dynamic-shape mask, dynamic-stride mask,
 //           shape[rank], strides[rank] (elements; every mode, static ones included);
 //           then the count of extent ties and per tie (i, a, j, b, d): tensor i's extent in
-//           mode a times d equals tensor j's in mode b (a kernel that indexes one tensor by
-//           another's extents without a TMA descriptor's bounds: quantize_both's stores by
-//           x's grid, a dense epilogue's bias, C and z by D's)
+//           mode a times d equals tensor j's in mode b, or with d < 0 equals ceil(tensor j's
+//           / -d) (a kernel that indexes one tensor by another's extents without a TMA
+//           descriptor's bounds: quantize_both's stores by x's grid, a dense epilogue's bias,
+//           C and z by D's; and the operands of a product, which must agree on its problem)
 //   order   per tensor, its buffer: i >= 0 is input i, -1 - j is result j
 //   names   per tensor, its name ("a,b,d,bias"), for error messages
 
@@ -509,19 +510,33 @@ ffi::Error ParseCall(ffi::Span<const int64_t> dims, ffi::Span<const int64_t> ord
     const int64_t i = dims[at], a = dims[at + 1], j = dims[at + 2], b = dims[at + 3];
     const int64_t d = dims[at + 4];
     if (i < 0 || j < 0 || static_cast<size_t>(i) >= count || static_cast<size_t>(j) >= count ||
-        a < 0 || b < 0 || a >= call->tensors[i].rank || b >= call->tensors[j].rank || d < 1) {
+        a < 0 || b < 0 || a >= call->tensors[i].rank || b >= call->tensors[j].rank || d == 0 ||
+        d == std::numeric_limits<int64_t>::min()) {
       return BadDims("an extent tie names no mode of a tensor, or divides by " +
                      std::to_string(d));
     }
     const TensorSlot& ti = call->tensors[i];
     const TensorSlot& tj = call->tensors[j];
-    int64_t times;
-    if (__builtin_mul_overflow(ti.shape[a], d, &times) || times != tj.shape[b]) {
+    const int64_t other = tj.shape[b];
+    std::string relation;
+    if (d < 0) {  // ceil(other / -d); extents are >= 0
+      const int64_t q = other / -d + (other % -d != 0);
+      if (q != ti.shape[a]) {
+        relation = "which is not ceil(tensor '" + tj.name + "''s extent " +
+                   std::to_string(other) + " in mode " + std::to_string(b) + " / " +
+                   std::to_string(-d) + ")";
+      }
+    } else {
+      int64_t times;
+      if (__builtin_mul_overflow(ti.shape[a], d, &times) || times != other) {
+        relation = "which times " + std::to_string(d) + " is not tensor '" + tj.name +
+                   "''s extent " + std::to_string(other) + " in mode " + std::to_string(b);
+      }
+    }
+    if (!relation.empty()) {
       return ffi::Error::InvalidArgument(
           "jax_sm100: tensor '" + ti.name + "' has extent " + std::to_string(ti.shape[a]) +
-          " in mode " + std::to_string(a) + ", which times " + std::to_string(d) +
-          " is not tensor '" + tj.name + "''s extent " + std::to_string(tj.shape[b]) +
-          " in mode " + std::to_string(b) +
+          " in mode " + std::to_string(a) + ", " + relation +
           ": the kernel indexes one by the other's extents (a lowering bug, or an edited "
           "module); refusing to launch");
     }

@@ -146,8 +146,10 @@ class ExportForSm100Test(parameterized.TestCase):
         self.assertIn("(tensor<1x4096x2048xf8E4M3FN>, tensor<1x16384x2048xf8E4M3FN>) -> "
                       "tensor<1x16384x4096xbf16>", call)  # fmt: skip
         # D's modes (extents, then strides): (4096, 16384, 1) with strides (1, 4096, m * n);
-        # then no extent tie (no bias, C or z here).
-        self.assertIn("4096, 16384, 1, 1, 4096, 67108864, 0]", call)
+        # then the five ties of A, B and D's problem (no bias, C or z here).
+        self.assertIn("4096, 16384, 1, 1, 4096, 67108864, 5, ", call)
+        dims = re.search(r"dims = dense<\[([-\d, ]+)\]>", call)[1].split(",")
+        self.assertEqual(ffi_checks.decode_call(dims, "a,b,d", 3)[1], ffi_checks.problem_ties())
         # With bias, gelu and the pre-activation (the forward under grad): bias runs along the
         # kernel's M (the caller's n), and Z is a second M-major result.
         bias = jax.ShapeDtypeStruct((4096,), jnp.bfloat16)

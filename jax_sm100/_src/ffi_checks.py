@@ -139,15 +139,50 @@ class TensorLayout:
 @dataclasses.dataclass(frozen=True)
 class Tie:
     """Tensor `name`'s extent in `mode` times `divisor` equals tensor `other`'s in
-    `other_mode`: a kernel that indexes one tensor by another's extents outside a TMA
-    descriptor's bounds (quantize_both writes q, s, qt and st over x's grid) declares it, and the
-    handler refuses a call whose layouts disagree."""
+    `other_mode` (with `ceil`: equals ceil(other's / divisor), encoded as a negative divisor):
+    a kernel that indexes one tensor by another's extents outside a TMA descriptor's bounds
+    (quantize_both writes q, s, qt and st over x's grid) declares it, as does a kernel whose
+    operands must agree on its problem (`problem_ties`), and the handler refuses a call whose
+    layouts disagree."""
 
     name: str
     mode: int
     other: str
     other_mode: int
     divisor: int = 1
+    ceil: bool = False
+
+    def holds(self, extent: int, other_extent: int) -> bool:
+        if self.ceil:
+            return extent == -(-other_extent // self.divisor)
+        return extent * self.divisor == other_extent
+
+    def broken(self, extent: int, other_extent: int) -> str:
+        """The handler's message for extents that break this tie."""
+        if self.ceil:
+            relation = (f"which is not ceil(tensor '{self.other}''s extent {other_extent} in "
+                        f"mode {self.other_mode} / {self.divisor})")  # fmt: skip
+        else:
+            relation = (f"which times {self.divisor} is not tensor '{self.other}''s extent "
+                        f"{other_extent} in mode {self.other_mode}")  # fmt: skip
+        return (
+            f"jax_sm100: tensor '{self.name}' has extent {extent} in mode {self.mode}, "
+            f"{relation}: the kernel indexes one by the other's extents (a lowering bug, or an "
+            "edited module); refusing to launch"
+        )
+
+
+def problem_ties(a: str = "a", b: str = "b", d: str = "d", batched: bool = True) -> list[Tie]:
+    """The ties of a GEMM whose A is (m, k[, L]), B (n, k[, L]) and D (m, n[, L]) in the
+    kernel's modes: the kernel takes m and k from A and n from B, and reads and writes them
+    through TMA descriptors built from each tensor's own extents, so a module whose operands
+    disagree would not fault but compute wrong: B zero-filled past a shorter k, rows of a
+    larger D left unwritten. `batched`: A, B and D share the batch mode L (not a split-K
+    kernel's (m, k / s, s) views of a D with L = 1)."""
+    ties = [Tie(a, 0, d, 0), Tie(b, 0, d, 1), Tie(a, 1, b, 1)]
+    if batched:
+        ties += [Tie(a, 2, d, 2), Tie(b, 2, d, 2)]
+    return ties
 
 
 def _mask(modes: Sequence[int]) -> int:
@@ -175,7 +210,8 @@ def encode(layouts: Sequence[TensorLayout], ties: Sequence[Tie] = ()) -> tuple[l
     position = {t.name: i for i, t in enumerate(layouts)}
     dims.append(len(ties))
     for tie in ties:
-        dims += [position[tie.name], tie.mode, position[tie.other], tie.other_mode, tie.divisor]
+        divisor = -tie.divisor if tie.ceil else tie.divisor
+        dims += [position[tie.name], tie.mode, position[tie.other], tie.other_mode, divisor]
     return dims, ",".join(t.name for t in layouts)
 
 
@@ -244,18 +280,14 @@ def decode_call(
     for k in range(at, len(dims), 5):
         i, a, j, b, d = dims[k : k + 5]
         if not (0 <= i < count and 0 <= j < count and 0 <= a < len(out[i].shape)
-                and 0 <= b < len(out[j].shape) and d >= 1):  # fmt: skip
+                and 0 <= b < len(out[j].shape) and d != 0 and d >= -INT64_MAX):  # fmt: skip
             raise LayoutError(f"jax_sm100: an extent tie names no mode of a tensor, or divides "
                               f"by {d}")  # fmt: skip
         ti, tj = out[i], out[j]
-        if ti.shape[a] * d != tj.shape[b]:
-            raise LayoutError(
-                f"jax_sm100: tensor '{ti.name}' has extent {ti.shape[a]} in mode {a}, which times "
-                f"{d} is not tensor '{tj.name}''s extent {tj.shape[b]} in mode {b}: the kernel "
-                "indexes one by the other's extents (a lowering bug, or an edited module); "
-                "refusing to launch"
-            )
-        ties.append(Tie(ti.name, a, tj.name, b, d))
+        tie = Tie(ti.name, a, tj.name, b, abs(d), d < 0)
+        if not tie.holds(ti.shape[a], tj.shape[b]):
+            raise LayoutError(tie.broken(ti.shape[a], tj.shape[b]))
+        ties.append(tie)
     return out, ties
 
 

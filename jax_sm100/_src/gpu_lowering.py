@@ -250,15 +250,18 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
     spec = compiled.spec
     dtypes = {"a": spec.a_dtype, "b": spec.b_dtype, "d": spec.out_dtype, "z": spec.out_dtype,
               "c": spec.c_dtype, "bias": spec.bias_dtype}  # fmt: skip
-    # The epilogue reads bias and (unstaged) C, and writes z, by D's extents with plain loads
-    # and stores: the handler checks they agree with D's.
-    from jax_sm100._src.ffi_checks import Tie  # noqa: PLC0415
+    # A, B and D agree on the problem (a split-K kernel's A and B are (rows, K/s, s) views of a
+    # D with L = 1, the partials' D is (m, n, s)); the epilogue reads bias and (unstaged) C, and
+    # writes z, by D's extents with plain loads and stores: the handler checks they agree with
+    # D's. (No bias, C or z with the partials.)
+    from jax_sm100._src.ffi_checks import Tie, problem_ties  # noqa: PLC0415
 
-    # (None with the partials: their d is (m, n, s), and there is no bias, C or z then.)
-    ties = [] if partials else [
-        Tie("bias", 0, "d", 0 if d_m_major else 1),
-        *(Tie(name, mode, "d", mode) for name in ("c", "z") for mode in range(3)),
-    ]  # fmt: skip
+    ties = problem_ties(batched=s == 1 or partials)
+    if not partials:
+        ties += [
+            Tie("bias", 0, "d", 0 if d_m_major else 1),
+            *(Tie(name, mode, "d", mode) for name in ("c", "z") for mode in range(3)),
+        ]  # fmt: skip
     return launch(compiled, operands, index, out_types, modes, dtypes, ties=ties)[:results]
 
 

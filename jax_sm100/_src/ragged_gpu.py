@@ -44,6 +44,7 @@ import numpy as np
 
 from jax_sm100._src import constraints, dispatch, planning, ragged_sharding
 from jax_sm100._src import primitive as P
+from jax_sm100._src.ffi_checks import Tie, problem_ties
 from jax_sm100._src.kernels.spec import KernelSpec
 
 FUSED_ACTIVATION_ENV = "JAX_SM100_RAGGED_FUSED_ACTIVATION"
@@ -100,6 +101,23 @@ def _kernel_problem(name, lhs, rhs, group_sizes, params, segments=1):
         operands, out_shape = (first, second), (out_groups, mm, nn)
     modes["group_sizes"] = ((g,), (1,))
     return problem, operands, modes, out_shape
+
+
+def _ties(name, modes, segments):
+    """The grouped call's `ffi_checks.Tie`s: A, B and D agree on the problem (`problem_ties`;
+    neither has a batch mode), and the kernel walks g = group_sizes' extent groups, reading
+    each group's bias row (N, G) by plain loads and B's expert (ragged_dot: G groups over E
+    experts, E dividing G) or writing D's result (ragged_outer: G / segments of them) through
+    TMA."""
+    ties = problem_ties(batched=False)
+    g = modes["group_sizes"][0][0]
+    if name == "ragged_dot":
+        experts = modes["b"][0][2]
+        ties += [Tie("bias", 0, "d", 1), Tie("bias", 1, "group_sizes", 0),
+                 Tie("b", 2, "group_sizes", 0, g // experts)]  # fmt: skip
+    else:
+        ties.append(Tie("d", 2, "group_sizes", 0, segments))
+    return ties
 
 
 def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **params):
@@ -177,7 +195,8 @@ def lower(name, xla_fn, lhs, rhs, group_sizes, *bias, _after="", _segments=1, **
     counter = {"counter": ((1,), "int32")} if plan.dynamic_tiles else None
     out_type = jax.ShapeDtypeStruct(out_shape, params["out_dtype"])
     operands = [*operands, group_sizes.astype(np.int32), *bias]
-    out = gpu_lowering.launch(compiled, operands, index, [out_type], modes, dtypes, counter)[0]
+    out = gpu_lowering.launch(compiled, operands, index, [out_type], modes, dtypes, counter,
+                              _ties(name, modes, _segments))[0]  # fmt: skip
     fused = [f for f, on in (("bias", bias), (activation, activation)) if on]
     notes = decision.notes
     if fused:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import constraints, dispatch, ffi, planning, scale_layout
+from jax_sm100._src.ffi_checks import Tie, problem_ties
 
 
 def _xla(why: str, plan, args, out_dtype):
@@ -156,17 +157,25 @@ def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
     b_rows = rhs_scales.shape[1]  # n, or B's tiles
     sfb, ld_b = _transposed(rhs_scales, plan.scale_dtype)
     blocks = k // plan.scale_block
+    # The kernel loads the scales by the tile and k-block it computes (TMA, bounded by the
+    # scales' own extents, which fill zeros past them): their extents must be the problem's.
+    ties = [
+        Tie("sfa", 0, "a", 0), Tie("sfa", 1, "a", 1, plan.scale_block), Tie("sfa", 2, "a", 2),
+        Tie("sfb", 0, "b", 0, plan.b_scale_rows, ceil=plan.b_scale_rows > 1),
+        Tie("sfb", 1, "b", 1, plan.scale_block), Tie("sfb", 2, "b", 2),
+    ]  # fmt: skip
     return launch(plan, compiled, lhs, rhs, sfa, sfb, {
         "sfa": ((m, blocks, batch), (1, ld_a, blocks * ld_a)),
         "sfb": ((b_rows, blocks, batch), (1, ld_b, blocks * ld_b)),
-    })  # fmt: skip
+    }, ties)  # fmt: skip
 
 
-def launch(plan, compiled, lhs, rhs, sfa, sfb, scale_modes):
+def launch(plan, compiled, lhs, rhs, sfa, sfb, scale_modes, ties=()):
     """The custom call of `plan`'s block-scaled kernel (`compiled`, either arch's), through
     `gpu_lowering.launch`: lhs [B, m, k] and rhs [B, n, k] as a (m, k, B) and b (n, k, B),
     K-major; the result [B, m, n] as d (m, n, B); the scales as the arch's kernel reads them
-    (`scale_modes`: the modes of "sfa" and "sfb")."""
+    (`scale_modes`: the modes of "sfa" and "sfb", `ties` theirs to a's and b's)."""
+
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415
 
     batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
@@ -179,7 +188,9 @@ def launch(plan, compiled, lhs, rhs, sfa, sfb, scale_modes):
               "sfa": plan.scale_dtype, "sfb": plan.scale_dtype}  # fmt: skip
     index = {"a": 0, "b": 1, "sfa": 2, "sfb": 3, "d": -1}
     out_type = jax.ShapeDtypeStruct((batch, m, n), np.dtype(plan.out_dtype))
-    return gpu_lowering.launch(compiled, [lhs, rhs, sfa, sfb], index, [out_type], modes, dtypes)[0]
+    ties = [*problem_ties(), *ties]
+    return gpu_lowering.launch(compiled, [lhs, rhs, sfa, sfb], index, [out_type], modes, dtypes,
+                               ties=ties)[0]  # fmt: skip
 
 
 def _transposed(scales, dtype):

@@ -152,8 +152,8 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
     ):
         """The scale factors' TMA descriptors, then the dense family's host work and launch."""
         self._setup()
-        tma_sfa = self._scale_tensor_map("sfa", sfa, a.shape[0], a, self.sfa_atoms)
-        tma_sfb = self._scale_tensor_map("sfb", sfb, b.shape[0], a, self.sfb_atoms)
+        tma_sfa = self._scale_tensor_map("sfa", sfa, a, self.sfa_atoms)
+        tma_sfb = self._scale_tensor_map("sfb", sfb, a, self.sfb_atoms)
         self._launch(
             a,
             b,
@@ -165,18 +165,25 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
             (tma_sfa, tma_sfb, self.sfa_smem_staged, self.sfb_smem_staged),
         )
 
-    def _scale_tensor_map(self, name: str, sf: cute.Tensor, rows, a: cute.Tensor, row_atoms: int):
+    def _scale_tensor_map(self, name: str, sf: cute.Tensor, a: cute.Tensor, row_atoms: int):
         """The TMA descriptor of one operand's scale factors: the tensor as (16 bytes, 32 lanes,
         atoms along k, atoms along rows and batch), one box per stage of `sf_atoms_k` by
-        `row_atoms` atoms (k's atoms from a's K extent, which b shares)."""
-        k, batch = a.shape[1], a.shape[2]
+        `row_atoms` atoms (k's atoms from a's K extent, which b shares). The last mode's extent
+        is what `sf`'s own extent holds (the problem's atoms along rows and batch, ceil(rows /
+        128) x batch, for the lowering's scales), so that the descriptor never reads past the
+        buffer whatever the other operands' extents."""
+        k = a.shape[1]
         atoms_k = cute.ceil_div(k, self.sf_vec * _ATOM_BLOCKS)
-        atoms_rows = cute.ceil_div(rows, _ATOM_ROWS)
         elems_16b = _ATOM_ROW_BYTES * 8 // self.sf_dtype.width
         view = cute.make_tensor(
             sf.iterator,
             cute.make_layout(
-                (elems_16b, _ATOM_LANES, atoms_k, atoms_rows * batch),
+                (
+                    elems_16b,
+                    _ATOM_LANES,
+                    atoms_k,
+                    sf.shape[0] // (elems_16b * _ATOM_LANES * atoms_k),
+                ),
                 stride=(1, elems_16b, elems_16b * _ATOM_LANES, atoms_k * elems_16b * _ATOM_LANES),
             ),
         )
