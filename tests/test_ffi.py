@@ -163,6 +163,7 @@ class LayoutTest(parameterized.TestCase):
         ("tensor", lambda d: d[:-5] + [3] + d[-4:]),
         ("mode", lambda d: d[:-4] + [2] + d[-3:]),
         ("divisor", lambda d: d[:-1] + [0]),
+        ("int64_min_divisor", lambda d: d[:-1] + [-(2**63)]),
     )
     def test_malformed_ties_are_refused(self, edit):
         dims, names, _, _ = self._tied()
@@ -345,6 +346,15 @@ _CASES = [
               (_s(1, 128, 512, dtype=jnp.float4_e2m1fn), _s(1, 256, 512, dtype=jnp.float4_e2m1fn),
                _s(1, 1, 8, 32, 4, 4, dtype=jnp.float8_e4m3fn),
                _s(1, 2, 8, 32, 4, 4, dtype=jnp.float8_e4m3fn)))),
+    # Grouped (sm_90a): ragged_dot with a bias per group, and under grad, where d rhs is the
+    # ragged-contraction kernel (one result per group).
+    ("sm90_ragged_dot_bias", "sm_90a",
+     lambda: (lambda x, w, g, b: jax_sm100.ragged_dot(x, w, g, bias=b),
+              (_s(1000, 256), _s(8, 256, 384), _s(8, dtype=jnp.int32), _s(8, 384)))),
+    ("sm90_ragged_dot_grad", "sm_90a",
+     lambda: (jax.grad(lambda x, w, g: jnp.sum(jax_sm100.ragged_dot(x, w, g).astype(jnp.float32)),
+                       argnums=(0, 1)),
+              (_s(1000, 256), _s(8, 256, 384), _s(8, dtype=jnp.int32)))),
     # One input, four results (jax_sm100_quantize): the scales written rows-contiguous.
     ("sm90_quantize_both", "sm_90a",
      lambda: (jax_sm100.quantize_both, (_s(2, 256, 384),))),
@@ -486,6 +496,74 @@ class LoweringDimsTest(parameterized.TestCase):
                                           _counts(call.results))  # fmt: skip
         self.assertEqual(code, _INVALID_ARGUMENT)
         self.assertIn(f"tensor '{name}' has extent {small.shape[0]} in mode 0", message)
+
+    @parameterized.parameters(
+        # (case, tensor, mode): halving that extent keeps every tensor inside its buffer (the
+        # span shrinks), so only its tie refuses the call: the kernel would compute the
+        # problem of the other operands' extents, zero-filling or leaving results unwritten.
+        ("sm90_128x256x64", "b", 1),  # k
+        ("sm90_batched_c", "d", 0),  # m, a result
+        ("sm90_batched_c", "a", 2),  # the batch
+        ("sm90_64x4096x4096", "b", 0),  # a split-K product's n
+        ("sm90_scaled", "sfa", 0),
+        ("sm90_scaled", "sfb", 1),  # k-blocks
+        ("sm90_ragged_dot_bias", "bias", 1),  # groups
+        ("sm90_ragged_dot_bias", "b", 2),  # experts
+        ("sm90_ragged_dot_bias", "group_sizes", 0),
+        ("sm90_ragged_dot_grad", "d", 2),  # d rhs: one result per group
+    )  # fmt: skip
+    def test_operands_are_tied_to_the_problem(self, case, name, mode):
+        cases = dict((n, m) for n, _, m in _CASES)
+        for call in _exported_calls("sm_90a", cases[case]):  # the call whose `name` has `mode`
+            layouts, ties = ffi_checks.decode_call(call.dims, call.names, len(call.order))
+            at = [t.name for t in layouts].index(name) if name in call.names.split(",") else -1
+            if at >= 0 and mode < len(layouts[at].shape):
+                break
+        else:
+            self.fail(f"no call of {case} has a tensor {name!r} with mode {mode}")
+        t = layouts[at]
+        shape = list(t.shape)
+        shape[mode] //= 2
+        edited = [*layouts[:at], dataclasses.replace(t, shape=tuple(shape)), *layouts[at + 1 :]]
+        dims, names = ffi_checks.encode(edited, ties)
+        pattern = r"tensor '\w+' has extent \d+ in mode \d, which (times|is not ceil)"
+        with self.assertRaisesRegex(ffi_checks.LayoutError, pattern):
+            ffi_checks.check_call(dims, call.order, names, call.inputs, call.results)
+        code, message, _ = ffi.check_call(dims, call.order, names, _counts(call.inputs),
+                                          _counts(call.results))  # fmt: skip
+        self.assertEqual(code, _INVALID_ARGUMENT)
+        self.assertRegex(message, pattern)
+        self.assertIn(name, message)
+
+    def test_tile_scales_are_tied_by_ceil(self):
+        # B scaled per 128 x 128 tile: sfb holds ceil(n / 128) rows, tied by a ceil tie
+        # (encoded as a negative divisor); n = 200 here, so 2 rows.
+        args = (_s(1, 256, 256, dtype=jnp.float8_e4m3fn), _s(1, 200, 256, dtype=jnp.float8_e4m3fn),
+                _s(1, 256, 2, dtype=jnp.float32), _s(1, 2, 2, dtype=jnp.float32))  # fmt: skip
+        (call,) = _exported_calls(
+            "sm_90a",
+            lambda: (
+                lambda *a: jax_sm100.scaled_matmul(*a, preferred_element_type=jnp.bfloat16),
+                args,
+            ),
+        )
+        layouts, ties = ffi_checks.decode_call(call.dims, call.names, len(call.order))
+        self.assertIn(ffi_checks.Tie("sfb", 0, "b", 0, 128, ceil=True), ties)
+        sfb = [t for t in layouts if t.name == "sfb"][0]
+        self.assertEqual(sfb.shape[0], 2)
+        self.assertIn(-128, call.dims)
+        at = [t.name for t in layouts].index("sfb")
+        edited = list(layouts)
+        edited[at] = dataclasses.replace(sfb, shape=(1, *sfb.shape[1:]))
+        dims, names = ffi_checks.encode(edited, ties)
+        message = (r"tensor 'sfb' has extent 1 in mode 0, which is not ceil\(tensor 'b''s "
+                   r"extent 200 in mode 0 / 128\)")  # fmt: skip
+        with self.assertRaisesRegex(ffi_checks.LayoutError, message):
+            ffi_checks.check_call(dims, call.order, names, call.inputs, call.results)
+        code, text, _ = ffi.check_call(dims, call.order, names, _counts(call.inputs),
+                                       _counts(call.results))  # fmt: skip
+        self.assertEqual(code, _INVALID_ARGUMENT)
+        self.assertRegex(text, message)
 
     def test_checks_cost_under_a_microsecond(self):
         # The execute stage's checks of the call with the most tensors (stream-K: a, b, d, ws,

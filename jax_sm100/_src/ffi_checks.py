@@ -29,8 +29,13 @@ kernel's accesses where each tensor is indexed by its own extents, or through a 
 built from them (the GEMMs' A, B and D). Where a kernel indexes one tensor by another's extents
 with plain loads and stores, the lowering declares `Tie`s and a call whose extents break one is
 refused at instantiate: quantize_both's q, s, qt and st against x (stored over x's grid), the
-dense GEMMs' bias, C and z against D (the epilogue's). Not tied: the block-scaled kernels'
-scales and the grouped kernels' group sizes and bias, read by the problem's extents.
+dense GEMMs' bias, C and z against D (the epilogue's), the grouped kernels' bias against D and
+group_sizes (a row per group). Every product's operands are tied to its problem as well
+(`problem_ties`; sm_90a's scales to A's and B's extents, the grouped calls' experts and results
+to group_sizes): TMA keeps a mismatched operand inside its buffer, but the product would be
+wrong. sm_100a's block-scaled scales are flat buffers of the blocked layout, which no tie
+describes: that kernel's TMA view of them takes its extent along rows from the buffer's own
+(kernels/sm100_blockscaled.py), so it stays inside it.
 """
 
 from __future__ import annotations
