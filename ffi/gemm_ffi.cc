@@ -64,7 +64,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kDimsFormat = 3;
+constexpr int64_t kDimsFormat = 4;
 constexpr size_t kMaxTensors = 8;  // most of any family (dense: a, b, d, c, bias, z, ws, flags)
 constexpr int64_t kMaxRank = 4;
 constexpr int64_t kMaxTies = 16;

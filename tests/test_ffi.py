@@ -505,6 +505,7 @@ class LoweringDimsTest(parameterized.TestCase):
         ("sm90_batched_c", "d", 0),  # m, a result
         ("sm90_batched_c", "a", 2),  # the batch
         ("sm90_64x4096x4096", "b", 0),  # a split-K product's n
+        ("sm90_split_in_cluster", "b", 2),  # the splits, summed in the kernel
         ("sm90_scaled", "sfa", 0),
         ("sm90_scaled", "sfb", 1),  # k-blocks
         ("sm90_ragged_dot_bias", "bias", 1),  # groups
@@ -534,6 +535,11 @@ class LoweringDimsTest(parameterized.TestCase):
         self.assertEqual(code, _INVALID_ARGUMENT)
         self.assertRegex(message, pattern)
         self.assertIn(name, message)
+
+    def test_a_tie_divides_by_a_positive_int(self):
+        for divisor in (0, -128, 2.0):
+            with self.assertRaisesRegex(ValueError, "divisor must be a positive int"):
+                ffi_checks.Tie("s", 0, "x", 0, divisor)
 
     def test_tile_scales_are_tied_by_ceil(self):
         # B scaled per 128 x 128 tile: sfb holds ceil(n / 128) rows, tied by a ceil tie

@@ -20,7 +20,8 @@ XLA_FFI_DataType code (xla/ffi/api/c_api.h), bit i of a mask says that mode i is
 value of the kernel (passed in its argument struct; the other modes are compile-time constants
 of the binary, included so the whole layout is checked), and extents and strides are in
 elements. Then the count of extent ties and, per `Tie`, `i, mode, j, other_mode, divisor`
-(tensor positions). `order` names each tensor's buffer (input i >= 0, result -1 - j) and `names`
+(tensor positions; a negative divisor is a ceil tie; format 4, where format 3's ties had no
+ceil). `order` names each tensor's buffer (input i >= 0, result -1 - j) and `names`
 its name.
 
 A tensor spans `1 + sum((extent - 1) * stride)` elements (0 when an extent is 0): the offset one
@@ -47,7 +48,7 @@ import numpy as np
 
 from jax_sm100._src import constraints
 
-DIMS_FORMAT = 3
+DIMS_FORMAT = 4
 MAX_TENSORS = 8
 MAX_RANK = 4
 MAX_TIES = 16
@@ -156,6 +157,10 @@ class Tie:
     other_mode: int
     divisor: int = 1
     ceil: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.divisor, int) and self.divisor >= 1):
+            raise ValueError(f"a tie's divisor must be a positive int, not {self.divisor=}")
 
     def holds(self, extent: int, other_extent: int) -> bool:
         if self.ceil:

@@ -257,6 +257,8 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
     from jax_sm100._src.ffi_checks import Tie, problem_ties  # noqa: PLC0415
 
     ties = problem_ties(batched=s == 1 or partials)
+    if s > 1 and not partials:  # the splits: A's and B's third mode
+        ties.append(Tie("a", 2, "b", 2))
     if not partials:
         ties += [
             Tie("bias", 0, "d", 0 if d_m_major else 1),

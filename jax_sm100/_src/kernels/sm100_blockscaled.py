@@ -63,8 +63,8 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
 
     Operand modes: a (M, K, L) and b (N, K, L) K-major, d (M, N, L) N-major, bias (N,); sfa and
     sfb are the scale factors of a and b in the MMA's atom layout (the module docstring), passed
-    as 1-D tensors of the scale dtype whose base the kernel reads from (their extent from a's
-    and b's shapes).
+    as 1-D tensors of the scale dtype whose base the kernel reads from (k's atoms from a's K
+    extent; the atoms along rows and batch from each tensor's own extent).
 
     Example:
         kernel = Sm100BlockScaledGemmKernel(plan, spec)
@@ -340,7 +340,7 @@ class Sm100BlockScaledGemmKernel(sm100_gemm.Sm100GemmKernel):
     @classmethod
     def compile_inputs(cls, plan: Any, spec: KernelSpec) -> family.CompileInputs:
         """The dense family's fake operands with 1-D scale-factor tensors after a and b (their
-        extent is a runtime value; the kernel sizes its view of them from a and b)."""
+        extent is a runtime value; the kernel sizes its view of them from it and a's K)."""
         a, b, d, c, bias, z = common.make_fake_operands(plan, spec)
         sf_dtype = common.cutlass_dtype(plan.scale_dtype)
         sfa, sfb = (
