@@ -745,7 +745,9 @@ def _one_hot_product(d_bias, group_sizes, *, m: int, one_hot_type, out_type, pre
     # their cotangent (padding, dropped tokens): a NaN there, as jnp.where(mask, f(out), 0)
     # gives where f' is infinite, made every group's bias gradient NaN (0 * NaN in the
     # one-hot product), where lax's math ignores them. Inside the groups the product still
-    # spreads a non-finite cotangent row to every group's sum.
+    # spreads a non-finite cotangent row to every group's sum, and (forward mode) a non-finite
+    # entry of one group's bias tangent to every row (README: the gather's transpose, a
+    # scatter-add, is what the product avoids).
     inside = jnp.sum(one_hot, axis=-1, keepdims=True) > 0
     return jnp.where(inside, rows, jnp.zeros_like(rows))
 
