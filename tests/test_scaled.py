@@ -388,6 +388,36 @@ class ScaledMatmulTest(parameterized.TestCase):
             self.assertEqual(g.shape, w_.shape)
             tu.assert_close(self, g, w_, "float32", 256)
 
+    @parameterized.parameters(
+        (jnp.float4_e2m1fn, 0.25, 2.0),  # each index's 0.25 rounds to 0 in e2m1
+        (jnp.float8_e4m3fn, 0.3, 2.5),  # eight e4m3 0.3s summed in e4m3 gave 2.25
+    )
+    def test_vmap_shares_an_unmapped_lhs_as_its_rhs(self, dtype, scale, want):
+        # Weights on the left, left unmapped: the vmap rule binds the transposed product with
+        # them as its shared rhs, so their gradient is the indices' float32 sum rounded once
+        # (2.4 -> 2.5 in e4m3), as for weights on the right, not a sum in their own format of
+        # terms each rounded (a copy per index: 0 for fp4, 2.25 for e4m3).
+        v, sdt = 8, jnp.float8_e4m3fn
+        w, w_s = jnp.ones((1, 1, 16), dtype), jnp.ones((1, 1, 1), sdt)
+        x, x_s = jnp.ones((v, 1, 1, 16), dtype), jnp.full((v, 1, 1, 1), scale, sdt)
+        right = jax.vmap(jax_sm100.scaled_matmul, (0, None, 0, None))
+        left = jax.vmap(jax_sm100.scaled_matmul, (None, 0, None, 0))
+        g_right = jax.grad(lambda w: right(x, w, x_s, w_s).sum())(w)
+        g_left = jax.grad(lambda w: left(w, x, w_s, x_s).sum())(w)
+        np.testing.assert_array_equal(g_left.astype(np.float32), g_right.astype(np.float32))
+        self.assertEqual(float(g_left[0, 0, 0].astype(np.float32)), want)
+        # The values: one bind, lhs shared, the result the per-index products.
+        lq, ls = jax_sm100.quantize(_normal(24, (1, 96, 256)), "fp8_block128x128")
+        rq, rs = jax_sm100.quantize(_normal(25, (3, 1, 160, 256)), "fp8_block128")
+        f = jax.vmap(jax_sm100.scaled_matmul, (None, 0, None, 0))
+        (bind,) = [e for e in jax.make_jaxpr(f)(lq, rq, ls, rs).eqns
+                   if e.primitive is scaled.scaled_matmul_p]  # fmt: skip
+        self.assertEqual(bind.invars[1].aval.shape, (1, 96, 256))
+        got = f(lq, rq, ls, rs)
+        self.assertEqual(got.shape, (3, 1, 96, 160))
+        ref = np.stack([_reference64(lq, rq[i], ls, rs[i]) for i in range(3)])
+        tu.assert_close(self, got, ref, "float32", 256)
+
     def test_public_call_takes_equal_batches(self):
         # The shared rhs is the vmap rule's: scaled_matmul itself takes equal Bs, as
         # jax.nn.scaled_matmul does.

@@ -518,6 +518,14 @@ def _batch(args, dims, *, out_dtype):
     # one rhs serves every merged batch, read in place rather than copied per index (the
     # primitive's shared rhs). Otherwise every operand is mapped or copied per index.
     shared = dims[1] is None and dims[3] is None and args[1].shape[0] == 1
+    if not shared and dims[0] is None and dims[2] is None and args[0].shape[0] == 1:
+        # lhs is the shared one (weights on the left): the product's transpose, rhs lhs^T,
+        # with lhs as its shared rhs. A copy per index would also sum lhs's gradient over the
+        # indices in its own 8- or 4-bit format (the copy's transpose), each index's term
+        # rounded first; the shared operand's gradient is summed in float32, rounded once.
+        swapped = [args[1], args[0], args[3], args[2]]
+        out, d = _batch(swapped, [dims[1], dims[0], dims[3], dims[2]], out_dtype=out_dtype)
+        return jnp.swapaxes(out, -1, -2), d
     batched = (0, 2) if shared else (0, 1, 2, 3)
     moved = list(args)
     for i in batched:
