@@ -526,15 +526,21 @@ class LoweringDimsTest(parameterized.TestCase):
         shape = list(t.shape)
         shape[mode] //= 2
         edited = [*layouts[:at], dataclasses.replace(t, shape=tuple(shape)), *layouts[at + 1 :]]
-        dims, names = ffi_checks.encode(edited, ties)
         pattern = r"tensor '\w+' has extent \d+ in mode \d, which (times|is not ceil)"
+        message = self._assert_layouts_refused(call, edited, ties, pattern)
+        self.assertIn(name, message)
+
+    def _assert_layouts_refused(self, call, layouts, ties, pattern) -> str:
+        """`call` with `layouts` and `ties` encoded in place of its own is refused in Python
+        and C++ alike, with `pattern`; returns the handler's message."""
+        dims, names = ffi_checks.encode(layouts, ties)
         with self.assertRaisesRegex(ffi_checks.LayoutError, pattern):
             ffi_checks.check_call(dims, call.order, names, call.inputs, call.results)
         code, message, _ = ffi.check_call(dims, call.order, names, _counts(call.inputs),
                                           _counts(call.results))  # fmt: skip
         self.assertEqual(code, _INVALID_ARGUMENT)
         self.assertRegex(message, pattern)
-        self.assertIn(name, message)
+        return message
 
     def test_a_tie_divides_by_a_positive_int(self):
         for divisor in (0, -128, 2.0):
@@ -561,15 +567,9 @@ class LoweringDimsTest(parameterized.TestCase):
         at = [t.name for t in layouts].index("sfb")
         edited = list(layouts)
         edited[at] = dataclasses.replace(sfb, shape=(1, *sfb.shape[1:]))
-        dims, names = ffi_checks.encode(edited, ties)
         message = (r"tensor 'sfb' has extent 1 in mode 0, which is not ceil\(tensor 'b''s "
                    r"extent 200 in mode 0 / 128\)")  # fmt: skip
-        with self.assertRaisesRegex(ffi_checks.LayoutError, message):
-            ffi_checks.check_call(dims, call.order, names, call.inputs, call.results)
-        code, text, _ = ffi.check_call(dims, call.order, names, _counts(call.inputs),
-                                       _counts(call.results))  # fmt: skip
-        self.assertEqual(code, _INVALID_ARGUMENT)
-        self.assertRegex(text, message)
+        self._assert_layouts_refused(call, edited, ties, message)
 
     def test_checks_cost_under_a_microsecond(self):
         # The execute stage's checks of the call with the most tensors (stream-K: a, b, d, ws,
