@@ -758,6 +758,34 @@ class ExplicitAxesTest(ScaledCase):
             assert_close(got, want)
             self.assertEqual(same_spec(jax.typeof(got).sharding.spec), out_spec)
 
+    def test_vmap_with_weights_on_the_left(self):
+        # An unmapped lhs (weights on the left) is the transposed product's shared rhs, except
+        # where one mesh axis splits both operands' rows: the result's type gives that axis to
+        # the product's m, which the transposed product's would take from rhs's rows (the
+        # per-index result is typed (None, "model", None) below, and a typed op after it
+        # raised). Either way the values are the per-index products.
+        rng = np.random.default_rng(6)
+        w, sw = jax_sm100.quantize(jnp.asarray(rng.standard_normal((1, 256, 256)), jnp.float32),
+                                   "fp8_block128")  # fmt: skip
+        x, sx = jax_sm100.quantize(
+            jnp.asarray(rng.standard_normal((4, 1, 512, 256)), jnp.float32), "fp8_block128"
+        )
+        f = jax.jit(jax.vmap(product, in_axes=(None, 0, None, 0)))
+        want = f(w, x, sw, sx)
+        for w_spec, x_spec, out_spec in (
+            (PS(None, "model"), PS(None, None, "model"), (None, None, "model")),
+            (PS(None, "model"), PS("data"), ("data", None, "model")),
+            (PS(), PS("data", None, "model"), ("data", None, None, "model")),
+        ):  # fmt: skip
+            with jax.sharding.set_mesh(self.mesh):
+                ws = [jax.device_put(v, w_spec) for v in (w, sw)]
+                xs = [jax.device_put(v, x_spec) for v in (x, sx)]
+                got = f(ws[0], xs[0], ws[1], xs[1])
+                y = jax.device_put(jnp.ones(want.shape, want.dtype), PS(*out_spec))
+                jax.jit(lambda a, b: a + b)(got, y)  # typed alike
+            assert_close(got, want)
+            self.assertEqual(same_spec(jax.typeof(got).sharding.spec), out_spec)
+
     def test_vmap_of_blocked_quantize_over_a_split_dim(self):
         # vmap(quantize) of mxfp8 and nvfp4 over a dim split by Explicit axes: the blocked
         # layout's reshape splits one dim at a time (two at once raised ShardingTypeError once

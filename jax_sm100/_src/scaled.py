@@ -518,7 +518,7 @@ def _batch(args, dims, *, out_dtype):
     # one rhs serves every merged batch, read in place rather than copied per index (the
     # primitive's shared rhs). Otherwise every operand is mapped or copied per index.
     shared = dims[1] is None and dims[3] is None and args[1].shape[0] == 1
-    if not shared and dims[0] is None and dims[2] is None and args[0].shape[0] == 1:
+    if not shared and _shares_lhs(args, dims):
         # lhs is the shared one (weights on the left): the product's transpose, rhs lhs^T,
         # with lhs as its shared rhs. A copy per index would also sum lhs's gradient over the
         # indices in its own 8- or 4-bit format (the copy's transpose), each index's term
@@ -564,6 +564,30 @@ def _batch(args, dims, *, out_dtype):
     lead = moved[0].shape[:2]
     out = out.reshape((*lead, *out.shape[1:]))
     return (jnp.swapaxes(out, 0, 1) if b_major else out), 0
+
+
+def _shares_lhs(args, dims) -> bool:
+    """Whether `_batch` takes an unmapped lhs as the transposed product's shared rhs: lhs and
+    its scales unmapped, one product's worth, beside an rhs of B = 1 per index, and (under
+    Explicit axes) no mesh axis splitting both operands' rows: the result's type gives such an
+    axis to the product's m before its n, and the transposed product's m is rhs's rows."""
+    if not (dims[0] is None and dims[2] is None and args[0].shape[0] == 1):
+        return False
+    rhs_shape = list(args[1].shape)
+    if dims[1] is not None:
+        del rhs_shape[dims[1]]
+    if rhs_shape[0] != 1:
+        return False  # (an lhs B of 1 beside rhs's B of more: the primitive refuses the pair)
+
+    def rows_axes(x, d):
+        axes = P.explicit_axes(x)
+        if axes is None:
+            return set()
+        if d is not None:
+            del axes[d]
+        return set(axes[1])
+
+    return not rows_axes(args[0], dims[0]) & rows_axes(args[1], dims[1])
 
 
 batching.primitive_batchers[scaled_matmul_p] = _batch
