@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import constraints, dispatch, ffi, planning
+from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning
 from jax_sm100._src import primitive as P
+from jax_sm100._src.ffi_checks import Tie, problem_ties
 from jax_sm100._src.kernels.spec import KernelSpec
 
 
@@ -179,8 +180,6 @@ def _ffi(compiled, out_type, operands, layouts, order, aliases=None, ties=()):
     handler's attributes and checked against the buffers first, `order[i]` the input (>= 0) or
     result (-1 - j) that tensor argument i is, `aliases` input -> result as `jax.ffi.ffi_call`
     takes them, `ties` the `ffi_checks.Tie`s between the tensors' extents."""
-    from jax_sm100._src import ffi_checks  # noqa: PLC0415
-
     # The attributes the handler reads (ffi/gemm_ffi.cc; ffi_checks.py states the format).
     dims, names = ffi_checks.encode(layouts, ties)
     # The handler's own checks, at trace time: a lowering bug fails here, with a traceback into
@@ -254,8 +253,6 @@ def _call(compiled, a3, b3, c3, bias1, m, n, k, L, a_major, b_major, out_dtype,
     # D with L = 1, the partials' D is (m, n, s)); the epilogue reads bias and (unstaged) C, and
     # writes z, by D's extents with plain loads and stores: the handler checks they agree with
     # D's. (No bias, C or z with the partials.)
-    from jax_sm100._src.ffi_checks import Tie, problem_ties  # noqa: PLC0415
-
     ties = problem_ties(batched=s == 1 or partials)
     if s > 1 and not partials:  # the splits: A's and B's third mode
         ties.append(Tie("a", 2, "b", 2))
@@ -290,8 +287,6 @@ def launch(compiled, operands, index, out_types, modes, dtypes, zeroed=None, tie
     Returns:
       The results as a list, the added buffers' last.
     """
-    from jax_sm100._src import ffi_checks  # noqa: PLC0415
-
     operands, index, out_types = list(operands), dict(index), list(out_types)
     modes, dtypes, aliases = dict(modes), dict(dtypes), {}
     work, zeroed = compile_mod.workspace_shapes(compiled.plan), zeroed or {}

@@ -175,7 +175,6 @@ def launch(plan, compiled, lhs, rhs, sfa, sfb, scale_modes, ties=()):
     `gpu_lowering.launch`: lhs [B, m, k] and rhs [B, n, k] as a (m, k, B) and b (n, k, B),
     K-major; the result [B, m, n] as d (m, n, B); the scales as the arch's kernel reads them
     (`scale_modes`: the modes of "sfa" and "sfb", `ties` theirs to a's and b's)."""
-
     from jax_sm100._src import gpu_lowering  # noqa: PLC0415
 
     batch, m, n, k = plan.batch, plan.m, plan.n, plan.k
