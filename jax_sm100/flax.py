@@ -20,8 +20,9 @@ activation are applied to the float32 accumulator and rounded once (Flax adds th
 product's dtype), and the result keeps the product's dtype where Flax's `y + bias` would promote
 it to a wider bias dtype (only with a `preferred_element_type` narrower than the parameters).
 Where the layer's `precision` (or `jax.default_matmul_precision`) asks for more than the kernels
-give (HIGHEST with float32: they multiply float32 as tf32), the layer computes as the Flax layer
-on `jax_sm100.dot_general` does: lax's dot, then bias and activation in XLA.
+give (HIGHEST with float32: they multiply float32 as tf32), or its dtypes are ones the kernels do
+not take (complex), the layer computes as the Flax layer on `jax_sm100.dot_general` does: lax's
+dot, then bias and activation in XLA. With fp8 `dtype` the result is fp8, as Flax's.
 
 This module imports Flax, which jax_sm100 itself does not depend on (`pip install flax`).
 """
@@ -38,7 +39,7 @@ except ImportError as e:  # pragma: no cover  (flax is in the test extra)
 import jax.numpy as jnp
 
 from jax_sm100._src.api import matmul
-from jax_sm100._src.dot_general import dot_general, precision_reason
+from jax_sm100._src.dot_general import dot_general, fallback_reason
 from jax_sm100._src.kernels.spec import ACTIVATIONS
 from jax_sm100._src.primitive import apply_activation
 
@@ -51,6 +52,15 @@ def _check_activation(activation) -> None:
             f"jax_sm100.flax: unknown {activation=}; use one of {ACTIVATIONS} (fused into the "
             "GEMM's epilogue; 'gelu' is the tanh form)"
         )
+
+
+def _result_dtype(inputs, kernel, preferred_element_type):
+    """The Flax layer's result dtype: `preferred_element_type`, else lax.dot_general's of the
+    promoted operands (their common dtype: fp8 for fp8 operands, where `jax_sm100.matmul`
+    would default to bfloat16)."""
+    if preferred_element_type is not None:
+        return preferred_element_type
+    return jnp.result_type(inputs.dtype, kernel.dtype)
 
 
 class Linear(nnx.Linear):
@@ -80,13 +90,15 @@ class Linear(nnx.Linear):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        if precision_reason(self.precision, inputs.dtype, kernel.dtype):
-            # A precision the kernels do not meet (`precision` or jax.default_matmul_precision):
-            # nnx.Linear on jax_sm100.dot_general, which runs lax.dot_general and says why.
+        out_dtype = _result_dtype(inputs, kernel, self.preferred_element_type)
+        if fallback_reason(inputs.dtype, kernel.dtype, out_dtype, self.precision):
+            # A precision the kernels do not meet (`precision` or jax.default_matmul_precision)
+            # or dtypes they do not take (complex): nnx.Linear on jax_sm100.dot_general, which
+            # runs lax.dot_general and says why.
             return apply_activation(super().__call__(inputs, out_sharding), self.activation)
         return matmul(
             inputs, kernel, bias=bias, activation=self.activation, precision=self.precision,
-            preferred_element_type=self.preferred_element_type, out_sharding=out_sharding,
+            preferred_element_type=out_dtype, out_sharding=out_sharding,
         )  # fmt: skip
 
 
@@ -117,7 +129,8 @@ class Dense(linen.Dense):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        if precision_reason(self.precision, inputs.dtype, kernel.dtype):
+        out_dtype = _result_dtype(inputs, kernel, None)
+        if fallback_reason(inputs.dtype, kernel.dtype, out_dtype, self.precision):
             # As in Linear: linen.Dense's math on jax_sm100.dot_general (lax.dot_general here).
             dims = (((inputs.ndim - 1,), (0,)), ((), ()))
             y = dot_general(inputs, kernel, dims, precision=self.precision)
@@ -125,4 +138,4 @@ class Dense(linen.Dense):
                 y = y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
             return apply_activation(y, self.activation)
         return matmul(inputs, kernel, bias=bias, activation=self.activation,
-                      precision=self.precision)  # fmt: skip
+                      precision=self.precision, out_dtype=out_dtype)  # fmt: skip

@@ -174,6 +174,62 @@ class NnxTest(parameterized.TestCase):
             tu.assert_close(self, got, want.astype(jnp.float32), "bfloat16", 16)
         self.assertEqual(fused(x.astype(jnp.float32)).dtype, jnp.bfloat16)
 
+    def test_relu_derivative_is_zero_at_zero_on_every_path(self):
+        # Rows of zeros (padding) with a zero bias: the pre-activation is exactly 0, where
+        # jax.nn.relu's derivative is 0 (as the kernels' select), on the fused product and on
+        # the lax fallback that a HIGHEST precision takes alike.
+        x = jnp.zeros((2, 4), jnp.float32)
+        w = jnp.ones((4, 3), jnp.float32)
+        for prec in (None, "highest"):
+            fused = sm100_flax.Linear(4, 3, activation="relu", precision=prec, rngs=nnx.Rngs(0))
+            got = nnx.grad(lambda m: jnp.sum(m(x)))(fused).bias[...]
+            np.testing.assert_array_equal(got, np.zeros(3), err_msg=str(prec))
+            dense = sm100_flax.Dense(3, activation="relu", precision=prec)
+            params = dense.init(jax.random.key(0), x)
+            got = jax.grad(lambda p, d=dense: jnp.sum(d.apply(p, x)))(params)["params"]["bias"]
+            np.testing.assert_array_equal(got, np.zeros(3), err_msg=str(prec))
+            dx = jax.grad(lambda x, p=prec: jnp.sum(jax_sm100.matmul(x, w, activation="relu",
+                                                                     precision=p)))(x)  # fmt: skip
+            np.testing.assert_array_equal(dx, np.zeros((2, 4)), err_msg=str(prec))
+
+    @parameterized.parameters(jnp.float8_e4m3fn, jnp.float8_e5m2)
+    def test_fp8_layers_return_flax_result_dtype(self, dtype):
+        # Flax computes in `dtype` and returns it (lax.dot_general of two fp8s is fp8); the
+        # fused layers do the same, on the kernel and on the HIGHEST-precision fallback.
+        x = _data((4, 32))[0]
+        for prec in (None, "highest"):
+            fused = sm100_flax.Linear(32, 16, dtype=dtype, precision=prec, bias_init=NNX_BIAS,
+                                      rngs=nnx.Rngs(1))  # fmt: skip
+            plain = nnx.Linear(32, 16, dtype=dtype, precision=prec, bias_init=NNX_BIAS,
+                               rngs=nnx.Rngs(1))  # fmt: skip
+            got, want = fused(x), plain(x)
+            self.assertEqual(got.dtype, want.dtype, prec)
+            # One unit in the last place apart at most: Flax rounds the product and the sum
+            # with the bias, the kernel once (2^-3 relative spacing for e4m3, 2^-2 for e5m2).
+            tol = 0.13 if dtype == jnp.float8_e4m3fn else 0.26
+            np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                       rtol=tol, atol=tol)  # fmt: skip
+            params = linen.Dense(16, bias_init=LINEN_BIAS).init(jax.random.key(0), x)
+            got = sm100_flax.Dense(16, dtype=dtype, precision=prec).apply(params, x)
+            want = linen.Dense(16, dtype=dtype, precision=prec).apply(params, x)
+            self.assertEqual(got.dtype, want.dtype, prec)
+
+    def test_complex_layers_compute_as_flax(self):
+        # The kernels take floating dtypes: complex inputs or parameters run as the Flax layer on
+        # jax_sm100.dot_general does (lax's dot), not into matmul's dtype error.
+        x = (_data((3, 8))[0] + 1j * _data((3, 8), seed=1)[0]).astype(jnp.complex64)
+        for kwargs in (dict(), dict(param_dtype=jnp.complex64)):
+            fused = sm100_flax.Linear(8, 5, rngs=nnx.Rngs(2), **kwargs)
+            plain = nnx.Linear(8, 5, rngs=nnx.Rngs(2), **kwargs)
+            np.testing.assert_allclose(fused(x), plain(x), rtol=1e-6, atol=1e-6)
+        params = linen.Dense(5).init(jax.random.key(0), x)
+        np.testing.assert_allclose(
+            sm100_flax.Dense(5).apply(params, x),
+            linen.Dense(5).apply(params, x),
+            rtol=1e-6,
+            atol=1e-6,
+        )
+
     def test_fused_linear_rejects_dot_general_and_bad_activation(self):
         with self.assertRaisesRegex(TypeError, "takes no dot_general"):
             sm100_flax.Linear(4, 4, dot_general=lax.dot_general, rngs=nnx.Rngs(0))

@@ -480,7 +480,10 @@ def apply_activation(z, activation):
     if activation is None:
         return z
     if activation == "relu":
-        return jnp.maximum(z, 0)
+        # jax.nn.relu, not jnp.maximum: its derivative at 0 is 0 (the kernels' select), where
+        # jnp.maximum's splits a tie 50/50. It matters where JAX differentiates this function
+        # itself (the lax fallbacks: a HIGHEST precision, the Flax layers').
+        return jax.nn.relu(z)
     if activation == "gelu":
         return jax.nn.gelu(z, approximate=True)
     if activation == "silu":
