@@ -71,6 +71,31 @@ class CompileTest(absltest.TestCase):
             self.assertEqual((d.spec, d.object_bytes, d.tensor_args),
                              (c.spec, c.object_bytes, c.tensor_args))  # fmt: skip
 
+    def test_disk_cache_takes_every_alpha_and_the_callers_plan(self):
+        # `matmul` takes any float alpha and beta: a non-finite one compiles with the disk
+        # cache on (JSON has no inf or NaN) and comes back equal from disk. A split-K plan's
+        # CompiledGemm names the caller's plan whether compiled or read from the cache (its
+        # spec is the float32 partial product's either way).
+        folder = self.enterContext(tempfile.TemporaryDirectory())
+        p, splitk = _plan(2048, 2048, 2048), _plan(64, 4096, 4096)
+        specs = [dataclasses.replace(KernelSpec.for_plan(p), alpha=a, beta=b)
+                 for a, b in ((float("inf"), 1.0), (float("nan"), float("-inf")))]  # fmt: skip
+        compiled = []
+        for _ in range(2):  # compiled, then read from the disk cache by a "new process"
+            self.enterContext(mock.patch.dict(compile_mod._cache, clear=True))
+            cache = disk_cache.KernelCache(folder)
+            with mock.patch.object(disk_cache, "_default_cache", cache):
+                compiled.append([compile_mod.compile_plan(p, s) for s in specs]
+                                + [compile_mod.compile_plan(splitk)])  # fmt: skip
+        self.assertEqual(cache.stats().disk_hits, 3)
+        for first, again in zip(*compiled, strict=True):
+            self.assertEqual(repr(first.spec), repr(again.spec))  # NaN != NaN: compare reprs
+            self.assertEqual(first.object_bytes, again.object_bytes)
+        self.assertEqual(repr(compiled[1][1].spec.alpha), "nan")
+        self.assertIs(compiled[0][2].plan, splitk)
+        self.assertEqual(compiled[1][2].plan, splitk)
+        self.assertEqual(compiled[0][2].spec.out_dtype, "float32")
+
     def test_splitk_compiles_float32_partials(self):
         p = _plan(64, 4096, 4096)
         self.assertEqual((p.kernel, p.split_reduce), ("sm90_wgmma_splitk", "xla"))

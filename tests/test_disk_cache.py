@@ -274,6 +274,32 @@ class KernelCacheTest(parameterized.TestCase):
         left = {p.name for p in self.dir.iterdir()}
         self.assertEqual(left, {names["fresh_tmp"], names["fresh_lock"], _key(0) + ".kernel"})
 
+    def test_lock_of_another_user_still_locks(self):
+        # Another user's 0644 lock file in a shared cache cannot be opened read-write; the
+        # build still takes the lock (flock on a read-only descriptor), so another process
+        # waits for it rather than building beside it.
+        cache = self._cache()
+        self.dir.mkdir(exist_ok=True)
+        lock = self.dir / (_key(3) + ".lock")
+        lock.write_bytes(b"")
+        real_open = os.open
+
+        def no_write(path, flags, *args):
+            if str(path) == str(lock) and flags & os.O_RDWR:
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(path, flags, *args)
+
+        with mock.patch.object(disk_cache.os, "open", no_write):
+            with cache._interprocess_lock(_key(3)):
+                fd = real_open(lock, os.O_RDONLY)
+                try:
+                    with self.assertRaises(BlockingIOError):
+                        disk_cache.fcntl.flock(
+                            fd, disk_cache.fcntl.LOCK_EX | disk_cache.fcntl.LOCK_NB
+                        )
+                finally:
+                    os.close(fd)
+
     # -- configuration ---------------------------------------------------------------------------
 
     def test_off_disables_disk(self):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import pickle
 import subprocess
@@ -45,7 +46,10 @@ class CompiledGemm:
     """A compiled GEMM kernel, ready for the FFI handler.
 
     Attributes:
-      plan, spec: what it was compiled for (the first plan of its binary-equivalence class).
+      plan: the plan it was compiled from (the first of its binary-equivalence class), from
+        memory, from the disk cache or freshly compiled alike.
+      spec: the spec the kernel was compiled with: a split-K plan reduced by XLA compiles its
+        float32 partial product, whose spec says so (float32 out, no epilogue).
       arch: "sm_90a" or "sm_100a".
       function_prefix: the name the runtime looks the host function up by.
       object_bytes: the host (x86-64 or aarch64) object file holding the cubin and the launch
@@ -119,6 +123,8 @@ def compile_plan(plan, spec: KernelSpec | None = None) -> CompiledGemm:
         if hit is not None:
             return hit
         compiled = _from_disk_or_compile(plan, spec)
+        if compiled.plan != plan:  # the family's own plan (a split-K partial's float32 out)
+            compiled = dataclasses.replace(compiled, plan=plan)
         _cache[key] = compiled
         return compiled
 
@@ -154,9 +160,27 @@ def _from_disk_or_compile(plan, spec: KernelSpec) -> CompiledGemm:
     return _from_entry(plan, entry)
 
 
+def _spec_json(spec: KernelSpec) -> dict:
+    """The spec's fields as JSON takes them: a non-finite float (an alpha or beta of inf or
+    NaN, which `matmul` accepts) as {"float": its repr}, which JSON has no number for."""
+    out = {}
+    for name, value in dataclasses.asdict(spec).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            value = {"float": repr(value)}
+        out[name] = value
+    return out
+
+
+def _spec_from_json(fields: dict) -> KernelSpec:
+    return KernelSpec(**{
+        name: float(value["float"]) if isinstance(value, dict) else value
+        for name, value in fields.items()
+    })  # fmt: skip
+
+
 def _metadata(c: CompiledGemm) -> dict:
     return {
-        "spec": dataclasses.asdict(c.spec),
+        "spec": _spec_json(c.spec),
         "arch": c.arch,
         "function_prefix": c.function_prefix,
         "ptx": c.ptx,
@@ -174,7 +198,7 @@ def _from_entry(plan, entry) -> CompiledGemm:
     md = entry.metadata
     return CompiledGemm(
         plan=plan,
-        spec=KernelSpec(**md["spec"]),
+        spec=_spec_from_json(md["spec"]),
         arch=md["arch"],
         function_prefix=md["function_prefix"],
         object_bytes=entry.payload,

@@ -642,7 +642,12 @@ class KernelCache:
             return
         path = self._dir / (key + _LOCK_SUFFIX)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except PermissionError:
+                # Another user's lock in a shared cache (0644): flock needs no write access
+                # (where it is local; NFS's emulation wants it, hence read-write first).
+                fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             logger.warning("jax_sm100 kernel cache: cannot open lock %s: %s", path, e)
             yield
