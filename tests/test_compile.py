@@ -148,6 +148,32 @@ class CompileTest(absltest.TestCase):
                 self.assertNotIn("stablehlo.reduce", text)
             self.assertEqual(dispatch.last_lowering().plan.split_reduce, reduce)
 
+    @absltest.skipUnless(_HAS_CXX, "the CUDA lowering registers the FFI handler: needs g++/c++")
+    def test_exporting_a_training_step_warms_every_kernel_it_runs(self):
+        # precompile's docstring: lowering the step itself for the target fills the cache with
+        # every kernel the step asks for (the forward with its pre-activation, the backward
+        # products' layouts and fused derivative), so a second process compiles none.
+        def step(x, w1, b1, w2):
+            h = jax_sm100.matmul(x, w1, bias=b1, activation="gelu")
+            return jnp.sum(jax_sm100.matmul(h, w2).astype(jnp.float32) ** 2)
+
+        args = (jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16),
+                jax.ShapeDtypeStruct((2048, 4096), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4096,), jnp.bfloat16),
+                jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16))  # fmt: skip
+        folder = self.enterContext(tempfile.TemporaryDirectory())
+        stats = []
+        for _ in range(2):  # the build machine, then a "new process" on the same cache
+            self.enterContext(mock.patch.dict(compile_mod._cache, clear=True))
+            cache = disk_cache.KernelCache(folder)
+            with mock.patch.object(disk_cache, "_default_cache", cache):
+                _export_for_h200(jax.jit(jax.value_and_grad(step, argnums=(1, 2, 3))), *args)
+            stats.append(cache.stats())
+        # Five binaries: the first product with its pre-activation, the second, and the
+        # backward's transposed layouts (one with gelu's derivative fused).
+        self.assertEqual(stats[0].misses, 5)
+        self.assertEqual((stats[1].misses, stats[1].disk_hits), (0, stats[0].misses))
+
     def test_arguments_of_other_types_are_refused(self):
         with self.assertRaisesRegex(TypeError, "plan must be a jax_sm100.GemmPlan .*got str"):
             compile_mod.compile_plan("plan")

@@ -256,12 +256,33 @@ class PrecompileTest(parameterized.TestCase):
         ("float_size", dict(shapes=[(4096, 4096, 4096), (64.5, 64, 64)]), "sizes must be ints"),
         ("activation", dict(shapes=[(4096, 4096, 4096)], activation="tanh"),
          "activation='tanh' must be one of"),
+        ("num_sms", dict(shapes=[(4096, 4096, 4096)], num_sms=0), "num_sms=0 must be an int"),
+        ("preact", dict(shapes=[(4096, 4096, 4096)], preact_out=True), "needs an activation"),
     )  # fmt: skip
     def test_bad_arguments_raise(self, kwargs, message=""):
         # Refused before anything is planned or compiled, naming the argument.
         with self.assertRaisesRegex(ValueError, message):
             precompile(progress=False, **kwargs)
         self.compile_plan.assert_not_called()
+
+    @parameterized.named_parameters(
+        ("one_shape", dict(shapes=(4096, 4096, 4096)), r"for one shape pass \[\(4096"),
+        ("alpha_str", dict(shapes=[(4096, 4096, 4096)], alpha="2"), "alpha must be"),
+        ("beta_bool", dict(shapes=[(4096, 4096, 4096)], beta=True), "beta must be"),
+        ("clusters", dict(shapes=[(4096, 4096, 4096)], resident_clusters=[(2, 66)]),
+         "resident_clusters must be a mapping"),
+    )  # fmt: skip
+    def test_bad_argument_types_raise(self, kwargs, message):
+        with self.assertRaisesRegex(TypeError, message):
+            precompile(progress=False, **kwargs)
+        self.compile_plan.assert_not_called()
+
+    def test_preact_out_is_the_training_forwards_spec(self):
+        (result,) = precompile([(4096, 4096, 4096)], arch="sm_90a", bias_dtype="bfloat16",
+                               activation="gelu", preact_out=True, progress=False)  # fmt: skip
+        self.assertTrue(result.spec.preact_out)
+        self.assertEqual(result.spec.activation, "gelu")
+        self.compile_plan.assert_called_once_with(result.plan, result.spec)
 
 
 if __name__ == "__main__":

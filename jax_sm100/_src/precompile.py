@@ -10,6 +10,15 @@ and `(batch, m, n, k)` for a batch whose operands are all batched. A batch whose
 by the lowering's own function (`dispatch.plan_call`, split-K fitted as for a call), so the
 binaries compiled here are the ones calls ask for. On sm_100a a call's grid also follows its
 driver's occupancy answer: give it as `resident_clusters` when the cache is filled elsewhere.
+
+A training step asks for more kernels than its forward shapes: under `jax.grad` the forward of
+a fused activation also writes its pre-activation (`preact_out=True` here), and the backward
+products run transposed layouts with the activation's derivative fused in. The sure way to warm
+all of them is to lower the step itself for the target on the build machine, which compiles
+every kernel its lowering asks for into the cache:
+
+    os.environ["JAX_SM100_TARGET_ARCH"] = "sm_90a"     # before the first lowering
+    jax.export.export(jax.jit(step), platforms=["cuda"])(*example_args)
 """
 
 from __future__ import annotations
@@ -117,6 +126,7 @@ def precompile(
     activation: str | None = None,
     alpha: float = 1.0,
     beta: float = 1.0,
+    preact_out: bool = False,
     num_sms: int | None = None,
     resident_clusters: Mapping[int, int] | None = None,
     progress: bool = True,
@@ -135,6 +145,10 @@ def precompile(
       arch: "sm_100a" or "sm_90a".
       a_major, b_major: operand layouts ("k"/"m" for A, "n"/"k" for B), as in `plan`.
       c_dtype, bias_dtype, activation, alpha, beta: the fused epilogue (`KernelSpec`).
+      preact_out: also write the pre-activation (`KernelSpec.preact_out`), as the forward
+        product of a fused activation does under `jax.grad`. The backward products of a
+        training step take other layouts and fused derivatives: to warm every kernel of a
+        step, lower the step itself for CUDA on the build machine (the module docstring).
       num_sms: SM count of the target device, which the plan depends on; None keeps the
         planner's default for `arch` (132 for sm_90a as on H100/H200, 148 for sm_100a as on
         B200).
@@ -151,9 +165,12 @@ def precompile(
       One `Precompiled` per shape, in order.
 
     Raises:
-      ValueError: for a shape that is not 3 or 4 ints, `dtypes` not 2 or 3 long, or an
-        activation the epilogue does not apply.
-      TypeError: for a dtype the kernels do not take.
+      ValueError: for a shape that is not 3 or 4 ints, `dtypes` not 2 or 3 long, an
+        activation the epilogue does not apply, `preact_out` without an activation, or
+        `num_sms` below 1.
+      TypeError: for `shapes` not a list of shapes (one shape alone, say), a dtype the
+        kernels do not take, `alpha` or `beta` not a real number, or `resident_clusters`
+        not a mapping.
       Exception: whatever planning or `compile_plan` raises, with a note naming the shape.
     """
     compile_mod = importlib.import_module("jax_sm100._src.compile")
@@ -180,6 +197,26 @@ def precompile(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS} "
                          "(jax_sm100.precompile's fused epilogue)")  # fmt: skip
+    if preact_out and activation is None:
+        raise ValueError("jax_sm100.precompile: preact_out=True needs an activation (the "
+                         "pre-activation is written beside activation(z))")  # fmt: skip
+    for name, v in (("alpha", alpha), ("beta", beta)):
+        if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool):
+            raise TypeError(f"jax_sm100.precompile: {name} must be a Python float, as for "
+                            f"matmul, got {type(v).__name__}")  # fmt: skip
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
+                                or num_sms < 1):  # fmt: skip
+        raise ValueError(f"jax_sm100.precompile: num_sms={num_sms!r} must be an int >= 1 (the "
+                         "target's SM count), or None for the arch's default")  # fmt: skip
+    if resident_clusters is not None and not isinstance(resident_clusters, Mapping):
+        raise TypeError(
+            "jax_sm100.precompile: resident_clusters must be a mapping {cluster "
+            f"size: clusters resident}}, got {type(resident_clusters).__name__}"
+        )
+    shapes = list(shapes)
+    if shapes and not isinstance(shapes[0], Iterable):
+        raise TypeError(f"jax_sm100.precompile: shapes must be a list of shapes, got "
+                        f"{tuple(shapes)!r}; for one shape pass [{tuple(shapes)!r}]")  # fmt: skip
     shapes = [_int_shape(s) for s in shapes]
     problems = [_split_shape(s) for s in shapes]
     target = dispatch.Target(arch, num_sms or 0)
@@ -210,7 +247,7 @@ def precompile(
             plan, plan_notes = decision.plan, decision.notes
             spec = dataclasses.replace(
                 KernelSpec.for_plan(plan), bias_dtype=bias_name, activation=activation,
-                alpha=alpha, beta=beta,
+                alpha=alpha, beta=beta, preact_out=bool(preact_out),
             )  # fmt: skip
             if plan.kernel == planning.KERNEL_XLA:
                 results.append(Precompiled(shape, plan, spec, None, plan.reason, 0.0))
