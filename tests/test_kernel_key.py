@@ -218,6 +218,26 @@ class EnvironmentFingerprintTest(parameterized.TestCase):
         else:
             self.assertEqual(before, after)
 
+    def test_sources_without_python_files(self):
+        # A .pyc-only install hashes the compiled files (an edit still changes the key); with
+        # nothing to read, each process keys its binaries apart from every other's.
+        root = self._tree()
+        for path in list(root.rglob("*.py")):
+            path.with_suffix(".pyc").write_bytes(path.read_bytes() + b"c")
+            path.unlink()
+        before = kernel_key._hash_sources(root)
+        self.assertRegex(before, r"^[0-9a-f]{64}$")
+        (root / "kernels/sm100_gemm.pyc").write_bytes(b"edited")
+        edited = kernel_key._hash_sources(root)
+        self.assertNotEqual(edited, before)
+        (root / "compile.pyc").write_bytes(b"edited")
+        self.assertNotEqual(kernel_key._hash_sources(root), edited)
+        empty = Path(self.enterContext(tempfile.TemporaryDirectory()))
+        with self.assertLogs("jax_sm100._src.disk_cache", "WARNING"):
+            first = kernel_key._hash_sources(empty)
+        with self.assertLogs("jax_sm100._src.disk_cache", "WARNING"):
+            self.assertNotEqual(kernel_key._hash_sources(empty), first)
+
     def test_dsl_version_from_metadata(self):
         self.assertEqual(
             kernel_key.dsl_version.__wrapped__(),

@@ -29,6 +29,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import platform
 import re
@@ -92,11 +93,30 @@ def _canonical(value: Any, ignore: Collection[str] = ()) -> Any:
 
 
 def _hash_sources(root: Path) -> str:
-    """sha256 over the kernel sources under `root`, in sorted relative-path order."""
+    """sha256 over the kernel sources under `root`, in sorted relative-path order.
+
+    An install without the kernels' `.py` files (compiled `.pyc` only) hashes those instead;
+    one where neither can be read (a zip import) gets a value of its own for this process, so
+    that its kernels are never taken for another version's: the disk cache then serves only
+    this process, and a warning says why.
+    """
     paths = []
-    for d in _SOURCE_DIRS:
-        paths.extend((root / d).rglob("*.py"))
-    paths.extend(p for p in (root / f for f in _SOURCE_FILES) if p.is_file())
+    for suffix in (".py", ".pyc"):
+        for d in _SOURCE_DIRS:
+            paths.extend(p for p in (root / d).rglob("*" + suffix)
+                         if "__pycache__" not in p.parts)  # fmt: skip
+        if paths:
+            break
+    if not paths:
+        logging.getLogger("jax_sm100._src.disk_cache").warning(
+            "jax_sm100 kernel cache: no kernel sources under %s to key binaries by; kernels "
+            "compiled by this process are not reused by others (install jax_sm100 from its "
+            "files, not a zip)",
+            root,
+        )
+        return "unkeyed-" + os.urandom(16).hex()
+    files = (root / Path(f).with_suffix(suffix) for f in _SOURCE_FILES)
+    paths.extend(p for p in files if p.is_file())
     h = hashlib.sha256()
     for rel, path in sorted((p.relative_to(root).as_posix(), p) for p in paths):
         data = path.read_bytes()
