@@ -1,11 +1,11 @@
 """`jax.checkpoint` policies that treat this library's products as dots.
 
 JAX's own dot policies (`jax.checkpoint_policies.checkpoint_dots`, `dots_saveable`,
-`dots_with_no_batch_dims_saveable`) recognise JAX's products alone (`lax.dot_general`,
-convolutions, cuDNN's scaled matmul), so under them every product of `jax_sm100` (matmul,
-dot_general, einsum and the Flax layers that use them, ragged_dot, scaled_matmul) is recomputed
-in the backward pass. These are the same policies, each asked first, with those products
-counted too:
+`dots_with_no_batch_dims_saveable`, `checkpoint_dots_with_no_batch_dims`) recognise JAX's
+products alone (`lax.dot_general`, convolutions, cuDNN's scaled matmul), so under them every
+product of `jax_sm100` (matmul, dot_general, einsum and the Flax layers that use them,
+ragged_dot, scaled_matmul) is recomputed in the backward pass. These are the same policies,
+each asked first, with those products counted too:
 
 >>> f = jax.checkpoint(block, policy=jax_sm100.checkpoint_policies.dots_saveable)
 
@@ -74,10 +74,14 @@ def dots_with_no_batch_dims_saveable(prim, *avals, **params) -> bool:
     return False
 
 
+checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
+
+
 __all__ = [
     "SCALED_DOT_LHS",
     "SCALED_DOT_RHS",
     "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
 ]

@@ -113,15 +113,19 @@ class Dense(linen.Dense):
 
     activation: str | None = None
 
-    @linen.compact
-    def __call__(self, inputs):
-        """`activation(inputs @ kernel + bias)` for inputs [..., k]."""
+    def __post_init__(self):
+        # Refused where the module is made, as nnx's Linear refuses them, not at init.
         _check_activation(self.activation)
         if self.dot_general is not None or self.dot_general_cls is not None:
             raise TypeError(
                 "jax_sm100.flax.Dense takes no dot_general: its product, bias and activation "
                 "are one jax_sm100.matmul; use flax.linen.Dense for another dot_general"
             )
+        super().__post_init__()
+
+    @linen.compact
+    def __call__(self, inputs):
+        """`activation(inputs @ kernel + bias)` for inputs [..., k]."""
         kernel = self.param(
             "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype
         )

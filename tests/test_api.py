@@ -381,7 +381,8 @@ class CheckpointPolicyTest(absltest.TestCase):
             return sorted(n.split(" from ")[0] for _, n in got if n.startswith("output of"))
 
         for name, with_conv in (("dots_saveable", True), ("checkpoint_dots", True),
-                                ("dots_with_no_batch_dims_saveable", False)):  # fmt: skip
+                                ("dots_with_no_batch_dims_saveable", False),
+                                ("checkpoint_dots_with_no_batch_dims", False)):  # fmt: skip
             want = saved(getattr(jax.checkpoint_policies, name))
             self.assertEqual("output of conv_general_dilated" in want, with_conv)
             self.assertEqual(saved(getattr(jax_sm100.checkpoint_policies, name)), want, name)

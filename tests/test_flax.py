@@ -280,6 +280,12 @@ class LinenTest(parameterized.TestCase):
         params = module.init(jax.random.key(0), x)
         self.assertEqual(_matmul_count(lambda p: module.apply(p, x), params), 3)
 
+    def test_fused_dense_rejects_dot_general_and_bad_activation_when_made(self):
+        with self.assertRaisesRegex(TypeError, "takes no dot_general"):
+            sm100_flax.Dense(4, dot_general=lax.dot_general)
+        with self.assertRaisesRegex(ValueError, "unknown activation='tanh'"):
+            sm100_flax.Dense(4, activation="tanh")
+
     def test_fused_dense_keeps_dense_parameters(self):
         x = _data((3, 48))[0]
         params = linen.Dense(40, bias_init=LINEN_BIAS).init(jax.random.key(0), x)
