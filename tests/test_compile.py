@@ -11,7 +11,7 @@ from absl.testing import absltest
 
 import jax_sm100
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import disk_cache, dispatch, ffi, planning
+from jax_sm100._src import disk_cache, dispatch, ffi, kernel_key, planning
 from jax_sm100._src.kernels.spec import KernelSpec
 
 _HAS_CXX = bool(shutil.which("g++") or shutil.which("c++"))
@@ -68,8 +68,13 @@ class CompileTest(absltest.TestCase):
             again = [compile_mod.compile_plan(p, s) for s in (relu, plain)]
             self.assertEqual(disk_cache._default_cache.stats().disk_hits, 2)
         for c, d in zip(first, again, strict=True):
-            self.assertEqual((d.spec, d.object_bytes, d.tensor_args),
-                             (c.spec, c.object_bytes, c.tensor_args))  # fmt: skip
+            self.assertEqual((d.spec, d.object_bytes, d.tensor_args, d.ptx, d.cubin),
+                             (c.spec, c.object_bytes, c.tensor_args, c.ptx, c.cubin))  # fmt: skip
+            # An entry is its object file and little more (PTX and cubin deflated).
+            entry = disk_cache.KernelCache(folder).entry_path(
+                kernel_key.cache_key(p, c.spec, arch=p.arch, ignore_plan_fields=p.RUNTIME_FIELDS)
+            )
+            self.assertLess(entry.stat().st_size, 2 * len(c.object_bytes))
 
     def test_disk_cache_takes_every_alpha_and_the_callers_plan(self):
         # `matmul` takes any float alpha and beta: a non-finite one compiles with the disk
