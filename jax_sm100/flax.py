@@ -36,7 +36,9 @@ except ImportError as e:  # pragma: no cover  (flax is in the test extra)
         "jax_sm100.flax needs Flax (pip install flax); jax_sm100.dot_general works without it"
     ) from e
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_sm100._src.api import matmul
 from jax_sm100._src.dot_general import dot_general, fallback_reason
@@ -55,12 +57,14 @@ def _check_activation(activation) -> None:
 
 
 def _result_dtype(inputs, kernel, preferred_element_type):
-    """The Flax layer's result dtype: `preferred_element_type`, else lax.dot_general's of the
-    promoted operands (their common dtype: fp8 for fp8 operands, where `jax_sm100.matmul`
-    would default to bfloat16)."""
+    """The Flax layer's result dtype: `preferred_element_type`, else what lax.dot_general gives
+    the promoted operands (their dtype: fp8 for fp8 operands, where `jax_sm100.matmul` would
+    default to bfloat16; lax's own rule for the mixed dtypes a non-promoting `promote_dtype`
+    leaves, which jnp.result_type refuses for fp8)."""
     if preferred_element_type is not None:
         return preferred_element_type
-    return jnp.result_type(inputs.dtype, kernel.dtype)
+    dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+    return jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), inputs, kernel).dtype
 
 
 class Linear(nnx.Linear):

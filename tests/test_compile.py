@@ -1,6 +1,7 @@
 """compile_plan on a CPU machine: objects, argument layouts, the binary cache, the CUDA lowering."""
 
 import dataclasses
+import os
 import shutil
 import tempfile
 from unittest import mock
@@ -171,8 +172,14 @@ class CompileTest(absltest.TestCase):
         for _ in range(2):  # the build machine, then a "new process" on the same cache
             self.enterContext(mock.patch.dict(compile_mod._cache, clear=True))
             cache = disk_cache.KernelCache(folder)
-            with mock.patch.object(disk_cache, "_default_cache", cache):
-                _export_for_h200(jax.jit(jax.value_and_grad(step, argnums=(1, 2, 3))), *args)
+            with (
+                mock.patch.object(disk_cache, "_default_cache", cache),
+                mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}),
+            ):  # precompile's recipe, as its docstring and the README give it
+                jax.export.export(
+                    jax.jit(jax.value_and_grad(step, argnums=(1, 2, 3))), platforms=["cuda"],
+                    disabled_checks=jax_sm100.export_disabled_checks(),
+                )(*args)  # fmt: skip
             stats.append(cache.stats())
         # Five binaries: the first product with its pre-activation, the second, and the
         # backward's transposed layouts (one with gelu's derivative fused).

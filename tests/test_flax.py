@@ -213,6 +213,14 @@ class NnxTest(parameterized.TestCase):
             got = sm100_flax.Dense(16, dtype=dtype, precision=prec).apply(params, x)
             want = linen.Dense(16, dtype=dtype, precision=prec).apply(params, x)
             self.assertEqual(got.dtype, want.dtype, prec)
+        # A promote_dtype that leaves the dtypes mixed: lax's result dtype, as Flax's layer
+        # gives (jnp's promotion refuses fp8 beside another float).
+        keep = dict(promote_dtype=lambda args, dtype=None: args)
+        for param_dtype in (jnp.bfloat16, jnp.float8_e5m2):
+            xq = x.astype(jnp.float8_e4m3fn)
+            fused = sm100_flax.Linear(32, 16, param_dtype=param_dtype, rngs=nnx.Rngs(1), **keep)
+            plain = nnx.Linear(32, 16, param_dtype=param_dtype, rngs=nnx.Rngs(1), **keep)
+            self.assertEqual(fused(xq).dtype, plain(xq).dtype, param_dtype)
 
     def test_complex_layers_compute_as_flax(self):
         # The kernels take floating dtypes: complex inputs or parameters run as the Flax layer on

@@ -248,6 +248,8 @@ class PrecompileTest(parameterized.TestCase):
         shape = (4096, np.int64(4096), jnp.int32(4096))
         precompile([shape], progress=False)
         self.compile_plan.assert_called()
+        (result,) = precompile([shape], arch="sm_90a", num_sms=np.int64(114), progress=False)
+        self.assertEqual(result.plan.num_sms, 114)
 
     @parameterized.named_parameters(
         ("short_shape", dict(shapes=[(4096, 4096)])),
@@ -271,6 +273,7 @@ class PrecompileTest(parameterized.TestCase):
         ("beta_bool", dict(shapes=[(4096, 4096, 4096)], beta=True), "beta must be"),
         ("clusters", dict(shapes=[(4096, 4096, 4096)], resident_clusters=[(2, 66)]),
          "resident_clusters must be a mapping"),
+        ("num_sms_str", dict(shapes=[(4096, 4096, 4096)], num_sms="132"), "num_sms must be an"),
     )  # fmt: skip
     def test_bad_argument_types_raise(self, kwargs, message):
         with self.assertRaisesRegex(TypeError, message):

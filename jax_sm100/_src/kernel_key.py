@@ -13,7 +13,8 @@ Which sources count
 Every `.py` under `jax_sm100/_src/kernels/` and `jax_sm100/_src/planning/` (the kernels run
 the planner's code while they are traced: the sm_100a grid's cluster count, the TMEM columns
 of the scale factors, the grouped cluster shapes), `compile.py` and `constraints.py`, whose
-text makes the binary.
+text makes the binary (their `.pyc` files in an install without the `.py`; with neither
+readable, each process keys its binaries apart from every other's: `_hash_sources`).
 Neither this module nor disk_cache.py counts: they name and store a binary without changing
 it. A change to what the key's serialization means bumps `_KEY_FORMAT` instead; a change to
 the entry file layout bumps disk_cache's `_FORMAT_VERSION`.
@@ -128,7 +129,7 @@ def _hash_sources(root: Path) -> str:
 @functools.cache
 def kernel_sources_hash() -> str:
     """sha256 of every `.py` under `jax_sm100/_src/kernels/` and `planning/`, of `compile.py`
-    and `constraints.py`.
+    and `constraints.py` (or of their `.pyc` files; see `_hash_sources`).
 
     Computed once per process: editing a kernel changes the key of every kernel in the next
     process.

@@ -18,7 +18,8 @@ all of them is to lower the step itself for the target on the build machine, whi
 every kernel its lowering asks for into the cache:
 
     os.environ["JAX_SM100_TARGET_ARCH"] = "sm_90a"     # before the first lowering
-    jax.export.export(jax.jit(step), platforms=["cuda"])(*example_args)
+    jax.export.export(jax.jit(step), platforms=["cuda"],
+                      disabled_checks=jax_sm100.export_disabled_checks())(*example_args)
 """
 
 from __future__ import annotations
@@ -169,8 +170,8 @@ def precompile(
         activation the epilogue does not apply, `preact_out` without an activation, or
         `num_sms` below 1.
       TypeError: for `shapes` not a list of shapes (one shape alone, say), a dtype the
-        kernels do not take, `alpha` or `beta` not a real number, or `resident_clusters`
-        not a mapping.
+        kernels do not take, `alpha` or `beta` not a real number, `num_sms` not an int, or
+        `resident_clusters` not a mapping.
       Exception: whatever planning or `compile_plan` raises, with a note naming the shape.
     """
     compile_mod = importlib.import_module("jax_sm100._src.compile")
@@ -204,10 +205,14 @@ def precompile(
         if not isinstance(v, (int, float, np.floating, np.integer)) or isinstance(v, bool):
             raise TypeError(f"jax_sm100.precompile: {name} must be a Python float, as for "
                             f"matmul, got {type(v).__name__}")  # fmt: skip
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
-                                or num_sms < 1):  # fmt: skip
-        raise ValueError(f"jax_sm100.precompile: num_sms={num_sms!r} must be an int >= 1 (the "
-                         "target's SM count), or None for the arch's default")  # fmt: skip
+    if num_sms is not None:
+        if isinstance(num_sms, (bool, np.bool_)) or not isinstance(num_sms, (int, np.integer)):
+            raise TypeError(f"jax_sm100.precompile: num_sms must be an int (the target's SM "
+                            f"count) or None, got {type(num_sms).__name__}")  # fmt: skip
+        if num_sms < 1:
+            raise ValueError(f"jax_sm100.precompile: num_sms={num_sms!r} must be an int >= 1 "
+                             "(the target's SM count), or None for the arch's default")  # fmt: skip
+        num_sms = int(num_sms)
     if resident_clusters is not None and not isinstance(resident_clusters, Mapping):
         raise TypeError(
             "jax_sm100.precompile: resident_clusters must be a mapping {cluster "
