@@ -316,6 +316,25 @@ class KernelCacheTest(parameterized.TestCase):
                 self.assertIsNone(cache.get(_key(0)))
         self.assertEqual(list(home.iterdir()), [])
 
+    def test_default_folder_not_private_is_left_alone(self):
+        # The default folder under a group-writable ~/.cache (umask 002): a warning naming the
+        # fix and memory-only caching, where the same folder named by JAX_SM100_CACHE_DIR is
+        # refused. Nothing was asked of the default, so a job does not stop on it.
+        home = self.dir / "home"
+        (home / ".cache" / "jax_sm100").mkdir(parents=True)
+        os.chmod(home / ".cache", 0o775)
+        env = {"HOME": str(home), "JAX_SM100_CACHE_DIR": "", "XDG_CACHE_HOME": ""}
+        with mock.patch.dict(os.environ, env):
+            cache = disk_cache.KernelCache()
+            with self.assertLogs(disk_cache.logger, "WARNING") as logs:
+                self.assertEqual(cache.get_or_create(_key(0), lambda: _entry(0)), _entry(0))
+            self.assertIn("chmod go-w", "".join(logs.output))
+            self.assertIsNone(cache.directory)
+            self.assertEqual(cache.get(_key(0)), _entry(0))
+            os.environ["JAX_SM100_CACHE_DIR"] = str(home / ".cache" / "jax_sm100")
+            with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
+                disk_cache.KernelCache().get(_key(0))
+
     def test_directory_from_environment(self):
         with mock.patch.dict(os.environ, {"JAX_SM100_CACHE_DIR": str(self.dir / "c")}):
             self.assertEqual(disk_cache.KernelCache().directory, self.dir / "c")

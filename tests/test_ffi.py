@@ -781,6 +781,29 @@ class TrustTest(absltest.TestCase):
         with self.assertRaisesRegex(disk_cache.UntrustedCacheError, f"ffi-{key}"):
             ffi.build()
 
+    def test_default_folder_not_private_is_passed_over(self):
+        # The default cache folder under a group-writable ~/.cache (umask 002): the handler is
+        # built in a private temporary folder, with a warning naming the fix, not refused (as
+        # the kernel cache keeps to memory there); named by JAX_SM100_CACHE_DIR, refused.
+        home = self.dir.parent / "home"
+        (home / ".cache").mkdir(parents=True)
+        os.chmod(home / ".cache", 0o775)
+        fake_cxx = self.dir.parent / "fake-c++"  # "builds" by creating its -o file
+        fake_cxx.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; '
+                            "shift; done\n")  # fmt: skip
+        fake_cxx.chmod(0o755)
+        for name in ("JAX_SM100_CACHE_DIR", "JAX_SM100_FFI_LIB", "XDG_CACHE_HOME"):
+            os.environ.pop(name, None)
+        os.environ.update(HOME=str(home), CXX=str(fake_cxx))
+        with self.assertLogs(disk_cache.logger, "WARNING") as logs:
+            lib = ffi.build()
+        self.assertIn("chmod go-w", "".join(logs.output))
+        self.assertTrue(lib.is_file())
+        self.assertNotIn(home, lib.parents)
+        os.environ["JAX_SM100_CACHE_DIR"] = str(home / ".cache" / "jax_sm100")
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
+            ffi.build()
+
     def test_ffi_build_without_a_working_compiler(self):
         # A compiler that cannot run raises FfiBuildError naming the fix, and leaves no
         # temporary file behind (it raised a bare FileNotFoundError and left one a try).

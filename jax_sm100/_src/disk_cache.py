@@ -41,7 +41,9 @@ can run code as every user of it. Like ssh with its keys, the cache refuses
 (`UntrustedCacheError`) to read an entry from a directory that another user owns or that is
 writable by group or others, from any ancestor directory writable by others (a world-writable
 sticky one such as /tmp is fine), or from an entry file owned by another user or writable by
-group or others. It creates its directory 0700. A cache shared on purpose (one folder for a
+group or others. It creates its directory 0700. The default folder (no
+`JAX_SM100_CACHE_DIR`) found so is not refused but left alone, with a warning naming the fix:
+the cache then holds this process's kernels in memory. A cache shared on purpose (one folder for a
 team's jobs) is listed in `$JAX_SM100_TRUSTED_CACHE_DIRS` (os.pathsep-separated): those folders
 and everything below them are trusted as they are. The checks need POSIX permissions; elsewhere
 they are skipped.
@@ -390,6 +392,9 @@ class KernelCache:
         Raises:
           ValueError: for a non-positive size bound.
         """
+        # The default folder (no directory given, none in the environment): where it is not
+        # private, the cache warns and runs in memory instead of refusing (`_get_disk`).
+        self._default_dir = directory is None and not os.environ.get(CACHE_DIR_ENV, "").strip()
         if directory is None:
             self._dir = cache_dir_from_env()
         elif os.fspath(directory).strip().lower() == "off":
@@ -456,8 +461,15 @@ class KernelCache:
                 data = f.read()
         except FileNotFoundError:
             return None
-        except UntrustedCacheError:
-            raise
+        except UntrustedCacheError as e:
+            if not self._default_dir:
+                raise  # a folder the user named: refuse it, naming the fix
+            # The default folder under, say, a group-writable ~/.cache (umask 002): nothing was
+            # asked of it, so the job goes on with kernels compiled in this process.
+            logger.warning("jax_sm100 kernel cache: not using the default folder: %s. Caching "
+                           "in memory only", e)  # fmt: skip
+            self._dir = None
+            return None
         except OSError as e:
             logger.warning("jax_sm100 kernel cache: cannot read %s: %s", path, e)
             return None

@@ -18,6 +18,7 @@ compare it with `ffi_checks.check_call`, and time it).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -94,9 +95,10 @@ def build() -> pathlib.Path:
 
     Raises:
       FfiBuildError: no C++ compiler, or the compile failed (its output is in the message).
-      UntrustedCacheError: the cache folder, or the library in it, could have been written by
-        another user (disk_cache.py, "Trust"): checked before a library is built there, and
-        before one found there is returned.
+      UntrustedCacheError: the cache folder named by JAX_SM100_CACHE_DIR, or the library in
+        it, could have been written by another user (disk_cache.py, "Trust"): checked before
+        a library is built there, and before one found there is returned. The default folder
+        found so is passed over, with a warning, for a private temporary one.
     """
     prebuilt = os.environ.get("JAX_SM100_FFI_LIB")
     if prebuilt:
@@ -110,6 +112,33 @@ def build() -> pathlib.Path:
     include_dir = jax.ffi.include_dir()
     key = _build_key(src_path.read_bytes(), include_dir)
     target = _cache_dir() / f"ffi-{key}" / _LIB_NAME
+    try:
+        return _build_at(target, src_path, include_dir)
+    except disk_cache.UntrustedCacheError as e:
+        named = os.environ.get(disk_cache.CACHE_DIR_ENV, "").strip()
+        if named and named.lower() != "off":
+            raise  # a folder the user named: refused, naming the fix
+        # The default folder under, say, a group-writable ~/.cache (umask 002): built in a
+        # private folder of this process's instead (as the kernel cache then keeps to memory).
+        disk_cache.logger.warning(
+            "jax_sm100: not using the default cache folder for the FFI handler: %s. Building "
+            "it in a private temporary folder",
+            e,
+        )
+        return _build_at(_private_dir() / f"ffi-{key}" / _LIB_NAME, src_path, include_dir)
+
+
+@functools.cache
+def _private_dir() -> pathlib.Path:
+    """A folder of this process's own (mkdtemp: 0700, under the sticky temporary folder),
+    removed when the process exits."""
+    folder = tempfile.mkdtemp(prefix="jax_sm100_ffi_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return pathlib.Path(folder)
+
+
+def _build_at(target: pathlib.Path, src_path: pathlib.Path, include_dir: str) -> pathlib.Path:
+    """`build` of the library at `target` (`<folder>/ffi-<key>/<library>`)."""
     if target.exists():
         disk_cache.check_private_dir(target.parent)
         disk_cache.check_private_file(target, os.stat(target))
