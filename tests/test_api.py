@@ -243,6 +243,22 @@ class PrecisionTest(parameterized.TestCase):
         want = tu.reference(a, b, bias=bias, activation="relu")
         tu.assert_close(self, fn(a, b), want, "float32")
 
+    def test_lowerings_blocks_nest(self):
+        # Each block sees the records made inside it; leaving the inner block leaves the outer
+        # one listening (it removed the outer list, an equal one, and the outer's exit raised).
+        from jax_sm100._src import dispatch  # noqa: PLC0415
+
+        def record():
+            return jax_sm100.dot_general(jnp.ones(3), jnp.ones(4), (((), ()), ((), ())))
+
+        before = len(dispatch._listeners)
+        with jax_sm100.lowerings() as outer:
+            with jax_sm100.lowerings() as inner:
+                record()
+            record()
+        self.assertEqual((len(outer), len(inner)), (2, 1))
+        self.assertLen(dispatch._listeners, before)
+
     def test_xla_path_runs_the_algorithm_asked_for(self):
         # Where the kernels do not meet a precision, XLA's dot runs it as asked (it ran HIGHEST).
         a, b = _rand((24, 40)), _rand((40, 16), seed=1)

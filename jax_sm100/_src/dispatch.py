@@ -309,4 +309,8 @@ def lowerings() -> Iterator[list[Lowered]]:
     try:
         yield seen
     finally:
-        _listeners.remove(seen)
+        # By identity: a nested block's list may equal this one (list.remove compares by ==).
+        for i in range(len(_listeners) - 1, -1, -1):
+            if _listeners[i] is seen:
+                del _listeners[i]
+                break
