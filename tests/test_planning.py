@@ -454,6 +454,9 @@ class PlanEditsTest(parameterized.TestCase):
                 )  # fmt: skip
             with self.assertRaisesRegex(TypeError, r"a_dtype is .*int8.* e.g. a_dtype=jnp"):
                 jax_sm100.plan(128, 128, 128, a_dtype="int8", b_dtype="int8", arch=arch)
+            # None is not a dtype here (np.dtype(None) is float64: it planned a float64 GEMM).
+            with self.assertRaisesRegex(TypeError, r"a_dtype is None; pass a dtype"):
+                jax_sm100.plan(128, 128, 128, a_dtype=None, b_dtype="bfloat16", arch=arch)
             # nvfp4 data without scales: the fix is the scales, not a cast.
             with self.assertRaisesRegex(TypeError, "runs only block-scaled: pass scale_dtype="):
                 jax_sm100.plan(
@@ -551,6 +554,11 @@ class Sm90ScheduleTest(parameterized.TestCase):
         self.assertEqual((q.swizzle_size, q.raster_along_m), (2, False))
         self.assertEqual(q.cta_tile_mnk, self.p.cta_tile_mnk)
         self.assertEqual(q.num_ab_stages, self.p.num_ab_stages)
+        # A/B stages asked for are kept (a raw TypeError of dataclasses.replace before), and a
+        # depth that does not fit is a PlanError.
+        self.assertEqual(planning.sm90_variant(self.p, num_ab_stages=3).num_ab_stages, 3)
+        with self.assertRaisesRegex(planning.C.PlanError, "shared memory"):
+            planning.sm90_variant(self.p, num_ab_stages=40)
 
     def test_with_split(self):
         p = planning.plan(64, 4096, 4096, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")

@@ -63,6 +63,11 @@ def dtype_argument_name(
     `plan`'s `a_dtype=`), returning its name; TypeError (naming `caller`) says what to pass,
     with `example` (default `argument=jnp.bfloat16`), or `block_scaled_fix` for data that runs
     only block-scaled where the caller can plan that."""
+    if dtype is None:  # np.dtype(None) is float64: never what a caller meant
+        raise TypeError(
+            f"{caller}: {argument} is None; pass a dtype of {SUPPORTED}, e.g. "
+            f"{example or argument + '=jnp.bfloat16'}"
+        )
     n = name(dtype)
     if n not in DTYPE_BITS:
         if _block_scaled_only(n) and block_scaled_fix:

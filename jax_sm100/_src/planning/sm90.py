@@ -82,7 +82,9 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
     """`plan` with another SM90 tile, cluster or schedule, its A/B stages refilled to the SMEM left.
 
     For tuning and tests: `dataclasses.replace` keeps `num_ab_stages`, which is rarely right for
-    another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`.
+    another tile. Other plan fields (swizzle_size, raster_along_m, ...) pass through `changes`;
+    `num_epi_stages` given there is kept and the A/B ring filled beside it; `num_ab_stages`
+    given there replaces the filled depth (one that does not fit raises PlanError).
     Asking for ping-pong, or clusters of more than 2 CTAs, turns stream-K off unless `stream_k`
     is given. A new tile or cluster keeps the plan's swizzle only where it still divides the
     cluster columns (rows for a raster along N; see `_sm90_swizzle`), unless `swizzle_size` is
@@ -93,6 +95,7 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
         raise C.PlanError(f"sm90_variant takes an sm_90a plan, got {plan.arch}")
     tm, tn = tile_mn or plan.cta_tile_mnk[:2]
     epi_stages = changes.pop("num_epi_stages", None)
+    ab_stages = changes.pop("num_ab_stages", None)
     cluster = tuple(cluster_mn or plan.cluster_shape_mn)
     if pingpong or cluster[0] * cluster[1] > 2:
         changes.setdefault("stream_k", False)
@@ -110,7 +113,10 @@ def sm90_variant(plan: GemmPlan, *, tile_mn=None, cluster_mn=None, pingpong=None
         **changes,
     )
     # The edited plan has derived its epilogue and stage sizes; fill the SMEM that is left.
-    return _fill_sm90_smem(edited, epi_stages)
+    filled = _fill_sm90_smem(edited, epi_stages)
+    if ab_stages is None:
+        return filled
+    return dataclasses.replace(filled, num_ab_stages=ab_stages)  # checked as any plan edit
 
 
 def _fill_sm90_smem(plan: GemmPlan, epi_stages: int | None = None) -> GemmPlan:
