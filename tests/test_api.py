@@ -291,6 +291,18 @@ class PrecisionTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "plan= runs our kernels"):
             jax_sm100.matmul(a, b, plan=p, precision=lax.Precision.HIGHEST)
 
+    def test_grouped_or_scaled_plan_is_refused(self):
+        # A ragged_dot or scaled_matmul plan is another product: refused, naming the fix (the
+        # CUDA lowering swapped a grouped one for the planner's, and resized a scaled XLA plan).
+        a, b = _rand((256, 512), "bfloat16"), _rand((512, 1024), "bfloat16", seed=1)
+        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16")
+        grouped = dict(groups=2, ragged="m")
+        scaled = dict(scale_dtype="float32", scale_block=128)
+        for kwargs, kind in ((grouped, "grouped"), (scaled, "block-scaled")):
+            p = jax_sm100.plan(256, 1024, 512, **bf, **kwargs)
+            with self.assertRaisesRegex(jax_sm100.PlanError, f"is a {kind} .*dense plan"):
+                jax_sm100.matmul(a, b, plan=p)
+
 
 class ExportTest(parameterized.TestCase):
     def test_export_with_symbolic_batch_dims(self):

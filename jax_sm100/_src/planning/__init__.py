@@ -372,6 +372,17 @@ def check_plan_fits(plan: GemmPlan, problem: GemmProblem, arch: str, sizes: bool
             f"{arch}: {plan.arch} kernels cannot run there. Make the plan with "
             f"jax_sm100.plan(..., arch={arch!r}) or leave plan=None"
         )
+    # A grouped or block-scaled plan is another kind of product (ragged_dot's, scaled_matmul's):
+    # refused here, not resized to the dense problem or swapped for the planner's.
+    for f in ("groups", "ragged", "scale_dtype", "scale_block", "b_scale_rows"):
+        got, want = getattr(plan, f), getattr(problem, f)
+        if got != want:
+            kind = "grouped (ragged_dot's)" if plan.groups else "block-scaled (scaled_matmul's)"
+            raise C.PlanError(
+                f"the plan passed to matmul(plan=...) is a {kind} plan ({f}={got!r}); matmul "
+                "takes a dense plan: make it with jax_sm100.plan(m, n, k, ...) without groups "
+                "or scales, or leave plan=None"
+            )
     fields = ("m", "n", "k", "batch") if sizes else ()
     for f in (*fields, "a_dtype", "b_dtype", "out_dtype", "c_dtype"):
         got, want = getattr(plan, f), getattr(problem, f)
