@@ -323,6 +323,12 @@ class PlanEditsTest(parameterized.TestCase):
         ("bad_arch", {"arch": "sm_80"}, "not supported"),
         ("pingpong_on_sm100", {"pingpong": True}, "sm_90a"),
         ("no_acc_stage", {"num_acc_stages": 0}, "must be >= 1"),
+        # Depths and flags of any edit (the DSL raised on the first two at compile time; the
+        # others read as True).
+        ("no_epi_stage", {"num_epi_stages": -1}, r"num_epi_stages=-1 must be >= 1"),
+        ("no_swizzle", {"swizzle_size": 0}, r"swizzle_size=0 must be >= 1"),
+        ("flag_word", {"raster_along_m": "no"}, "raster_along_m='no' must be a bool"),
+        ("flag_int", {"use_2cta": 1}, "use_2cta=1 must be a bool"),
         ("epi_n_on_sm100", {"epi_n": 64}, "epi_n=64 is an sm_90a choice"),
         ("stage_c_on_sm100", {"stage_c": True}, "stage_c=True is an sm_90a choice"),
         # cta_group::2 MMAs are 128 or 256 rows (64 rows per CTA do not exist).

@@ -375,6 +375,20 @@ class GemmPlan:
             )
         if not isinstance(self.dynamic_tiles, bool):
             raise C.PlanError(f"dynamic_tiles={self.dynamic_tiles!r} must be a bool")
+        # Every edit is re-checked: a flag given as "no" or 1 would read as True, a depth of 0
+        # or less reach the kernel (review helper-136).
+        for name in ("use_2cta", "raster_along_m", "pingpong", "stream_k", "preact_out",
+                     "stage_c", "scaled_overlap"):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise C.PlanError(f"{name}={value!r} must be a bool")
+            setf(name, bool(value))
+        for name, least in (("num_ab_stages", 1), ("num_acc_stages", 1), ("num_epi_stages", 1),
+                            ("swizzle_size", 1), ("epi_n", 0)):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                    or value < least:  # fmt: skip
+                raise C.PlanError(f"{name}={value!r} must be >= {least} (an int)")
         if self.dynamic_tiles and (self.kernel not in GROUPED_KERNELS or self.pingpong
                                    or tuple(self.cluster_shape_mn) != (1, 1)):  # fmt: skip
             raise C.PlanError(
