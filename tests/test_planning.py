@@ -754,6 +754,20 @@ class Sm90ScheduleTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "d_major"):
             dataclasses.replace(spec, d_major="k")
 
+    def test_tuning_helpers_say_what_the_plan_is(self):
+        # cooperative() of a kernel plan of a small problem (force_kernel) stays on a kernel (it
+        # returned XLA's dot under the default environment); with_split's reason names the
+        # split (it kept "XLA dot: ..." or "ping-pong" beside a split cooperative kernel).
+        bf = dict(a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        forced = planning.plan(1024, 1024, 1024, **bf, force_kernel=True)
+        self.assertEqual(planning.cooperative(forced).kernel, planning.KERNEL_SM90)
+        for p in (planning.plan(64, 64, 64, **bf), planning.plan(8192, 8192, 8192, **bf)):
+            q = planning.with_split(p, 2)
+            self.assertEqual((q.kernel, q.pingpong), (planning.KERNEL_SM90_SPLITK, False))
+            self.assertIn("split-K x2", q.reason)
+            self.assertNotIn("XLA", q.reason)
+            self.assertNotIn("ping-pong", q.reason)
+
     def test_cooperative_keeps_the_problem(self):
         # tuning.cooperative of a block-scaled or grouped plan is a plan of that same problem
         # (it dropped the scales and groups: an unscaled product, or a KeyError for nvfp4).

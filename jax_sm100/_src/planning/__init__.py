@@ -306,9 +306,11 @@ def cooperative(plan: GemmPlan) -> GemmPlan:
     is the planner's own (its kernels have no ping-pong schedule). For tests and tuning."""
     if plan.scale_dtype is not None:
         return _plan_scaled(plan.problem, plan.arch, plan.num_sms)
+    # A plan on a kernel keeps its problem on one (force_kernel, or the environment's).
+    on_kernel = small_problems_on_kernels() or plan.kernel != KERNEL_XLA
     return _plan_cached(
         plan.m, plan.n, plan.k, plan.a_dtype, plan.b_dtype, plan.out_dtype, plan.c_dtype,
-        plan.batch, plan.arch, plan.a_major, plan.b_major, small_problems_on_kernels(),
+        plan.batch, plan.arch, plan.a_major, plan.b_major, on_kernel,
         allow_pingpong=False, preact_out=plan.preact_out, num_sms=plan.num_sms,
         groups=plan.groups, ragged=plan.ragged,
         grouped_schedule="cooperative" if plan.groups else "",

@@ -266,8 +266,13 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
     cluster = plan.cluster_shape_mn
     if reduce == "cluster":
         cluster = (1, split)
+    # The reason says what the plan now is (it kept the planner's: "XLA dot: a small problem",
+    # "ping-pong tile", beside a split cooperative kernel).
+    reason = (f"split-K x{split} (partials summed by {reduce}): tuning.with_split" if split > 1
+              else f"{plan.reason} (unsplit: tuning.with_split)")  # fmt: skip
     edited = dataclasses.replace(
-        plan, kernel=kernel, split_k=split, split_reduce=reduce, cluster_shape_mn=cluster,
+        plan, kernel=kernel, reason=reason, split_k=split, split_reduce=reduce,
+        cluster_shape_mn=cluster,
         pingpong=False if split > 1 else plan.pingpong, num_ab_stages=C.MIN_AB_STAGES,
         num_epi_stages=2, stream_k=plan.stream_k and split == 1,
         stage_c=plan.stage_c and split == 1, swap_ab=plan.swap_ab and split == 1,
