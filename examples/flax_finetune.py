@@ -184,6 +184,10 @@ def main():
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (the first step compiles, the rest are "
                      "timed)")  # fmt: skip
+    if args.dtype == "float16" and jax.default_backend() == "cpu":
+        # Flax's attention asks dot_general for F16_F16_F32, which XLA's CPU backend lacks.
+        parser.error("--dtype float16 needs a GPU (JAX's CPU dot_general has no float16 "
+                     "product with float32 accumulation); use bfloat16 or float32")  # fmt: skip
 
     print(f"{jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}, jax {jax.__version__}, "
           f"flax {flax.__version__}, optax {optax.__version__}: {args.layers} blocks, "

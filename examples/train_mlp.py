@@ -54,6 +54,8 @@ def main():
     parser.add_argument("--lr", type=float, default=0.5)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
+    if args.steps < 2:  # the loss is compared between the first step and the last
+        parser.error(f"--steps {args.steps}: train at least 2 steps")
     dtype = jnp.dtype(args.dtype)
 
     key = jax.random.key(0)
@@ -62,9 +64,9 @@ def main():
     params = init(k_student, WIDTHS, dtype)
 
     def batch(step):
-        k = jax.random.fold_in(k_data, step)
-        x = jax.random.normal(k, (args.batch, WIDTHS[0]), jnp.float32)
-        y = forward(teacher, x) + 0.01 * jax.random.normal(k, (args.batch, WIDTHS[-1]))
+        k_x, k_noise = jax.random.split(jax.random.fold_in(k_data, step))
+        x = jax.random.normal(k_x, (args.batch, WIDTHS[0]), jnp.float32)
+        y = forward(teacher, x) + 0.01 * jax.random.normal(k_noise, (args.batch, WIDTHS[-1]))
         return x.astype(dtype), y
 
     @jax.jit

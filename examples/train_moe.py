@@ -111,9 +111,10 @@ def main(argv=None) -> None:
         ap.error(f"--steps {args.steps} must be at least 1")
     if not 1 <= args.top_k <= args.experts:
         ap.error(f"--top-k {args.top_k} must be between 1 and --experts {args.experts}")
-    if args.tokens % args.seq or args.d_model % args.heads:
-        ap.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}, and "
-                 f"--d-model {args.d_model} of --heads {args.heads}")  # fmt: skip
+    if args.seq < 1 or args.tokens % args.seq:
+        ap.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq} (>= 1)")
+    if args.heads < 1 or args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} must be a multiple of --heads {args.heads} (>= 1)")
     forward = functools.partial(model, top_k=args.top_k, grouped=grouped, dense=dense,
                                 seq=args.seq, heads=args.heads)  # fmt: skip
 

@@ -206,6 +206,10 @@ def main():
     )
     args = parser.parse_args()
 
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be at least 1")
+    if args.tp is not None and args.tp < 1:
+        parser.error(f"--tp {args.tp} must be at least 1 (or left out: gcd(devices, 4))")
     devices = jax.devices()
     n = len(devices)
     tp = args.tp or math.gcd(n, 4)
