@@ -10,4 +10,4 @@ from jax_sm100._src.ffi import build
 __all__ = ["build"]
 
 if __name__ == "__main__":
-    print(build())
+    print(build(lasting=True))  # a path that outlives this process

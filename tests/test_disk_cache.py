@@ -330,6 +330,12 @@ class KernelCacheTest(parameterized.TestCase):
                 self.assertEqual(cache.get_or_create(_key(0), lambda: _entry(0)), _entry(0))
             self.assertIn("chmod go-w", "".join(logs.output))
             self.assertIsNone(cache.directory)
+            # The folder a thread already past its checks holds stays a path (it became None
+            # under other threads' lookups and writes: a TypeError there).
+            self.assertIsNotNone(cache._dir)
+            self.assertFalse(cache._write(_key(1), b"x"))
+            with cache._interprocess_lock(_key(1)):
+                pass
             self.assertEqual(cache.get(_key(0)), _entry(0))
             os.environ["JAX_SM100_CACHE_DIR"] = str(home / ".cache" / "jax_sm100")
             with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):

@@ -800,6 +800,9 @@ class TrustTest(absltest.TestCase):
         self.assertIn("chmod go-w", "".join(logs.output))
         self.assertTrue(lib.is_file())
         self.assertNotIn(home, lib.parents)
+        # python -m jax_sm100.build_ffi prints a path to ship: never the temporary folder.
+        with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
+            ffi.build(lasting=True)
         os.environ["JAX_SM100_CACHE_DIR"] = str(home / ".cache" / "jax_sm100")
         with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
             ffi.build()

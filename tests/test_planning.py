@@ -463,6 +463,9 @@ class PlanEditsTest(parameterized.TestCase):
             # None is not a dtype here (np.dtype(None) is float64: it planned a float64 GEMM).
             with self.assertRaisesRegex(TypeError, r"a_dtype is None; pass a dtype"):
                 jax_sm100.plan(128, 128, 128, a_dtype=None, b_dtype="bfloat16", arch=arch)
+            with self.assertRaisesRegex(TypeError, r"a_dtype is None; pass one of"):
+                jax_sm100.plan(256, 256, 256, a_dtype=None, b_dtype="float8_e4m3fn",
+                               scale_dtype="float32", scale_block=128, arch=arch)  # fmt: skip
             # nvfp4 data without scales: the fix is the scales, not a cast.
             with self.assertRaisesRegex(TypeError, "runs only block-scaled: pass scale_dtype="):
                 jax_sm100.plan(
@@ -767,6 +770,10 @@ class Sm90ScheduleTest(parameterized.TestCase):
             self.assertIn("split-K x2", q.reason)
             self.assertNotIn("XLA", q.reason)
             self.assertNotIn("ping-pong", q.reason)
+            r = planning.with_split(q, 1)  # and back: unsplit, saying so
+            self.assertEqual((r.kernel, r.split_k, r.reason),
+                             (planning.KERNEL_SM90, 1, "unsplit: tuning.with_split"))  # fmt: skip
+        self.assertNotIn("XLA", planning.with_split(planning.plan(64, 64, 64, **bf), 1).reason)
 
     def test_cooperative_keeps_the_problem(self):
         # tuning.cooperative of a block-scaled or grouped plan is a plan of that same problem

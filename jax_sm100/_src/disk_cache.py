@@ -411,6 +411,10 @@ class KernelCache:
         self._build_locks: dict[str, threading.Lock] = {}
         self._counts = {f.name: 0 for f in dataclasses.fields(CacheStats)}
         self._dir_ready = False
+        # Set once the disk is given up (a default folder found not private, a folder that
+        # cannot be made): `_dir` itself never changes after this, so a thread in the middle
+        # of a lookup or write keeps a valid path.
+        self._off = False
 
     def __repr__(self) -> str:
         return f"KernelCache(directory={self.directory!s}, max_bytes={self._max_bytes})"
@@ -418,7 +422,7 @@ class KernelCache:
     @property
     def directory(self) -> Path | None:
         """The entry directory, or None when the cache is memory-only."""
-        return self._dir
+        return None if self._off else self._dir
 
     @property
     def max_bytes(self) -> int:
@@ -437,7 +441,8 @@ class KernelCache:
     def entry_path(self, key: str) -> Path | None:
         """The file an entry for `key` lives in (None when memory-only)."""
         _check_key(key)
-        return None if self._dir is None else self._dir / (key + _ENTRY_SUFFIX)
+        directory = self.directory
+        return None if directory is None else directory / (key + _ENTRY_SUFFIX)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -468,7 +473,7 @@ class KernelCache:
             # asked of it, so the job goes on with kernels compiled in this process.
             logger.warning("jax_sm100 kernel cache: not using the default folder: %s. Caching "
                            "in memory only", e)  # fmt: skip
-            self._dir = None
+            self._off = True
             return None
         except OSError as e:
             logger.warning("jax_sm100 kernel cache: cannot read %s: %s", path, e)
@@ -501,7 +506,8 @@ class KernelCache:
         Raises:
           ValueError: when `key` is not 64 lowercase hex digits.
           UntrustedCacheError: the directory or the entry could have been written by another
-            user (module docstring, "Trust").
+            user (module docstring, "Trust"); not for the default folder, which the cache then
+            leaves for memory, with a warning.
         """
         _check_key(key)
         entry = self._get_memory(key) or self._get_disk(key)
@@ -528,7 +534,7 @@ class KernelCache:
         entry = CacheEntry(payload=entry.payload, metadata=json.loads(meta))
         with self._lock:
             self._memory[key] = entry
-        if self._dir is not None:
+        if self.directory is not None:
             blob = _encode(key, meta, entry.payload)
             if len(blob) > self._max_bytes:
                 logger.warning(
@@ -543,6 +549,8 @@ class KernelCache:
 
     def _ensure_dir(self) -> bool:
         """Creates the directory on first use; if that fails, the cache stays in memory."""
+        if self._off:
+            return False
         if self._dir_ready:
             return True
         directory = self._dir
@@ -556,7 +564,7 @@ class KernelCache:
                 directory,
                 e,
             )
-            self._dir = None
+            self._off = True
             return False
         self._dir_ready = True
         return True
@@ -565,7 +573,7 @@ class KernelCache:
         """Atomically writes an entry file; False (logged) when the disk refuses."""
         if not self._ensure_dir():
             return False
-        path = self.entry_path(key)
+        path = self._dir / (key + _ENTRY_SUFFIX)
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=_ENTRY_SUFFIX, dir=self._dir)
@@ -649,7 +657,7 @@ class KernelCache:
 
         Best effort: without fcntl, a directory or after `_LOCK_TIMEOUT_S`, it yields unlocked.
         """
-        if fcntl is None or self._dir is None or not self._ensure_dir():
+        if fcntl is None or self.directory is None or not self._ensure_dir():
             yield
             return
         path = self._dir / (key + _LOCK_SUFFIX)
@@ -734,7 +742,7 @@ class KernelCache:
         """
         with self._lock:
             self._memory.clear()
-        if not disk or self._dir is None:
+        if not disk or self.directory is None:
             return
         try:
             listing = list(os.scandir(self._dir))

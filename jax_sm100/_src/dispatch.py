@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -277,11 +278,14 @@ class Lowered:
 HISTORY = 64
 _history: collections.deque[Lowered] = collections.deque(maxlen=HISTORY)
 _listeners: list[list[Lowered]] = []
+_listeners_lock = threading.Lock()  # blocks entered and left by several threads at once
 
 
 def record(lowered: Lowered) -> None:
     _history.append(lowered)
-    for listener in _listeners:
+    with _listeners_lock:
+        listeners = tuple(_listeners)
+    for listener in listeners:
         listener.append(lowered)
 
 
@@ -305,12 +309,14 @@ def lowerings() -> Iterator[list[Lowered]]:
     Only lowerings count: a jitted function already compiled lowers nothing again.
     """
     seen: list[Lowered] = []
-    _listeners.append(seen)
+    with _listeners_lock:
+        _listeners.append(seen)
     try:
         yield seen
     finally:
         # By identity: a nested block's list may equal this one (list.remove compares by ==).
-        for i in range(len(_listeners) - 1, -1, -1):
-            if _listeners[i] is seen:
-                del _listeners[i]
-                break
+        with _listeners_lock:
+            for i in range(len(_listeners) - 1, -1, -1):
+                if _listeners[i] is seen:
+                    del _listeners[i]
+                    break

@@ -90,8 +90,12 @@ def _build_key(src: bytes, include_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-def build() -> pathlib.Path:
+def build(*, lasting: bool = False) -> pathlib.Path:
     """Compiles the handler (if not already built) and returns the shared library's path.
+
+    `lasting=True` (`python -m jax_sm100.build_ffi`, whose path is shipped): never the private
+    temporary folder below, which is removed when the process exits; the default folder that
+    is not private is refused instead, naming the fix.
 
     Raises:
       FfiBuildError: no C++ compiler, or the compile failed (its output is in the message).
@@ -116,8 +120,8 @@ def build() -> pathlib.Path:
         return _build_at(target, src_path, include_dir)
     except disk_cache.UntrustedCacheError as e:
         named = os.environ.get(disk_cache.CACHE_DIR_ENV, "").strip()
-        if named and named.lower() != "off":
-            raise  # a folder the user named: refused, naming the fix
+        if lasting or (named and named.lower() != "off"):
+            raise  # a folder the user named, or a path to keep: refused, naming the fix
         # The default folder under, say, a group-writable ~/.cache (umask 002): built in a
         # private folder of this process's instead (as the kernel cache then keeps to memory).
         disk_cache.logger.warning(

@@ -444,8 +444,6 @@ class GemmPlan:
             cols = _dsl().sm100.compute_acc_tmem_cols_per_stage(
                 cta[0], cta[1], self.use_2cta, mn, False
             )
-            if self.num_acc_stages < 1:
-                raise C.PlanError(f"{self.num_acc_stages=} must be >= 1")
             alloc = _pow2_ceil(
                 max(C.TMEM_MIN_COLS, cols * self.num_acc_stages + scale_tmem_cols(self))
             )

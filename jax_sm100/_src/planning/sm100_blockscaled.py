@@ -67,6 +67,8 @@ def scaled_problem(
     for what, v, known in (("a_dtype", a_dtype, C.OPERAND_BITS),
                            ("b_dtype", b_dtype, C.OPERAND_BITS),
                            ("scale_dtype", scale_dtype, C.SCALE_DTYPE_BITS)):  # fmt: skip
+        if v is None:  # np.dtype(None) is float64: never what a caller meant
+            raise TypeError(f"jax_sm100.plan: {what} is None; pass one of {tuple(known)}")
         names[what] = D.name(v)
         if names[what] not in known:
             raise TypeError(f"a block-scaled problem's {what}={names[what]!r} is not one of "

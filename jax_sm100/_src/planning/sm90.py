@@ -269,7 +269,7 @@ def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPla
     # The reason says what the plan now is (it kept the planner's: "XLA dot: a small problem",
     # "ping-pong tile", beside a split cooperative kernel).
     reason = (f"split-K x{split} (partials summed by {reduce}): tuning.with_split" if split > 1
-              else f"{plan.reason} (unsplit: tuning.with_split)")  # fmt: skip
+              else "unsplit: tuning.with_split")  # fmt: skip
     edited = dataclasses.replace(
         plan, kernel=kernel, reason=reason, split_k=split, split_reduce=reduce,
         cluster_shape_mn=cluster,
