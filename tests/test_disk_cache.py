@@ -337,6 +337,11 @@ class KernelCacheTest(parameterized.TestCase):
             with cache._interprocess_lock(_key(1)):
                 pass
             self.assertEqual(cache.get(_key(0)), _entry(0))
+            # A store before any lookup writes nothing there either.
+            cache = disk_cache.KernelCache()
+            with self.assertLogs(disk_cache.logger, "WARNING"):
+                cache.put(_key(2), _entry(2))
+            self.assertEqual(list((home / ".cache" / "jax_sm100").iterdir()), [])
             os.environ["JAX_SM100_CACHE_DIR"] = str(home / ".cache" / "jax_sm100")
             with self.assertRaisesRegex(disk_cache.UntrustedCacheError, "chmod go-w"):
                 disk_cache.KernelCache().get(_key(0))

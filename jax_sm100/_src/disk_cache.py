@@ -566,6 +566,16 @@ class KernelCache:
             )
             self._off = True
             return False
+        if self._default_dir:
+            # Decided before anything is written there (`_get_disk` decides it for a folder
+            # that a lookup meets first).
+            try:
+                check_private_dir(directory)
+            except UntrustedCacheError as e:
+                logger.warning("jax_sm100 kernel cache: not using the default folder: %s. "
+                               "Caching in memory only", e)  # fmt: skip
+                self._off = True
+                return False
         self._dir_ready = True
         return True
 
