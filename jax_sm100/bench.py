@@ -814,6 +814,43 @@ def plot(rows: list[Row], path: str) -> None:
     print(f"plot: {path}")
 
 
+def parse_shapes(ap, text: str, form: str, flag: str = "--shapes") -> list[tuple[int, ...]]:
+    """`text` ("AxBxC,...") as tuples of positive ints of `form` ("MxNxK", or "G:MxKxN" with a
+    leading field before a colon), or `ap.error` naming the flag (a mistyped shape was a
+    traceback)."""
+    lead = ":" in form
+    dims = form.count("x") + 1 + lead
+    shapes = []
+    for spec in text.split(","):
+        try:
+            fields = spec.split(":", 1) if lead else [spec]
+            if len(fields) != 1 + lead:
+                raise ValueError
+            shape = tuple(int(v) for f in fields for v in f.split("x"))
+        except ValueError:
+            shape = ()
+        if len(shape) != dims or min(shape) < 1:
+            ap.error(f"{flag}: {spec!r} is not {form} of positive ints")
+        shapes.append(shape)
+    return shapes
+
+
+def parse_dtype(ap, name: str, flag: str):
+    """`name` as a jnp dtype, or `ap.error` naming the flag."""
+    try:
+        return jnp.dtype(name)
+    except TypeError:
+        ap.error(f"{flag}: {name!r} is not a dtype (e.g. bfloat16)")
+
+
+def say_if_no_kernels() -> None:
+    """A line saying so where this process has no GPU the kernels run on: every side then
+    runs XLA's ops, and the ratios below compare XLA with XLA."""
+    if dispatch.device_target() is None:
+        print("(no sm_90a or sm_100a GPU here: every side runs XLA's ops, so the ratios "
+              "below compare XLA with XLA and say nothing of the kernels)")  # fmt: skip
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--train" in argv:
@@ -850,12 +887,15 @@ def main(argv=None) -> int:
     if args.unroll < 1:
         ap.error(f"--unroll must be >= 1, got {args.unroll}")
     dtypes = args.dtypes.split(",")
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    for dtype in dtypes:
+        parse_dtype(ap, dtype, "--dtypes")
+    shapes = parse_shapes(ap, args.shapes, "MxNxK")
     methods = METHODS if args.method == "both" else (args.method,)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
           f"target {dispatch.device_target()}, methods {'+'.join(methods)}, "
           f"device-method unroll {args.unroll}")  # fmt: skip
+    say_if_no_kernels()
     rows = run(shapes, dtypes, methods, device_seconds=args.device_ms / 1e3, unroll=args.unroll)
     report(rows, methods)
     if "device" in methods:

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 import jax_sm100
-from jax_sm100 import bench_train
+from jax_sm100 import bench, bench_train
 from jax_sm100._src import constraints, quantize_both
 
 SHAPES = ((8192, 14336), (8192, 4096), (8192, 12288), (14336, 4096))
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         ap.error(f"--recipes: {bad} not in {RECIPES}")
     shapes = SMALL if args.small else SHAPES
     if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        shapes = bench.parse_shapes(ap, args.shapes, "RxC")
     dev = jax.devices()[0]
     steps = 5 if args.small else 50
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16 in, "

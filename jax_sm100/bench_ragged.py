@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 import jax_sm100
+from jax_sm100 import bench
 from jax_sm100._src import ragged
 from jax_sm100.bench_train import time_steps, time_steps_alike
 
@@ -287,12 +288,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     problems = SMALL if args.small else PROBLEMS
     if args.shapes:
-        problems = []
-        for spec in args.shapes.split(","):
-            g, mkn = spec.split(":")
-            problems.append((int(g), *(int(v) for v in mkn.split("x"))))
+        problems = bench.parse_shapes(ap, args.shapes, "G:MxKxN")
     dev = jax.devices()[0]
-    dtype = jnp.dtype(args.dtype)
+    dtype = bench.parse_dtype(ap, args.dtype, "--dtype")
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, {dtype.name}, "
           "wall clock, median of 5 rounds of 10 calls")  # fmt: skip
     _header()

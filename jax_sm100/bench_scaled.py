@@ -195,8 +195,9 @@ def main(argv=None) -> int:
                     help="MxNxK,... (default: " + ",".join(
                         "x".join(map(str, s)) for s in PROBLEMS) + ")")  # fmt: skip
     ap.add_argument("--small", action="store_true", help="tiny problems (a CPU smoke test)")
-    ap.add_argument("--device-ms", type=float, default=20.0,
-                    help="grow R until one timed call takes this long")  # fmt: skip
+    ap.add_argument("--device-ms", type=float, default=None,
+                    help="grow R until one timed call takes this long (default 20; 1 with "
+                         "--small)")  # fmt: skip
     ap.add_argument("--overlap", choices=tuple(OVERLAP), default=None,
                     help="ours' main loop on sm_90a: off, on (promotion under the next "
                          "k-block's MMAs) or both, a row each (default: the environment's "
@@ -205,9 +206,11 @@ def main(argv=None) -> int:
                     help=f"products per loop iteration (default {bench.DEFAULT_UNROLL}; 2 with "
                          "--small, which compiles faster)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.unroll is not None and args.unroll < 1:
+        ap.error(f"--unroll must be >= 1, got {args.unroll}")
     problems = SMALL if args.small else PROBLEMS
     if args.shapes:
-        problems = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        problems = bench.parse_shapes(ap, args.shapes, "MxNxK")
     dev = jax.devices()[0]
     with_jax_nn = dev.platform == "gpu"
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, float8_e4m3fn "
@@ -215,7 +218,9 @@ def main(argv=None) -> int:
     if not with_jax_nn:
         print("(jax.nn.scaled_matmul has no lowering here: left out)")
     unroll = args.unroll or (2 if args.small else bench.DEFAULT_UNROLL)
-    min_seconds = 0.001 if args.small else args.device_ms / 1e3
+    # --small times 1 ms a call unless --device-ms is given (it was ignored with --small).
+    device_ms = args.device_ms if args.device_ms is not None else (1.0 if args.small else 20.0)
+    min_seconds = device_ms / 1e3
     overlap = OVERLAP[args.overlap] if args.overlap else (None,)
     report(run(problems, min_seconds=min_seconds, unroll=unroll, with_jax_nn=with_jax_nn,
                overlap=overlap))  # fmt: skip

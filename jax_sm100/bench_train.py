@@ -404,9 +404,12 @@ def main(argv=None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="the models with fp8 training products instead (FP8_SIDES)")  # fmt: skip
     args = ap.parse_args(argv)
+    if bad := sorted(set(args.models.split(",")) - {"mlp", "transformer"}):
+        ap.error(f"--models: {bad} not in mlp, transformer")
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, bfloat16, "
           "value_and_grad(loss, argnums=(0, 1))")  # fmt: skip
+    bench.say_if_no_kernels()
     if args.fp8:
         report_fp8(run_fp8(args.models.split(",")))
         return 0

@@ -653,5 +653,30 @@ class ScaledBenchTest(absltest.TestCase):
             bench.time_device([product, product], a, a, contexts=[None])
 
 
+class CommandLineTest(parameterized.TestCase):
+    """Mistyped arguments of `python -m jax_sm100.bench` are usage errors naming the flag, before
+    anything runs (they were tracebacks, or silently ignored)."""
+
+    @parameterized.parameters(
+        ("bench", ["--shapes", "128x128"], "is not MxNxK"),
+        ("bench", ["--dtypes", "bogus"], "is not a dtype"),
+        ("bench_ragged", ["--shapes", "4:256x64"], "is not G:MxKxN"),
+        ("bench_ragged", ["--dtype", "bogus"], "is not a dtype"),
+        ("bench_scaled", ["--unroll", "0"], "--unroll must be >= 1"),
+        ("bench_scaled", ["--shapes", "64x64"], "is not MxNxK"),
+        ("bench_quantize", ["--shapes", "100"], "is not RxC"),
+        ("bench_train", ["--models", "bogus"], "not in mlp, transformer"),
+    )
+    def test_bad_arguments_are_usage_errors(self, module, argv, message):
+        import importlib  # noqa: PLC0415
+
+        main = importlib.import_module(f"jax_sm100.{module}").main
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as cm:
+            main(argv)
+        self.assertEqual(cm.exception.code, 2)
+        self.assertIn(message, err.getvalue())
+
+
 if __name__ == "__main__":
     absltest.main()
