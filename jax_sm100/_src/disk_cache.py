@@ -210,6 +210,14 @@ class CacheStats:
     evictions: int = 0
 
 
+def folder_named_by_env() -> bool:
+    """Whether `JAX_SM100_CACHE_DIR` names a folder (set, and not "off"): a folder the user
+    chose, refused when untrusted, where the default one is passed over (`KernelCache`,
+    `ffi.build`)."""
+    value = os.environ.get(CACHE_DIR_ENV, "").strip()
+    return bool(value) and value.lower() != "off"
+
+
 def cache_dir_from_env() -> Path | None:
     """The cache directory the environment asks for; None when `JAX_SM100_CACHE_DIR=off`."""
     value = os.environ.get(CACHE_DIR_ENV, "").strip()
@@ -394,7 +402,7 @@ class KernelCache:
         """
         # The default folder (no directory given, none in the environment): where it is not
         # private, the cache warns and runs in memory instead of refusing (`_get_disk`).
-        self._default_dir = directory is None and not os.environ.get(CACHE_DIR_ENV, "").strip()
+        self._default_dir = directory is None and not folder_named_by_env()
         if directory is None:
             self._dir = cache_dir_from_env()
         elif os.fspath(directory).strip().lower() == "off":
@@ -469,11 +477,7 @@ class KernelCache:
         except UntrustedCacheError as e:
             if not self._default_dir:
                 raise  # a folder the user named: refuse it, naming the fix
-            # The default folder under, say, a group-writable ~/.cache (umask 002): nothing was
-            # asked of it, so the job goes on with kernels compiled in this process.
-            logger.warning("jax_sm100 kernel cache: not using the default folder: %s. Caching "
-                           "in memory only", e)  # fmt: skip
-            self._off = True
+            self._leave_default(e)
             return None
         except OSError as e:
             logger.warning("jax_sm100 kernel cache: cannot read %s: %s", path, e)
@@ -547,6 +551,13 @@ class KernelCache:
                 self._evict(keep=key)
         return entry
 
+    def _leave_default(self, why: UntrustedCacheError) -> None:
+        """Gives up the default folder found not private (a group-writable ~/.cache, umask
+        002, say): nothing was asked of it, so the job goes on with this process's kernels."""
+        logger.warning("jax_sm100 kernel cache: not using the default folder: %s. Caching in "
+                       "memory only", why)  # fmt: skip
+        self._off = True
+
     def _ensure_dir(self) -> bool:
         """Creates the directory on first use; if that fails, the cache stays in memory."""
         if self._off:
@@ -572,9 +583,7 @@ class KernelCache:
             try:
                 check_private_dir(directory)
             except UntrustedCacheError as e:
-                logger.warning("jax_sm100 kernel cache: not using the default folder: %s. "
-                               "Caching in memory only", e)  # fmt: skip
-                self._off = True
+                self._leave_default(e)
                 return False
         self._dir_ready = True
         return True

@@ -316,7 +316,4 @@ def lowerings() -> Iterator[list[Lowered]]:
     finally:
         # By identity: a nested block's list may equal this one (list.remove compares by ==).
         with _listeners_lock:
-            for i in range(len(_listeners) - 1, -1, -1):
-                if _listeners[i] is seen:
-                    del _listeners[i]
-                    break
+            _listeners[:] = [x for x in _listeners if x is not seen]

@@ -119,8 +119,7 @@ def build(*, lasting: bool = False) -> pathlib.Path:
     try:
         return _build_at(target, src_path, include_dir)
     except disk_cache.UntrustedCacheError as e:
-        named = os.environ.get(disk_cache.CACHE_DIR_ENV, "").strip()
-        if lasting or (named and named.lower() != "off"):
+        if lasting or disk_cache.folder_named_by_env():
             raise  # a folder the user named, or a path to keep: refused, naming the fix
         # The default folder under, say, a group-writable ~/.cache (umask 002): built in a
         # private folder of this process's instead (as the kernel cache then keeps to memory).
