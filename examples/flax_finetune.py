@@ -204,7 +204,9 @@ def main():
     results = {}
     if args.only in (None, "ours") and args.fp8:
         label = "ours fp8 (jax_sm100.scaled_dot_general, DEEPSEEK_V3)"
-        fp8_dot = functools.partial(jax_sm100.scaled_dot_general, configs=jax_sm100.DEEPSEEK_V3)
+        # The operands' dtype out, as lax.dot_general's (jax.nn's default is float32).
+        fp8_dot = functools.partial(jax_sm100.scaled_dot_general, configs=jax_sm100.DEEPSEEK_V3,
+                                    preferred_element_type=None)  # fmt: skip
         results[label] = run(label, args, fp8_dot, False, data)
     elif args.only in (None, "ours"):
         label = "ours (jax_sm100.dot_general" + (", fused up-projection)" if args.fused else ")")

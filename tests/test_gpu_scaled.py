@@ -325,6 +325,26 @@ class GpuScaledTest(parameterized.TestCase):
             )
             np.testing.assert_array_equal(np.asarray(out).astype(np.float64), want)
 
+    @parameterized.parameters(1, 128)
+    def test_subnormal_scales_exact(self, b_rows):
+        # A's scales subnormal (2^-130 to 2^-127, as an e8m0 0x00 is), B's 2^100: the kernel
+        # multiplies the two first, a normal float32 number, so integer data gives the float64
+        # product exactly (the CPU path flushed such scales to zero before its fix).
+        if b_rows == 1:
+            lhs, ls = _integer_operand(jax.random.key(21), 1, 300, 512, E4M3)
+            rhs, rs = _integer_operand(jax.random.key(22), 1, 200, 512, E4M3)
+        else:
+            lhs, rhs, ls, rs = _integer_tiled_operands(23)
+        ls = jnp.asarray(np.asarray(ls, np.float32) * np.float32(2.0**-130))
+        rs = jnp.asarray(np.asarray(rs, np.float32) * np.float32(2.0**100))
+        self.assertTrue(np.all(np.asarray(ls) < np.finfo(np.float32).tiny))
+        out, seen = _run(lhs, rhs, ls, rs, jnp.float32)
+        self.assert_on_kernel(seen, None)
+        self.assertEqual(seen[0].plan.b_scale_rows, b_rows)
+        want = _reference64(lhs, rhs, ls, rs)
+        self.assertTrue(np.any(want != 0))
+        np.testing.assert_array_equal(np.asarray(out, np.float64), want.astype(np.float32))
+
     @parameterized.parameters(((256, 128), False), ((128, 128), False), ((128, 128), True),
                               ((128, 64), False), ((128, 64), True))  # fmt: skip
     def test_weight_tiles_of_every_window_exact(self, tile_mn, overlap):

@@ -511,6 +511,51 @@ class ScaledMatmulTest(parameterized.TestCase):
             jax_sm100.quantize(jnp.ones((4, 48), jnp.float32), "mxfp8")
         with self.assertRaisesRegex(TypeError, "complex64.*real and imaginary parts apart"):
             jax_sm100.quantize(jnp.ones((4, 128), jnp.complex64), "fp8_block128")
+        with self.assertRaisesRegex(ValueError, "jax_sm100.quantize: x is a scalar.*pass an array"):
+            jax_sm100.quantize(jnp.float32(1.0), "fp8_block128")
+        # The lowering's transposed quantization (scaled_dot_general) refuses alike: its
+        # complex input lost the imaginary part, and a vector failed unpacking its shape.
+        with self.assertRaisesRegex(TypeError, "complex64.*real and imaginary parts apart"):
+            scaled.quantize_transposed(jnp.ones((128, 4), jnp.complex64), "fp8_block128")
+        with self.assertRaisesRegex(ValueError, "1-D.*takes \\[..., k, rows\\]"):
+            scaled.quantize_transposed(jnp.ones(128), "fp8_block128")
+
+    @parameterized.parameters("float8_e8m0fnu", "float32", "bfloat16")
+    def test_subnormal_scales_count(self, scale_dtype):
+        # A subnormal scale (e8m0's 0x00 is 2^-127, a valid MX scale) times fp8 data is a
+        # normal float32 number, and so is the product: XLA's CPU read the scale as zero, and
+        # the product came out 0 (the same product with the small factor on the other side
+        # was right). Forward and both data gradients, against float64.
+        k = 64
+        # Data of 256 to 448 times scales from 3 x 2^-134: each dequantized element normal.
+        lhs = jnp.asarray(np.random.default_rng(3).uniform(256, 448, (1, 2, k)), jnp.float8_e4m3fn)
+        rhs = jnp.asarray(np.random.default_rng(4).uniform(1, 2, (1, 3, k)), jnp.float8_e4m3fn)
+        small = np.array([2.0**-127, 3 * 2.0**-134], np.float32).reshape(1, 2, 1)
+        if scale_dtype == "float8_e8m0fnu":
+            small = np.full((1, 2, 1), 2.0**-127, np.float32)
+        big = np.full((1, 3, 1), 2.0**100, np.float32)
+        # Converted by numpy (ml_dtypes): XLA's CPU flushes a subnormal input of its own.
+        ls, rs = (jnp.asarray(x.astype(jnp.dtype(scale_dtype))) for x in (small, big))
+        self.assertTrue(np.all(np.asarray(ls, np.float64) > 0))
+        want = _reference64(lhs, rhs, ls, rs)
+        for f in (jax_sm100.scaled_matmul, jax.jit(jax_sm100.scaled_matmul)):
+            got = np.asarray(f(lhs, rhs, ls, rs))
+            np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=scale_dtype)
+        lhs32, rhs32 = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
+        g_lhs, g_rhs = jax.grad(
+            lambda a, b: jax_sm100.scaled_matmul(a, b, ls, rs).sum(), argnums=(0, 1)
+        )(lhs32, rhs32)
+        scale_l, scale_r = np.asarray(ls, np.float64), np.asarray(rs, np.float64)
+        np.testing.assert_allclose(  # d/d lhs[m, k] = sl[m] * sum_n sr[n] rhs[n, k]
+            g_lhs,
+            scale_l * (scale_r * np.asarray(rhs32, np.float64)).sum(1, keepdims=True),
+            rtol=1e-5,
+        )
+        np.testing.assert_allclose(
+            g_rhs,
+            scale_r * (scale_l * np.asarray(lhs32, np.float64)).sum(1, keepdims=True),
+            rtol=1e-5,
+        )
 
     def test_batches_and_blocks_must_match(self):
         # Operands or scales of another batch count are refused, not broadcast; blocked scales

@@ -172,8 +172,8 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
 
     Raises:
       ValueError: an unknown recipe, an axis out of x's bounds or whose length the block does
-        not divide, a 1-D x for a blocked or 128 x 128 recipe, or `global_scale` for a recipe
-        other than nvfp4.
+        not divide, a scalar x, a 1-D x for a blocked or 128 x 128 recipe, or `global_scale`
+        for a recipe other than nvfp4.
       TypeError: a `data_dtype` the recipe does not take.
     """
     if recipe not in RECIPES:
@@ -184,18 +184,18 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             f"jax_sm100.quantize: global_scale is for nvfp4, whose float8_e4m3fn scales span "
             f"2^-9 to 448; {recipe}'s {r.scale_dtype} scales cover x's range without one"
         )
-    x = P.as_array(x, "quantize", "x")
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):  # (its imaginary part was dropped)
-        raise TypeError(
-            f"jax_sm100.quantize: x is {x.dtype}; it quantizes real values: quantize the real "
-            "and imaginary parts apart"
+    x = _real(P.as_array(x, "quantize", "x"), "jax_sm100.quantize")
+    if not x.ndim:
+        raise ValueError(
+            "jax_sm100.quantize: x is a scalar; it quantizes blocks along an axis: pass an "
+            "array whose contracting dim (axis) holds a multiple of the block"
         )
-    if x.ndim and not -x.ndim <= axis < x.ndim:
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(
             f"jax_sm100.quantize: axis {axis} is out of bounds for an array of dimension "
             f"{x.ndim}; pass the contracting dim, in [-{x.ndim}, {x.ndim})"
         )
-    axis = axis % x.ndim if x.ndim else axis
+    axis = axis % x.ndim
     if (r.layout == "plain" and r.row_block == 1 and x.ndim > 1 and axis != x.ndim - 1
             and P.explicit_type(x) is None):  # fmt: skip
         _check_divides(x.shape[axis], recipe, r.block)
@@ -247,6 +247,16 @@ def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: b
             scale = tile_scale  # one per tile
         out = (jnp.moveaxis(data, -1, axis), jnp.moveaxis(scale, -1, axis))
     return out if g is None else (*out, g)
+
+
+def _real(x, who: str):
+    """x, or a TypeError where it is complex (its imaginary part would be dropped)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"{who}: x is {x.dtype}; it quantizes real values: quantize the real and "
+            "imaginary parts apart"
+        )
+    return x
 
 
 def recipe_with(recipe: str, data_dtype, who: str) -> Recipe:
@@ -320,6 +330,12 @@ def quantize_transposed(x, recipe: str, *, data_dtype=None):
             "other recipes use jax_sm100.quantize(jnp.swapaxes(x, -1, -2), recipe)"
         )
     r = recipe_with(recipe, data_dtype, "quantize_transposed")
+    x = _real(jnp.asarray(x), "quantize_transposed")
+    if x.ndim < 2:
+        raise ValueError(
+            f"quantize_transposed: x is {x.ndim}-D; it takes [..., k, rows] (for a vector "
+            "use jax_sm100.quantize)"
+        )
     *lead, k, rows = x.shape
     _check_divides(k, recipe, r.block)
     top = float(jnp.finfo(r.data_dtype).max)
@@ -442,10 +458,15 @@ def out_spec(lhs, rhs):
     return PartitionSpec(*map(P.spec_entry, parts))
 
 
-def _dequantized(data, scales):
+def _dequantized(data, scales, exact: bool = True):
     """data * scales repeated over each block, float32, typed as `data` under Explicit axes
-    (the scales resharded to it; a split k that does not fall on whole blocks gathered)."""
+    (the scales resharded to it; a split k that does not fall on whole blocks gathered).
+    With `exact` a subnormal scale counts as its value (`_normal_scales`); without, the
+    product is linear in `scales` (a tangent's), which XLA's CPU then reads as zero there."""
     scales = scale_layout.plain(data.shape, scales).astype(jnp.float32)
+    post = None
+    if exact:
+        scales, post = _normal_scales(scales)
     *lead, rows, k = data.shape
     blocks = scales.shape[-1]
     data = data.astype(jnp.float32)
@@ -460,14 +481,42 @@ def _dequantized(data, scales):
         want = NamedSharding(mesh, PartitionSpec(*map(P.spec_entry, axes)))
         if P.explicit_type(scales) != want:
             scales = jax.sharding.reshard(scales, want)
+        if post is not None and P.explicit_type(post) != want:
+            post = jax.sharding.reshard(post, want)
     out = data.reshape((*lead, rows, blocks, k // blocks)) * scales[..., None]
+    if post is not None:
+        out = out * post[..., None]
     return out.reshape(data.shape)
 
 
-def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype, precision=lax.Precision.HIGHEST):
+# A subnormal float32 scale s (an e8m0 0x00 is 2^-127; float32 and bfloat16 scales may be
+# subnormal too) is its 23-bit fraction f times 2^-149. XLA's CPU reads subnormal operands of
+# arithmetic as zero, so data * s would be 0 where the product itself is a normal number:
+# the scale is rebuilt from its bits as f * 2^-85 (normal), and the product taken times 2^-64
+# after it, exact where the result is normal.
+_SUBNORMAL_LIFT = 64
+
+
+def _normal_scales(scales):
+    """(s, post) for float32 `scales`: s * post == scales in value, s normal or zero and post
+    1, or 2^-64 where a scale is subnormal."""
+    bits = lax.bitcast_convert_type(scales, jnp.uint32)
+    subnormal = (bits & 0x7F800000) == 0
+    frac = (bits & 0x007FFFFF).astype(jnp.int32).astype(jnp.float32)
+    lifted = frac * np.float32(2.0 ** (_SUBNORMAL_LIFT - 149))
+    lifted = jnp.where((bits >> 31) != 0, -lifted, lifted)
+    s = jnp.where(subnormal, lifted, scales)
+    post = jnp.where(subnormal, np.float32(2.0**-_SUBNORMAL_LIFT), np.float32(1.0))
+    return s, post
+
+
+def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype, precision=lax.Precision.HIGHEST,
+              tangent=None):  # fmt: skip
     """The documented math in XLA ops, float32 throughout, rounded once; `precision` the
-    product's (the tangents of 8- and 4-bit data take JAX's default: `_jvp`)."""
-    a, b = _dequantized(lhs, lhs_scales), _dequantized(rhs, rhs_scales)
+    product's (the tangents of 8- and 4-bit data take JAX's default: `_jvp`). `tangent`: the
+    index of an operand that is a tangent (`_jvp`), so that the result stays linear in it."""
+    a = _dequantized(lhs, lhs_scales, exact=tangent != 2)
+    b = _dequantized(rhs, rhs_scales, exact=tangent != 3)
     spec = out_spec(a, b)
     out_sharding = None
     if spec is not None:
@@ -654,7 +703,8 @@ def _jvp(primals, tangents, *, out_dtype):
         # HIGHEST.
         narrow = i < 2 and np.dtype(primals[i].dtype).name in _SATURATED
         precision = None if narrow else lax.Precision.HIGHEST
-        terms.append(reference(*args, out_dtype=np.dtype(np.float32), precision=precision))
+        terms.append(reference(*args, out_dtype=np.dtype(np.float32), precision=precision,
+                               tangent=i))  # fmt: skip
     if not terms:
         return out, ad.Zero.from_primal_value(out)
     return out, sum(terms[1:], terms[0]).astype(out_dtype)

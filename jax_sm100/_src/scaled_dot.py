@@ -129,7 +129,9 @@ def scaled_dot_general(
       lhs, rhs: floating arrays in high precision (quantized inside).
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       preferred_element_type: the result dtype: float32 (the default), bfloat16 or float16;
-        None takes the operands' promoted dtype (as `flax.nnx.Linear` passes it).
+        None takes the operands' promoted dtype, as `lax.dot_general` does: pass it in the
+        partial given to a Flax layer as `dot_general=` (Flax passes none unless the layer
+        sets one, and a bfloat16 layer would otherwise return float32).
       configs: three configs, for lhs, rhs and the gradient (see the module docstring), e.g.
         `jax_sm100.DEEPSEEK_V3` or `[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3`. None
         runs `jax_sm100.dot_general` unquantized, as `jax.nn.scaled_dot_general` runs
