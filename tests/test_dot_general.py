@@ -226,7 +226,9 @@ class FallbackTest(parameterized.TestCase):
         (lax.DotAlgorithmPreset.BF16_BF16_F32, "bfloat16"),
         ("BF16_BF16_F32", "bfloat16"),
         ("F16_F16_F32", "float16"),
-        (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, "float8_e4m3fn"),
+        (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM, "float8_e4m3fn"),
+        ("ANY_F8_ANY_F8_F32_FAST_ACCUM", "float8_e5m2"),
+        (lax.Precision.DEFAULT, "float8_e4m3fn"),
     )
     def test_precision_of_16_bit_operands_runs_on_the_primitive(self, precision, dtype):
         lhs, rhs = _operands((24, 40), (40, 16), dtype)
@@ -236,6 +238,41 @@ class FallbackTest(parameterized.TestCase):
         self.assertIn("jax_sm100_matmul", names)
         self.assertIn("jax_sm100_matmul", _eqn_names(
             lambda a, b: jax_sm100.matmul(a, b, precision=precision), lhs, rhs))  # fmt: skip
+
+    @parameterized.parameters(
+        (lax.Precision.HIGHEST, "HIGHEST"),
+        ("high", "HIGH"),
+        ((lax.Precision.DEFAULT, lax.Precision.HIGHEST), "HIGHEST"),
+        (lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32, "ANY_F8_ANY_F8_F32"),
+    )
+    def test_fp8_products_asking_for_float32_accumulation_run_on_lax(self, precision, name):
+        # Two fp8 operands accumulate in the fp8 tensor core's accumulator on the kernels (as
+        # cuBLAS's fast accumulation, which XLA uses at DEFAULT only); a precision asking for
+        # float32 accumulation ran on them all the same, about 1e-3 off on Hopper at large k.
+        dn = (((1,), (0,)), NO_BATCH)
+        for a, b in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e4m3fn")):
+            lhs, rhs = _operands((24, 40), (40, 16), a)
+            rhs = rhs.astype(b)
+            with jax_sm100.lowerings() as seen:
+                names = _eqn_names(lambda x, y: jax_sm100.dot_general(x, y, dn, precision),
+                                   lhs, rhs)  # fmt: skip
+            self.assertNotIn("jax_sm100_matmul", names, (precision, a, b))
+            self.assertIn(f"precision={name} with two fp8 operands asks for float32 "
+                          "accumulation", seen[-1].note)  # fmt: skip
+            self.assertNotIn("jax_sm100_matmul", _eqn_names(
+                lambda x, y: jax_sm100.matmul(x, y, precision=precision), lhs, rhs))  # fmt: skip
+            try:
+                want = lax.dot_general(lhs, rhs, dn, precision)
+            except ValueError as e:  # the preset on CPU: "not supported by dot_general"
+                with self.assertRaisesRegex(ValueError, "not supported"):
+                    jax_sm100.dot_general(lhs, rhs, dn, precision)
+                self.assertIn("not supported", str(e))
+                continue
+            got = jax_sm100.dot_general(lhs, rhs, dn, precision)
+            self.assertEqual(jax.typeof(got), jax.typeof(want))
+            np.testing.assert_array_equal(got, want)
+        # An fp8 operand beside a 16-bit one: the pair's product is exact in float32.
+        self.assertIsNone(DG.precision_reason(lax.Precision.HIGHEST, "float8_e4m3fn", "bfloat16"))
 
     def test_precision_reason_of_mixed_operands(self):
         # One float32 operand is enough for HIGHEST to go to lax; a preset must name both.

@@ -1186,6 +1186,21 @@ class RaggedDotTest(parameterized.TestCase):
         self.assertEqual(seen, [])
         self.assertIn("precision=None", jaxpr)
 
+    def test_fp8_at_highest_runs_on_lax(self):
+        # One fp8 format: the fp8 grouped kernel accumulates in the tensor core's fp8
+        # accumulator, so HIGHEST (float32 accumulation) runs on XLA's ragged dot; two formats
+        # are widened to bfloat16 first and stay on the kernels (the product is exact).
+        sizes = jnp.array([5, 0, 9], jnp.int32)
+        rng = np.random.default_rng(31)
+        lhs = jnp.asarray(rng.standard_normal((16, 32)), jnp.float8_e4m3fn)
+        rhs = jnp.asarray(rng.standard_normal((3, 32, 8)), jnp.float8_e4m3fn)
+        for b, lax_path in ((rhs, True), (rhs.astype(jnp.float8_e5m2), False)):
+            with jax_sm100.lowerings() as seen:
+                jax.make_jaxpr(lambda x, y: jax_sm100.ragged_dot(
+                    x, y, sizes, precision=lax.Precision.HIGHEST))(lhs, b)  # fmt: skip
+            notes = " ".join(x.note for x in seen)
+            self.assertEqual("asks for float32 accumulation" in notes, lax_path, notes)
+
     @parameterized.parameters(False, True)
     def test_fp8_beside_float16_runs_on_the_float16_kernel(self, fp8_rhs):
         # An fp8 operand beside a float16 one is widened to float16 (not bfloat16, which

@@ -27,8 +27,11 @@ Algorithm (`gemm_form`):
 Anything else runs on `lax.dot_general` itself, recorded in `jax_sm100.lowerings()` with the
 reason: no contracting dim (an outer product), non-floating operands or result, an empty dim,
 `precision=HIGHEST` on float32 operands (the SM100 kernels multiply float32 as tf32, which meets
-DEFAULT and HIGH only) and explicit dot algorithms other than the kernels' own
-(`KERNEL_ALGORITHMS`: BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands).
+DEFAULT and HIGH only), a precision above DEFAULT (or ANY_F8_ANY_F8_F32) on two fp8 operands
+(XLA then accumulates in float32; the kernels, as cuBLAS's fast accumulation, in the fp8 tensor
+core's accumulator: `precision_reason`) and explicit dot algorithms other than the kernels' own
+(`KERNEL_ALGORITHMS`: BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32_FAST_ACCUM of such
+operands).
 """
 
 from __future__ import annotations
@@ -148,25 +151,40 @@ def gemm_form(lhs_shape, rhs_shape, dimension_numbers) -> GemmForm | str:
 
 
 # The dot algorithms the kernels compute (operands of the named dtypes multiplied exactly, float32
-# accumulation): a preset naming one runs on the kernels for such operands, as DEFAULT does.
+# accumulation; two fp8 operands in the tensor core's fp8 accumulator, below): a preset naming
+# one runs on the kernels for such operands, as DEFAULT does.
 KERNEL_ALGORITHMS = {
     "BF16_BF16_F32": ("bfloat16",),
     "F16_F16_F32": ("float16",),
-    "ANY_F8_ANY_F8_F32": FP8_DTYPES,
+    "ANY_F8_ANY_F8_F32_FAST_ACCUM": FP8_DTYPES,
 }
+# Hopper's fp8 wgmma adds each k32 step into its float32 accumulator keeping about 14 mantissa
+# bits (the DeepSeek-V3 report, 3.5.2; tests/test_gpu_scaled.py), and the dense and grouped
+# kernels accumulate there for the whole k: cuBLAS's "fast accumulation", which XLA asks for
+# at DEFAULT precision only. HIGH, HIGHEST and ANY_F8_ANY_F8_F32 of two fp8 operands ask for
+# float32 accumulation (XLA promotes), so they run on lax.
+_FP8_FULL_ACCUMULATION = (
+    "with two fp8 operands asks for float32 accumulation; the kernels accumulate in the fp8 "
+    "tensor core's accumulator (XLA's DEFAULT, cuBLAS's fast accumulation; "
+    "ANY_F8_ANY_F8_F32_FAST_ACCUM names it)"
+)
 
 
-def precision_reason(precision, lhs_dtype, rhs_dtype) -> str | None:
+def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> str | None:
     """Why the kernels would not meet `precision` for these operand dtypes, or None.
 
     `precision` is taken as lax canonicalizes it: None is `jax.default_matmul_precision`'s
     value, and a preset may be given by name.
 
-    The kernels multiply 16-bit and fp8 operands exactly and accumulate in float32, which meets
-    every `lax.Precision` and the presets that name those operands (`KERNEL_ALGORITHMS`);
-    float32 operands run as tf32 on SM100 (DEFAULT and HIGH, as XLA's dot on a GPU), so
-    HIGHEST goes to lax. A `lax.DotAlgorithm` and every other preset go to lax, which
-    implements them as asked.
+    The kernels multiply 16-bit operands exactly and accumulate in float32, which meets every
+    `lax.Precision` and the presets that name those operands (`KERNEL_ALGORITHMS`); float32
+    operands run as tf32 on SM100 (DEFAULT and HIGH, as XLA's dot on a GPU), so HIGHEST goes
+    to lax. Two fp8 operands accumulate in the fp8 tensor core's accumulator, which is what
+    XLA computes at DEFAULT (and ANY_F8_ANY_F8_F32_FAST_ACCUM names); HIGH, HIGHEST and
+    ANY_F8_ANY_F8_F32 ask for float32 accumulation and go to lax. A `lax.DotAlgorithm` and
+    every other preset go to lax, which implements them as asked. `fp8_mma=False`: fp8
+    operands that the caller widens to 16 bits first (exactly), whose product then meets
+    every precision and ANY_F8_ANY_F8_F32.
     """
     from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
 
@@ -179,9 +197,14 @@ def precision_reason(precision, lhs_dtype, rhs_dtype) -> str | None:
             return None
         if names <= set(KERNEL_ALGORITHMS.get(canonical.name, ())):
             return None
+        if canonical.name == "ANY_F8_ANY_F8_F32" and names <= set(FP8_DTYPES):
+            return f"precision={canonical.name} {_FP8_FULL_ACCUMULATION}" if fp8_mma else None
         return f"precision={canonical.name}, not a dot algorithm the kernels compute"
     if isinstance(canonical, lax.DotAlgorithm):
         return "an explicit lax.DotAlgorithm"
+    if fp8_mma and names <= set(FP8_DTYPES) and any(p != lax.Precision.DEFAULT for p in canonical):
+        top = max(canonical, key=lambda p: p.value)
+        return f"precision={top.name} {_FP8_FULL_ACCUMULATION}"
     if "float32" in names and lax.Precision.HIGHEST in canonical:
         return (
             "precision=HIGHEST with float32 operands (the SM100 kernels multiply float32 as "
@@ -242,10 +265,13 @@ def dot_general(
       rhs: array.
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       precision: as `lax.dot_general`. Every `lax.Precision` runs on the kernels for 16-bit
-        and fp8 operands, as do the presets naming them (`lax.DotAlgorithmPreset`'s
-        BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands); `HIGHEST` with
-        float32 operands, or another algorithm, runs `lax.dot_general`.
-      preferred_element_type: the result dtype (as `lax.dot_general`; accumulation is float32).
+        operands, as do the presets naming them (`lax.DotAlgorithmPreset`'s BF16_BF16_F32,
+        F16_F16_F32, and ANY_F8_ANY_F8_F32_FAST_ACCUM of two fp8 operands); two fp8 operands
+        run on the kernels at DEFAULT (XLA's fast accumulation), and on `lax.dot_general` at
+        HIGH, HIGHEST or ANY_F8_ANY_F8_F32 (float32 accumulation); `HIGHEST` with float32
+        operands, or another algorithm, runs `lax.dot_general`.
+      preferred_element_type: the result dtype (as `lax.dot_general`; accumulation is float32,
+        of two fp8 operands the fp8 tensor core's accumulator).
       out_sharding: as `lax.dot_general`; the result is resharded to it.
 
     Returns:

@@ -114,7 +114,9 @@ def ragged_dot(
     `preferred_element_type` more exact than lax's, which rounds them to it): float32
     operands at `Precision.HIGHEST`, integer and complex operands, a `lax.DotAlgorithm`, and a
     `lax.DotAlgorithmPreset` other than the kernels' own
-    (DEFAULT; BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32 of such operands). An fp8
+    (DEFAULT; BF16_BF16_F32, F16_F16_F32 and ANY_F8_ANY_F8_F32_FAST_ACCUM of such operands;
+    HIGH, HIGHEST and ANY_F8_ANY_F8_F32 of two fp8 operands of one format ask for float32
+    accumulation: `dot_general.precision_reason`). An fp8
     operand beside a bfloat16 or float16 one is converted to that dtype first (exactly), and so
     are e4m3 beside e5m2 to bfloat16, so the pair runs on the 16-bit kernel. Two operands of one fp8
     format run on the fp8 kernel; on sm_90a (whose fp8 wgmma reads them K-major) XLA
@@ -194,7 +196,8 @@ def ragged_dot(
     # The algorithms of the operands the kernels take (fp8 ones widened above), or of the
     # operands as given (ANY_F8_ANY_F8_F32 of e4m3 x e5m2, computed exactly as bfloat16).
     fallback = DG.precision_reason(precision, lhs.dtype, rhs.dtype)
-    fallback = fallback and DG.precision_reason(precision, a_name, b_name)
+    widened = (np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name) != (a_name, b_name)
+    fallback = fallback and DG.precision_reason(precision, a_name, b_name, fp8_mma=not widened)
     if fallback is not None and activation is None and bias is None:
         return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
     if fallback is not None:
