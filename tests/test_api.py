@@ -6,6 +6,7 @@ preferred_element_type, out_sharding); and each deliberate difference the README
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from unittest import mock
@@ -121,6 +122,28 @@ class DtypeTest(parameterized.TestCase):
         self.assertLen(eqns, 2)
         for eqn in eqns:
             self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(dtype)})
+
+    def test_weak_operand_beside_fp8_or_with_out_dtype_takes_the_others_dtype(self):
+        # Beside fp8 (it stayed float32, so the pair ran on XLA's dot with a float32 result)
+        # and with out_dtype given (it stayed float32 beside bfloat16): converted as jnp does,
+        # so the product has one operand dtype and the kernels take it.
+        x8 = _rand((24, 40), "float8_e4m3fn")
+        xb = _rand((24, 40), "bfloat16")
+
+        def f(x, s, **kw):
+            return jax_sm100.matmul(x, jnp.broadcast_to(s, (40, 16)), **kw)
+
+        for x, kw, want_dtype in (
+            (x8, {}, "bfloat16"),
+            (xb, {"out_dtype": jnp.float32}, "float32"),
+        ):
+            jaxpr = jax.make_jaxpr(functools.partial(f, **kw))(x, 0.75)
+            (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"]
+            self.assertEqual({v.aval.dtype for v in eqn.invars}, {x.dtype})
+            got = jax.jit(functools.partial(f, **kw))(x, 0.75)
+            self.assertEqual(got.dtype, np.dtype(want_dtype))
+            w = jnp.full((40, 16), 0.75, x.dtype)
+            np.testing.assert_array_equal(got, jax_sm100.matmul(x, w, **kw))
 
     def test_weak_integer_operand_has_no_say(self):
         # A broadcast Python int (weak int32) beside a float takes jnp's promoted float dtype,

@@ -31,7 +31,9 @@ def result_type(a, b, out_dtype):
     As jnp: weak types have no say (`weak float32 @ bfloat16` is bfloat16) and the result is
     weakly typed when both operands are. A weakly typed operand is converted to the result
     dtype, as jnp's elementwise ops do, so that the product has one operand dtype and can run
-    on the kernels. fp8 operands, which jnp does not promote, follow `dtypes.default_out_dtype`.
+    on the kernels. fp8 operands, which jnp does not promote, follow `dtypes.default_out_dtype`
+    (a weakly typed operand beside one taking its fp8 dtype first). With `out_dtype` the
+    operands are converted alike.
     A weakly typed integer operand (a broadcast Python int) beside a float one is first the
     weakly typed float a Python float would be, so that it follows the same rules (an integer
     product stays refused).
@@ -44,15 +46,24 @@ def result_type(a, b, out_dtype):
         b = b + 0.0
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
+    if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
+        # A weakly typed operand beside fp8 takes the fp8 dtype, as jnp converts it (it
+        # stayed float32 and the pair ran on XLA's dot in float32).
+        out = None
+        if weak_a and not weak_b:
+            a, a_name = a.astype(b.dtype), b_name
+        if weak_b and not weak_a:
+            b, b_name = b.astype(a.dtype), a_name
+    else:
+        out = np.dtype(jnp.result_type(a, b))
+        if weak_a and not weak_b and a.dtype != out:
+            a = a.astype(out)
+        if weak_b and not weak_a and b.dtype != out:
+            b = b.astype(out)
     if out_dtype is not None:
         return a, b, D.requested(out_dtype, "out_dtype", "jax_sm100.matmul", stacklevel=5), False
-    if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
+    if out is None:
         return a, b, np.dtype(D.default_out_dtype(a_name, b_name)), False
-    out = np.dtype(jnp.result_type(a, b))
-    if weak_a and not weak_b and a.dtype != out:
-        a = a.astype(out)
-    if weak_b and not weak_a and b.dtype != out:
-        b = b.astype(out)
     return a, b, out, weak_a and weak_b
 
 
@@ -196,15 +207,18 @@ def matmul(
       beta: Python float scaling `c`.
       activation: None, "relu", "gelu" (tanh form) or "silu".
       out_dtype: result dtype; defaults to jnp.matmul's result type (bfloat16 for two fp8s,
-        the other operand's dtype for one fp8). A 64-bit dtype without `jax_enable_x64` is
+        the other operand's dtype for one fp8 beside a strongly typed one; a weakly typed
+        operand takes the other's dtype first). A 64-bit dtype without `jax_enable_x64` is
         truncated with jnp's warning.
       plan: optional `GemmPlan` (from `jax_sm100.plan`, possibly edited with
         `dataclasses.replace`) to run instead of the planner's choice; it must be for this
         problem's sizes, dtypes and layouts.
-      precision: as `jnp.matmul`. The kernels meet every `lax.Precision` for 16-bit and fp8
-        operands, and the presets naming them (`lax.DotAlgorithmPreset.BF16_BF16_F32`,
-        `F16_F16_F32` and `ANY_F8_ANY_F8_F32` of such operands); `HIGHEST` with float32
-        operands, or another dot algorithm, runs on XLA's dot.
+      precision: as `jnp.matmul`. The kernels meet every `lax.Precision` for 16-bit operands,
+        and the presets naming them (`lax.DotAlgorithmPreset.BF16_BF16_F32`, `F16_F16_F32`,
+        and `ANY_F8_ANY_F8_F32_FAST_ACCUM` of two fp8 operands); two fp8 operands at HIGH,
+        HIGHEST or `ANY_F8_ANY_F8_F32` (float32 accumulation, where the kernels accumulate as
+        cuBLAS's fast mode, XLA's DEFAULT), `HIGHEST` with float32 operands, or another dot
+        algorithm, run on XLA's dot.
         `jax.default_matmul_precision` is not consulted (`jax_sm100.dot_general` does).
       preferred_element_type: `jnp.matmul`'s name for `out_dtype`.
       out_sharding: as `jnp.matmul`; the result is resharded to it.
