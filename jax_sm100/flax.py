@@ -20,7 +20,8 @@ activation are applied to the float32 accumulator and rounded once (Flax adds th
 product's dtype), and the result keeps the product's dtype where Flax's `y + bias` would promote
 it to a wider bias dtype (only with a `preferred_element_type` narrower than the parameters).
 Where the layer's `precision` (or `jax.default_matmul_precision`) asks for more than the kernels
-give (HIGHEST with float32: they multiply float32 as tf32), or its dtypes are ones the kernels do
+give (HIGHEST with float32: they multiply float32 as tf32; HIGH or HIGHEST with two fp8
+operands: they accumulate as cuBLAS's fast mode), or its dtypes are ones the kernels do
 not take (complex), the layer computes as the Flax layer on `jax_sm100.dot_general` does: lax's
 dot, then bias and activation in XLA. With fp8 `dtype` the result is fp8, as Flax's.
 

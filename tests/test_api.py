@@ -123,10 +123,11 @@ class DtypeTest(parameterized.TestCase):
         for eqn in eqns:
             self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(dtype)})
 
-    def test_weak_operand_beside_fp8_or_with_out_dtype_takes_the_others_dtype(self):
+    def test_weak_operand_beside_fp8_or_with_out_dtype(self):
         # Beside fp8 (it stayed float32, so the pair ran on XLA's dot with a float32 result)
-        # and with out_dtype given (it stayed float32 beside bfloat16): converted as jnp does,
-        # so the product has one operand dtype and the kernels take it.
+        # both become bfloat16 (fp8 exactly; narrowing the weak value to fp8 would make 1000 a
+        # NaN); with out_dtype beside bfloat16 (it stayed float32) it takes bfloat16. Either
+        # way the product has one 16-bit operand dtype and the kernels take it.
         x8 = _rand((24, 40), "float8_e4m3fn")
         xb = _rand((24, 40), "bfloat16")
 
@@ -135,15 +136,20 @@ class DtypeTest(parameterized.TestCase):
 
         for x, kw, want_dtype in (
             (x8, {}, "bfloat16"),
+            (x8, {"out_dtype": jnp.float32}, "float32"),
             (xb, {"out_dtype": jnp.float32}, "float32"),
         ):
-            jaxpr = jax.make_jaxpr(functools.partial(f, **kw))(x, 0.75)
-            (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"]
-            self.assertEqual({v.aval.dtype for v in eqn.invars}, {x.dtype})
-            got = jax.jit(functools.partial(f, **kw))(x, 0.75)
-            self.assertEqual(got.dtype, np.dtype(want_dtype))
-            w = jnp.full((40, 16), 0.75, x.dtype)
-            np.testing.assert_array_equal(got, jax_sm100.matmul(x, w, **kw))
+            for s in (0.75, 1000.0):
+                jaxpr = jax.make_jaxpr(functools.partial(f, **kw))(x, s)
+                (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "jax_sm100_matmul"]
+                self.assertEqual({v.aval.dtype for v in eqn.invars}, {np.dtype(jnp.bfloat16)})
+                got = jax.jit(functools.partial(f, **kw))(x, s)
+                self.assertEqual(got.dtype, np.dtype(want_dtype))
+                w = jnp.full((40, 16), s, jnp.bfloat16)
+                np.testing.assert_array_equal(
+                    got, jax_sm100.matmul(x.astype(jnp.bfloat16), w, **kw).astype(want_dtype)
+                )
+                self.assertTrue(np.all(np.isfinite(np.asarray(got, np.float32))))
 
     def test_weak_integer_operand_has_no_say(self):
         # A broadcast Python int (weak int32) beside a float takes jnp's promoted float dtype,

@@ -556,6 +556,16 @@ class ScaledMatmulTest(parameterized.TestCase):
             scale_r * (scale_l * np.asarray(lhs32, np.float64)).sum(1, keepdims=True),
             rtol=1e-5,
         )
+        if scale_dtype == "float32":
+            # A second derivative through the subnormal scale: d/d ls of sum(d/d lhs) is
+            # sum over n and k of sr[n] rhs[n, k] for each row (it was 0: the scale rebuilt
+            # from its bits had no derivative).
+            def g(s):
+                d_lhs = jax.grad(lambda a: jax_sm100.scaled_matmul(a, rhs32, s, rs).sum())(lhs32)
+                return d_lhs.sum()
+
+            want2 = np.broadcast_to((scale_r * np.asarray(rhs32, np.float64)).sum(), (1, 2, 1))
+            np.testing.assert_allclose(jax.grad(g)(ls), want2, rtol=1e-5)
 
     def test_batches_and_blocks_must_match(self):
         # Operands or scales of another batch count are refused, not broadcast; blocked scales

@@ -32,8 +32,8 @@ def result_type(a, b, out_dtype):
     weakly typed when both operands are. A weakly typed operand is converted to the result
     dtype, as jnp's elementwise ops do, so that the product has one operand dtype and can run
     on the kernels. fp8 operands, which jnp does not promote, follow `dtypes.default_out_dtype`
-    (a weakly typed operand beside one taking its fp8 dtype first). With `out_dtype` the
-    operands are converted alike.
+    (a weakly typed operand beside one: both taken as bfloat16, exactly for the fp8 one).
+    With `out_dtype` the operands are converted alike.
     A weakly typed integer operand (a broadcast Python int) beside a float one is first the
     weakly typed float a Python float would be, so that it follows the same rules (an integer
     product stays refused).
@@ -47,13 +47,14 @@ def result_type(a, b, out_dtype):
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
     if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
-        # A weakly typed operand beside fp8 takes the fp8 dtype, as jnp converts it (it
-        # stayed float32 and the pair ran on XLA's dot in float32).
+        # A weakly typed operand beside fp8 (it stayed float32, and the pair ran on XLA's dot):
+        # both as bfloat16, which holds every fp8 value exactly and the weak value as a 16-bit
+        # operand beside bfloat16 gets it (fp8, 448 at most, would turn 1000 into NaN), so
+        # the 16-bit kernel runs the pair; the result is bfloat16, as of two fp8s.
         out = None
-        if weak_a and not weak_b:
-            a, a_name = a.astype(b.dtype), b_name
-        if weak_b and not weak_a:
-            b, b_name = b.astype(a.dtype), a_name
+        if weak_a != weak_b:
+            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+            a_name = b_name = "bfloat16"
     else:
         out = np.dtype(jnp.result_type(a, b))
         if weak_a and not weak_b and a.dtype != out:
@@ -207,8 +208,8 @@ def matmul(
       beta: Python float scaling `c`.
       activation: None, "relu", "gelu" (tanh form) or "silu".
       out_dtype: result dtype; defaults to jnp.matmul's result type (bfloat16 for two fp8s,
-        the other operand's dtype for one fp8 beside a strongly typed one; a weakly typed
-        operand takes the other's dtype first). A 64-bit dtype without `jax_enable_x64` is
+        the other operand's dtype for one fp8 beside a strongly typed one; bfloat16 beside a
+        weakly typed one). A 64-bit dtype without `jax_enable_x64` is
         truncated with jnp's warning.
       plan: optional `GemmPlan` (from `jax_sm100.plan`, possibly edited with
         `dataclasses.replace`) to run instead of the planner's choice; it must be for this

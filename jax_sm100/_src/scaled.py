@@ -505,6 +505,9 @@ def _normal_scales(scales):
     frac = (bits & 0x007FFFFF).astype(jnp.int32).astype(jnp.float32)
     lifted = frac * np.float32(2.0 ** (_SUBNORMAL_LIFT - 149))
     lifted = jnp.where((bits >> 31) != 0, -lifted, lifted)
+    # Zero in value, with the derivative 2^64 that `post` takes back: `lifted`, made from the
+    # bits, would have none, and a second derivative through a subnormal scale would be 0.
+    lifted = lifted + (scales - lax.stop_gradient(scales)) * np.float32(2.0**_SUBNORMAL_LIFT)
     s = jnp.where(subnormal, lifted, scales)
     post = jnp.where(subnormal, np.float32(2.0**-_SUBNORMAL_LIFT), np.float32(1.0))
     return s, post

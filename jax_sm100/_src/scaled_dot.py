@@ -129,7 +129,7 @@ def scaled_dot_general(
       lhs, rhs: floating arrays in high precision (quantized inside).
       dimension_numbers: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
       preferred_element_type: the result dtype: float32 (the default), bfloat16 or float16;
-        None takes the operands' promoted dtype, as `lax.dot_general` does: pass it in the
+        None takes the operands' promoted dtype (`jnp.result_type`): pass it in the
         partial given to a Flax layer as `dot_general=` (Flax passes none unless the layer
         sets one, and a bfloat16 layer would otherwise return float32).
       configs: three configs, for lhs, rhs and the gradient (see the module docstring), e.g.
