@@ -47,10 +47,10 @@ def result_type(a, b, out_dtype):
     a_name = D.operand_dtype_name(a.dtype, "a")
     b_name = D.operand_dtype_name(b.dtype, "b")
     if a_name in FP8_DTYPES or b_name in FP8_DTYPES:
-        # A weakly typed operand beside fp8 (it stayed float32, and the pair ran on XLA's dot):
-        # both as bfloat16, which holds every fp8 value exactly and the weak value as a 16-bit
-        # operand beside bfloat16 gets it (fp8, 448 at most, would turn 1000 into NaN), so
-        # the 16-bit kernel runs the pair; the result is bfloat16, as of two fp8s.
+        # A weakly typed operand beside fp8 (it stayed float32, and the pair ran on XLA's
+        # dot): both become bfloat16, which holds every fp8 value exactly and rounds the weak
+        # one as it would beside a bfloat16 operand (narrowed to fp8, whose largest value is
+        # 448, 1000 was a NaN), so the 16-bit kernel runs the pair; the result is bfloat16.
         out = None
         if weak_a != weak_b:
             a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
