@@ -567,6 +567,21 @@ class ScaledMatmulTest(parameterized.TestCase):
             want2 = np.broadcast_to((scale_r * np.asarray(rhs32, np.float64)).sum(), (1, 2, 1))
             np.testing.assert_allclose(jax.grad(g)(ls), want2, rtol=1e-5)
 
+            # The same through reverse mode twice, with a tiny cotangent and a huge tangent
+            # (taken through a 2^64 lift they flushed to 0 and overflowed to inf).
+            def h(s, r):
+                return 1e-30 * jax_sm100.scaled_matmul(lhs32, rhs32, s, r).sum()
+
+            d2 = jax.jacrev(jax.grad(h, argnums=1), argnums=0)(ls, rs)
+            d2 = np.asarray(d2, np.float64).reshape(3, 2)  # [rhs row, lhs row]
+            # d2 h / d rs[n] d ls[m] = 1e-30 * sum over k of lhs[m, k] rhs[n, k]
+            dots = np.asarray(lhs32, np.float64)[0] @ np.asarray(rhs32, np.float64)[0].T
+            want = 1e-30 * dots.T
+            np.testing.assert_allclose(d2, want, rtol=1e-5)
+            dr = jax.jvp(lambda s: jax.grad(h, argnums=1)(s, rs) * 1e30, (ls,),
+                         (jnp.full_like(ls, 1e20),))[1]  # fmt: skip
+            np.testing.assert_allclose(dr, 1e20 * want.sum(1).reshape(1, 3, 1) * 1e30, rtol=1e-5)
+
     def test_batches_and_blocks_must_match(self):
         # Operands or scales of another batch count are refused, not broadcast; blocked scales
         # made for another k (one scale over 48 elements) too.

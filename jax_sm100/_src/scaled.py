@@ -458,15 +458,13 @@ def out_spec(lhs, rhs):
     return PartitionSpec(*map(P.spec_entry, parts))
 
 
-def _dequantized(data, scales, exact: bool = True):
+def _dequantized(data, scales, exact: bool = True, linear_data: bool = False):
     """data * scales repeated over each block, float32, typed as `data` under Explicit axes
     (the scales resharded to it; a split k that does not fall on whole blocks gathered).
     With `exact` a subnormal scale counts as its value (`_normal_scales`); without, the
-    product is linear in `scales` (a tangent's), which XLA's CPU then reads as zero there."""
+    product is linear in `scales` (a tangent's), which XLA's CPU then reads as zero there.
+    `linear_data`: `data` is a tangent, so nothing may branch on its values."""
     scales = scale_layout.plain(data.shape, scales).astype(jnp.float32)
-    post = None
-    if exact:
-        scales, post = _normal_scales(scales)
     *lead, rows, k = data.shape
     blocks = scales.shape[-1]
     data = data.astype(jnp.float32)
@@ -481,12 +479,19 @@ def _dequantized(data, scales, exact: bool = True):
         want = NamedSharding(mesh, PartitionSpec(*map(P.spec_entry, axes)))
         if P.explicit_type(scales) != want:
             scales = jax.sharding.reshard(scales, want)
-        if post is not None and P.explicit_type(post) != want:
-            post = jax.sharding.reshard(post, want)
-    out = data.reshape((*lead, rows, blocks, k // blocks)) * scales[..., None]
-    if post is not None:
-        out = out * post[..., None]
-    return out.reshape(data.shape)
+    x = data.reshape((*lead, rows, blocks, k // blocks))
+    if not exact:
+        return (x * scales[..., None]).reshape(data.shape)
+    s, post, subnormal = _normal_scales(scales)
+    out = x * s[..., None] * post[..., None]
+    # Where a scale is subnormal, `s` (rebuilt from its bits) carries no derivative: the
+    # derivative with respect to the scale, data, comes from a term of value zero, its tangent
+    # and cotangent taken as they are (not through the 2^64 lift, which overflows or flushes
+    # them at extreme magnitudes). Non-finite data is left out of it (inf * 0 is NaN).
+    d = jnp.where(subnormal, scales - lax.stop_gradient(scales), 0.0)
+    if not linear_data:
+        x = jnp.where(jnp.isfinite(x), x, 0.0)
+    return (out + x * d[..., None]).reshape(data.shape)
 
 
 # A subnormal float32 scale s (an e8m0 0x00 is 2^-127; float32 and bfloat16 scales may be
@@ -498,19 +503,16 @@ _SUBNORMAL_LIFT = 64
 
 
 def _normal_scales(scales):
-    """(s, post) for float32 `scales`: s * post == scales in value, s normal or zero and post
-    1, or 2^-64 where a scale is subnormal."""
+    """(s, post, subnormal) for float32 `scales`: s * post == scales in value, s normal or
+    zero and post 1, or 2^-64 where a scale is subnormal (there s has no derivative)."""
     bits = lax.bitcast_convert_type(scales, jnp.uint32)
     subnormal = (bits & 0x7F800000) == 0
     frac = (bits & 0x007FFFFF).astype(jnp.int32).astype(jnp.float32)
     lifted = frac * np.float32(2.0 ** (_SUBNORMAL_LIFT - 149))
     lifted = jnp.where((bits >> 31) != 0, -lifted, lifted)
-    # Zero in value, with the derivative 2^64 that `post` takes back: `lifted`, made from the
-    # bits, would have none, and a second derivative through a subnormal scale would be 0.
-    lifted = lifted + (scales - lax.stop_gradient(scales)) * np.float32(2.0**_SUBNORMAL_LIFT)
     s = jnp.where(subnormal, lifted, scales)
     post = jnp.where(subnormal, np.float32(2.0**-_SUBNORMAL_LIFT), np.float32(1.0))
-    return s, post
+    return s, post, subnormal
 
 
 def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype, precision=lax.Precision.HIGHEST,
@@ -518,8 +520,8 @@ def reference(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype, precision=lax.Prec
     """The documented math in XLA ops, float32 throughout, rounded once; `precision` the
     product's (the tangents of 8- and 4-bit data take JAX's default: `_jvp`). `tangent`: the
     index of an operand that is a tangent (`_jvp`), so that the result stays linear in it."""
-    a = _dequantized(lhs, lhs_scales, exact=tangent != 2)
-    b = _dequantized(rhs, rhs_scales, exact=tangent != 3)
+    a = _dequantized(lhs, lhs_scales, exact=tangent != 2, linear_data=tangent == 0)
+    b = _dequantized(rhs, rhs_scales, exact=tangent != 3, linear_data=tangent == 1)
     spec = out_spec(a, b)
     out_sharding = None
     if spec is not None:
