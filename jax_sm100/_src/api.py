@@ -51,10 +51,10 @@ def result_type(a, b, out_dtype):
         # dot): both become bfloat16, which holds every fp8 value exactly and rounds the weak
         # one as it would beside a bfloat16 operand (narrowed to fp8, whose largest value is
         # 448, 1000 was a NaN), so the 16-bit kernel runs the pair; the result is bfloat16.
-        out = None
         if weak_a != weak_b:
             a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
             a_name = b_name = "bfloat16"
+        out = np.dtype(D.default_out_dtype(a_name, b_name))  # (an fp8 operand is never weak)
     else:
         out = np.dtype(jnp.result_type(a, b))
         if weak_a and not weak_b and a.dtype != out:
@@ -63,8 +63,6 @@ def result_type(a, b, out_dtype):
             b = b.astype(out)
     if out_dtype is not None:
         return a, b, D.requested(out_dtype, "out_dtype", "jax_sm100.matmul", stacklevel=5), False
-    if out is None:
-        return a, b, np.dtype(D.default_out_dtype(a_name, b_name)), False
     return a, b, out, weak_a and weak_b
 
 
