@@ -688,6 +688,34 @@ class ExplicitAxesTest(ScaledCase):
             for g, i in zip(got, argnums, strict=True):
                 self.assertEqual(jax.typeof(g).sharding.spec, jax.typeof(typed[i]).sharding.spec)
 
+    def test_transposes_typed_as_their_primals(self):
+        # jax.linear_transpose in each operand (scaled_matmul's transpose rule): equal to the
+        # unsharded one, typed as the operand, in every layout.
+        # (float32 data of fp8 values: a cotangent rounded to fp8 could round either way when
+        # its partial sums are added in another order)
+        lq, rq, ls, rs = quantized(("fp8_block128", "fp8_block128"))
+        lq, rq = lq.astype(jnp.float32), rq.astype(jnp.float32)
+
+        def transposed(i, *ops):
+            ops = list(ops)
+            f = functools.partial(lambda i, v: product(*ops[:i], v, *ops[i + 1 :]), i)
+            ct = jnp.cos(f(ops[i]).astype(jnp.float32))  # typed as the product
+            return jax.linear_transpose(f, ops[i])(ct)[0]
+
+        for i in range(4):
+            f = jax.jit(functools.partial(transposed, i))
+            want = f(lq, rq, ls, rs)
+            for lhs_spec, rhs_spec in self.LAYOUTS:
+                with jax.sharding.set_mesh(self.mesh):
+                    q = jax.jit(lambda a, b: (jax_sm100.quantize(a, "fp8_block128"),
+                                              jax_sm100.quantize(b, "fp8_block128")))  # fmt: skip
+                    (la, sa), (lb, sb) = q(jax.device_put(data(0), lhs_spec),
+                                           jax.device_put(data(1), rhs_spec))  # fmt: skip
+                    typed = (la.astype(jnp.float32), lb.astype(jnp.float32), sa, sb)
+                    got = f(*typed)
+                assert_close(got, want, rtol=10 * RTOL)
+                self.assertEqual(jax.typeof(got).sharding.spec, jax.typeof(typed[i]).sharding.spec)
+
     @parameterized.parameters(*TRAINING_LAYOUTS)
     def test_scaled_dot_general_training_step_typed(self, x_spec, w_spec):
         step = jax.jit(jax.value_and_grad(training_loss, (0, 1)))

@@ -90,7 +90,8 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
     "fp8_block128x128")` makes them; or be in the blocked layout `quantize` makes for mxfp8 and
     nvfp4: scale_layout.py).
 
-    Differentiable (the backward runs in XLA ops), and under `vmap`. A gradient takes its
+    Differentiable (the backward runs in XLA ops), under `vmap`, and transposable in any one
+    operand with the others held (`jax.linear_transpose`). A gradient takes its
     operand's dtype, as JAX's gradients do: for fp8 and fp4 data and float8_e4m3fn scales it is
     computed in float32 and rounded saturating (to the format's largest finite magnitude, not to
     NaN). float8_e8m0fnu scales hold no sign, so no derivative with respect to them exists:
@@ -681,38 +682,71 @@ ad.deflinear2(_widen_p, lambda ct, t, *, dtype: [_narrow(ct, dtype)])
 batching.defvectorized(_widen_p)
 
 
+def _tangent_term(operands, i, t):
+    """The product's derivative along operand `i` applied to `t` (float32): linear in `t`,
+    through XLA ops that JAX transposes itself. `operands` are the primal values, the `i`-th
+    possibly an `ad.UndefinedPrimal` (read for its shape and dtype only: the product is
+    linear in each operand)."""
+    dtype = np.dtype(_aval(operands[i]).dtype)
+    if dtype.name == "float8_e8m0fnu":
+        raise TypeError(
+            f"jax_sm100.scaled_matmul: a derivative with respect to {_OPERANDS[i]} "
+            "(float8_e8m0fnu, unsigned powers of two) has no representation; wrap them in "
+            "jax.lax.stop_gradient, or differentiate with respect to float32 scales in "
+            "jax.nn.scaled_matmul's plain layout [B, rows, k / block] (the blocked layout "
+            "that quantize returns reads its block off the e8m0 dtype)"
+        )
+    args = list(operands)
+    if i >= 2:
+        # Scales in the plain layout before widening: the blocked layout's block is read
+        # off the scale dtype.
+        t = scale_layout.plain(_aval(operands[i - 2]).shape, t)
+    args[i] = _widen_p.bind(t, dtype=dtype)
+    # Of 8- or 4-bit data (3 mantissa bits at most) the product takes JAX's default precision,
+    # as jnp.dot does (`jax_default_matmul_precision`; TF32 on a GPU), since the gradient is
+    # rounded to the data's format and the tangent holds no more than it; scales' stay at
+    # HIGHEST.
+    narrow = i < 2 and dtype.name in _SATURATED
+    precision = None if narrow else lax.Precision.HIGHEST
+    return reference(*args, out_dtype=np.dtype(np.float32), precision=precision, tangent=i)
+
+
+def _aval(x):
+    return x.aval if ad.is_undefined_primal(x) else x
+
+
 def _jvp(primals, tangents, *, out_dtype):
     out = scaled_matmul_p.bind(*primals, out_dtype=out_dtype)
-    terms = []
-    for i, t in enumerate(tangents):
-        if type(t) is ad.Zero:
-            continue
-        if np.dtype(primals[i].dtype).name == "float8_e8m0fnu":
-            raise TypeError(
-                f"jax_sm100.scaled_matmul: a derivative with respect to {_OPERANDS[i]} "
-                "(float8_e8m0fnu, unsigned powers of two) has no representation; wrap them in "
-                "jax.lax.stop_gradient, or differentiate with respect to float32 scales in "
-                "jax.nn.scaled_matmul's plain layout [B, rows, k / block] (the blocked layout "
-                "that quantize returns reads its block off the e8m0 dtype)"
-            )
-        args = list(primals)
-        if i >= 2:
-            # Scales in the plain layout before widening: the blocked layout's block is read
-            # off the scale dtype.
-            t = scale_layout.plain(primals[i - 2].shape, t)
-        args[i] = _widen_p.bind(t, dtype=np.dtype(t.dtype))
-        # The tangent is linear in `t` through XLA ops, which JAX transposes itself. Of 8- or
-        # 4-bit data (3 mantissa bits at most) the product takes JAX's default precision, as
-        # jnp.dot does (`jax_default_matmul_precision`; TF32 on a GPU), since the gradient is
-        # rounded to the data's format and the tangent holds no more than it; scales' stay at
-        # HIGHEST.
-        narrow = i < 2 and np.dtype(primals[i].dtype).name in _SATURATED
-        precision = None if narrow else lax.Precision.HIGHEST
-        terms.append(reference(*args, out_dtype=np.dtype(np.float32), precision=precision,
-                               tangent=i))  # fmt: skip
+    terms = [
+        _tangent_term(primals, i, t)
+        for i, t in enumerate(tangents)
+        if type(t) is not ad.Zero
+    ]  # fmt: skip
     if not terms:
         return out, ad.Zero.from_primal_value(out)
     return out, sum(terms[1:], terms[0]).astype(out_dtype)
 
 
+def _transpose(ct, *operands, out_dtype):
+    """The product is linear in each operand with the others fixed (JAX transposes one at a
+    time: `jax.linear_transpose`, a custom rule's tangent that calls scaled_matmul): the
+    cotangent goes back through `_tangent_term`'s XLA ops, as `grad` takes it."""
+    undefined = [i for i, x in enumerate(operands) if ad.is_undefined_primal(x)]
+    if len(undefined) != 1:
+        raise NotImplementedError(
+            "jax_sm100.scaled_matmul is linear in one operand at a time; transposing it with "
+            f"respect to {[_OPERANDS[i] for i in undefined]} together is not linear"
+        )
+    (i,) = undefined
+    aval = operands[i].aval
+    cts = [None] * len(operands)
+    if type(ct) is ad.Zero:
+        cts[i] = ad.Zero(aval)
+        return cts
+    term = lambda t: _tangent_term(operands, i, t).astype(out_dtype)  # noqa: E731
+    (cts[i],) = jax.linear_transpose(term, aval)(ct)
+    return cts
+
+
 ad.primitive_jvps[scaled_matmul_p] = _jvp
+ad.primitive_transposes[scaled_matmul_p] = _transpose
