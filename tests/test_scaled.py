@@ -582,6 +582,40 @@ class ScaledMatmulTest(parameterized.TestCase):
                          (jnp.full_like(ls, 1e20),))[1]  # fmt: skip
             np.testing.assert_allclose(dr, 1e20 * want.sum(1).reshape(1, 3, 1) * 1e30, rtol=1e-5)
 
+    @parameterized.parameters("float16", "float8_e5m2")
+    def test_scale_dtypes_jax_nn_takes(self, scale_dtype):
+        # Scales in any dtype jax.nn.scaled_matmul computes with (these two raised TypeError),
+        # a subnormal one of the format among them (exact in float32): the documented math
+        # against float64, eagerly, under jit and vmap; the scales' gradient in their dtype.
+        rng = np.random.default_rng(30)
+        lhs = jnp.asarray(rng.standard_normal((2, 8, 256)), jnp.float8_e4m3fn)
+        rhs = jnp.asarray(rng.standard_normal((2, 4, 256)), jnp.float8_e5m2)
+        tiny = float(jnp.finfo(scale_dtype).smallest_subnormal)
+        ls = np.asarray(rng.uniform(0.01, 4, (2, 8, 2)).astype(scale_dtype))
+        ls[0, 0, 0] = tiny
+        ls = jnp.asarray(ls)
+        rs = jnp.asarray(rng.uniform(0.01, 4, (2, 4, 2)).astype(scale_dtype))
+        self.assertEqual(float(ls[0, 0, 0]), tiny)
+        want = _reference64(lhs, rhs, ls, rs)
+        for f in (jax_sm100.scaled_matmul, jax.jit(jax_sm100.scaled_matmul)):
+            tu.assert_close(self, f(lhs, rhs, ls, rs), want, "float32", 256)
+        # The row of the subnormal scale, on its own magnitude.
+        tu.assert_close(self, jax_sm100.scaled_matmul(lhs, rhs, ls, rs)[0, 0], want[0, 0],
+                        "float32", 256)  # fmt: skip
+        both = jax.vmap(jax_sm100.scaled_matmul, (0, None, 0, None))(
+            jnp.stack([lhs, lhs]), rhs, jnp.stack([ls, ls]), rs
+        )  # fmt: skip
+        tu.assert_close(self, both[1], want, "float32", 256)
+        grad = jax.grad(lambda s: jax_sm100.scaled_matmul(lhs, rhs, s, rs).sum())(ls)
+        self.assertEqual(grad.dtype, ls.dtype)
+        want_grad = jax.grad(
+            lambda s: scaled.reference(lhs, rhs, s, rs, out_dtype=jnp.float32).sum()
+        )(ls.astype(jnp.float32))  # fmt: skip
+        want_grad = scaled._narrow(want_grad, ls.dtype)
+        np.testing.assert_array_equal(
+            np.asarray(grad, np.float32), np.asarray(want_grad, np.float32)
+        )
+
     def test_batches_and_blocks_must_match(self):
         # Operands or scales of another batch count are refused, not broadcast; blocked scales
         # made for another k (one scale over 48 elements) too.

@@ -445,7 +445,10 @@ def extent_support(m: int, n: int, k: int, batch: int = 1) -> str | None:
 # Block-scaled problems (scaled_matmul): the bits of each scale-factor dtype the API takes, and
 # what the kernels read: float32 scales per 128 of k (DeepSeek-V3's recipe) on sm_90a, where a
 # 128-byte fp8 k-tile is one scale block (kernels/sm90_scaled.py).
-SCALE_DTYPE_BITS = {"float32": 32, "bfloat16": 16, "float8_e8m0fnu": 8, "float8_e4m3fn": 8}
+SCALE_DTYPE_BITS = {
+    "float32": 32, "bfloat16": 16, "float16": 16,
+    "float8_e8m0fnu": 8, "float8_e4m3fn": 8, "float8_e5m2": 8,
+}  # fmt: skip
 KERNEL_SCALE_DTYPES = {"sm_90a": ("float32",)}
 KERNEL_SCALE_BLOCK = 128
 

@@ -50,12 +50,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sm100._src import primitive as P
 from jax_sm100._src import scale_layout, scaled_sharding
-from jax_sm100._src.constraints import FP8_DTYPES
+from jax_sm100._src.constraints import FP8_DTYPES, SCALE_DTYPE_BITS
 
 scaled_matmul_p = P.Primitive("jax_sm100_scaled_matmul")
 
 DATA_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn", "bfloat16", "float16", "float32")
-SCALE_DTYPES = ("float32", "bfloat16", "float8_e8m0fnu", "float8_e4m3fn")
+# Scale dtypes: those jax.nn.scaled_matmul computes with (each exact in float32, where the
+# documented math takes them); the kernels read some (constraints.py, blockscaled_support).
+SCALE_DTYPES = tuple(SCALE_DTYPE_BITS)
 
 
 @dataclasses.dataclass(frozen=True)
