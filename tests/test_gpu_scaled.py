@@ -345,6 +345,24 @@ class GpuScaledTest(parameterized.TestCase):
         self.assertTrue(np.any(want != 0))
         np.testing.assert_array_equal(np.asarray(out, np.float64), want.astype(np.float32))
 
+    @parameterized.parameters(("bfloat16", 1), ("float16", 128), ("float8_e8m0fnu", 1),
+                              ("float8_e5m2", 128))  # fmt: skip
+    def test_scales_of_other_dtypes_exact(self, scale_dtype, b_rows):
+        # Power-of-two scales in another dtype (each exact in float32) run on the kernel
+        # converted to float32: integer data gives the float64 product exactly.
+        if b_rows == 1:
+            lhs, ls = _integer_operand(jax.random.key(24), 1, 300, 512, E4M3)
+            rhs, rs = _integer_operand(jax.random.key(25), 1, 200, 512, E4M3)
+        else:
+            lhs, rhs, ls, rs = _integer_tiled_operands(26)
+        ls, rs = ls.astype(scale_dtype), rs.astype(scale_dtype)
+        out, seen = _run(lhs, rhs, ls, rs, jnp.float32)
+        self.assert_on_kernel(seen, None)
+        self.assertIn(f"{scale_dtype} scales converted to float32", seen[0].note)
+        self.assertEqual(seen[0].plan.b_scale_rows, b_rows)
+        want = _reference64(lhs, rhs, ls, rs)
+        np.testing.assert_array_equal(np.asarray(out, np.float64), want.astype(np.float32))
+
     @parameterized.parameters(((256, 128), False), ((128, 128), False), ((128, 128), True),
                               ((128, 64), False), ((128, 64), True))  # fmt: skip
     def test_weight_tiles_of_every_window_exact(self, tile_mn, overlap):

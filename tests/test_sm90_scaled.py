@@ -659,6 +659,30 @@ class ScaledLoweringTest(parameterized.TestCase):
         self.assertIn("XLA ops", how.note)
         self.assertIn(reason, how.note)
 
+    @parameterized.parameters(
+        (jnp.bfloat16, jnp.bfloat16), (jnp.float16, jnp.float32),
+        (jnp.float8_e8m0fnu, jnp.float8_e8m0fnu), (jnp.float8_e5m2, jnp.float8_e4m3fn),
+    )  # fmt: skip
+    def test_scales_of_other_dtypes_converted(self, lhs_scale, rhs_scale):
+        # Scales per 128 of another dtype (each exact in float32), alike or mixed: converted
+        # for the kernel (they ran on XLA's ops), the float32 plan, the note says so.
+        a, b, ls, rs = _avals(1, 1024, 1024, 1024)
+        ls, rs = ls.update(dtype=lhs_scale), rs.update(dtype=rhs_scale)
+        text, how = _export((a, b, ls, rs))
+        _, want = _export(_avals(1, 1024, 1024, 1024))
+        self.assertEqual(how.plan, want.plan)
+        self.assertIn("block-scaled kernel", how.note)
+        names = sorted({jnp.dtype(d).name for d in (lhs_scale, rhs_scale)} - {"float32"})
+        self.assertIn(f"; {' and '.join(names)} scales converted to float32 (exact)", how.note)
+        self.assertIn("tensor<1x8x1024xf32>", text.split("custom_call @jax_sm100_gemm")[1])
+        # Not where the kernel would not run them (bfloat16 data): XLA's ops, as they were.
+        _, other = _export((a.update(dtype=jnp.bfloat16), b.update(dtype=jnp.bfloat16), ls, rs))
+        self.assertIn("XLA ops", other.note)
+        self.assertNotIn("converted", other.note)
+        self.assertIn("scale_dtype='float32'", str(jax_sm100.plan(
+            1024, 1024, 1024, a_dtype=E4M3, b_dtype=E4M3, scale_dtype="bfloat16",
+            scale_block=128, arch="sm_90a")))  # fmt: skip
+
     def test_overlap_from_the_environment(self):
         # JAX_SM100_SCALED_OVERLAP=1 while a call is lowered: its plan takes the overlapped
         # main loop (a binary of its own); the next lowering without it does not.

@@ -461,10 +461,18 @@ def scaled_support(arch, k, a_dtype, b_dtype, scale_dtype, scale_block) -> str |
     if a_dtype not in FP8_DTYPES or b_dtype not in FP8_DTYPES:
         return f"XLA ops: the {arch} block-scaled kernel takes fp8 data, not {a_dtype} x {b_dtype}"
     if scale_dtype not in KERNEL_SCALE_DTYPES[arch] or scale_block != KERNEL_SCALE_BLOCK:
-        return (
-            f"XLA ops: the {arch} block-scaled kernel reads {KERNEL_SCALE_DTYPES[arch]} scales "
-            f"per {KERNEL_SCALE_BLOCK} of k, not {scale_dtype} per {scale_block}"
+        (kernel,) = KERNEL_SCALE_DTYPES[arch]
+        why = (
+            f"XLA ops: the {arch} block-scaled kernel reads {kernel} scales per "
+            f"{KERNEL_SCALE_BLOCK} of k, not {scale_dtype} per {scale_block}"
         )
+        if scale_block == KERNEL_SCALE_BLOCK:
+            # (scaled_gpu._widened: every scale dtype the API takes is exact in float32)
+            why += (
+                f" (scaled_matmul converts scales of another dtype per {scale_block} to "
+                f"{kernel} first: plan it with scale_dtype={kernel!r})"
+            )
+        return why
     if k % KERNEL_SCALE_BLOCK:
         return f"XLA ops: k={k} is not a multiple of the {KERNEL_SCALE_BLOCK}-element scale block"
     return None

@@ -7,7 +7,8 @@ go to the kernel as they are: a (m, k, B), b (n, k, B), d (m, n, B). The scales 
 [B, k / 128, rows] with each leading dimension padded to 16 bytes (TMA loads a k-block's scales
 of a tile's rows as one box, which needs the rows contiguous; an XLA transpose of m k / 32 bytes,
 against the product's m n k); rhs scales per 128 x 128 tile as tiles, [B, k / 128,
-ceil(n / 128)]. The plan is `dispatch.plan_call`'s for the problem with its
+ceil(n / 128)]; scales of another dtype per 128 (each exact in float32) converted to float32
+first (`_widened`). The plan is `dispatch.plan_call`'s for the problem with its
 `scale_dtype` and `scale_block` (planning/sm90_scaled.py); one `jax_sm100_gemm` custom call
 runs it, through the FFI handler and checks every lowering uses (`gpu_lowering.launch`). On
 sm_100a, mxfp8 and nvfp4 go to the block-scaled tcgen05 kernel (`_call_sm100`), their scales in
@@ -92,15 +93,36 @@ def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
         return _xla("no sm_90a/sm_100a device", None, args, out_dtype)
     if dispatch.symbolic_dims(*args):
         return _xla(f"symbolic dims {lhs.shape} x {rhs.shape}", None, args, out_dtype)
+    lhs_scales, rhs_scales, note = _widened(target.arch, lhs, rhs, lhs_scales, rhs_scales)
     if scaled.shared_rhs(lhs, rhs) and lhs.shape[0] > 0:
         # One rhs for every batch (weights a vmap left unmapped): lhs's batches are its rows,
         # so that one product reads the weights once.
         b, m, k = lhs.shape
+        note += f"; lhs's {b} batches as rows against the one shared rhs"
         out = _lowered(lhs.reshape(1, b * m, k), rhs, _rows(lhs.shape, lhs_scales), rhs_scales,
-                       out_dtype, target, f"; lhs's {b} batches as rows against the one shared "
-                       "rhs")  # fmt: skip
+                       out_dtype, target, note)  # fmt: skip
         return out.reshape(b, m, out.shape[-1])
-    return _lowered(*args, out_dtype, target, "")
+    return _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, target, note)
+
+
+def _widened(arch, lhs, rhs, lhs_scales, rhs_scales):
+    """(lhs_scales, rhs_scales, note): on an arch whose kernel reads one scale dtype per one
+    block (sm_90a: float32 per 128 of k), fp8 data's scales of another dtype per that block
+    converted to it, each scale dtype the API takes being exact in float32, with a note that
+    says so; else the scales as they are and no note."""
+    pairs = ((lhs, lhs_scales), (rhs, rhs_scales))
+    if arch not in constraints.KERNEL_SCALE_DTYPES or any(
+        np.dtype(x.dtype).name not in constraints.FP8_DTYPES
+        or scale_layout.scale_block(x.shape, s.shape, s.dtype) != constraints.KERNEL_SCALE_BLOCK
+        for x, s in pairs
+    ):
+        return lhs_scales, rhs_scales, ""
+    (kernel,) = constraints.KERNEL_SCALE_DTYPES[arch]
+    others = sorted({np.dtype(s.dtype).name for _, s in pairs} - {kernel})
+    if not others:
+        return lhs_scales, rhs_scales, ""
+    note = f"; {' and '.join(others)} scales converted to {kernel} (exact)"
+    return lhs_scales.astype(kernel), rhs_scales.astype(kernel), note
 
 
 def _rows(data_shape, scales):
