@@ -816,10 +816,10 @@ class ScaledMatmulTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
     def test_not_transposed_in_two_operands_at_once(self):
-        lhs, ls = _normal(44, (1, 8, 128)), jnp.ones((1, 8, 1))
+        lhs, ls = _normal(44, (1, 8, 128)), jnp.ones((1, 8, 1), jnp.float32)
         with self.assertRaisesRegex(NotImplementedError, r"one operand at a time.*'lhs', 'rhs'"):
             jax.linear_transpose(lambda x: jax_sm100.scaled_matmul(x, x, ls, ls), lhs)(
-                jnp.ones((1, 8, 8))
+                jnp.ones((1, 8, 8), jnp.float32)
             )  # fmt: skip
 
     @parameterized.parameters("fp8_block128", "fp8_block128x128", "mxfp8")

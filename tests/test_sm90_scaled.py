@@ -675,10 +675,15 @@ class ScaledLoweringTest(parameterized.TestCase):
         names = sorted({jnp.dtype(d).name for d in (lhs_scale, rhs_scale)} - {"float32"})
         self.assertIn(f"; {' and '.join(names)} scales converted to float32 (exact)", how.note)
         self.assertIn("tensor<1x8x1024xf32>", text.split("custom_call @jax_sm100_gemm")[1])
-        # Not where the kernel would not run them (bfloat16 data): XLA's ops, as they were.
+        # Not where the kernel does not run them (bfloat16 data; n of 100 fp8 elements, not a
+        # multiple of 16 bytes): XLA's ops, as they were, and the note does not say converted.
         _, other = _export((a.update(dtype=jnp.bfloat16), b.update(dtype=jnp.bfloat16), ls, rs))
-        self.assertIn("XLA ops", other.note)
-        self.assertNotIn("converted", other.note)
+        _, unaligned = _export(
+            (a, b.update(shape=(1, 100, 1024)), ls, rs.update(shape=(1, 100, 8)))
+        )
+        for how in (other, unaligned):
+            self.assertIn("XLA ops", how.note)
+            self.assertNotIn("converted", how.note)
         self.assertIn("scale_dtype='float32'", str(jax_sm100.plan(
             1024, 1024, 1024, a_dtype=E4M3, b_dtype=E4M3, scale_dtype="bfloat16",
             scale_block=128, arch="sm_90a")))  # fmt: skip

@@ -16,9 +16,10 @@ which means the same as those scales repeated per row:
                  block_b))
 
 accumulated in float32 and rounded once to `preferred_element_type`. On an sm_90a device (or
-target) fp8 data with float32 scales per 128 of k runs on the block-scaled wgmma kernel
-(scaled_gpu.py, kernels/sm90_scaled.py); on sm_100a mxfp8 and nvfp4 run on the block-scaled
-tcgen05 kernel (kernels/sm100_blockscaled.py); everything else, every other platform included,
+target) fp8 data with scales per 128 of k runs on the block-scaled wgmma kernel (scales of a
+dtype other than float32 converted to it first, exactly: scaled_gpu.py,
+kernels/sm90_scaled.py); on sm_100a mxfp8 and nvfp4 run on the block-scaled tcgen05 kernel
+(kernels/sm100_blockscaled.py); everything else, every other platform included,
 computes that math in XLA ops (`reference`). Each CUDA lowering records which it took in
 `jax_sm100.lowerings()`. On sharded operands both platforms' lowerings are partitioned into
 local products (scaled_sharding.py); under Explicit axes the result is typed by `out_spec`.
@@ -93,11 +94,12 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
     nvfp4: scale_layout.py).
 
     Differentiable (the backward runs in XLA ops), under `vmap`, and transposable in any one
-    operand with the others held (`jax.linear_transpose`). A gradient takes its
-    operand's dtype, as JAX's gradients do: for fp8 and fp4 data and float8_e4m3fn scales it is
-    computed in float32 and rounded saturating (to the format's largest finite magnitude, not to
-    NaN). float8_e8m0fnu scales hold no sign, so no derivative with respect to them exists:
-    differentiating with respect to them raises (`jax.lax.stop_gradient` them).
+    operand with the others held (`jax.linear_transpose`). A gradient takes its operand's
+    dtype, as JAX's gradients do: for fp8 and fp4 data and fp8 scales it is computed in float32
+    and rounded saturating (to the format's largest finite magnitude, not to NaN; float16 and
+    bfloat16 ones round as `astype` does, to infinity past their range). float8_e8m0fnu scales
+    hold no sign, so no derivative with respect to them exists: differentiating with respect
+    to them raises (`jax.lax.stop_gradient` them).
 
     Raises:
       ValueError: shapes that do not match, or a k that the scales' blocks do not divide.
@@ -702,7 +704,7 @@ def _tangent_term(operands, i, t):
     if i >= 2:
         # Scales in the plain layout before widening: the blocked layout's block is read
         # off the scale dtype.
-        t = scale_layout.plain(_aval(operands[i - 2]).shape, t)
+        t = scale_layout.plain(operands[i - 2].shape, t)  # (the data: defined)
     args[i] = _widen_p.bind(t, dtype=dtype)
     # Of 8- or 4-bit data (3 mantissa bits at most) the product takes JAX's default precision,
     # as jnp.dot does (`jax_default_matmul_precision`; TF32 on a GPU), since the gradient is

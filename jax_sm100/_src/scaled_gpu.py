@@ -93,16 +93,15 @@ def cuda_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype):
         return _xla("no sm_90a/sm_100a device", None, args, out_dtype)
     if dispatch.symbolic_dims(*args):
         return _xla(f"symbolic dims {lhs.shape} x {rhs.shape}", None, args, out_dtype)
-    lhs_scales, rhs_scales, note = _widened(target.arch, lhs, rhs, lhs_scales, rhs_scales)
     if scaled.shared_rhs(lhs, rhs) and lhs.shape[0] > 0:
         # One rhs for every batch (weights a vmap left unmapped): lhs's batches are its rows,
         # so that one product reads the weights once.
         b, m, k = lhs.shape
-        note += f"; lhs's {b} batches as rows against the one shared rhs"
         out = _lowered(lhs.reshape(1, b * m, k), rhs, _rows(lhs.shape, lhs_scales), rhs_scales,
-                       out_dtype, target, note)  # fmt: skip
+                       out_dtype, target, f"; lhs's {b} batches as rows against the one shared "
+                       "rhs")  # fmt: skip
         return out.reshape(b, m, out.shape[-1])
-    return _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, target, note)
+    return _lowered(*args, out_dtype, target, "")
 
 
 def _widened(arch, lhs, rhs, lhs_scales, rhs_scales):
@@ -138,10 +137,12 @@ def _rows(data_shape, scales):
 
 def _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, target, note):
     """`cuda_scaled_matmul` past its checks, for `target`, `note` added to the recorded
-    path."""
+    path. Scales converted for a kernel (`_widened`) go to it only: XLA's ops take them as
+    they are."""
     args = (lhs, rhs, lhs_scales, rhs_scales)
+    *converted, widened = _widened(target.arch, *args)
     try:
-        problem = scaled_problem(*args, out_dtype)
+        problem = scaled_problem(lhs, rhs, *converted, out_dtype)
         plan = dispatch.plan_call(problem, target).plan
     except (TypeError, ValueError) as e:
         return _xla(f"no plan: {e}{note}", None, args, out_dtype)
@@ -151,9 +152,9 @@ def _lowered(lhs, rhs, lhs_scales, rhs_scales, out_dtype, target, note):
     if call is None:
         why = f"no scaled_matmul lowering for kernel {plan.kernel!r}{note}"
         return _xla(why, plan, args, out_dtype)
-    dispatch.record(dispatch.Lowered(plan, "scaled_matmul: block-scaled kernel" + note))
+    dispatch.record(dispatch.Lowered(plan, "scaled_matmul: block-scaled kernel" + widened + note))
     ffi.register()
-    return call(plan, *args)
+    return call(plan, lhs, rhs, *converted)
 
 
 def _call_sm90(plan, lhs, rhs, lhs_scales, rhs_scales):
