@@ -16,8 +16,8 @@ beside ours in one process). Edits change the
 planner's plan in order (`planning.sm90_variant`, stages refilled): `TMxTN` the tile, `overlap`
 `GemmPlan.scaled_overlap`, `coop` the planner's cooperative plan (fp8), `pp` the ping-pong
 schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the cluster,
-`sk0`/`sk1` stream-K off/on, `swzN` the raster swizzle, `eN` the epilogue stages, `epiN` the
-epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swapped product
+`sk0`/`sk1` stream-K off/on, `spN` split-K N ways (fp8), `swzN` the raster swizzle, `eN` the
+epilogue stages, `epiN` the epilogue sub-tile width, `rm`/`rn` the raster along M/N, `swap`/`noswap` the swapped product
 (`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped plan of a very tall grid before the
 swap: `fp8:noswap:64x256:c2x1:rn`, `smsN` the SMs the persistent grid takes (`GemmPlan.num_sms`;
 e.g. `tiled:sms128`).
@@ -87,6 +87,8 @@ def variant_plan(spec: str, m: int, n: int, k: int) -> planning.GemmPlan:
             plan = planning.sm90_variant(
                 plan, cluster_mn=tuple(int(v) for v in edit[1:].split("x"))
             )
+        elif edit.startswith("sp"):  # split-K, e.g. sp4 (partials summed by XLA)
+            plan = planning.with_split(plan, int(edit[2:]))
         elif edit.startswith("sk"):  # stream-K off / on: sk0, sk1
             plan = planning.sm90_variant(plan, stream_k=bool(int(edit[2:])))
         elif edit.startswith("swz"):  # raster swizzle, e.g. swz8
