@@ -19,8 +19,8 @@ schedule (unscaled kinds; after the tile, e.g. `fp8:128x160:pp`), `cAxB` the clu
 `sk0`/`sk1` stream-K off/on, `spN` split-K N ways (fp8), `swzN` the raster swizzle, `eN` the
 epilogue stages, `epiN` the epilogue sub-tile width, `rm`/`rn` the raster along M/N,
 `swap`/`noswap` the swapped product (`GemmPlan.swap_ab`, fp8) on or off, e.g. the unswapped
-plan of a very tall grid before the swap: `fp8:noswap:64x256:c2x1:rn`, `smsN` the SMs the persistent grid takes (`GemmPlan.num_sms`;
-e.g. `tiled:sms128`).
+plan of a very tall grid before the swap: `fp8:noswap:64x256:c2x1:rn`, `smsN` the SMs the
+persistent grid takes (`GemmPlan.num_sms`; e.g. `tiled:sms128`).
 `--pairs a/b,...` adds, for each pair of variants, the ratio of a's TF/s to b's in each round
 (both timed in it, a few hundred ms apart), as median, quartiles and range over the rounds.
 Every variant runs on the same quantized data with a bfloat16 result. Timing is
