@@ -244,16 +244,29 @@ def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int)
 
 
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
-    """Split factor for skinny shapes whose output tiles leave most SMs idle."""
+    """Split factor for problems whose output tiles leave most SMs idle: skinny ones (m <= 256),
+    and any other of few tiles over a long k (`SPLIT_K_MIN_K_WIDE` of k a split). At
+    512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS,
+    split 4 ways at 0.87x (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split,
+    fp8's accumulation also runs over a quarter of k in the tensor core before float32
+    partials add, as cuBLAS's split plan does (max error 5.3e-3 of the largest |ref| against
+    2.1e-2 unsplit and cuBLAS's 3.1e-3)."""
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-    if m > 256 or tiles * 2 > num_sms:
+    if tiles * 2 > num_sms:
         return 1
     k_tiles = math.ceil(k / ktile)
+    # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
+    # where each split keeps a long k (measured there, not at short k).
+    least = 4 if m <= 256 else SPLIT_K_MIN_K_WIDE // ktile
     split = 1
-    # Keep at least 4 K tiles per split so each CTA still pipelines.
-    while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= 4:
+    while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= least:
         split *= 2
     return split
+
+
+# The k each split keeps where m > 256 (the 512x512x65536 fp8 measurement kept 16384); problems
+# of shorter k are the small ones XLA's dot takes (`sm90_too_small`) or keep their SMs busy.
+SPLIT_K_MIN_K_WIDE = 8192
 
 
 def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPlan:
