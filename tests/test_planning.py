@@ -248,20 +248,33 @@ class PlannerInvariantsTest(parameterized.TestCase):
             self.assertEqual(p, forced)
 
     @parameterized.product(dtype=("float8_e4m3fn", "bfloat16"),
-                           case=(((512, 512, 65536), 4), ((512, 512, 16384), 2),
-                                 ((1024, 512, 32768), 2), ((512, 512, 8192), 1),
-                                 ((1024, 1024, 65536), 1)))  # fmt: skip
+                           case=(((512, 512, 65536), 1, 4), ((512, 512, 16384), 1, 2),
+                                 ((1024, 512, 32768), 1, 2), ((512, 512, 8192), 1, 1),
+                                 ((1024, 1024, 65536), 1, 1),
+                                 # a batch, whose splits the kernel's batch mode cannot take
+                                 ((512, 512, 65536), 2, 1),
+                                 # 5 tile rows in 2x1 clusters: padded CTAs would run splits
+                                 ((264, 384, 65536), 1, 1),
+                                 # under SM90_MIN_FLOPS: XLA's dot, as unsplit
+                                 ((304, 304, 16384), 1, 1)))  # fmt: skip
     def test_wide_problems_of_few_tiles_split_a_long_k(self, dtype, case):
         # m > 256 with few output tiles: split where each split keeps >= 8192 of k (512 x 512 x
         # 65536 ran 32 of 132 SMs unsplit, 0.45x cuBLAS in fp8; split 4 ways 0.87x, and its fp8
-        # accumulation 4x nearer cuBLAS's). Shorter k, or tiles enough for the SMs: unsplit.
-        shape, split = case
-        p = jax_sm100.plan(*shape, a_dtype=dtype, b_dtype=dtype, b_major="k", arch="sm_90a")
+        # accumulation 4x nearer cuBLAS's). Shorter k, tiles enough for the SMs, a batch, a
+        # padded cluster or a small problem: as before.
+        shape, batch, split = case
+        kw = dict(a_dtype=dtype, b_dtype=dtype, b_major="k", arch="sm_90a", batch=batch)
+        p = jax_sm100.plan(*shape, **kw)
         self.assertEqual(p.split_k, split, p.reason)
         if split > 1:
             self.assertEqual(p.kernel, planning.KERNEL_SM90_SPLITK)
             self.assertIn(f"split-K x{split}", p.reason)
             self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_K_MIN_K_WIDE)
+        elif 2 * math.prod(shape) * batch < sm90.SM90_MIN_FLOPS:
+            self.assertEqual(p.kernel, planning.KERNEL_XLA)
+        else:
+            # The unsplit plan's cluster pads no tile it need not (`_unpadded_cluster`).
+            self.assertEqual(p.kernel, planning.KERNEL_SM90)
 
 
 class DslWorkedExamplesTest(parameterized.TestCase):

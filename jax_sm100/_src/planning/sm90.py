@@ -243,16 +243,17 @@ def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int)
     return _padded_ctas(tiles_m, tiles_n, cluster) // size * batch, max(1, num_sms // size)
 
 
-def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
+def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
     """Split factor for problems whose output tiles leave most SMs idle: skinny ones (m <= 256),
-    and any other of few tiles over a long k (`SPLIT_K_MIN_K_WIDE` of k a split). At
+    and wider ones of few tiles over a long k (`_splits_wide`: about `SPLIT_K_MIN_K_WIDE` of k
+    a split or more). At
     512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS,
     split 4 ways at 0.87x (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split,
     fp8's accumulation also runs over a quarter of k in the tensor core before float32
     partials add, as cuBLAS's split plan does (max error 5.3e-3 of the largest |ref| against
     2.1e-2 unsplit and cuBLAS's 3.1e-3)."""
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-    if tiles * 2 > num_sms:
+    if tiles * 2 > num_sms or (m > 256 and not _splits_wide(m, n, k, batch, tm, tn, cluster)):
         return 1
     k_tiles = math.ceil(k / ktile)
     # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
@@ -264,9 +265,18 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms) -> int:
     return split
 
 
-# The k each split keeps where m > 256 (the 512x512x65536 fp8 measurement kept 16384); problems
-# of shorter k are the small ones XLA's dot takes (`sm90_too_small`) or keep their SMs busy.
+# The k each split keeps where m > 256 (the 512x512x65536 fp8 measurement kept 16384).
 SPLIT_K_MIN_K_WIDE = 8192
+
+
+def _splits_wide(m, n, k, batch, tm, tn, cluster) -> bool:
+    """Whether a problem of m > 256 may split k: as measured (one GEMM, at least
+    `SM90_MIN_FLOPS`, so that no problem XLA's dot takes unsplit moves to the split kernel), and
+    its cluster pads no tile (split plans keep the planner's cluster; padded CTAs would run a
+    whole split's main loop on zeros)."""
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    return (batch == 1 and 2 * m * n * k >= SM90_MIN_FLOPS
+            and _padded_ctas(tiles_m, tiles_n, cluster) == tiles_m * tiles_n)  # fmt: skip
 
 
 def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPlan:
@@ -507,7 +517,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     short_k = ab_bits == 8 and math.ceil(k / ktile) <= SM90_PINGPONG_8BIT_MAX_KTILES
     pingpong_ok = pingpong_ok and (ab_bits == 16 or short_k) and out_bits == 16
     tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok, ab_bits)
-    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms) if why_not is None else 1
+    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) if why_not is None else 1
     if split == 1 and not pingpong:
         cluster = _unpadded_cluster(m, n, tm, tn, cluster, batch, num_sms)
     if why_not is None and not force_kernel:
