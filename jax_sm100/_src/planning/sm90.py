@@ -246,12 +246,11 @@ def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int)
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
     """Split factor for problems whose output tiles leave most SMs idle: skinny ones (m <= 256),
     and wider ones of few tiles over a long k (`_splits_wide`: about `SPLIT_K_MIN_K_WIDE` of k
-    a split or more). At
-    512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS,
-    split 4 ways at 0.87x (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split,
-    fp8's accumulation also runs over a quarter of k in the tensor core before float32
-    partials add, as cuBLAS's split plan does (max error 5.3e-3 of the largest |ref| against
-    2.1e-2 unsplit and cuBLAS's 3.1e-3)."""
+    a split or more). At 512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit
+    plan at 0.45x cuBLAS, split 4 ways at 0.87x (sixty-fifth session,
+    benchmarks/scaled_probe.py `fp8:sp4`); split, fp8's accumulation also runs over a quarter
+    of k in the tensor core before float32 partials add, as cuBLAS's split plan does (max
+    error 5.3e-3 of the largest |ref| against 2.1e-2 unsplit and cuBLAS's 3.1e-3)."""
     tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
     if tiles * 2 > num_sms or (m > 256 and not _splits_wide(m, n, k, batch, tm, tn, cluster)):
         return 1
