@@ -251,8 +251,10 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
     benchmarks/scaled_probe.py `fp8:sp4`); split, fp8's accumulation also runs over a quarter
     of k in the tensor core before float32 partials add, as cuBLAS's split plan does (max
     error 5.3e-3 of the largest |ref| against 2.1e-2 unsplit and cuBLAS's 3.1e-3)."""
-    tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-    if tiles * 2 > num_sms or (m > 256 and not _splits_wide(m, n, k, batch, tm, tn, cluster)):
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    tiles = tiles_m * tiles_n * batch
+    wide_ok = m <= 256 or _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster)
+    if tiles * 2 > num_sms or not wide_ok:
         return 1
     k_tiles = math.ceil(k / ktile)
     # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
@@ -268,14 +270,13 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
 SPLIT_K_MIN_K_WIDE = 8192
 
 
-def _splits_wide(m, n, k, batch, tm, tn, cluster) -> bool:
+def _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster) -> bool:
     """Whether a problem of m > 256 may split k: as measured (one GEMM, at least
     `SM90_MIN_FLOPS`, so that no problem XLA's dot takes unsplit moves to the split kernel), and
     its cluster pads no tile (split plans keep the planner's cluster; padded CTAs would run a
     whole split's main loop on zeros)."""
-    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     return (batch == 1 and 2 * m * n * k >= SM90_MIN_FLOPS
-            and _padded_ctas(tiles_m, tiles_n, cluster) == tiles_m * tiles_n)  # fmt: skip
+            and _cluster_pad(tiles_m, tiles_n, cluster) == 0)  # fmt: skip
 
 
 def with_split(plan: GemmPlan, split: int, reduce: str | None = None) -> GemmPlan:
