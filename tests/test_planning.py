@@ -248,8 +248,9 @@ class PlannerInvariantsTest(parameterized.TestCase):
             self.assertEqual(p, forced)
 
     @parameterized.product(dtype=("float8_e4m3fn", "bfloat16"),
-                           case=(((512, 512, 65536), 1, 4), ((512, 512, 16384), 1, 2),
-                                 ((1024, 512, 32768), 1, 2), ((512, 512, 8192), 1, 1),
+                           case=(((512, 512, 65536), 1, 8), ((512, 512, 16384), 1, 8),
+                                 ((1024, 512, 32768), 1, 4), ((768, 512, 16384), 1, 4),
+                                 ((512, 768, 16384), 1, 4), ((512, 512, 8192), 1, 1),
                                  ((1024, 1024, 65536), 1, 1),
                                  # a batch, whose splits the kernel's batch mode cannot take
                                  ((512, 512, 65536), 2, 1),
@@ -258,9 +259,10 @@ class PlannerInvariantsTest(parameterized.TestCase):
                                  # under SM90_MIN_FLOPS: XLA's dot, as unsplit
                                  ((304, 304, 16384), 1, 1)))  # fmt: skip
     def test_wide_problems_of_few_tiles_split_a_long_k(self, dtype, case):
-        # m > 256 with few output tiles: split where each split keeps >= 8192 of k (512 x 512 x
-        # 65536 ran 32 of 132 SMs unsplit, 0.45x cuBLAS in fp8; split 4 ways 0.87x, and its fp8
-        # accumulation 4x nearer cuBLAS's). Shorter k, tiles enough for the SMs, a batch, a
+        # m > 256 with few output tiles: split in 128 x 128 tiles into about one wave of CTAs,
+        # each split keeping >= 2048 of k (512 x 512 x 65536 ran 32 of 132 SMs unsplit, 0.45x
+        # cuBLAS in fp8; 64 x 128 tiles split 4 ways 0.87x; 128 x 128 tiles split into a wave
+        # ran faster at every shape measured). Shorter k, tiles enough for the SMs, a batch, a
         # padded cluster or a small problem: as before.
         shape, batch, split = case
         kw = dict(a_dtype=dtype, b_dtype=dtype, b_major="k", arch="sm_90a", batch=batch)
@@ -269,7 +271,11 @@ class PlannerInvariantsTest(parameterized.TestCase):
         if split > 1:
             self.assertEqual(p.kernel, planning.KERNEL_SM90_SPLITK)
             self.assertIn(f"split-K x{split}", p.reason)
+            self.assertEqual(p.cta_tile_mnk[:2], sm90.SPLIT_WIDE_TILE)
             self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_K_MIN_K_WIDE)
+            tiles = math.prod(-(-d // t) for d, t in zip(shape[:2], p.cta_tile_mnk, strict=False))
+            self.assertLessEqual(tiles * split, p.num_sms)
+            self.assertGreater(tiles * split * 2, p.num_sms)
         elif 2 * math.prod(shape) * batch < sm90.SM90_MIN_FLOPS:
             self.assertEqual(p.kernel, planning.KERNEL_XLA)
         else:

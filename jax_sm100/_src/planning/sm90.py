@@ -177,15 +177,19 @@ def _choose_sm90(m, n, k, batch, num_sms, pingpong_ok=False, ab_bits=16):
     if pingpong:
         # Measured best with CTAs paired along M (B multicast) in all three sweeps but one.
         return tm, tn, (2, 1), True
-    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
-    # Multicast the operand that more CTAs share: pair CTAs along the longer tile dimension.
+    return tm, tn, _paired_cluster(math.ceil(m / tm), math.ceil(n / tn)), False
+
+
+def _paired_cluster(tiles_m: int, tiles_n: int) -> tuple[int, int]:
+    """The cooperative plans' cluster: CTAs paired along the longer side of the tile grid, so
+    that the operand more CTAs share is multicast."""
     cluster = (2, 1) if tiles_m >= 2 and tiles_m >= tiles_n else (1, 2) if tiles_n >= 2 else (1, 1)
     if tiles_n >= 2 and tiles_m >= 4 * tiles_n:
         # Very tall grids: A (m x k) is the big operand that does not stay in L2; pairing CTAs
         # along N multicasts it. Three H200 sweeps of 16384x4096x4096 (benchmarks/RESULTS.md)
         # put 1x2 ahead of 2x1 by 3-4% each time (0.96-1.0x against 0.95-0.96x jnp.dot).
         cluster = (1, 2)
-    return tm, tn, cluster, False
+    return cluster
 
 
 def _very_tall_8bit(m, n) -> bool:
@@ -245,12 +249,14 @@ def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int)
 
 def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
     """Split factor for problems whose output tiles leave most SMs idle: skinny ones (m <= 256),
-    and wider ones of few tiles over a long k (`_splits_wide`: about `SPLIT_K_MIN_K_WIDE` of k
-    a split or more). At 512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit
-    plan at 0.45x cuBLAS, split 4 ways at 0.87x (sixty-fifth session,
-    benchmarks/scaled_probe.py `fp8:sp4`); split, fp8's accumulation also runs over a quarter
-    of k in the tensor core before float32 partials add, as cuBLAS's split plan does (max
-    error 5.3e-3 of the largest |ref| against 2.1e-2 unsplit and cuBLAS's 3.1e-3)."""
+    and wider ones of few tiles over a long k (`_splits_wide`: `SPLIT_K_MIN_K_WIDE` of k a
+    split or more; the planner then re-tiles them, `_wide_split`). At 512x512x65536 fp8 (32
+    tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS, split 4 ways at 0.87x
+    (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split, fp8's accumulation
+    also runs over a part of k in the tensor core before float32 partials add, as cuBLAS's
+    split plan does (max error 5.3e-3 of the largest |ref| 4 ways, against 2.1e-2 unsplit and
+    cuBLAS's 3.1e-3). A training step of small layers over many tokens, whose weight gradients
+    split so, ran 1.03-1.05x `jnp.dot` against 0.82-0.95x without (sixty-sixth session)."""
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     tiles = tiles_m * tiles_n * batch
     wide_ok = m <= 256 or _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster)
@@ -258,7 +264,7 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
         return 1
     k_tiles = math.ceil(k / ktile)
     # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
-    # where each split keeps a long k (measured there, not at short k).
+    # where each split keeps a long k (measured there).
     least = 4 if m <= 256 else SPLIT_K_MIN_K_WIDE // ktile
     split = 1
     while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= least:
@@ -266,8 +272,31 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
     return split
 
 
-# The k each split keeps where m > 256 (the 512x512x65536 fp8 measurement kept 16384).
-SPLIT_K_MIN_K_WIDE = 8192
+# The k each split keeps at least where m > 256. H100, sixty-sixth session: fp8 512x512x16384
+# in 128 x 128 tiles split 8 ways (2048 of k a split) 0.937x cuBLAS, 4 ways 0.890x.
+SPLIT_K_MIN_K_WIDE = 2048
+
+# The tile of wide split plans (`_wide_split`). H100, sixty-sixth session (device method, B
+# K-major, x cuBLAS in one process): bfloat16 512x512x65536 128x128 split 8 0.891 against the
+# planner's 64x128 split 4 0.785 (128x256 split 16 0.888); 1024x512x32768 128x128 split 4 0.913
+# against 64x128 split 2 0.704; 768x512x16384 128x128 split 4 0.950 against 64x128 split 2
+# 0.850; fp8 768x512x16384 0.973 against 0.869; fp8 512x512x16384 128x128 split 8 0.937
+# against 64x128 split 2 0.904 (split 4: 0.945). In each the fastest plan filled about one wave.
+SPLIT_WIDE_TILE = (128, 128)
+
+
+def _wide_split(m, n, k, batch, ktile, num_sms, planned):
+    """`planned` (tile_m, tile_n, cluster, split) of a wide problem (m > 256) that splits k,
+    re-tiled in `SPLIT_WIDE_TILE` where that too splits: the planner's tile fits the SMs best
+    unsplit, which once split leaves its CTAs small tiles (64 x 128: 24 bytes of A and B a
+    k-column for 16 KFLOP, where 128 x 128 reads 32 for 32) and more of them than splits
+    need."""
+    tm, tn = SPLIT_WIDE_TILE
+    if n < tn:
+        return planned
+    cluster = _paired_cluster(math.ceil(m / tm), math.ceil(n / tn))
+    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster)
+    return (tm, tn, cluster, split) if split > 1 else planned
 
 
 def _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster) -> bool:
@@ -518,6 +547,9 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     pingpong_ok = pingpong_ok and (ab_bits == 16 or short_k) and out_bits == 16
     tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok, ab_bits)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) if why_not is None else 1
+    if split > 1 and m > 256:
+        tm, tn, cluster, split = _wide_split(m, n, k, batch, ktile, num_sms,
+                                             (tm, tn, cluster, split))  # fmt: skip
     if split == 1 and not pingpong:
         cluster = _unpadded_cluster(m, n, tm, tn, cluster, batch, num_sms)
     if why_not is None and not force_kernel:
