@@ -272,7 +272,7 @@ class PlannerInvariantsTest(parameterized.TestCase):
             self.assertEqual(p.kernel, planning.KERNEL_SM90_SPLITK)
             self.assertIn(f"split-K x{split}", p.reason)
             self.assertEqual(p.cta_tile_mnk[:2], sm90.SPLIT_WIDE_TILE)
-            self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_K_MIN_K_WIDE)
+            self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_WIDE_MIN_K)
             tiles = math.prod(-(-d // t) for d, t in zip(shape[:2], p.cta_tile_mnk, strict=False))
             self.assertLessEqual(tiles * split, p.num_sms)
             self.assertGreater(tiles * split * 2, p.num_sms)
@@ -281,6 +281,17 @@ class PlannerInvariantsTest(parameterized.TestCase):
         else:
             # The unsplit plan's cluster pads no tile it need not (`_unpadded_cluster`).
             self.assertEqual(p.kernel, planning.KERNEL_SM90)
+
+    @parameterized.parameters("float8_e4m3fn", "bfloat16")
+    def test_wide_splits_keep_the_planners_tile_where_128_rows_pad(self, dtype):
+        # Re-tiling in 128 x 128 is for grids it pads no more: 257 rows keep their 64 x 128
+        # split (a third 128-row tile would hold one row), as the sixty-fifth session planned
+        # it; problems that did not split (k under 2 x SPLIT_K_MIN_K_WIDE here) still do not.
+        kw = dict(a_dtype=dtype, b_dtype=dtype, b_major="k", arch="sm_90a")
+        p = jax_sm100.plan(257, 768, 24576, **kw)
+        self.assertEqual((p.cta_tile_mnk[:2], p.split_k), ((64, 128), 2), p.reason)
+        p = jax_sm100.plan(640, 640, 12288, **kw)
+        self.assertEqual((p.kernel, p.split_k), (planning.KERNEL_SM90, 1), p.reason)
 
 
 class DslWorkedExamplesTest(parameterized.TestCase):

@@ -247,16 +247,17 @@ def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int)
     return _padded_ctas(tiles_m, tiles_n, cluster) // size * batch, max(1, num_sms // size)
 
 
-def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
+def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k_wide=None) -> int:
     """Split factor for problems whose output tiles leave most SMs idle: skinny ones (m <= 256),
-    and wider ones of few tiles over a long k (`_splits_wide`: `SPLIT_K_MIN_K_WIDE` of k a
-    split or more; the planner then re-tiles them, `_wide_split`). At 512x512x65536 fp8 (32
-    tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS, split 4 ways at 0.87x
-    (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split, fp8's accumulation
-    also runs over a part of k in the tensor core before float32 partials add, as cuBLAS's
-    split plan does (max error 5.3e-3 of the largest |ref| 4 ways, against 2.1e-2 unsplit and
-    cuBLAS's 3.1e-3). A training step of small layers over many tokens, whose weight gradients
-    split so, ran 1.03-1.05x `jnp.dot` against 0.82-0.95x without (sixty-sixth session)."""
+    and wider ones of few tiles over a long k (`_splits_wide`: `min_k_wide`, by default
+    `SPLIT_K_MIN_K_WIDE`, of k a split or more; the planner then re-tiles them, `_wide_split`).
+    At 512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS,
+    split 4 ways at 0.87x (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split,
+    fp8's accumulation also runs over a part of k in the tensor core before float32 partials
+    add, as cuBLAS's split plan does (max error 5.3e-3 of the largest |ref| 4 ways, against
+    2.1e-2 unsplit and cuBLAS's 3.1e-3). A training step of small layers over many tokens,
+    whose weight gradients split so, ran 1.03-1.05x `jnp.dot` against 0.82-0.95x without
+    (sixty-sixth session)."""
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     tiles = tiles_m * tiles_n * batch
     wide_ok = m <= 256 or _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster)
@@ -265,45 +266,50 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) -> int:
     k_tiles = math.ceil(k / ktile)
     # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
     # where each split keeps a long k (measured there).
-    least = 4 if m <= 256 else SPLIT_K_MIN_K_WIDE // ktile
+    least = 4 if m <= 256 else (min_k_wide or SPLIT_K_MIN_K_WIDE) // ktile
     split = 1
     while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= least:
         split *= 2
     return split
 
 
-# The k each split keeps at least where m > 256. H100, sixty-sixth session: fp8 512x512x16384
-# in 128 x 128 tiles split 8 ways (2048 of k a split) 0.937x cuBLAS, 4 ways 0.890x.
-SPLIT_K_MIN_K_WIDE = 2048
+# The k each split keeps where m > 256, in the planner's tile: which wide problems split (the
+# 512x512x65536 fp8 measurement kept 16384; sixty-fifth session).
+SPLIT_K_MIN_K_WIDE = 8192
 
-# The tile of wide split plans (`_wide_split`). H100, sixty-sixth session (device method, B
-# K-major, x cuBLAS in one process): bfloat16 512x512x65536 128x128 split 8 0.891 against the
-# planner's 64x128 split 4 0.785 (128x256 split 16 0.888); 1024x512x32768 128x128 split 4 0.913
-# against 64x128 split 2 0.704; 768x512x16384 128x128 split 4 0.950 against 64x128 split 2
-# 0.850; fp8 768x512x16384 0.973 against 0.869; fp8 512x512x16384 128x128 split 8 0.937
-# against 64x128 split 2 0.904 (split 4: 0.945). In each the fastest plan filled about one wave.
+# Wide split plans re-tiled (`_wide_split`): their tile, and the k each split keeps in it.
+# H100, sixty-sixth session (device method, B K-major, x cuBLAS in one process): bfloat16
+# 512x512x65536 128x128 split 8 0.891 against the planner's 64x128 split 4 0.785 (128x256
+# split 16 0.888); 1024x512x32768 128x128 split 4 0.913 against 64x128 split 2 0.704;
+# 768x512x16384 128x128 split 4 0.950 against 64x128 split 2 0.850; fp8 768x512x16384 0.973
+# against 0.869; fp8 512x512x16384 128x128 split 8 (2048 of k a split) 0.937, split 4 0.890,
+# against 64x128 split 2 0.904. In each the fastest plan filled about one wave.
 SPLIT_WIDE_TILE = (128, 128)
+SPLIT_WIDE_MIN_K = 2048
 
 
 def _wide_split(m, n, k, batch, ktile, num_sms, planned):
     """`planned` (tile_m, tile_n, cluster, split) of a wide problem (m > 256) that splits k,
-    re-tiled in `SPLIT_WIDE_TILE` where that too splits: the planner's tile fits the SMs best
-    unsplit, which once split leaves its CTAs small tiles (64 x 128: 24 bytes of A and B a
-    k-column for 16 KFLOP, where 128 x 128 reads 32 for 32) and more of them than splits
-    need."""
+    re-tiled in `SPLIT_WIDE_TILE` (each split keeping `SPLIT_WIDE_MIN_K` of k or more) where
+    its grid pads no more of the output than the planner's tile and it too splits: the planner's
+    tile fits the SMs best unsplit, which once split leaves its CTAs small tiles (64 x 128: 24
+    bytes of A and B a k-column for 16 KFLOP, where 128 x 128 reads 32 for 32) and more of them
+    than splits need. Elsewhere (257 rows: a third 128-row tile of one row; a 128 x 128 grid
+    whose cluster pads) `planned` stands, as measured in the sixty-fifth session."""
     tm, tn = SPLIT_WIDE_TILE
-    if n < tn:
+    ptm, ptn = planned[:2]
+    padded = lambda a, b: math.ceil(m / a) * a * math.ceil(n / b) * b  # noqa: E731
+    if padded(tm, tn) > padded(ptm, ptn):
         return planned
     cluster = _paired_cluster(math.ceil(m / tm), math.ceil(n / tn))
-    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster)
+    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, SPLIT_WIDE_MIN_K)
     return (tm, tn, cluster, split) if split > 1 else planned
 
 
 def _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster) -> bool:
     """Whether a problem of m > 256 may split k: as measured (one GEMM, at least
     `SM90_MIN_FLOPS`, so that no problem XLA's dot takes unsplit moves to the split kernel), and
-    its cluster pads no tile (split plans keep the planner's cluster; padded CTAs would run a
-    whole split's main loop on zeros)."""
+    its cluster pads no tile (padded CTAs would run a whole split's main loop on zeros)."""
     return (batch == 1 and 2 * m * n * k >= SM90_MIN_FLOPS
             and _cluster_pad(tiles_m, tiles_n, cluster) == 0)  # fmt: skip
 
