@@ -837,6 +837,9 @@ class SplitKTest(_GpuCase):
             Case(64, 4096, 4096),
             Case(1, 4096, 4096, c="bfloat16", bias="float32", activation="silu"),
             Case(200, 1000, 8192, "float16", transpose_b=True, out_dtype="float32"),
+            # A wide weight gradient's layout (A transposed) over a long k: re-tiled in
+            # 128 x 128 and split 4 ways (`sm90._wide_split`).
+            Case(768, 512, 16384, transpose_a=True, bias="float32", activation="gelu"),
         ])
     )  # fmt: skip
     def test_planner_split(self, case):
@@ -844,11 +847,13 @@ class SplitKTest(_GpuCase):
         _, low, _, _ = self.run_case(case)
         self.assertGreater(low.plan.split_k, 1, low)
         self.assertEqual(low.plan.split_reduce, "xla")
+        if case.m > 256:
+            self.assertEqual(low.plan.cta_tile_mnk[:2], (128, 128), low)
 
     def test_fp8_few_tiles_over_a_long_k(self):
-        # 512 x 512 x 65536 fp8 (32 output tiles): split 4 ways. Unsplit, each tile's fp8
-        # accumulation ran over all of k in the tensor core (H100: 2.1e-2 of the largest |ref|
-        # from float64; cuBLAS, split, 3.1e-3; ours split 4 ways 5.3e-3).
+        # 512 x 512 x 65536 fp8 (16 output tiles of 128 x 128): split 8 ways. Unsplit, each
+        # tile's fp8 accumulation ran over all of k in the tensor core (H100: 2.1e-2 of the
+        # largest |ref| from float64; cuBLAS, split, 3.1e-3; ours 64 x 128 split 4 ways 5.3e-3).
         # (Not run_case: its float32 tolerance is for float32 accumulation, which fp8 at DEFAULT
         # is not, split or not.)
         case = Case(512, 512, 65536, "float8_e4m3fn", transpose_b=True, out_dtype="float32")
@@ -856,7 +861,7 @@ class SplitKTest(_GpuCase):
         out = _case_fn(case, None)(*ops)
         low = jax_sm100.last_lowering()
         self.assertEqual(low.plan.kernel, "sm90_wgmma_splitk", low)
-        self.assertGreater(low.plan.split_k, 1, low)  # 4 on 132 SMs
+        self.assertGreater(low.plan.split_k, 1, low)  # 8 on 132 SMs
         a, b = (np.asarray(x, np.float64) for x in ops[:2])
         want = a @ b.T
         err = np.max(np.abs(np.asarray(out, np.float64) - want)) / np.max(np.abs(want))
