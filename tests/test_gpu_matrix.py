@@ -840,6 +840,10 @@ class SplitKTest(_GpuCase):
             # A wide weight gradient's layout (A transposed) over a long k: re-tiled in
             # 128 x 128 and split 4 ways (`sm90._wide_split`).
             Case(768, 512, 16384, transpose_a=True, bias="float32", activation="gelu"),
+            # Two 128-row tiles over a long k: re-tiled likewise, split 4 ways (planned split 2
+            # in 64 x 128 tiles), and split 2 ways where 64 x 128 tiles filled the SMs unsplit.
+            Case(256, 2048, 16384, transpose_b=True, bias="float32", activation="gelu"),
+            Case(255, 4096, 8192, c="bfloat16"),
         ])
     )  # fmt: skip
     def test_planner_split(self, case):
@@ -847,7 +851,9 @@ class SplitKTest(_GpuCase):
         _, low, _, _ = self.run_case(case)
         self.assertGreater(low.plan.split_k, 1, low)
         self.assertEqual(low.plan.split_reduce, "xla")
-        if case.m > 256:
+        # Re-tiled (`sm90._wide_split`): wide problems, and skinny ones of two 128-row tiles in
+        # one GEMM of 2^33 FLOPs or more (Case(200, 1000, 8192) keeps 64 x 128).
+        if case.m > 256 or (case.m > 128 and 2 * case.m * case.n * case.k >= 2**33):
             self.assertEqual(low.plan.cta_tile_mnk[:2], (128, 128), low)
 
     def test_fp8_few_tiles_over_a_long_k(self):

@@ -293,6 +293,38 @@ class PlannerInvariantsTest(parameterized.TestCase):
         p = jax_sm100.plan(640, 640, 12288, **kw)
         self.assertEqual((p.kernel, p.split_k), (planning.KERNEL_SM90, 1), p.reason)
 
+    @parameterized.product(dtype=("float8_e4m3fn", "bfloat16"),
+                           case=(((256, 2048, 16384), 1, (128, 128), 4),
+                                 ((256, 4096, 16384), 1, (128, 128), 2),
+                                 ((255, 4096, 8192), 1, (128, 128), 2),
+                                 ((256, 1024, 32768), 1, (128, 128), 8),
+                                 # one 128-row tile: 64-row tiles kept (measured no slower)
+                                 ((128, 4096, 16384), 1, (64, 128), 2),
+                                 # 192 rows: 128-row tiles would pad a third of the output
+                                 ((192, 4096, 16384), 1, (64, 128), 1),
+                                 # 17 tile columns: the 1x2 cluster would pad
+                                 ((256, 2176, 16384), 1, (64, 128), 1),
+                                 # a batch
+                                 ((256, 2048, 16384), 2, (64, 128), 1),
+                                 # 4 splits of 2048 would run 64 CTAs of 128 x 128, fewer
+                                 # than the 128 planned
+                                 ((256, 4096, 4096), 1, (128, 128), 2),
+                                 # tiles enough for the SMs unsplit: the planner's
+                                 ((256, 8192, 16384), 1, (128, 128), 1)))  # fmt: skip
+    def test_skinny_problems_of_two_tile_rows_split_in_128_row_tiles(self, dtype, case):
+        # 128 < m <= 256, one GEMM of >= SM90_MIN_FLOPS: re-tiled in 128 x 128 and split into
+        # about one wave, each split keeping >= 2048 of k, where that runs as many CTAs as the
+        # planner's 64 x 128 plan and pads nothing more (H100, bfloat16 256x2048x16384 0.973x
+        # cuBLAS against 0.823; fp8 256x4096x16384 0.977 against 0.863 unsplit).
+        shape, batch, tile, split = case
+        kw = dict(a_dtype=dtype, b_dtype=dtype, b_major="k", arch="sm_90a", batch=batch)
+        p = jax_sm100.plan(*shape, **kw)
+        self.assertEqual((p.cta_tile_mnk[:2], p.split_k), (tile, split), p.reason)
+        if split > 1 and tile == sm90.SPLIT_WIDE_TILE:
+            self.assertEqual(p.kernel, planning.KERNEL_SM90_SPLITK)
+            self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_WIDE_MIN_K)
+            self.assertEqual(p.cluster_shape_mn, (1, 2))
+
 
 class DslWorkedExamplesTest(parameterized.TestCase):
     """The documented examples of the helpers the planner builds on."""

@@ -266,7 +266,10 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k_wide=None) -
     k_tiles = math.ceil(k / ktile)
     # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
     # where each split keeps a long k (measured there).
-    least = 4 if m <= 256 else (min_k_wide or SPLIT_K_MIN_K_WIDE) // ktile
+    if min_k_wide:  # a re-tiled split (`_wide_split`), skinny or wide
+        least = min_k_wide // ktile
+    else:
+        least = 4 if m <= 256 else SPLIT_K_MIN_K_WIDE // ktile
     split = 1
     while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= least:
         split *= 2
@@ -289,20 +292,36 @@ SPLIT_WIDE_MIN_K = 2048
 
 
 def _wide_split(m, n, k, batch, ktile, num_sms, planned):
-    """`planned` (tile_m, tile_n, cluster, split) of a wide problem (m > 256) that splits k,
-    re-tiled in `SPLIT_WIDE_TILE` (each split keeping `SPLIT_WIDE_MIN_K` of k or more) where
-    its grid pads no more of the output than the planner's tile and it too splits: the planner's
-    tile fits the SMs best unsplit, which once split leaves its CTAs small tiles (64 x 128 reads
-    192 elements of A and B a k-step for 16 KFLOP, 128 x 128 reads 256 for 32) and more of them
-    than splits need. Elsewhere (257 rows: a third 128-row tile of one row; a 128 x 128 grid
-    whose cluster pads) `planned` stands, as measured in the sixty-fifth session."""
+    """`planned` (tile_m, tile_n, cluster, split) re-tiled in `SPLIT_WIDE_TILE` and split into
+    about one wave, each split keeping `SPLIT_WIDE_MIN_K` of k or more, where its grid pads no
+    more of the output than the planner's tile: the planner's tile fits the SMs best unsplit,
+    which once split leaves its CTAs small tiles (64 x 128 reads 192 elements of A and B a
+    k-step for 16 KFLOP, 128 x 128 reads 256 for 32). Taken by wide problems (m > 256) that
+    split, and by skinny ones of two 128-row tiles (128 < m <= 256), split or not, where the
+    re-tiled grid runs as many CTAs as planned, its cluster pads no tile and the problem is one
+    GEMM of at least `SM90_MIN_FLOPS` (so no problem XLA's dot took moves), as measured: H100,
+    sixty-seventh session, device method, B K-major, x cuBLAS in one process, bfloat16
+    256x2048x16384 128 x 128 split 4 0.973 against the planner's 64 x 128 split 2 0.823; fp8
+    256x4096x16384 128 x 128 split 2 0.977 against 64 x 128 unsplit 0.863 (128 CTAs each);
+    fp8 256x2048x16384 split 4 0.956 against 0.881. At m = 128 the re-tile gained nothing
+    (bfloat16 128x4096x16384 0.993 against 1.017), so those keep 64-row tiles. Elsewhere (257
+    rows: a third 128-row tile of one row; a 128 x 128 grid whose cluster pads) `planned`
+    stands, as measured in the sixty-fifth session."""
     tm, tn = SPLIT_WIDE_TILE
-    ptm, ptn = planned[:2]
+    ptm, ptn, _, psplit = planned
     padded = lambda a, b: math.ceil(m / a) * a * math.ceil(n / b) * b  # noqa: E731
     if padded(tm, tn) > padded(ptm, ptn):
         return planned
-    cluster = _paired_cluster(math.ceil(m / tm), math.ceil(n / tn))
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    cluster = _paired_cluster(tiles_m, tiles_n)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, SPLIT_WIDE_MIN_K)
+    if m <= 256 and not (
+        batch == 1
+        and 2 * m * n * k >= SM90_MIN_FLOPS
+        and _cluster_pad(tiles_m, tiles_n, cluster) == 0
+        and tiles_m * tiles_n * split >= math.ceil(m / ptm) * math.ceil(n / ptn) * psplit
+    ):
+        return planned
     return (tm, tn, cluster, split) if split > 1 else planned
 
 
@@ -553,7 +572,7 @@ def plan_sm90(common, why_not, ab_bits, ktile, out_bits, allow_pingpong, force_k
     pingpong_ok = pingpong_ok and (ab_bits == 16 or short_k) and out_bits == 16
     tm, tn, cluster, pingpong = _choose_sm90(m, n, k, batch, num_sms, pingpong_ok, ab_bits)
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster) if why_not is None else 1
-    if split > 1 and m > 256:
+    if why_not is None and not pingpong and (split > 1 and m > 256 or 128 < m <= 256):
         tm, tn, cluster, split = _wide_split(m, n, k, batch, ktile, num_sms,
                                              (tm, tn, cluster, split))  # fmt: skip
     if split == 1 and not pingpong:
