@@ -20,11 +20,12 @@ land on the biggest tiles, and problems with few tiles trade tile size for fille
 Skinny problems (m <= 256 with large k and few output tiles) on sm_90a get a split-K plan, which
 spreads K over idle SMs, and so do wider ones of few tiles over a long k (one GEMM of at least
 `SM90_MIN_FLOPS`), re-tiled in 128 x 128 and split into about one wave (`sm90._wide_split`);
-so are skinny ones of two 128-row tiles (128 < m <= 256) of that size, where that runs as many
-CTAs as the planner's 64-row tiles, split or not; the partial products are reduced in float32 before the epilogue, by XLA
-(`split_reduce="xla"`, the planner's choice) or inside the kernel by a (1, split_k) cluster
-(`split_reduce="cluster"`, `with_split(plan, s, reduce="cluster")`; correct on the H200 but
-slower there so far: benchmarks/RESULTS.md).
+so are skinny ones of two full 128-row tiles (192 < m <= 256) of that size, where that runs
+as many CTAs as the planner's 64-row tiles, split or not; the partial products are reduced in
+float32 before the epilogue, by XLA (`split_reduce="xla"`, the planner's choice) or inside the
+kernel by a (1, split_k) cluster (`split_reduce="cluster"`, `with_split(plan, s,
+reduce="cluster")`; correct on the H200 but slower there and on the H100 so far:
+benchmarks/RESULTS.md).
 
 Small sm_90a problems (under `SM90_MIN_FLOPS`, or `SM90_SPLITK_MIN_FLOPS` for split-K) are planned
 onto XLA's dot, which the H200 measurements put ahead there; `force_kernel=True` overrides.

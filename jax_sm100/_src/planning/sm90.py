@@ -247,10 +247,11 @@ def _cluster_grid(tiles_m: int, tiles_n: int, cluster, batch: int, num_sms: int)
     return _padded_ctas(tiles_m, tiles_n, cluster) // size * batch, max(1, num_sms // size)
 
 
-def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k_wide=None) -> int:
+def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k=None) -> int:
     """Split factor for problems whose output tiles leave most SMs idle: skinny ones (m <= 256),
-    and wider ones of few tiles over a long k (`_splits_wide`: `min_k_wide`, by default
-    `SPLIT_K_MIN_K_WIDE`, of k a split or more; the planner then re-tiles them, `_wide_split`).
+    and wider ones of few tiles over a long k (`_splits_wide`: `SPLIT_K_MIN_K_WIDE` of k a split
+    or more; the planner then re-tiles them, `_wide_split`). `min_k`, given for a re-tiled
+    split, skinny or wide, is the k each split keeps at least.
     At 512x512x65536 fp8 (32 tiles of 64 x 128) the H100 ran the unsplit plan at 0.45x cuBLAS,
     split 4 ways at 0.87x (sixty-fifth session, benchmarks/scaled_probe.py `fp8:sp4`); split,
     fp8's accumulation also runs over a part of k in the tensor core before float32 partials
@@ -265,9 +266,9 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k_wide=None) -
         return 1
     k_tiles = math.ceil(k / ktile)
     # Keep at least 4 k-tiles per split so each CTA still pipelines; wider problems split only
-    # where each split keeps a long k (measured there).
-    if min_k_wide:  # a re-tiled split (`_wide_split`), skinny or wide
-        least = min_k_wide // ktile
+    # where each split keeps a long k (measured there), and re-tiled ones `min_k`.
+    if min_k:
+        least = min_k // ktile
     else:
         least = 4 if m <= 256 else SPLIT_K_MIN_K_WIDE // ktile
     split = 1
@@ -280,7 +281,7 @@ def _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k_wide=None) -
 # 512x512x65536 fp8 measurement kept 16384; sixty-fifth session).
 SPLIT_K_MIN_K_WIDE = 8192
 
-# Wide split plans re-tiled (`_wide_split`): their tile, and the k each split keeps in it.
+# Split plans re-tiled (`_wide_split`): their tile, and the k each split keeps in it.
 # H100, sixty-sixth session (device method, B K-major, x cuBLAS in one process): bfloat16
 # 512x512x65536 128x128 split 8 0.891 against the planner's 64x128 split 4 0.785 (128x256
 # split 16 0.888); 1024x512x32768 128x128 split 4 0.913 against 64x128 split 2 0.704;
@@ -297,7 +298,8 @@ def _wide_split(m, n, k, batch, ktile, num_sms, planned):
     more of the output than the planner's tile: the planner's tile fits the SMs best unsplit,
     which once split leaves its CTAs small tiles (64 x 128 reads 192 elements of A and B a
     k-step for 16 KFLOP, 128 x 128 reads 256 for 32). Taken by wide problems (m > 256) that
-    split, and by skinny ones of two 128-row tiles (128 < m <= 256), split or not, where the
+    split, and by skinny ones of two 128-row tiles (128 < m <= 256; below 193 rows 128-row tiles
+    pad more than 64-row ones, so in practice 193-256), split or not, where the
     re-tiled grid runs as many CTAs as planned, its cluster pads no tile and the problem is one
     GEMM of at least `SM90_MIN_FLOPS` (so no problem XLA's dot took moves), as measured: H100,
     sixty-seventh session, device method, B K-major, x cuBLAS in one process, bfloat16
