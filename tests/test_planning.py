@@ -306,14 +306,16 @@ class PlannerInvariantsTest(parameterized.TestCase):
                                  ((256, 2176, 16384), 1, (64, 128), 1),
                                  # a batch
                                  ((256, 2048, 16384), 2, (64, 128), 1),
-                                 # the shortest k re-tiled: 2 splits of 2048, 128 CTAs as
+                                 # the shortest k re-tiled: 2 splits of 4096, 128 CTAs as
                                  # the 128 unsplit 64 x 128 tiles planned
-                                 ((256, 4096, 4096), 1, (128, 128), 2),
+                                 ((256, 4096, 8192), 1, (128, 128), 2),
+                                 # splits of 2048 (unmeasured): the planner's plan
+                                 ((256, 4096, 4096), 1, (64, 128), 1),
                                  # tiles enough for the SMs unsplit: the planner's
                                  ((256, 8192, 16384), 1, (128, 128), 1)))  # fmt: skip
     def test_skinny_problems_of_two_tile_rows_split_in_128_row_tiles(self, dtype, case):
         # 192 < m <= 256, one GEMM of >= SM90_MIN_FLOPS: re-tiled in 128 x 128 and split into
-        # about one wave, each split keeping >= 2048 of k, where that runs as many CTAs as the
+        # about one wave, each split keeping >= 4096 of k, where that runs as many CTAs as the
         # planner's 64 x 128 plan and pads nothing more (H100, bfloat16 256x2048x16384 0.973x
         # cuBLAS against 0.823; fp8 256x4096x16384 0.977 against 0.863 unsplit).
         shape, batch, tile, split = case
@@ -322,17 +324,17 @@ class PlannerInvariantsTest(parameterized.TestCase):
         self.assertEqual((p.cta_tile_mnk[:2], p.split_k), (tile, split), p.reason)
         if split > 1 and tile == sm90.SPLIT_WIDE_TILE:
             self.assertEqual(p.kernel, planning.KERNEL_SM90_SPLITK)
-            self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_WIDE_MIN_K)
+            self.assertGreaterEqual(shape[2] // split, sm90.SPLIT_SKINNY_MIN_K)
             self.assertEqual(p.cluster_shape_mn, (1, 2))
 
     def test_skinny_re_tile_runs_no_fewer_ctas(self):
         # On 264 SMs the planner's 64 x 128 tiles split 8 ways run 256 CTAs; 128 x 128 tiles
-        # keeping 2048 of k a split could run only 128, so the planner's plan stands (on 132
+        # keeping 4096 of k a split could run only 128, so the planner's plan stands (on 132
         # SMs both run 128 and the re-tile is taken).
         kw = dict(a_dtype="bfloat16", b_dtype="bfloat16", b_major="k", arch="sm_90a")
-        p = jax_sm100.plan(256, 1024, 24576, **kw, num_sms=264)
+        p = jax_sm100.plan(256, 1024, 32768, **kw, num_sms=264)
         self.assertEqual((p.cta_tile_mnk[:2], p.split_k), ((64, 128), 8), p.reason)
-        p = jax_sm100.plan(256, 1024, 24576, **kw, num_sms=132)
+        p = jax_sm100.plan(256, 1024, 32768, **kw, num_sms=132)
         self.assertEqual((p.cta_tile_mnk[:2], p.split_k), ((128, 128), 8), p.reason)
 
 

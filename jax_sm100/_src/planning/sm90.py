@@ -290,6 +290,10 @@ SPLIT_K_MIN_K_WIDE = 8192
 # against 64x128 split 2 0.904. In each the fastest plan filled about one wave.
 SPLIT_WIDE_TILE = (128, 128)
 SPLIT_WIDE_MIN_K = 2048
+# The k each split of a re-tiled skinny problem (m <= 256) keeps: the least measured (H100,
+# sixty-seventh session: 4096 at bfloat16 and fp8 256x2048x16384, 8192 at fp8 256x4096x16384).
+# Splits of 2048 (256x4096x4096 in 2) are unmeasured, so such problems keep the planner's plan.
+SPLIT_SKINNY_MIN_K = 4096
 
 
 def _wide_split(m, n, k, batch, ktile, num_sms, planned):
@@ -299,7 +303,8 @@ def _wide_split(m, n, k, batch, ktile, num_sms, planned):
     which once split leaves its CTAs small tiles (64 x 128 reads 192 elements of A and B a
     k-step for 16 KFLOP, 128 x 128 reads 256 for 32). Taken by wide problems (m > 256) that
     split, and by skinny ones of two 128-row tiles (128 < m <= 256; below 193 rows 128-row tiles
-    pad more than 64-row ones, so in practice 193-256), split or not, where the
+    pad more than 64-row ones, so in practice 193-256), split or not, each split keeping
+    `SPLIT_SKINNY_MIN_K` of k or more, where the
     re-tiled grid runs as many CTAs as planned, its cluster pads no tile and the problem is one
     GEMM of at least `SM90_MIN_FLOPS` (so no problem XLA's dot took moves), as measured: H100,
     sixty-seventh session, device method, B K-major, x cuBLAS in one process, bfloat16
@@ -316,7 +321,8 @@ def _wide_split(m, n, k, batch, ktile, num_sms, planned):
         return planned
     tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
     cluster = _paired_cluster(tiles_m, tiles_n)
-    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, SPLIT_WIDE_MIN_K)
+    min_k = SPLIT_WIDE_MIN_K if m > 256 else SPLIT_SKINNY_MIN_K
+    split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k)
     if m <= 256 and not (
         batch == 1
         and 2 * m * n * k >= SM90_MIN_FLOPS
