@@ -304,9 +304,9 @@ def _wide_split(m, n, k, batch, ktile, num_sms, planned):
     k-step for 16 KFLOP, 128 x 128 reads 256 for 32). Taken by wide problems (m > 256) that
     split, and by skinny ones of two 128-row tiles (128 < m <= 256; below 193 rows 128-row tiles
     pad more than 64-row ones, so in practice 193-256), split or not, each split keeping
-    `SPLIT_SKINNY_MIN_K` of k or more, where the
-    re-tiled grid runs as many CTAs as planned, its cluster pads no tile and the problem is one
-    GEMM of at least `SM90_MIN_FLOPS` (so no problem XLA's dot took moves), as measured: H100,
+    `SPLIT_SKINNY_MIN_K` of k or more, where the re-tiled grid may split as a wide one does
+    (`_splits_wide`: one GEMM of at least `SM90_MIN_FLOPS`, so no problem XLA's dot took moves;
+    a cluster that pads no tile) and runs as many CTAs as planned, as measured: H100,
     sixty-seventh session, device method, B K-major, x cuBLAS in one process, bfloat16
     256x2048x16384 128 x 128 split 4 0.973 against the planner's 64 x 128 split 2 0.823; fp8
     256x4096x16384 128 x 128 split 2 0.977 against 64 x 128 unsplit 0.863 (128 CTAs each);
@@ -324,9 +324,7 @@ def _wide_split(m, n, k, batch, ktile, num_sms, planned):
     min_k = SPLIT_WIDE_MIN_K if m > 256 else SPLIT_SKINNY_MIN_K
     split = _split_k(m, n, k, batch, tm, tn, ktile, num_sms, cluster, min_k)
     if m <= 256 and not (
-        batch == 1
-        and 2 * m * n * k >= SM90_MIN_FLOPS
-        and _cluster_pad(tiles_m, tiles_n, cluster) == 0
+        _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster)
         and tiles_m * tiles_n * split >= math.ceil(m / ptm) * math.ceil(n / ptn) * psplit
     ):
         return planned
@@ -334,9 +332,10 @@ def _wide_split(m, n, k, batch, ktile, num_sms, planned):
 
 
 def _splits_wide(m, n, k, batch, tiles_m, tiles_n, cluster) -> bool:
-    """Whether a problem of m > 256 may split k: as measured (one GEMM, at least
-    `SM90_MIN_FLOPS`, so that no problem XLA's dot takes unsplit moves to the split kernel), and
-    its cluster pads no tile (padded CTAs would run a whole split's main loop on zeros)."""
+    """Whether a problem of m > 256, or a skinny one re-tiled (`_wide_split`), may split k:
+    as measured (one GEMM, at least `SM90_MIN_FLOPS`, so that no problem XLA's dot takes
+    unsplit moves to the split kernel), and its cluster pads no tile (padded CTAs would run a
+    whole split's main loop on zeros)."""
     return (batch == 1 and 2 * m * n * k >= SM90_MIN_FLOPS
             and _cluster_pad(tiles_m, tiles_n, cluster) == 0)  # fmt: skip
 
