@@ -745,6 +745,26 @@ class ScaledMatmulTest(parameterized.TestCase):
         back = np.asarray(scale_layout.plain(lhs.shape, got), np.float32)
         np.testing.assert_array_equal(back, np.asarray(want.astype(ls.dtype), np.float32))
 
+    def test_tile_scale_gradients_sum_rows_in_float32(self):
+        # A scale per 128-row tile of a narrow dtype: its gradient sums the tile's rows in
+        # float32, rounded once (saturating for fp8), as the per-row gradient is; it had summed
+        # them in the scale's own dtype, each row's term rounded first (e4m3: a NaN; e5m2: 256
+        # for 640 here).
+        a = (0.5 + jax.random.uniform(jax.random.key(26), (1, 128, 128))).astype(
+            jnp.float8_e4m3fn
+        )  # fmt: skip
+        b = (0.5 + jax.random.uniform(jax.random.key(27), (1, 4, 128))).astype(jnp.float8_e4m3fn)
+        sb = jnp.ones((1, 4, 1), jnp.float32)
+        ct = jnp.full((1, 128, 4), 0.01, jnp.float32)
+        exact = np.einsum("bmn,bmk,bnk->b", *(np.asarray(x, np.float64) for x in (ct, a, b)))
+        for dtype in (jnp.bfloat16, jnp.float16, jnp.float8_e5m2, jnp.float8_e4m3fn):
+            tile = jnp.ones((1, 1, 1), dtype)
+            got = jax.grad(lambda s: (jax_sm100.scaled_matmul(a, b, s, sb) * ct).sum())(tile)
+            self.assertEqual((got.shape, got.dtype), (tile.shape, tile.dtype))
+            top = float(jnp.finfo(dtype).max)
+            want = jnp.asarray(np.float32(min(exact[0], top))).astype(dtype)
+            self.assertEqual(float(got[0, 0, 0]), float(want), msg=np.dtype(dtype).name)
+
     def test_no_derivative_with_respect_to_e8m0_scales(self):
         lhs, ls = jax_sm100.quantize(_normal(15, (1, 8, 64)), "mxfp8")
         rhs, rs = jax_sm100.quantize(_normal(16, (1, 4, 64)), "mxfp8")

@@ -145,12 +145,14 @@ def row_block(data_shape, scales_shape) -> int:
     return ROW_BLOCK
 
 
-def plain(data_shape, scales):
+def plain(data_shape, scales, dtype=None):
     """`scales` of data [..., rows, k] in the plain layout [..., rows, k / block]: blocked ones
-    unpacked, those of 128-row tiles repeated per row."""
+    unpacked (their block read off `dtype`, the scales' own by default), those of 128-row tiles
+    repeated per row."""
     *_, rows, k = data_shape
     if is_blocked(len(data_shape), scales.ndim):
-        return from_blocked(scales, rows, k // scale_block(data_shape, scales.shape, scales.dtype))
+        dtype = scales.dtype if dtype is None else dtype
+        return from_blocked(scales, rows, k // scale_block(data_shape, scales.shape, dtype))
     if row_block(data_shape, scales.shape) > 1:
         return per_row(scales, rows)
     return scales

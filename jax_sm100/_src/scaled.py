@@ -701,11 +701,13 @@ def _tangent_term(operands, i, t):
             "that quantize returns reads its block off the e8m0 dtype)"
         )
     args = list(operands)
+    t = _widen_p.bind(t, dtype=dtype)
     if i >= 2:
-        # Scales in the plain layout before widening: the blocked layout's block is read
-        # off the scale dtype.
-        t = scale_layout.plain(operands[i - 2].shape, t)  # (the data: defined)
-    args[i] = _widen_p.bind(t, dtype=dtype)
+        # Scales in the plain layout after widening: a tile scale's repeats over its 128 rows
+        # transpose to a sum, taken in float32 and rounded once by the widening's transpose
+        # (a blocked layout's block is read off the scale dtype).
+        t = scale_layout.plain(operands[i - 2].shape, t, dtype)  # (the data: defined)
+    args[i] = t
     # Of 8- or 4-bit data (3 mantissa bits at most) the product takes JAX's default precision,
     # as jnp.dot does (`jax_default_matmul_precision`; TF32 on a GPU), since the gradient is
     # rounded to the data's format and the tangent holds no more than it; scales' stay at
