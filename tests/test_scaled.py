@@ -395,8 +395,8 @@ class ScaledMatmulTest(parameterized.TestCase):
     def test_vmap_shares_an_unmapped_lhs_as_its_rhs(self, dtype, scale, want):
         # Weights on the left, left unmapped: the vmap rule binds the transposed product with
         # them as its shared rhs, so their gradient is the indices' float32 sum rounded once
-        # (2.4 -> 2.5 in e4m3), as for weights on the right, not a sum in their own format of
-        # terms each rounded (a copy per index: 0 for fp4, 2.25 for e4m3).
+        # (2.4 -> 2.5 in e4m3), as for weights on the right, not a sum of terms each rounded
+        # to their format first (a copy per index: 0 for fp4; summed in e4m3 too, 2.25).
         v, sdt = 8, jnp.float8_e4m3fn
         w, w_s = jnp.ones((1, 1, 16), dtype), jnp.ones((1, 1, 1), sdt)
         x, x_s = jnp.ones((v, 1, 1, 16), dtype), jnp.full((v, 1, 1, 1), scale, sdt)
@@ -417,6 +417,20 @@ class ScaledMatmulTest(parameterized.TestCase):
         self.assertEqual(got.shape, (3, 1, 96, 160))
         ref = np.stack([_reference64(lq, rq[i], ls, rs[i]) for i in range(3)])
         tu.assert_close(self, got, ref, "float32", 256)
+
+    def test_vmap_copies_sum_their_gradients_in_float32(self):
+        # fp8 data left unmapped beside mapped scales is copied per index; the copies'
+        # gradients (200 each) sum in float32 and round once, saturating: 600 -> 448. Summed in
+        # e4m3 they overflowed to NaN.
+        a, b = jnp.ones((1, 4, 32), jnp.float8_e4m3fn), jnp.ones((1, 2, 32), jnp.float8_e4m3fn)
+        sa, sb = jnp.ones((3, 1, 4, 1)), jnp.ones((3, 1, 2, 1))
+        ct = jnp.full((3, 1, 4, 2), 100.0)
+        f = jax.vmap(jax_sm100.scaled_matmul, (None, None, 0, 0))
+        for got in jax.grad(lambda a, b: (f(a, b, sa, sb) * ct).sum(), (0, 1))(a, b):
+            self.assertEqual(got.dtype, jnp.float8_e4m3fn)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), 448.0)
+        # The values are the per-index products'.
+        np.testing.assert_array_equal(f(a, b, sa, sb), np.full((3, 1, 4, 2), 32.0, np.float32))
 
     def test_public_call_takes_equal_batches(self):
         # The shared rhs is the vmap rule's: scaled_matmul itself takes equal Bs, as

@@ -579,9 +579,9 @@ def _batch(args, dims, *, out_dtype):
     shared = dims[1] is None and dims[3] is None and args[1].shape[0] == 1
     if not shared and _shares_lhs(args, dims):
         # lhs is the shared one (weights on the left): the product's transpose, rhs lhs^T,
-        # with lhs as its shared rhs. A copy per index would also sum lhs's gradient over the
-        # indices in its own 8- or 4-bit format (the copy's transpose), each index's term
-        # rounded first; the shared operand's gradient is summed in float32, rounded once.
+        # with lhs as its shared rhs. A copy per index would also round each index's term of
+        # lhs's gradient to its 8- or 4-bit format before the sum (`_copies`); the shared
+        # operand's gradient sums unrounded float32 terms, rounded once.
         swapped = [args[1], args[0], args[3], args[2]]
         out, d = _batch(swapped, [dims[1], dims[0], dims[3], dims[2]], out_dtype=out_dtype)
         return jnp.swapaxes(out, -1, -2), d
@@ -589,13 +589,11 @@ def _batch(args, dims, *, out_dtype):
     moved = list(args)
     for i in batched:
         x, d = args[i], dims[i]
-        moved[i] = (
-            jnp.broadcast_to(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-        )
+        moved[i] = _copies(x[None], (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
     if not shared and moved[1].shape[1] != moved[0].shape[1]:
         # A shared rhs (a B of 1 beside lhs's) that this vmap maps: copied to lhs's B first.
         moved[1], moved[3] = (
-            jnp.broadcast_to(x, (size, moved[0].shape[1], *x.shape[2:])) for x in moved[1::2]
+            _copies(x, (size, moved[0].shape[1], *x.shape[2:])) for x in moved[1::2]
         )
     # Under Explicit axes a merge whose minor dim is split and major dim whole cannot be typed.
     # The mapped dim goes major, unless B alone is split (no operand splits the mapped dim):
@@ -650,6 +648,17 @@ def _shares_lhs(args, dims) -> bool:
 
 
 batching.primitive_batchers[scaled_matmul_p] = _batch
+
+
+def _copies(x, shape):
+    """`x` broadcast to `shape` (an operand copied per index), its values and dtype kept. The
+    copies' gradients sum in float32, rounded once to x's dtype (saturating, as `_narrow`
+    rounds): a sum in a 16-, 8- or 4-bit format would round each partial sum, and e4m3's
+    overflows to NaN. (e8m0 scales have no gradient.)"""
+    dtype = np.dtype(x.dtype)
+    if dtype.itemsize >= 4 or dtype.name == "float8_e8m0fnu":
+        return jnp.broadcast_to(x, shape)
+    return jnp.broadcast_to(_widen_p.bind(x, dtype=dtype), shape).astype(dtype)
 
 
 # --- differentiation: linear in each operand; tangents through the documented math --------------
