@@ -548,6 +548,15 @@ class PlanEditsTest(parameterized.TestCase):
                     256, 256, 256, a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
                     scale_dtype="float32", scale_block=128, out_dtype="int32", arch=arch,
                 )  # fmt: skip
+            # An fp8 result, which scaled_matmul refuses: it had planned XLA's ops.
+            scaled_args = dict(a_dtype="float8_e4m3fn", b_dtype="float8_e4m3fn",
+                               scale_dtype="float32", scale_block=128, arch=arch)  # fmt: skip
+            with self.assertRaisesRegex(TypeError, "out_dtype='float8_e4m3fn' is not one of"):
+                jax_sm100.plan(256, 256, 256, **scaled_args, out_dtype="float8_e4m3fn")
+            # b_scale_rows is 1 or 128 as an int: True and 128.0 compare equal to them.
+            for bad in (True, 128.0):
+                with self.assertRaisesRegex(C.PlanError, "b_scale_rows=.* must be one of"):
+                    jax_sm100.plan(256, 256, 256, **scaled_args, b_scale_rows=bad)
             with self.assertRaisesRegex(TypeError, r"a_dtype is .*int8.* e.g. a_dtype=jnp"):
                 jax_sm100.plan(128, 128, 128, a_dtype="int8", b_dtype="int8", arch=arch)
             # None is not a dtype here (np.dtype(None) is float64: it planned a float64 GEMM).

@@ -8,6 +8,8 @@ the invariants. Each function raises `PlanError` naming the rule, or returns a r
 
 from __future__ import annotations
 
+import numbers
+
 ARCHS = ("sm_100a", "sm_90a")
 
 # Bits per element of the dtypes the primitive accepts (ml_dtypes names, as `np.dtype(x).name`).
@@ -72,6 +74,9 @@ KERNEL_OPERAND_DTYPES = {
     "sm_90a": ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"),
 }
 KERNEL_OUT_DTYPES = ("bfloat16", "float16", "float32")
+# The dtypes a block-scaled product rounds to (`scaled_matmul`'s preferred_element_type; float64
+# with x64 on, on XLA's ops); 8-bit and narrower outputs would lose too much (e8m0 has no sign).
+SCALED_OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def kernel_bias_dtype(name: str) -> str:
@@ -536,11 +541,17 @@ def b_tile_scale_stage_bytes(scale_bits: int) -> int:
     return -(-window // SCALE_STAGE_ALIGN_BYTES) * SCALE_STAGE_ALIGN_BYTES
 
 
+def is_b_scale_rows(b_scale_rows) -> bool:
+    """One of `B_SCALE_ROWS` as an int (not a bool or a float, which compare equal to them)."""
+    return (isinstance(b_scale_rows, numbers.Integral) and not isinstance(b_scale_rows, bool)
+            and b_scale_rows in B_SCALE_ROWS)  # fmt: skip
+
+
 def check_b_scale_rows(scale_dtype, b_scale_rows, kernel_scaled: bool, tile_n: int) -> None:
     """B's scales cover 1 or 128 of its rows (`B_SCALE_ROWS`), 1 when unscaled; on the
     block-scaled kernel a tile of D's columns then lies within one scale tile (its width divides
     128), so each k-tile's promotion takes one B scale."""
-    if b_scale_rows not in B_SCALE_ROWS or (scale_dtype is None and b_scale_rows != 1):
+    if not is_b_scale_rows(b_scale_rows) or (scale_dtype is None and b_scale_rows != 1):
         raise PlanError(
             f"b_scale_rows={b_scale_rows!r} must be one of {B_SCALE_ROWS} (1 when unscaled)"
         )

@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_sm100._src import primitive as P
 from jax_sm100._src import scale_layout, scaled_sharding
-from jax_sm100._src.constraints import FP8_DTYPES, SCALE_DTYPE_BITS
+from jax_sm100._src.constraints import FP8_DTYPES, SCALE_DTYPE_BITS, SCALED_OUT_DTYPES
 
 scaled_matmul_p = P.Primitive("jax_sm100_scaled_matmul")
 
@@ -144,9 +144,7 @@ def _out_dtype(preferred_element_type) -> np.dtype:
     return out
 
 
-# The dtypes a product rounds to (float64 with x64 on); 8-bit and narrower outputs would lose
-# too much (e8m0 has no sign).
-_OUT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_OUT_DTYPES = SCALED_OUT_DTYPES
 
 
 def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: bool = False):

@@ -207,7 +207,7 @@ def plan(
         or groups with scales; for a grouped one, `batch` other than 1.
       TypeError: for dtypes the primitive does not take.
     """
-    if b_scale_rows not in C.B_SCALE_ROWS:
+    if not C.is_b_scale_rows(b_scale_rows):
         raise C.PlanError(f"{b_scale_rows=} must be one of {C.B_SCALE_ROWS}")
     if scale_dtype is not None or scale_block:
         if groups or ragged:

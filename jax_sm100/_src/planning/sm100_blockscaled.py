@@ -88,13 +88,16 @@ def scaled_problem(
     )  # fmt: skip
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise C.PlanError(f"num_sms={num_sms!r} must be a positive int (or None)")
+    out = "bfloat16" if out_dtype is None else D.dtype_argument_name(out_dtype, "out_dtype",
+                                                                     "jax_sm100.plan")  # fmt: skip
+    if out not in C.SCALED_OUT_DTYPES:
+        raise TypeError(
+            f"a block-scaled problem's out_dtype={out!r} is not one of "
+            f"{C.SCALED_OUT_DTYPES} (as scaled_matmul's preferred_element_type)"
+        )
     return GemmProblem(
         m=int(m), n=int(n), k=int(k), a_dtype=names["a_dtype"], b_dtype=names["b_dtype"],
-        out_dtype=(
-            "bfloat16"
-            if out_dtype is None
-            else D.dtype_argument_name(out_dtype, "out_dtype", "jax_sm100.plan")
-        ),
+        out_dtype=out,
         batch=int(batch),
         a_major="k", b_major=b_major, scale_dtype=names["scale_dtype"],
         scale_block=int(scale_block), b_scale_rows=int(b_scale_rows),
