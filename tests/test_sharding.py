@@ -973,6 +973,38 @@ class ExplicitAxesTest(ShardedTestCase):
                 self.assertEqual(same_spec(g.sharding.spec), same_spec(sp), specs)
                 np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
+    def test_fused_activation_gradients_typed_as_their_primals(self):
+        # gelu(x @ w1) @ w2: the backward runs the activation's derivative in the d h
+        # product's epilogue (autodiff's gated product), whose cotangents are typed as their
+        # primals too. With w2's rows split on an axis h's columns are not (FSDP layouts), JAX
+        # refused its d x ("Expected cotangent type").
+        # (Scaled to keep the results near 1, where sin's gradient is well conditioned.)
+        x, w1, w2 = (0.25 * rand(0, 32, 48), 0.25 * rand(1, 48, 64), 0.25 * rand(2, 64, 48))
+        ours = lambda x, w1, w2: jax_sm100.matmul(  # noqa: E731
+            jax_sm100.matmul(x, w1, activation="gelu"), w2
+        )
+        ref = lambda x, w1, w2: jnp.matmul(  # noqa: E731
+            jax.nn.gelu(jnp.matmul(x, w1, precision="highest"), approximate=True), w2,
+            precision="highest",
+        )  # fmt: skip
+        loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+        want = jax.grad(loss(ref), (0, 1, 2))(x, w1, w2)
+        cases = [
+            (PS("data"), PS(), PS("model")),
+            (PS("data"), PS("model"), PS("model")),  # FSDP over "model"
+            (PS("data"), PS(None, "model"), PS("model")),  # Megatron
+        ]
+        for specs in cases:
+            args = [self.put(v, sp) for v, sp in zip((x, w1, w2), specs, strict=True)]
+            f = jax.grad(loss(ours), (0, 1, 2))
+            eqns = jax.make_jaxpr(f)(*args).jaxpr.eqns
+            fused = [e for e in eqns if e.params.get("act_grad") is not None]
+            self.assertEqual(len(fused), 1, specs)  # d h, gelu' in its epilogue
+            got = jax.jit(f)(*args)
+            for g, r, sp in zip(got, want, specs, strict=True):
+                self.assertEqual(same_spec(g.sharding.spec), same_spec(sp), specs)
+                np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
     def test_weight_gradient_folds_a_split_batch(self):
         # A transformer's [batch, seq, d] activations with the batch over "data" and a 2-D
         # weight: its gradient folds the batch into k as without a mesh (a batch split becomes

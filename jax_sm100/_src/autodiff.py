@@ -136,7 +136,10 @@ def _gated_transpose(ct, a, z, b, *, activation, transpose_a, transpose_b, alpha
         gated = act_grad_mul_p.bind(a, z, activation=activation).astype(cd)
         x, y, ta, tb = _wgrad_operands(gated, g, transpose_a, transpose_b)
         ct_b = _grad_product(x, y, ta, tb, alpha, b.aval)
-    return [ct_a, None, ct_b]
+    # Typed as their primals under Explicit axes, as `_transpose`'s (ct_a took b's k split).
+    return [
+        None if t is None else P.cotangent_like(t, x) for t, x in ((ct_a, a), (None, z), (ct_b, b))
+    ]
 
 
 def _gated_batch(args, dims, **params):
