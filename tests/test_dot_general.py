@@ -389,6 +389,26 @@ class TransformTest(parameterized.TestCase):
         want = grad(lambda a, b: _reference(a, b, dn))(lhs, rhs)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
+    def test_exports_with_symbolic_dims_beside_a_unit_group(self):
+        # An operand whose free or contracting group is all unit dims beside a symbolic one
+        # (Dense(1 -> n) over a polymorphic batch; a matrix-vector product of symbolic k):
+        # choosing its layout compared a symbolic size with `>` ("inconclusive"), where lax
+        # exports. Forward and gradient, equal to lax's at concrete sizes.
+        b, s, k = jax.export.symbolic_shape("b, s, k")
+        cases = [((b, s, 1), (1, 8), (((2,), (0,)), NO_BATCH), ((2, 3, 1), (1, 8))),
+                 ((3, k), (k,), (((1,), (0,)), NO_BATCH), ((3, 40), (40,)))]  # fmt: skip
+        for lhs_spec, rhs_spec, dn, concrete in cases:
+            lhs, rhs = _operands(*concrete)
+            grad = lambda dot: jax.grad(lambda x, y: jnp.sum(jnp.sin(dot(x, y))), (0, 1))  # noqa: E731
+            for wrap in (lambda dot: dot, grad):
+                ours = wrap(lambda x, y, dn=dn: jax_sm100.dot_general(x, y, dn))
+                specs = [jax.ShapeDtypeStruct(sh, jnp.float32) for sh in (lhs_spec, rhs_spec)]
+                exported = jax.export.export(jax.jit(ours))(*specs)
+                want = wrap(lambda x, y, dn=dn: _reference(x, y, dn))(lhs, rhs)
+                got = exported.call(lhs, rhs)
+                for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                    np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-5)
+
 
 class EinsumTest(parameterized.TestCase):
     @parameterized.parameters(

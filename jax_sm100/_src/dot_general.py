@@ -98,7 +98,8 @@ def _layout(shape, lead, groups):
     free = [(o, t) for o, t in orders if _free(o, shape)]
     if len(free) == 2:
         # One group is all unit dims: the layout that keeps the other one last (contiguous).
-        transposed = math.prod(shape[d] for d in groups[0]) > 1
+        # (`!=`, not a product's `>`: a symbolic dim compares unequal to 1, but not greater.)
+        transposed = any(shape[d] != 1 for d in groups[0])
         return orders[transposed][0], transposed, False
     if free:
         return (*free[0], False)
