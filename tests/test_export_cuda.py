@@ -408,6 +408,87 @@ class CallersPlanTest(parameterized.TestCase):
         self.assertIn("converted to float32", low.note)
 
 
+class Fp8KernelFormTest(parameterized.TestCase):
+    """fp8 products the kernels cannot take as given run on them in an exact kernel form
+    (`dispatch.kernel_form`; review helper-155: each ran XLA's dot on float32 operands at
+    HIGHEST, no tensor cores)."""
+
+    E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+    def _one(self, fn, *args, arch="sm_90a"):
+        target = dispatch.Target(arch, 132, True)
+        (low,) = _lowered(fn, *args, target=target)
+        return low
+
+    def test_sm90_transposes_an_n_major_b(self):
+        # [k, n] weights, and a transposed [n, k] (the two transposes cancel in XLA).
+        e4 = _bf16(4096, 4096, dtype=self.E4)
+        for f in (lambda a, b: jax_sm100.matmul(a, b), lambda a, b: jax_sm100.matmul(a, b.T)):
+            low = self._one(f, e4, e4)
+            self.assertEqual((low.plan.kernel, low.plan.b_major), ("sm90_wgmma", "k"))
+            self.assertIn("B transposed to K-major by XLA", low.note)
+        # An M-major A too (a weight gradient's x^T): A [k, m] contracted along its dim 0.
+        low = self._one(lambda a, b: jax_sm100.dot_general(a, b, (((0,), (1,)), ((), ()))),
+                        _bf16(4096, 8192, dtype=self.E4), e4)  # fmt: skip
+        self.assertEqual((low.plan.a_major, low.plan.b_major), ("k", "k"))
+        self.assertIn("A transposed to K-major", low.note)
+        # sm_100a's tcgen05 reads fp8 N-major: nothing to change.
+        low = self._one(lambda a, b: jax_sm100.matmul(a, b), e4, e4, arch="sm_100a")
+        self.assertEqual((low.plan.b_major, low.note.count("transposed")), ("n", 0))
+
+    def test_fp8_result_from_a_float32_kernel_result(self):
+        # dot_general's and einsum's result of two fp8 operands is fp8 (lax's type).
+        a, b = _bf16(4096, 4096, dtype=self.E4), _bf16(4096, 4096, dtype=self.E4)
+        f = lambda a, b: jax_sm100.dot_general(a, b, (((1,), (1,)), ((), ())))  # noqa: E731
+        for arch in ("sm_90a", "sm_100a"):
+            low = self._one(f, a, b, arch=arch)
+            self.assertNotEqual(low.plan.kernel, "xla_dot")
+            self.assertEqual(low.plan.out_dtype, "float32")
+            self.assertIn("float32 result rounded to float8_e4m3fn by XLA", low.note)
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            self.assertEqual(_export(f, a, b).out_avals[0].dtype, self.E4)
+
+    def test_mixed_operands_and_c_widened(self):
+        for other, to in ((self.E5, "bfloat16"), (jnp.bfloat16, "bfloat16"),
+                          (jnp.float16, "float16")):  # fmt: skip
+            low = self._one(
+                lambda a, b: jax_sm100.matmul(a, b.T),
+                _bf16(4096, 4096, dtype=self.E4),
+                _bf16(4096, 4096, dtype=other),
+            )
+            self.assertEqual((low.plan.a_dtype, low.plan.b_dtype), (to, to))
+            self.assertIn(f"widened to {to} (exact)", low.note)
+        low = self._one(lambda a, b, c: jax_sm100.matmul(a, b.T, c=c),
+                        *(_bf16(4096, 4096, dtype=self.E4) for _ in range(3)))  # fmt: skip
+        self.assertEqual((low.plan.kernel, low.plan.c_dtype), ("sm90_wgmma", "bfloat16"))
+
+    def test_fallback_is_xla_fp8_dot(self):
+        # A small fp8 problem runs XLA's fp8 GEMM at DEFAULT (cuBLAS's), not float32 at HIGHEST.
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            e4 = _bf16(256, 256, dtype=self.E4)
+            exp = _export(lambda a, b: jax_sm100.matmul(a, b.T), e4, e4)
+        dots = [ln for ln in exp.mlir_module().splitlines() if "stablehlo.dot_general" in ln]
+        self.assertEqual(len(dots), 1, dots)
+        self.assertIn("(tensor<256x256xf8E4M3FN>, tensor<256x256xf8E4M3FN>)", dots[0])
+        self.assertNotIn("HIGHEST", dots[0])
+
+    def test_plan_for_is_taken_back(self):
+        # plan_for gives the kernels' form's plan; matmul(plan=) takes it, and still takes a
+        # plan of the call as given (XLA's dot).
+        a, b = _bf16(4096, 4096, dtype=self.E4), _bf16(4096, 4096, dtype=self.E4)
+        p = jax_sm100.plan_for(a, b, arch="sm_90a")
+        self.assertEqual((p.kernel, p.b_major), ("sm90_wgmma", "k"))
+        low = self._one(lambda a, b: jax_sm100.matmul(a, b, plan=p), a, b)
+        self.assertEqual(low.plan.cta_tile_mnk, p.cta_tile_mnk)
+        given = jax_sm100.plan(4096, 4096, 4096, a_dtype=self.E4, b_dtype=self.E4, arch="sm_90a")
+        self.assertEqual(given.kernel, "xla_dot")
+        low = self._one(lambda a, b: jax_sm100.matmul(a, b, plan=given), a, b)
+        self.assertEqual(low.plan.kernel, "xla_dot")
+        wrong = jax_sm100.plan(64, 64, 64, a_dtype="bfloat16", b_dtype="bfloat16", arch="sm_90a")
+        with self.assertRaisesRegex(jax_sm100.PlanError, "made for a_dtype='bfloat16'"):
+            jax_sm100.matmul(jnp.ones((64, 64), self.E4), jnp.ones((64, 64), self.E4), plan=wrong)
+
+
 class GpuSuitePlansTest(parameterized.TestCase):
     """The planner's choices tests/test_gpu_matrix.py asserts on an SM90 GPU, checked here on
     the plans the same calls lower to for an sm_90a target, so that CI sees a planner change

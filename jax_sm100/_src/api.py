@@ -278,9 +278,35 @@ def matmul(
                 f"got {type(plan).__name__}"
             )
         problem = P.problem_for_operands(*split, **params)
-        planning.check_plan_fits(plan, problem, plan.arch)
+        try:
+            planning.check_plan_fits(plan, problem, plan.arch)
+        except constraints.PlanError as e:
+            # A plan of the kernels' form of the call (`plan_for`'s, with fp8 in it) fits too.
+            seen = {}
+            form = jax.eval_shape(lambda s: _kernel_form(s, params, plan.arch, seen), split)
+            if not seen["notes"]:
+                raise
+            kernels = P.problem_for_operands(*form, **{**params, **seen["form"]})
+            try:
+                planning.check_plan_fits(plan, kernels, plan.arch)
+            except constraints.PlanError:
+                raise e from None
     (out,) = P.matmul_p.bind(*operands, plan=plan, **params)
     return DG.with_result_type(out.reshape(out_shape), weak, out_sharding)
+
+
+def _kernel_form(split, params, arch, captured):
+    """The operands (a, b, bias, c) of the kernels' form of one call (`dispatch.kernel_form`);
+    its changed params and notes go into `captured` ("form", "notes")."""
+    a, b, bias, c = split
+    form = dispatch.kernel_form(
+        a, b, c, transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
+        out_dtype=params["out_dtype"], arch=arch,
+    )  # fmt: skip
+    captured["form"] = dict(transpose_a=form.transpose_a, transpose_b=form.transpose_b,
+                            out_dtype=form.out_dtype)  # fmt: skip
+    captured["notes"] = form.notes
+    return form.a, form.b, bias, form.c
 
 
 def plan_for(
@@ -291,9 +317,15 @@ def plan_for(
     `a`, `b`, `bias` and `c` may be arrays or `jax.ShapeDtypeStruct`s. On a machine without an
     SM90/SM100 GPU and no `arch`, the plan is the sm_100a one with `kernel="xla_dot"`, since
     the primitive lowers to XLA's dot there. An empty product (a zero dim in `a` or `b`) has
-    no plan and raises `PlanError`: `matmul` computes it with XLA's dot.
+    no plan and raises `PlanError`: `matmul` computes it with XLA's dot. With fp8 in the call
+    the plan is of the problem the kernels run (`dispatch.kernel_form`: fp8 results planned in
+    float32, mixed operands widened, sm_90a's fp8 operands K-major), as `matmul` takes it back.
     """
     captured = {}
+    device = dispatch.device_target()
+    target = device if device is not None and arch in (None, device.arch) else None
+    if target is None:
+        target = dispatch.Target(arch or "sm_100a")
 
     if out_dtype is not None:
         # Checked and truncated (with jnp's warning, naming the caller's line) here, not inside
@@ -301,22 +333,19 @@ def plan_for(
         out_dtype = D.requested(out_dtype, "out_dtype", "jax_sm100.plan_for")
 
     def trace(a, b, bias, c):
-        ops, captured["params"], *_ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)
-        return ops
+        ops, params, *_ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)
+        captured["params"] = params
+        return ops, _kernel_form(P._split(ops, params["has_bias"], params["has_c"]), params,
+                                 target.arch, captured)  # fmt: skip
 
-    ops = jax.eval_shape(trace, a, b, bias, c)
-    params = captured["params"]
+    ops, operands = jax.eval_shape(trace, a, b, bias, c)
     if any(d == 0 for x in ops[:2] for d in x.shape):
         raise constraints.PlanError(
             f"jax_sm100.plan_for: operands of shapes {ops[0].shape} and {ops[1].shape} make an "
             "empty product, which has no plan: matmul computes it with XLA's dot (zeros where "
             "k = 0)"
         )
-    problem = P.problem_for_operands(*P._split(ops, params["has_bias"], params["has_c"]), **params)
-    device = dispatch.device_target()
-    target = device if device is not None and arch in (None, device.arch) else None
-    if target is None:
-        target = dispatch.Target(arch or "sm_100a")
+    problem = P.problem_for_operands(*operands, **{**captured["params"], **captured["form"]})
     p = dispatch.plan_call(problem, target).plan
     if arch is None and device is None and p.kernel != planning.KERNEL_XLA:
         reason = (

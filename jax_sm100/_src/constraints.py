@@ -634,12 +634,13 @@ def kernel_support(
     if c_dtype is not None and c_dtype not in KERNEL_OUT_DTYPES:
         return f"XLA dot: the epilogue reads C as {KERNEL_OUT_DTYPES}, not {c_dtype}"
     if wgmma_k_major_only(arch, a_dtype) and (a_major != "k" or b_major != "k"):
-        wrong = [
-            f"{name} is {major}-major (pass {fix} to use the kernel)"
-            for name, major, fix in (("A", a_major, "a as [m, k]"), ("B", b_major, "b as [n, k]"))
-            if major != "k"
-        ]
-        return "XLA dot: sm_90a fp8 wgmma needs K-major A and B; here " + " and ".join(wrong)
+        wrong = [f"{name} is {major}-major" for name, major in (("A", a_major), ("B", b_major))
+                 if major != "k"]  # fmt: skip
+        return (
+            "XLA dot: sm_90a fp8 wgmma needs K-major A and B; here " + " and ".join(wrong) + " "
+            "(matmul and dot_general transpose such operands by XLA first and run the K-major "
+            "problem's plan: plan that one, a_major='k', b_major='k')"
+        )
     checks = [
         ("a", a_major, a_dtype),
         ("b", b_major, b_dtype),

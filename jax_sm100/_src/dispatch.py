@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jax_sm100._src import constraints, planning
 
@@ -254,6 +256,61 @@ def _usable_split(p: planning.GemmPlan) -> int:
 
 
 # ---------------------------------------------------------------- what lowerings chose
+
+
+def is_fp8(dtype) -> bool:
+    return np.dtype(dtype).name in constraints.FP8_DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelForm:
+    """A product as the kernels run it: `kernel_form`'s result."""
+
+    a: object
+    b: object
+    c: object
+    transpose_a: bool
+    transpose_b: bool
+    out_dtype: np.dtype
+    notes: tuple[str, ...]
+
+
+def kernel_form(a, b, c, *, transpose_a, transpose_b, out_dtype, arch) -> KernelForm:
+    """The operands, layouts and result dtype the kernels run one bind of the primitive as on
+    `arch`, with the same result once the kernel's is rounded to `out_dtype`; `notes` say what
+    changed (none: the call as given). With fp8 (e4m3, e5m2) in it:
+
+    - an fp8 operand beside another dtype is widened to it, and two fp8 formats both to
+      bfloat16 (the kernels take one operand dtype; fp8 values are exact in every wider float);
+    - an fp8 C is widened to bfloat16 (the epilogue adds it in float32 either way);
+    - an fp8 result is the kernel's float32 result rounded once by XLA (the kernels write 16-
+      and 32-bit results; a saved pre-activation then bfloat16, as `preact_dtype` has it);
+    - on sm_90a, whose fp8 wgmma reads K-major operands only, an fp8 A that is M-major or B
+      that is N-major is transposed by XLA (a copy, or none where the operand is itself a
+      transpose: XLA folds the two).
+    """
+    notes = []
+    names = [np.dtype(x.dtype).name for x in (a, b)]
+    if names[0] != names[1] and any(map(is_fp8, names)):
+        wide = [n for n in names if not is_fp8(n)]
+        to = np.dtype(wide[0] if wide else jnp.bfloat16)
+        notes.append(f"{names[0]} x {names[1]} operands widened to {to.name} (exact)")
+        a, b = a.astype(to), b.astype(to)
+    if c is not None and is_fp8(c.dtype):
+        notes.append(f"C {np.dtype(c.dtype).name} widened to bfloat16 (exact)")
+        c = c.astype(jnp.bfloat16)
+    out_dtype = np.dtype(out_dtype)
+    if is_fp8(out_dtype):
+        notes.append(f"the kernel's float32 result rounded to {out_dtype.name} by XLA")
+        out_dtype = np.dtype(np.float32)
+    if constraints.wgmma_k_major_only(arch, np.dtype(a.dtype).name):
+        if transpose_a:
+            notes.append("A transposed to K-major by XLA (sm_90a's fp8 wgmma reads K-major)")
+            a, transpose_a = jnp.swapaxes(a, -1, -2), False
+        if not transpose_b:
+            notes.append("B transposed to K-major by XLA (sm_90a's fp8 wgmma reads K-major)")
+            b, transpose_b = jnp.swapaxes(b, -1, -2), True
+    return KernelForm(a, b, c, transpose_a, transpose_b, out_dtype, tuple(notes))
 
 
 def symbolic_dims(*arrays) -> bool:

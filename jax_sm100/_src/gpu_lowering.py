@@ -9,7 +9,9 @@ It runs at trace time on the operands' shapes (primitive.py's conventions: a [*B
 [*Ba, k, m], b [*Bb, k, n] or [*Bb, n, k], bias [*Bbias, n], c [*Bc, m, n], out [*B, m, n]):
 
 1. The target: the device's arch (sm_90a for compute capability 9.0, sm_100a for 10.0) and SM
-   count (`dispatch.lowering_target`).
+   count (`dispatch.lowering_target`). A call with fp8 in it that the kernels cannot take as
+   given runs in an exact form they take (`dispatch.kernel_form`: widened operands, a float32
+   result rounded by XLA, sm_90a's fp8 operands transposed K-major).
 2. Batch dims are flattened into one L. When B is shared by the whole batch (a weight) and A is
    K-major, the batch folds into m (free reshape, one large GEMM; `primitive.folds_batch`);
    other broadcasts are materialised (a copy, noted in the recorded `Lowered.note`).
@@ -39,6 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_sm100._src import compile as compile_mod
 from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning
@@ -48,14 +51,36 @@ from jax_sm100._src.kernels.spec import KernelSpec
 
 
 def _reference(a, b, bias, c, **kw):
+    """XLA's dot and the float32 epilogue. Two fp8 operands run XLA's fp8 GEMM at DEFAULT: the
+    tensor core's fp8 accumulation, as the kernels' and cuBLAS's (not the exact float32 product
+    that the CPU computes, whose dot takes no fp8); others at HIGHEST (exact products)."""
+    if all(dispatch.is_fp8(x.dtype) for x in (a, b)):
+        return P.reference_matmul(a, b, bias, c, upcast=False, precision=lax.Precision.DEFAULT,
+                                  **kw)  # fmt: skip
     upcast = any(np.dtype(x.dtype).itemsize == 1 for x in (a, b))
     return P.reference_matmul(a, b, bias, c, upcast=upcast, **kw)
 
 
+def _form_takes(plan, form: dispatch.KernelForm, bias, kw) -> bool:
+    """Whether a caller's plan was made for the kernels' form of the call (its dtypes and
+    layouts: `plan_for`'s plan of it), not for the call as given."""
+    try:
+        problem = P.problem_for_operands(
+            form.a, form.b, bias, form.c, **{**kw, "transpose_a": form.transpose_a,
+                                             "transpose_b": form.transpose_b,
+                                             "out_dtype": form.out_dtype},
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        return False
+    fields = ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major")
+    return all(getattr(plan, f) == getattr(problem, f) for f in fields)
+
+
 def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
-                     out_dtype, plan=None, save_preact=False, act_grad=None,
+                     out_dtype, plan=None, save_preact=False, act_grad=None, _notes=(),
                      **unused):  # fmt: skip
-    """The primitive's math on a CUDA device through our kernels (see the module docstring)."""
+    """The primitive's math on a CUDA device through our kernels (see the module docstring).
+    `_notes`: what `dispatch.kernel_form` changed of the call, for the recorded lowering."""
     del unused
     out_dtype = np.dtype(out_dtype)
     epi = dict(alpha=alpha, beta=beta, activation=activation, out_dtype=out_dtype,
@@ -88,7 +113,20 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         dispatch.record(dispatch.Lowered(None, "bias with batch dims: XLA dot"))
         return _reference(a, b, bias, c, **kw)
 
-    notes = []
+    form = dispatch.kernel_form(a, b, c, transpose_a=transpose_a, transpose_b=transpose_b,
+                       out_dtype=out_dtype, arch=target.arch)  # fmt: skip
+    if form.notes and (plan is None or _form_takes(plan, form, bias, kw)):
+        # The kernels' form of the call (a caller's plan made for it: `plan_for`'s), its
+        # results rounded back to the call's dtypes.
+        outs = cuda_matmul_impl(
+            form.a, form.b, bias, form.c, transpose_a=form.transpose_a,
+            transpose_b=form.transpose_b, alpha=alpha, beta=beta, activation=activation,
+            out_dtype=form.out_dtype, plan=plan, save_preact=save_preact, act_grad=act_grad,
+            _notes=(*_notes, *form.notes),
+        )  # fmt: skip
+        return [outs[0].astype(out_dtype), *(z.astype(P.preact_dtype(out_dtype)) for z in outs[1:])]
+
+    notes = list(_notes)
     fold = P.folds_batch(a.shape, b.shape, transpose_a, out_shape)
     if fold:
         notes.append(f"batch {L} folded into m (B shared)")
