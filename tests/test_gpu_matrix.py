@@ -21,8 +21,9 @@ routing. 182 cases:
   beta * C (C broadcast or not, in the output's dtype or float32), bias (float32 or 16-bit),
   batch dims, each operand broadcast or not; the planner's plans.
 - `EdgeTest` (11): m, n or k = 1, the smallest aligned problem, misaligned rows.
-- `DtypeTest` (17): fp8 (e4m3, e5m2) on the kernel and with an epilogue; float32, float64,
-  mixed operand dtypes, fp8 outputs and fp8 with an N-major B, which run on XLA's dot.
+- `DtypeTest` (19): fp8 (e4m3, e5m2) on the kernel and with an epilogue; fp8 outputs, mixed
+  fp8 operands, fp8 C and fp8 with an N-major B or M-major A, on the kernel in the form the
+  lowering gives them; float32, float64 and mixed 16-bit operands, which run on XLA's dot.
 - `RoutingTest` (3): the planner's small-problem rule.
 - `ScheduleTest` (20): each cooperative tile, cluster, raster and swizzle the planner uses,
   64-wide epilogue sub-tiles, each ping-pong tile and the ping-pong walk along N; two problems
@@ -176,11 +177,27 @@ class Case:
 
     def kernel_can_take(self) -> bool:
         """Whether the public planner says our SM90 kernel can run this product (the one
-        statement of the kernels' dtype and alignment rules)."""
+        statement of the kernels' dtype and alignment rules), in the form the lowering gives
+        it (`dispatch.kernel_form`: fp8 widened, transposed K-major, results in float32)."""
+        a = jax.ShapeDtypeStruct((self.k, self.m) if self.transpose_a else (self.m, self.k),
+                                 self.dtype)  # fmt: skip
+        b = jax.ShapeDtypeStruct((self.n, self.k) if self.transpose_b else (self.k, self.n),
+                                 self.b_dtype or self.dtype)  # fmt: skip
+        c = None if self.c is None else jax.ShapeDtypeStruct((self.m, self.n), self.c)
+        seen = {}
+
+        def form(a, b, c):
+            seen["form"] = dispatch.kernel_form(
+                a, b, c, transpose_a=self.transpose_a, transpose_b=self.transpose_b,
+                out_dtype=self.out, arch="sm_90a",
+            )  # fmt: skip
+
+        jax.eval_shape(form, a, b, c)
+        f = seen["form"]
         p = jax_sm100.plan(
-            self.m, self.n, self.k, a_dtype=self.dtype, b_dtype=self.b_dtype or self.dtype,
-            out_dtype=self.out, c_dtype=self.c, arch="sm_90a",
-            a_major="m" if self.transpose_a else "k", b_major="k" if self.transpose_b else "n",
+            self.m, self.n, self.k, a_dtype=f.a.dtype, b_dtype=f.b.dtype, out_dtype=f.out_dtype,
+            c_dtype=None if f.c is None else f.c.dtype, arch="sm_90a",
+            a_major="m" if f.transpose_a else "k", b_major="k" if f.transpose_b else "n",
             force_kernel=True,
         )  # fmt: skip
         return p.kernel != "xla_dot"
@@ -450,10 +467,15 @@ _DTYPE_CASES = (
     Case(1000, 520, 256, "float8_e4m3fn", transpose_b=True, bias="float8_e5m2",
          activation="gelu"),
     Case(1024, 1040, 512, "bfloat16", bias="float8_e4m3fn"),
-    # XLA's dot: what the kernels do not take.
+    # The kernels' form of fp8 calls they cannot take as given (`dispatch.kernel_form`): an
+    # N-major B or M-major A transposed by XLA, a float32 result rounded to fp8 by XLA, mixed
+    # operands and an fp8 C widened.
     Case(256, 512, 256, "float8_e4m3fn"),  # fp8 with an N-major B
+    Case(256, 512, 256, "float8_e5m2", transpose_a=True, bias="float32", activation="gelu"),
     Case(256, 512, 256, "float8_e4m3fn", transpose_b=True, out_dtype="float8_e4m3fn"),
     Case(256, 512, 256, "float8_e4m3fn", "float8_e5m2", transpose_b=True),
+    Case(256, 512, 256, "float8_e4m3fn", "bfloat16", c="float8_e4m3fn"),
+    # XLA's dot: what the kernels do not take.
     Case(256, 512, 256, "bfloat16", "float16", out_dtype="float32", activation="relu"),
     Case(200, 136, 520, "float32", bias="float32", activation="gelu"),
     Case(200, 136, 520, "float64", c="float64", activation="silu", alpha=0.5),
