@@ -24,7 +24,7 @@ routing. 182 cases:
 - `DtypeTest` (19): fp8 (e4m3, e5m2) on the kernel and with an epilogue; fp8 outputs, mixed
   fp8 operands, fp8 C and fp8 with an N-major B or M-major A, on the kernel in the form the
   lowering gives them; float32, float64 and mixed 16-bit operands, which run on XLA's dot.
-- `RoutingTest` (3): the planner's small-problem rule.
+- `RoutingTest` (5): the planner's small-problem rule, bfloat16 and fp8.
 - `ScheduleTest` (20): each cooperative tile, cluster, raster and swizzle the planner uses,
   64-wide epilogue sub-tiles, each ping-pong tile and the ping-pong walk along N; two problems
   each (one batched), one random epilogue and layout per schedule.
@@ -500,6 +500,9 @@ class RoutingTest(_GpuCase):
         ("small_to_xla", Case(256, 256, 256), "xla_dot"),
         ("large_to_kernel", Case(2048, 2048, 2048), "sm90_wgmma"),
         ("skinny_to_split_k", Case(64, 4096, 4096), "sm90_wgmma_splitk"),
+        # XLA's fp8 GEMM at DEFAULT (it was float32 operands at HIGHEST).
+        ("small_fp8_to_xla", Case(256, 256, 256, "float8_e4m3fn"), "xla_dot"),
+        ("large_fp8_n_major_to_kernel", Case(2048, 2048, 2048, "float8_e5m2"), "sm90_wgmma"),
     )
     def test_case(self, case, kernel):
         _, low, _, _ = self.run_case(case, check_path=False)
