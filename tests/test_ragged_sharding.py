@@ -648,6 +648,37 @@ class AutoAxesTest(RaggedCase):
     def test_bias_with_rows_and_experts(self):
         self.check_bias((PS("data"), PS("model"), PS("model")))
 
+    def test_experts_split_unevenly(self):
+        # g experts over an axis that does not divide g, split on rhs or on the group sizes:
+        # each row's group index (a scatter of a mark per group end, and a running sum) came
+        # out one too high, XLA's partitioner scattering the uneven split's padding at row 0:
+        # the bias gradient, and the forward on lax's path, were wrong (review helper-154).
+        self.require("model")
+        g = 2 * ts.axis_size("model") - 1
+        rng = np.random.default_rng(69)
+        lhs, rhs = tu.rand(rng, (M, K), "float32"), tu.rand(rng, (g, K, N), "float32")
+        bias, cot = tu.rand(rng, (g, N), "float32"), tu.rand(rng, (M, N), "float32")
+        sizes = groups(70, g=g)
+
+        def value_and_grads(f):  # f(rhs, bias, sizes), and its gradients in rhs and bias
+            loss = lambda b, c, s: jnp.sum(f(b, c, s) * cot)  # noqa: E731
+            return lambda b, c, s: (f(b, c, s), jax.grad(loss, (0, 1))(b, c, s))
+
+        want = value_and_grads(lambda b, c, s: reference_biased(lhs, b, s, c))(rhs, bias, sizes)
+        split = lambda x: jax.lax.with_sharding_constraint(  # noqa: E731
+            x, NamedSharding(self.mesh, PS("model"))
+        )
+        for which in ("rhs", "group sizes"):
+            for kw in ({}, {"precision": HIGHEST}):
+
+                def ours(b, c, s, kw=kw, which=which):
+                    b, s = (split(b), s) if which == "rhs" else (b, split(s))
+                    return jax_sm100.ragged_dot(lhs, b, s, bias=c, **kw)
+
+                got = jax.jit(value_and_grads(ours))(rhs, bias, sizes)
+                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                    tu.assert_close(self, x, y, "float32", K)
+
     def test_experts_reduce_scatter_onto_rows(self):
         self.require("model")
         lhs, rhs = operands(52)
