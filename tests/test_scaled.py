@@ -423,8 +423,8 @@ class ScaledMatmulTest(parameterized.TestCase):
         # gradients (200 each) sum in float32 and round once, saturating: 600 -> 448. Summed in
         # e4m3 they overflowed to NaN.
         a, b = jnp.ones((1, 4, 32), jnp.float8_e4m3fn), jnp.ones((1, 2, 32), jnp.float8_e4m3fn)
-        sa, sb = jnp.ones((3, 1, 4, 1)), jnp.ones((3, 1, 2, 1))
-        ct = jnp.full((3, 1, 4, 2), 100.0)
+        sa, sb = jnp.ones((3, 1, 4, 1), jnp.float32), jnp.ones((3, 1, 2, 1), jnp.float32)
+        ct = jnp.full((3, 1, 4, 2), 100.0, jnp.float32)
         f = jax.vmap(jax_sm100.scaled_matmul, (None, None, 0, 0))
         for got in jax.grad(lambda a, b: (f(a, b, sa, sb) * ct).sum(), (0, 1))(a, b):
             self.assertEqual(got.dtype, jnp.float8_e4m3fn)
