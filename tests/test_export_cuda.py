@@ -421,7 +421,8 @@ class Fp8KernelFormTest(parameterized.TestCase):
         return low
 
     def test_sm90_transposes_an_n_major_b(self):
-        # [k, n] weights, and a transposed [n, k] (the two transposes cancel in XLA).
+        # [k, n] weights, and a transposed [n, k] (two transposes in the program, which XLA
+        # folds into none).
         e4 = _bf16(4096, 4096, dtype=self.E4)
         for f in (lambda a, b: jax_sm100.matmul(a, b), lambda a, b: jax_sm100.matmul(a, b.T)):
             low = self._one(f, e4, e4)
@@ -458,6 +459,12 @@ class Fp8KernelFormTest(parameterized.TestCase):
             )
             self.assertEqual((low.plan.a_dtype, low.plan.b_dtype), (to, to))
             self.assertIn(f"widened to {to} (exact)", low.note)
+        # Beside float32 it stays as given, on XLA's exact dot (sm_100a's kernel would round
+        # float32 to tf32).
+        low = self._one(lambda a, b: jax_sm100.matmul(a, b.T), _bf16(4096, 4096, dtype=self.E4),
+                        _bf16(4096, 4096, dtype=jnp.float32), arch="sm_100a")  # fmt: skip
+        self.assertEqual(low.plan.kernel, "xla_dot")
+        self.assertNotIn("widened", low.note)
         low = self._one(lambda a, b, c: jax_sm100.matmul(a, b.T, c=c),
                         *(_bf16(4096, 4096, dtype=self.E4) for _ in range(3)))  # fmt: skip
         self.assertEqual((low.plan.kernel, low.plan.c_dtype), ("sm90_wgmma", "bfloat16"))

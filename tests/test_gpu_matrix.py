@@ -21,7 +21,7 @@ routing. 182 cases:
   beta * C (C broadcast or not, in the output's dtype or float32), bias (float32 or 16-bit),
   batch dims, each operand broadcast or not; the planner's plans.
 - `EdgeTest` (11): m, n or k = 1, the smallest aligned problem, misaligned rows.
-- `DtypeTest` (19): fp8 (e4m3, e5m2) on the kernel and with an epilogue; fp8 outputs, mixed
+- `DtypeTest` (21): fp8 (e4m3, e5m2) on the kernel and with an epilogue; fp8 outputs, mixed
   fp8 operands, fp8 C and fp8 with an N-major B or M-major A, on the kernel in the form the
   lowering gives them; float32, float64 and mixed 16-bit operands, which run on XLA's dot.
 - `RoutingTest` (5): the planner's small-problem rule, bfloat16 and fp8.

@@ -146,6 +146,18 @@ class PrecompileTest(parameterized.TestCase):
         self.assertEqual(result.spec.bias_dtype, "bfloat16" if bias_dtype == "bfloat16"
                          else "float32")  # fmt: skip
 
+    def test_fp8_in_the_lowerings_form(self):
+        # sm_90a's fp8 with an N-major B (the default layout) and fp8 results: the lowering
+        # runs the kernel on a K-major B and a float32 result (`dispatch.kernel_form`), and
+        # precompile warms that binary (it planned XLA's dot and compiled nothing).
+        e4 = "float8_e4m3fn"
+        for dtypes, b_major, out in (((e4, e4), "n", "bfloat16"), ((e4, e4, e4), "k", "float32")):
+            (result,) = precompile([(4096, 4096, 4096)], dtypes=dtypes, arch="sm_90a",
+                                   b_major=b_major, progress=False)  # fmt: skip
+            self.assertEqual((result.plan.kernel, result.plan.b_major), ("sm90_wgmma", "k"))
+            self.assertEqual(result.plan.out_dtype, out)
+            self.assertIsNotNone(result.compiled)
+
     def test_plans_for_the_targets_sm_count(self):
         # The planner plans for the device's SM count (not a default count swapped in after):
         # 64x4096x4096 fills 132 SMs with 4 splits of its 32 tiles, 114 SMs with 2.

@@ -211,7 +211,8 @@ def matmul(
         truncated with jnp's warning.
       plan: optional `GemmPlan` (from `jax_sm100.plan`, possibly edited with
         `dataclasses.replace`) to run instead of the planner's choice; it must be for this
-        problem's sizes, dtypes and layouts.
+        problem's sizes, dtypes and layouts, or for the form the lowering gives a call with
+        fp8 in it (`plan_for`'s plan; `dispatch.kernel_form`).
       precision: as `jnp.matmul`. The kernels meet every `lax.Precision` for 16-bit operands,
         and the presets naming them (`lax.DotAlgorithmPreset.BF16_BF16_F32`, `F16_F16_F32`,
         and `ANY_F8_ANY_F8_F32_FAST_ACCUM` of two fp8 operands); two fp8 operands at HIGH,

@@ -636,11 +636,11 @@ def kernel_support(
     if wgmma_k_major_only(arch, a_dtype) and (a_major != "k" or b_major != "k"):
         wrong = [f"{name} is {major}-major" for name, major in (("A", a_major), ("B", b_major))
                  if major != "k"]  # fmt: skip
-        return (
-            "XLA dot: sm_90a fp8 wgmma needs K-major A and B; here " + " and ".join(wrong) + " "
-            "(matmul and dot_general transpose such operands by XLA first and run the K-major "
-            "problem's plan: plan that one, a_major='k', b_major='k')"
-        )
+        why = "XLA dot: sm_90a fp8 wgmma needs K-major A and B; here " + " and ".join(wrong)
+        if scale_dtype is None:
+            why += (" (matmul and dot_general transpose such operands by XLA first and run the "
+                    "K-major problem's plan: plan that one, a_major='k', b_major='k')")  # fmt: skip
+        return why
     checks = [
         ("a", a_major, a_dtype),
         ("b", b_major, b_dtype),

@@ -280,8 +280,10 @@ def kernel_form(a, b, c, *, transpose_a, transpose_b, out_dtype, arch) -> Kernel
     `arch`, with the same result once the kernel's is rounded to `out_dtype`; `notes` say what
     changed (none: the call as given). With fp8 (e4m3, e5m2) in it:
 
-    - an fp8 operand beside another dtype is widened to it, and two fp8 formats both to
-      bfloat16 (the kernels take one operand dtype; fp8 values are exact in every wider float);
+    - an fp8 operand beside a 16-bit one is widened to its dtype, and two fp8 formats both to
+      bfloat16 (the kernels take one operand dtype; fp8 values are exact in either). Beside
+      float32 or float64 it is not: XLA's dot runs that pair exactly, where sm_100a's kernel
+      would round float32 to tf32;
     - an fp8 C is widened to bfloat16 (the epilogue adds it in float32 either way);
     - an fp8 result is the kernel's float32 result rounded once by XLA (the kernels write 16-
       and 32-bit results; a saved pre-activation then bfloat16, as `preact_dtype` has it);
@@ -291,8 +293,8 @@ def kernel_form(a, b, c, *, transpose_a, transpose_b, out_dtype, arch) -> Kernel
     """
     notes = []
     names = [np.dtype(x.dtype).name for x in (a, b)]
-    if names[0] != names[1] and any(map(is_fp8, names)):
-        wide = [n for n in names if not is_fp8(n)]
+    wide = [n for n in names if not is_fp8(n)]
+    if names[0] != names[1] and len(wide) < 2 and all(np.dtype(n).itemsize <= 2 for n in wide):
         to = np.dtype(wide[0] if wide else jnp.bfloat16)
         notes.append(f"{names[0]} x {names[1]} operands widened to {to.name} (exact)")
         a, b = a.astype(to), b.astype(to)

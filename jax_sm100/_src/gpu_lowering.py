@@ -114,7 +114,7 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
         return _reference(a, b, bias, c, **kw)
 
     form = dispatch.kernel_form(a, b, c, transpose_a=transpose_a, transpose_b=transpose_b,
-                       out_dtype=out_dtype, arch=target.arch)  # fmt: skip
+                                out_dtype=out_dtype, arch=target.arch)  # fmt: skip
     if form.notes and (plan is None or _form_takes(plan, form, bias, kw)):
         # The kernels' form of the call (a caller's plan made for it: `plan_for`'s), its
         # results rounded back to the call's dtypes.
@@ -167,11 +167,11 @@ def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, ac
     except (TypeError, ValueError) as e:
         if plan is not None:
             raise  # a caller's plan that does not fit: the error names the fix
-        dispatch.record(dispatch.Lowered(None, f"no plan ({e}): XLA dot"))
+        dispatch.record(dispatch.Lowered(None, "; ".join([*notes, f"no plan ({e}): XLA dot"])))
         return _reference(a, b, bias, c, **kw)
     p = decision.plan
     notes.extend(decision.notes)
-    if p.kernel == planning.KERNEL_XLA or out_dtype.name not in constraints.KERNEL_OUT_DTYPES:
+    if p.kernel == planning.KERNEL_XLA:
         why = p.reason if p.reason.startswith("XLA dot") else f"XLA dot: {p.reason}"
         dispatch.record(dispatch.Lowered(p, "; ".join(notes + [why])))
         return _reference(a, b, bias, c, **kw)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
+import jax
 import numpy as np
 
 from jax_sm100._src import constraints, dispatch, planning
@@ -115,6 +116,37 @@ def _int_shape(shape) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _kernel_form(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major, arch):
+    """`make_problem`'s dtype and layout arguments of the form the lowering runs such a call
+    in (`dispatch.kernel_form`: fp8 operands widened or transposed K-major, fp8 results
+    planned in float32); the arguments as given where it changes nothing."""
+    given = dict(a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+                 a_major=a_major, b_major=b_major)  # fmt: skip
+    try:
+        a = jax.ShapeDtypeStruct((k, m) if a_major == "m" else (m, k), np.dtype(a_dtype))
+        b = jax.ShapeDtypeStruct((n, k) if b_major == "k" else (k, n), np.dtype(b_dtype))
+        c = None if c_dtype is None else jax.ShapeDtypeStruct((m, n), np.dtype(c_dtype))
+    except TypeError:
+        return given  # make_problem names the bad dtype
+    seen = {}
+
+    def form(a, b, c):
+        seen["form"] = dispatch.kernel_form(
+            a, b, c, transpose_a=a_major == "m", transpose_b=b_major == "k",
+            out_dtype=np.float32 if out_dtype is None else out_dtype, arch=arch,
+        )  # fmt: skip
+
+    jax.eval_shape(form, a, b, c)
+    f = seen["form"]
+    if not f.notes:
+        return given
+    return dict(
+        a_dtype=f.a.dtype, b_dtype=f.b.dtype, c_dtype=None if f.c is None else f.c.dtype,
+        out_dtype=out_dtype if out_dtype is None else f.out_dtype,
+        a_major="m" if f.transpose_a else "k", b_major="k" if f.transpose_b else "n",
+    )  # fmt: skip
+
+
 def precompile(
     shapes: Iterable[Sequence[int]],
     *,
@@ -140,7 +172,8 @@ def precompile(
 
     Args:
       shapes: `(m, n, k)` or `(batch, m, n, k)` per problem, as the lowering plans it (see the
-        module docstring).
+        module docstring; with fp8, in the form the lowering gives the call,
+        `dispatch.kernel_form`: an sm_90a fp8 B given N-major is planned K-major, say).
       dtypes: `(a_dtype, b_dtype)` or `(a_dtype, b_dtype, out_dtype)`, anything `np.dtype`
         takes; out defaults to the planner's choice.
       arch: "sm_100a" or "sm_90a".
@@ -244,10 +277,9 @@ def precompile(
         label = "x".join(map(str, shape)) + f" {arch}"
         bar.update(i, label)
         try:
-            problem = planning.make_problem(
-                m, n, k, a_dtype=a_dtype, b_dtype=b_dtype, out_dtype=out_dtype,
-                c_dtype=c_dtype, batch=batch, a_major=a_major, b_major=b_major,
-            )  # fmt: skip
+            form = _kernel_form(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major,
+                                b_major, arch)  # fmt: skip
+            problem = planning.make_problem(m, n, k, batch=batch, **form)
             decision = dispatch.plan_call(problem, target)
             plan, plan_notes = decision.plan, decision.notes
             spec = dataclasses.replace(
