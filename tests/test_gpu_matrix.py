@@ -184,16 +184,9 @@ class Case:
         b = jax.ShapeDtypeStruct((self.n, self.k) if self.transpose_b else (self.k, self.n),
                                  self.b_dtype or self.dtype)  # fmt: skip
         c = None if self.c is None else jax.ShapeDtypeStruct((self.m, self.n), self.c)
-        seen = {}
-
-        def form(a, b, c):
-            seen["form"] = dispatch.kernel_form(
-                a, b, c, transpose_a=self.transpose_a, transpose_b=self.transpose_b,
-                out_dtype=self.out, arch="sm_90a",
-            )  # fmt: skip
-
-        jax.eval_shape(form, a, b, c)
-        f = seen["form"]
+        f = dispatch.kernel_form_of(a, b, c, transpose_a=self.transpose_a,
+                                    transpose_b=self.transpose_b, out_dtype=self.out,
+                                    arch="sm_90a")  # fmt: skip
         p = jax_sm100.plan(
             self.m, self.n, self.k, a_dtype=f.a.dtype, b_dtype=f.b.dtype, out_dtype=f.out_dtype,
             c_dtype=None if f.c is None else f.c.dtype, arch="sm_90a",

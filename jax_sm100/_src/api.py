@@ -283,11 +283,10 @@ def matmul(
             planning.check_plan_fits(plan, problem, plan.arch)
         except constraints.PlanError as e:
             # A plan of the kernels' form of the call (`plan_for`'s, with fp8 in it) fits too.
-            seen = {}
-            form = jax.eval_shape(lambda s: _kernel_form(s, params, plan.arch, seen), split)
-            if not seen["notes"]:
+            shaped, form = _kernel_form(split, params, plan.arch)
+            if not form.notes:
                 raise
-            kernels = P.problem_for_operands(*form, **{**params, **seen["form"]})
+            kernels = P.problem_for_operands(*shaped, **_form_params(params, form))
             try:
                 planning.check_plan_fits(plan, kernels, plan.arch)
             except constraints.PlanError:
@@ -296,18 +295,21 @@ def matmul(
     return DG.with_result_type(out.reshape(out_shape), weak, out_sharding)
 
 
-def _kernel_form(split, params, arch, captured):
-    """The operands (a, b, bias, c) of the kernels' form of one call (`dispatch.kernel_form`);
-    its changed params and notes go into `captured` ("form", "notes")."""
+def _kernel_form(split, params, arch):
+    """The kernels' form of one call (`dispatch.kernel_form_of`), and its operands (a, b,
+    bias, c) as `jax.ShapeDtypeStruct`s."""
     a, b, bias, c = split
-    form = dispatch.kernel_form(
+    form = dispatch.kernel_form_of(
         a, b, c, transpose_a=params["transpose_a"], transpose_b=params["transpose_b"],
         out_dtype=params["out_dtype"], arch=arch,
     )  # fmt: skip
-    captured["form"] = dict(transpose_a=form.transpose_a, transpose_b=form.transpose_b,
-                            out_dtype=form.out_dtype)  # fmt: skip
-    captured["notes"] = form.notes
-    return form.a, form.b, bias, form.c
+    return (form.a, form.b, bias, form.c), form
+
+
+def _form_params(params, form):
+    """The primitive's params with the kernels' form's layouts and result dtype."""
+    return {**params, "transpose_a": form.transpose_a, "transpose_b": form.transpose_b,
+            "out_dtype": form.out_dtype}  # fmt: skip
 
 
 def plan_for(
@@ -334,19 +336,20 @@ def plan_for(
         out_dtype = D.requested(out_dtype, "out_dtype", "jax_sm100.plan_for")
 
     def trace(a, b, bias, c):
-        ops, params, *_ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)
-        captured["params"] = params
-        return ops, _kernel_form(P._split(ops, params["has_bias"], params["has_c"]), params,
-                                 target.arch, captured)  # fmt: skip
+        ops, captured["params"], *_ = _prepare(a, b, bias, c, activation, out_dtype, 1.0, 1.0)
+        return ops
 
-    ops, operands = jax.eval_shape(trace, a, b, bias, c)
+    ops = jax.eval_shape(trace, a, b, bias, c)
+    params = captured["params"]
     if any(d == 0 for x in ops[:2] for d in x.shape):
         raise constraints.PlanError(
             f"jax_sm100.plan_for: operands of shapes {ops[0].shape} and {ops[1].shape} make an "
             "empty product, which has no plan: matmul computes it with XLA's dot (zeros where "
             "k = 0)"
         )
-    problem = P.problem_for_operands(*operands, **{**captured["params"], **captured["form"]})
+    operands, form = _kernel_form(P._split(ops, params["has_bias"], params["has_c"]), params,
+                                  target.arch)  # fmt: skip
+    problem = P.problem_for_operands(*operands, **_form_params(params, form))
     p = dispatch.plan_call(problem, target).plan
     if arch is None and device is None and p.kernel != planning.KERNEL_XLA:
         reason = (

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sm100._src import constraints, planning
+from jax_sm100._src import dtypes as D
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,12 +293,11 @@ def kernel_form(a, b, c, *, transpose_a, transpose_b, out_dtype, arch) -> Kernel
       transpose: XLA folds the two).
     """
     notes = []
-    names = [np.dtype(x.dtype).name for x in (a, b)]
-    wide = [n for n in names if not is_fp8(n)]
-    if names[0] != names[1] and len(wide) < 2 and all(np.dtype(n).itemsize <= 2 for n in wide):
-        to = np.dtype(wide[0] if wide else jnp.bfloat16)
-        notes.append(f"{names[0]} x {names[1]} operands widened to {to.name} (exact)")
-        a, b = a.astype(to), b.astype(to)
+    given = [np.dtype(x.dtype).name for x in (a, b)]
+    a, b = D.widen_fp8_pair(a, b)
+    if np.dtype(a.dtype).name != given[0] or np.dtype(b.dtype).name != given[1]:
+        notes.append(f"{given[0]} x {given[1]} operands widened to {np.dtype(a.dtype).name} "
+                     "(exact)")  # fmt: skip
     if c is not None and is_fp8(c.dtype):
         notes.append(f"C {np.dtype(c.dtype).name} widened to bfloat16 (exact)")
         c = c.astype(jnp.bfloat16)
@@ -313,6 +313,19 @@ def kernel_form(a, b, c, *, transpose_a, transpose_b, out_dtype, arch) -> Kernel
             notes.append("B transposed to K-major by XLA (sm_90a's fp8 wgmma reads K-major)")
             b, transpose_b = jnp.swapaxes(b, -1, -2), True
     return KernelForm(a, b, c, transpose_a, transpose_b, out_dtype, tuple(notes))
+
+
+def kernel_form_of(a, b, c, **kw) -> KernelForm:
+    """`kernel_form` of avals, arrays or `jax.ShapeDtypeStruct`s, traced abstractly: its
+    operands as `jax.ShapeDtypeStruct`s (for planning the form of a call not being lowered)."""
+    seen = {}
+
+    def form(a, b, c):
+        seen["form"] = kernel_form(a, b, c, **kw)
+        return seen["form"].a, seen["form"].b, seen["form"].c
+
+    a, b, c = jax.eval_shape(form, a, b, c)
+    return dataclasses.replace(seen["form"], a=a, b=b, c=c)
 
 
 def symbolic_dims(*arrays) -> bool:

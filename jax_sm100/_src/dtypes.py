@@ -108,3 +108,19 @@ def default_out_dtype(a: str, b: str) -> str:
     if b in FP8_DTYPES:
         return a
     return name(jnp.promote_types(a, b))
+
+
+def widen_fp8_pair(a, b):
+    """An fp8 operand beside a 16-bit floating one (fp8 weights with bfloat16 activations)
+    converted to the other's dtype, and two different fp8 formats both to bfloat16, which
+    hold every fp8 value exactly: the kernels take one operand dtype. Other pairs as given."""
+    a_name, b_name = np.dtype(a.dtype).name, np.dtype(b.dtype).name
+    sixteen = ("bfloat16", "float16")
+    if a_name in FP8_DTYPES and b_name in sixteen:
+        a = a.astype(b.dtype)
+    elif b_name in FP8_DTYPES and a_name in sixteen:
+        b = b.astype(a.dtype)
+    elif a_name in FP8_DTYPES and b_name in FP8_DTYPES and a_name != b_name:
+        # e4m3 beside e5m2 (an fp8 gradient against fp8 weights): both as bfloat16.
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return a, b

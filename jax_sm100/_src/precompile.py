@@ -128,16 +128,10 @@ def _kernel_form(m, n, k, a_dtype, b_dtype, out_dtype, c_dtype, a_major, b_major
         c = None if c_dtype is None else jax.ShapeDtypeStruct((m, n), np.dtype(c_dtype))
     except TypeError:
         return given  # make_problem names the bad dtype
-    seen = {}
-
-    def form(a, b, c):
-        seen["form"] = dispatch.kernel_form(
-            a, b, c, transpose_a=a_major == "m", transpose_b=b_major == "k",
-            out_dtype=np.float32 if out_dtype is None else out_dtype, arch=arch,
-        )  # fmt: skip
-
-    jax.eval_shape(form, a, b, c)
-    f = seen["form"]
+    f = dispatch.kernel_form_of(
+        a, b, c, transpose_a=a_major == "m", transpose_b=b_major == "k",
+        out_dtype=np.float32 if out_dtype is None else out_dtype, arch=arch,
+    )  # fmt: skip
     if not f.notes:
         return given
     return dict(

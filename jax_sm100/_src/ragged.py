@@ -188,7 +188,7 @@ def ragged_dot(
     else:
         out_dtype = D.requested(preferred_element_type, "preferred_element_type",
                                 "jax_sm100.ragged_dot")  # fmt: skip
-    lhs, rhs = _widen_fp8_to_16_bits(lhs, rhs, a_name, b_name)
+    lhs, rhs = D.widen_fp8_pair(lhs, rhs)
     acc = P.acc_dtype(lhs.dtype, rhs.dtype, out_dtype)
     biases = ()
     if bias is not None:
@@ -247,22 +247,6 @@ def _default_out_dtype(a_name: str, b_name: str) -> str:
     if a_name in D.FP8_DTYPES or b_name in D.FP8_DTYPES:
         return D.default_out_dtype(a_name, b_name)
     return _lax_out_dtype(a_name, b_name, None).name
-
-
-def _widen_fp8_to_16_bits(lhs, rhs, a_name: str, b_name: str):
-    """An fp8 operand beside a 16-bit floating one (fp8 weights with bfloat16 activations),
-    converted to the other's dtype, and two different fp8 formats both to bfloat16, which
-    hold every fp8 value exactly: the grouped kernels take one operand dtype (mixed pairs
-    would run on XLA's ragged dot)."""
-    sixteen = ("bfloat16", "float16")
-    if a_name in D.FP8_DTYPES and b_name in sixteen:
-        lhs = lhs.astype(rhs.dtype)
-    elif b_name in D.FP8_DTYPES and a_name in sixteen:
-        rhs = rhs.astype(lhs.dtype)
-    elif a_name in D.FP8_DTYPES and b_name in D.FP8_DTYPES and a_name != b_name:
-        # e4m3 beside e5m2 (an fp8 gradient against fp8 weights): both as bfloat16.
-        lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
-    return lhs, rhs
 
 
 def _on_lax(why, lhs, rhs, sizes, precision, preferred_element_type, out_sharding):

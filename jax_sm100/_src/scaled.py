@@ -136,15 +136,12 @@ def _out_dtype(preferred_element_type) -> np.dtype:
             "jnp.float32 (the default) or jnp.bfloat16, as jax.nn.scaled_matmul needs one too"
         )
     out = np.dtype(jax.dtypes.canonicalize_dtype(preferred_element_type))
-    if out.name not in _OUT_DTYPES:
+    if out.name not in SCALED_OUT_DTYPES:
         raise TypeError(
             f"jax_sm100.scaled_matmul: preferred_element_type={out.name} is not one of "
-            f"{_OUT_DTYPES}; use jnp.float32 (the default), jnp.bfloat16 or jnp.float16"
+            f"{SCALED_OUT_DTYPES}; use jnp.float32 (the default), jnp.bfloat16 or jnp.float16"
         )
     return out
-
-
-_OUT_DTYPES = SCALED_OUT_DTYPES
 
 
 def quantize(x, recipe: str, *, axis: int = -1, data_dtype=None, global_scale: bool = False):

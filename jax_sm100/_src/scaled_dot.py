@@ -419,7 +419,7 @@ def _grad_dtype(dtype) -> np.dtype:
     """The dtype a gradient's product is rounded to: its operand's where scaled_matmul writes
     it, else float32 (then cast)."""
     name = np.dtype(dtype).name
-    return np.dtype(name if name in scaled._OUT_DTYPES else "float32")
+    return np.dtype(name if name in constraints.SCALED_OUT_DTYPES else "float32")
 
 
 def _product(lhs, rhs, layout: _Layout, cfg, out_dtype):
