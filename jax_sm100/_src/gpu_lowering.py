@@ -70,10 +70,10 @@ def _form_takes(plan, form: dispatch.KernelForm, bias, kw) -> bool:
                                              "transpose_b": form.transpose_b,
                                              "out_dtype": form.out_dtype},
         )  # fmt: skip
-    except (TypeError, ValueError):
+        planning.check_plan_fits(plan, problem, plan.arch, sizes=False)
+    except (TypeError, ValueError):  # (PlanError is a ValueError)
         return False
-    fields = ("a_dtype", "b_dtype", "out_dtype", "c_dtype", "a_major", "b_major")
-    return all(getattr(plan, f) == getattr(problem, f) for f in fields)
+    return True
 
 
 def cuda_matmul_impl(a, b, bias, c, *, transpose_a, transpose_b, alpha, beta, activation,
