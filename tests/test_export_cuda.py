@@ -479,6 +479,21 @@ class Fp8KernelFormTest(parameterized.TestCase):
         self.assertIn("(tensor<256x256xf8E4M3FN>, tensor<256x256xf8E4M3FN>)", dots[0])
         self.assertNotIn("HIGHEST", dots[0])
 
+    def test_mixed_fp8_under_symbolic_dims_widened(self):
+        # XLA's path (symbolic dims) widens e4m3 beside e5m2 to bfloat16 as the kernels' form
+        # does: exact products, where XLA's fp8 GEMM accumulates as the tensor core's fp8 does.
+        # Two operands of one fp8 format stay fp8 there.
+        (m,) = jax.export.symbolic_shape("m")
+        with mock.patch.dict(os.environ, {"JAX_SM100_TARGET_ARCH": "sm_90a"}):
+            for b_dtype, operands in ((self.E5, "bf16"), (self.E4, "f8E4M3FN")):
+                exp = _export(lambda a, b: jax_sm100.matmul(a, b.T),
+                              jax.ShapeDtypeStruct((m, 256), self.E4),
+                              jax.ShapeDtypeStruct((256, 256), b_dtype))  # fmt: skip
+                dots = [ln for ln in exp.mlir_module().splitlines()
+                        if "stablehlo.dot_general" in ln]  # fmt: skip
+                self.assertEqual(len(dots), 1, dots)
+                self.assertIn(f"(tensor<?x256x{operands}>, tensor<256x256x{operands}>)", dots[0])
+
     def test_plan_for_is_taken_back(self):
         # plan_for gives the kernels' form's plan; matmul(plan=) takes it, and still takes a
         # plan of the call as given (XLA's dot).

@@ -44,19 +44,22 @@ import numpy as np
 from jax import lax
 
 from jax_sm100._src import compile as compile_mod
-from jax_sm100._src import constraints, dispatch, ffi, ffi_checks, planning
+from jax_sm100._src import constraints, dispatch, dtypes, ffi, ffi_checks, planning
 from jax_sm100._src import primitive as P
 from jax_sm100._src.ffi_checks import Tie, problem_ties
 from jax_sm100._src.kernels.spec import KernelSpec
 
 
 def _reference(a, b, bias, c, **kw):
-    """XLA's dot and the float32 epilogue. Two fp8 operands run XLA's fp8 GEMM at DEFAULT: the
-    tensor core's fp8 accumulation, as the kernels' and cuBLAS's (not the exact float32 product
-    that the CPU computes, whose dot takes no fp8); others at HIGHEST (exact products)."""
-    if all(dispatch.is_fp8(x.dtype) for x in (a, b)):
+    """XLA's dot and the float32 epilogue. Two operands of one fp8 format run XLA's fp8 GEMM at
+    DEFAULT: the tensor core's fp8 accumulation, as the kernels' and cuBLAS's (not the exact
+    float32 product that the CPU computes, whose dot takes no fp8). Others at HIGHEST (exact
+    products), fp8 widened as the kernels' form widens it (`dtypes.widen_fp8_pair`: e4m3 beside
+    e5m2 to bfloat16, as on the kernels and on every path with static dims)."""
+    if a.dtype == b.dtype and dispatch.is_fp8(a.dtype):
         return P.reference_matmul(a, b, bias, c, upcast=False, precision=lax.Precision.DEFAULT,
                                   **kw)  # fmt: skip
+    a, b = dtypes.widen_fp8_pair(a, b)
     upcast = any(np.dtype(x.dtype).itemsize == 1 for x in (a, b))
     return P.reference_matmul(a, b, bias, c, upcast=upcast, **kw)
 
