@@ -162,8 +162,8 @@ KERNEL_ALGORITHMS = {
 # Hopper's fp8 wgmma adds each k32 step into its float32 accumulator keeping about 14 mantissa
 # bits (the DeepSeek-V3 report, 3.5.2; tests/test_gpu_scaled.py), and the dense and grouped
 # kernels accumulate there for the whole k: cuBLAS's "fast accumulation", which XLA asks for
-# at DEFAULT precision only. HIGH, HIGHEST and ANY_F8_ANY_F8_F32 of two fp8 operands ask for
-# float32 accumulation (XLA promotes), so they run on lax.
+# at DEFAULT precision only. HIGH, HIGHEST and ANY_F8_ANY_F8_F32 of two operands of one fp8
+# format ask for float32 accumulation (XLA promotes), so they run on lax.
 _FP8_FULL_ACCUMULATION = (
     "with two fp8 operands asks for float32 accumulation; the kernels accumulate in the fp8 "
     "tensor core's accumulator (XLA's DEFAULT, cuBLAS's fast accumulation; "
@@ -180,12 +180,13 @@ def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> s
     The kernels multiply 16-bit operands exactly and accumulate in float32, which meets every
     `lax.Precision` and the presets that name those operands (`KERNEL_ALGORITHMS`); float32
     operands run as tf32 on SM100 (DEFAULT and HIGH, as XLA's dot on a GPU), so HIGHEST goes
-    to lax. Two fp8 operands accumulate in the fp8 tensor core's accumulator, which is what
-    XLA computes at DEFAULT (and ANY_F8_ANY_F8_F32_FAST_ACCUM names); HIGH, HIGHEST and
-    ANY_F8_ANY_F8_F32 ask for float32 accumulation and go to lax. A `lax.DotAlgorithm` and
-    every other preset go to lax, which implements them as asked. `fp8_mma=False`: fp8
-    operands that the caller widens to 16 bits first (exactly), whose product then meets
-    every precision and ANY_F8_ANY_F8_F32.
+    to lax. Two operands of one fp8 format accumulate in the fp8 tensor core's accumulator,
+    which is what XLA computes at DEFAULT (and ANY_F8_ANY_F8_F32_FAST_ACCUM names); HIGH,
+    HIGHEST and ANY_F8_ANY_F8_F32 ask for float32 accumulation and go to lax. Two fp8 formats
+    (e4m3 beside e5m2) are widened to bfloat16 on every path (`dtypes.widen_fp8_pair`), whose
+    exact product meets them. A `lax.DotAlgorithm` and every other preset go to lax, which
+    implements them as asked. `fp8_mma=False`: fp8 operands that the caller widens to 16 bits
+    first (exactly), whose product then meets every precision and ANY_F8_ANY_F8_F32.
     """
     from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
 
@@ -193,6 +194,8 @@ def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> s
     if canonical is None:
         return None
     names = {np.dtype(d).name for d in (lhs_dtype, rhs_dtype)}
+    # One fp8 format on both sides runs the fp8 MMA; two formats are widened first.
+    fp8_mma = fp8_mma and len(names) == 1 and names <= set(FP8_DTYPES)
     if isinstance(canonical, lax.DotAlgorithmPreset):
         if canonical == lax.DotAlgorithmPreset.DEFAULT:
             return None
@@ -203,7 +206,7 @@ def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> s
         return f"precision={canonical.name}, not a dot algorithm the kernels compute"
     if isinstance(canonical, lax.DotAlgorithm):
         return "an explicit lax.DotAlgorithm"
-    if fp8_mma and names <= set(FP8_DTYPES) and any(p != lax.Precision.DEFAULT for p in canonical):
+    if fp8_mma and any(p != lax.Precision.DEFAULT for p in canonical):
         top = max(canonical, key=lambda p: p.value)
         return f"precision={top.name} {_FP8_FULL_ACCUMULATION}"
     if "float32" in names and lax.Precision.HIGHEST in canonical:
