@@ -279,6 +279,10 @@ class FallbackTest(parameterized.TestCase):
         for f in (lambda x, y: jax_sm100.dot_general(x, y, dn, precision),
                   lambda x, y: jax_sm100.matmul(x, y, precision=precision)):  # fmt: skip
             self.assertIn("jax_sm100_matmul", _eqn_names(f, lhs, rhs), precision)
+        self.assertEqual(  # lax's result type (the left operand's fp8 format)
+            jax.eval_shape(lambda x, y: jax_sm100.dot_general(x, y, dn, precision), lhs, rhs),
+            jax.eval_shape(lambda x, y: lax.dot_general(x, y, dn, precision), lhs, rhs),
+        )
         got = jax_sm100.matmul(lhs, rhs, precision=precision)
         want = lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dn,
                                precision=lax.Precision.HIGHEST)  # fmt: skip
