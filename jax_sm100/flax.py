@@ -17,11 +17,11 @@ Each is a subclass of the Flax layer with the same parameters, names, shapes and
 so checkpoints and optimizer state carry over both ways. `activation` is None, "relu", "gelu"
 (tanh form, `jax.nn.gelu`'s default) or "silu". Differences from the unfused layer: the bias and
 activation are applied to the float32 accumulator and rounded once (Flax adds the bias in the
-product's dtype), and the result keeps the product's dtype where Flax's `y + bias` would promote
-it to a wider bias dtype (only with a `preferred_element_type` narrower than the parameters).
+product's dtype; with a `preferred_element_type` narrower than the bias, the result has the
+bias's dtype, as Flax's `y + bias` gives, without the product's rounding to the narrower one).
 Where the layer's `precision` (or `jax.default_matmul_precision`) asks for more than the kernels
-give (HIGHEST with float32: they multiply float32 as tf32; HIGH or HIGHEST with two fp8
-operands: they accumulate as cuBLAS's fast mode), or its dtypes are ones the kernels do
+give (HIGHEST with float32: they multiply float32 as tf32; HIGH or HIGHEST with two operands
+of one fp8 format: they accumulate as cuBLAS's fast mode), or its dtypes are ones the kernels do
 not take (complex), the layer computes as the Flax layer on `jax_sm100.dot_general` does: lax's
 dot, then bias and activation in XLA. With fp8 `dtype` the result is fp8, as Flax's.
 
@@ -57,15 +57,28 @@ def _check_activation(activation) -> None:
         )
 
 
-def _result_dtype(inputs, kernel, preferred_element_type):
-    """The Flax layer's result dtype: `preferred_element_type`, else what lax.dot_general gives
-    the promoted operands (their dtype: fp8 for fp8 operands, where `jax_sm100.matmul` would
-    default to bfloat16; lax's own rule for the mixed dtypes a non-promoting `promote_dtype`
-    leaves, which jnp.result_type refuses for fp8)."""
-    if preferred_element_type is not None:
-        return preferred_element_type
-    dims = (((inputs.ndim - 1,), (0,)), ((), ()))
-    return jax.eval_shape(lambda a, b: lax.dot_general(a, b, dims), inputs, kernel).dtype
+def _result_dtype(inputs, kernel, bias, preferred_element_type):
+    """The Flax layer's result dtype: its product's, `preferred_element_type` or else what
+    lax.dot_general gives the promoted operands (their dtype: fp8 for fp8 operands, where
+    `jax_sm100.matmul` would default to bfloat16; lax's own rule for the mixed dtypes a
+    non-promoting `promote_dtype` leaves, which jnp.result_type refuses for fp8), then promoted
+    with the bias as Flax's `y + bias` promotes it (a float32 bias widens a bfloat16
+    `preferred_element_type`, on the fused path as on the fallback). Worked out on one-element
+    avals without shardings: a row-parallel call's operands would ask lax for an out_sharding
+    (review helper-160: the layer refused a call nnx.Linear takes)."""
+
+    def aval(x, shape):
+        return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+
+    def flax_math(a, b, c):
+        if preferred_element_type is not None:
+            y = jnp.zeros((1, 1), preferred_element_type)
+        else:
+            y = lax.dot_general(a, b, (((1,), (0,)), ((), ())))
+        return y if c is None else y + c
+
+    c = None if bias is None else aval(bias, (1, 1))  # as Flax reshapes it to y's rank
+    return jax.eval_shape(flax_math, aval(inputs, (1, 1)), aval(kernel, (1, 1)), c).dtype
 
 
 class Linear(nnx.Linear):
@@ -95,7 +108,7 @@ class Linear(nnx.Linear):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        out_dtype = _result_dtype(inputs, kernel, self.preferred_element_type)
+        out_dtype = _result_dtype(inputs, kernel, bias, self.preferred_element_type)
         if fallback_reason(inputs.dtype, kernel.dtype, out_dtype, self.precision):
             # A precision the kernels do not meet (`precision` or jax.default_matmul_precision)
             # or dtypes they do not take (complex): nnx.Linear on jax_sm100.dot_general, which
@@ -138,7 +151,7 @@ class Dense(linen.Dense):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        out_dtype = _result_dtype(inputs, kernel, None)
+        out_dtype = _result_dtype(inputs, kernel, bias, None)
         if fallback_reason(inputs.dtype, kernel.dtype, out_dtype, self.precision):
             # As in Linear: linen.Dense's math on jax_sm100.dot_general (lax.dot_general here).
             dims = (((inputs.ndim - 1,), (0,)), ((), ()))

@@ -174,6 +174,21 @@ class NnxTest(parameterized.TestCase):
             tu.assert_close(self, got, want.astype(jnp.float32), "bfloat16", 16)
         self.assertEqual(fused(x.astype(jnp.float32)).dtype, jnp.bfloat16)
 
+    def test_narrow_preferred_element_type_promotes_with_the_bias_as_flax(self):
+        # Flax's `y + bias` widens a bfloat16 product to a float32 bias; the fused layer gave
+        # bfloat16 on the kernel path and float32 on the HIGHEST fallback (review helper-160).
+        x = _data((4, 16))[0]
+        for prec in (None, "highest"):
+            kw = dict(preferred_element_type=jnp.bfloat16, precision=prec, bias_init=NNX_BIAS)
+            want = nnx.Linear(16, 8, rngs=nnx.Rngs(0), **kw)(x)
+            got = sm100_flax.Linear(16, 8, rngs=nnx.Rngs(0), **kw)(x)
+            self.assertEqual(got.dtype, want.dtype, prec)
+            # Flax rounds the product to bfloat16 before the bias; the fused layer does not.
+            tu.assert_close(self, got, want, "bfloat16", 16)
+            no_bias = dict(kw, use_bias=False)
+            self.assertEqual(sm100_flax.Linear(16, 8, rngs=nnx.Rngs(0), **no_bias)(x).dtype,
+                             jnp.bfloat16)  # fmt: skip
+
     def test_relu_derivative_is_zero_at_zero_on_every_path(self):
         # Rows of zeros (padding) with a zero bias: the pre-activation is exactly 0, where
         # jax.nn.relu's derivative is 0 (as the kernels' select), on the fused product and on

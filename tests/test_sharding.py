@@ -946,6 +946,29 @@ class ExplicitAxesTest(ShardedTestCase):
         got, _ = self.check(f, (b, x, w, y), specs, want, grad=True)
         self.assertEqual(same_spec(got.sharding.spec), ())
 
+    def test_flax_row_parallel_linear_with_out_sharding(self):
+        # x split over k on "model" as the kernel's rows are: nnx.Linear takes the call with an
+        # out_sharding (the partial sums reduced), and so does the fused layer (review
+        # helper-160: its result dtype was worked out by a lax.dot_general without one, which
+        # raised "Contracting dimensions are sharded").
+        from flax import nnx  # noqa: PLC0415  (Flax is a test dependency, not the library's)
+
+        from jax_sm100 import flax as sm100_flax  # noqa: PLC0415
+
+        self.require("model")
+        x = rand(0, 8, 6, 32)
+        want_spec = same_spec(PS("data", None, None))
+        with jax.set_mesh(self.mesh):
+            xs = self.put(x, PS("data", None, "model"))
+            outs = []
+            for cls in (nnx.Linear, sm100_flax.Linear):
+                layer = cls(32, 16, bias_init=nnx.initializers.normal(1.0), rngs=nnx.Rngs(0))
+                layer.kernel.set_value(jax.sharding.reshard(layer.kernel[...], PS("model", None)))
+                y = jax.jit(lambda x, m=layer: m(x, out_sharding=PS("data", None, None)))(xs)
+                self.assertEqual(same_spec(y.sharding.spec), want_spec, cls)
+                outs.append(np.asarray(y))
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
     def test_gradients_typed_as_their_primals(self):
         # Each cotangent has its primal's type, as jnp's do: the backward products type theirs
         # from the other operand and the cotangent (a k split as the weight is, a bias whole
