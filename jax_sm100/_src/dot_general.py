@@ -171,7 +171,7 @@ _FP8_FULL_ACCUMULATION = (
 )
 
 
-def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> str | None:
+def precision_reason(precision, lhs_dtype, rhs_dtype) -> str | None:
     """Why the kernels would not meet `precision` for these operand dtypes, or None.
 
     `precision` is taken as lax canonicalizes it: None is `jax.default_matmul_precision`'s
@@ -184,9 +184,9 @@ def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> s
     which is what XLA computes at DEFAULT (and ANY_F8_ANY_F8_F32_FAST_ACCUM names); HIGH,
     HIGHEST and ANY_F8_ANY_F8_F32 ask for float32 accumulation and go to lax. Two fp8 formats
     (e4m3 beside e5m2) are widened to bfloat16 on every path (`dtypes.widen_fp8_pair`), whose
-    exact product meets them. A `lax.DotAlgorithm` and every other preset go to lax, which
-    implements them as asked. `fp8_mma=False`: fp8 operands that the caller widens to 16 bits
-    first (exactly), whose product then meets every precision and ANY_F8_ANY_F8_F32.
+    exact product meets them; fp8 beside a 16-bit operand, widened to its dtype, meets every
+    `lax.Precision`. A `lax.DotAlgorithm` and every other preset go to lax, which implements
+    them as asked.
     """
     from jax._src.lax import lax as lax_internal  # noqa: PLC0415  (no public canonicalizer)
 
@@ -194,8 +194,8 @@ def precision_reason(precision, lhs_dtype, rhs_dtype, fp8_mma: bool = True) -> s
     if canonical is None:
         return None
     names = {np.dtype(d).name for d in (lhs_dtype, rhs_dtype)}
-    # One fp8 format on both sides runs the fp8 MMA; two formats are widened first.
-    fp8_mma = fp8_mma and len(names) == 1 and names <= set(FP8_DTYPES)
+    # One fp8 format on both sides runs the fp8 MMA; other pairs with fp8 are widened first.
+    fp8_mma = len(names) == 1 and names <= set(FP8_DTYPES)
     if isinstance(canonical, lax.DotAlgorithmPreset):
         if canonical == lax.DotAlgorithmPreset.DEFAULT:
             return None

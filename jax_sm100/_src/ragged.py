@@ -196,8 +196,7 @@ def ragged_dot(
     # The algorithms of the operands the kernels take (fp8 ones widened above), or of the
     # operands as given (ANY_F8_ANY_F8_F32 of e4m3 x e5m2, computed exactly as bfloat16).
     fallback = DG.precision_reason(precision, lhs.dtype, rhs.dtype)
-    widened = (np.dtype(lhs.dtype).name, np.dtype(rhs.dtype).name) != (a_name, b_name)
-    fallback = fallback and DG.precision_reason(precision, a_name, b_name, fp8_mma=not widened)
+    fallback = fallback and DG.precision_reason(precision, a_name, b_name)
     if fallback is not None and activation is None and bias is None:
         return _on_lax(fallback, lhs, rhs, sizes, precision, out_dtype, out_sharding)
     if fallback is not None:
